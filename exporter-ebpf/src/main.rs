@@ -1,0 +1,21 @@
+//! poolscope's kernel programs. Thin by design: each program classifies one event,
+//! updates state or a per-CPU counter in a map, and returns. User space reads the
+//! maps at scrape time. One module per kernel subsystem.
+#![no_std]
+#![no_main]
+
+mod maps;
+mod process;
+mod syscalls;
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // The verifier rejects any reachable panic, so this is never run.
+    loop {}
+}
+
+// GPL-compatible: needed for bpf_probe_read_kernel and the ring buffer helpers.
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

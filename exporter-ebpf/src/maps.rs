@@ -1,0 +1,69 @@
+//! Every map of the kernel side, and the small helpers that update them. Names and
+//! value types come from `poolscope_shared` so that user space agrees on them.
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
+};
+use poolscope_shared::{
+    Conn, ConnKey, LossSource, MAX_SERVICES, ProcessEvent, SYSCALL_COUNTS_SIZE,
+    SYSCALL_TABLE_SIZE, ServiceCounters, Watched,
+};
+
+// Default sizes; user space may override them at load time ([limits] in the config).
+#[map]
+pub static WATCHED: HashMap<u32, Watched> = HashMap::with_max_entries(16384, 0);
+#[map]
+pub static CONNS: HashMap<ConnKey, Conn> = HashMap::with_max_entries(65536, 0);
+#[map]
+pub static PENDING_READS: HashMap<u32, u32> = HashMap::with_max_entries(16384, 0);
+#[map]
+pub static SYSCALL_SLOTS: Array<u32> = Array::with_max_entries(SYSCALL_TABLE_SIZE, 0);
+#[map]
+pub static SYSCALL_COUNTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(SYSCALL_COUNTS_SIZE, 0);
+#[map]
+pub static SERVICE_COUNTERS: PerCpuArray<ServiceCounters> =
+    PerCpuArray::with_max_entries(MAX_SERVICES, 0);
+#[map]
+pub static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LossSource::COUNT, 0);
+#[map]
+pub static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+
+/// The watch entry of `tgid`, if user space (or a fork) put one there.
+#[inline(always)]
+pub fn watched(tgid: u32) -> Option<Watched> {
+    // SAFETY: the value is copied out at once; a concurrent delete can at worst give
+    // a stale copy, which the `since_ns` checks tolerate.
+    unsafe { WATCHED.get(tgid).copied() }
+}
+
+#[inline(always)]
+pub fn count_loss(source: LossSource) {
+    if let Some(counter) = LOSSES.get_ptr_mut(source as u32) {
+        // SAFETY: per-CPU slot, no other writer while we run on this CPU.
+        unsafe { *counter += 1 };
+    }
+}
+
+#[inline(always)]
+pub fn add_to_counter(index: u32) {
+    if let Some(counter) = SYSCALL_COUNTS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot.
+        unsafe { *counter += 1 };
+    }
+}
+
+/// Applies `update` to this CPU's counters of `service`.
+#[inline(always)]
+pub fn update_service(service: u32, update: impl FnOnce(&mut ServiceCounters)) {
+    if let Some(counters) = SERVICE_COUNTERS.get_ptr_mut(service) {
+        // SAFETY: per-CPU slot.
+        update(unsafe { &mut *counters });
+    }
+}
+
+#[inline(always)]
+pub fn send_process_event(event: ProcessEvent) {
+    if PROCESS_EVENTS.output::<ProcessEvent>(&event, 0).is_err() {
+        count_loss(LossSource::ProcessEvents);
+    }
+}

@@ -1,0 +1,116 @@
+//! Process lifecycle (`task:task_newtask`, `sched:sched_process_exec`,
+//! `sched:sched_process_exit`): children of a watched process are watched from their
+//! first instruction, and an exited process leaves `WATCHED` at once, so a reused pid
+//! never inherits its numbers. User space hears of each change through a ring buffer.
+//!
+//! Forks come from `task_newtask` rather than `sched_process_fork` because only the
+//! former carries the clone flags that tell a new process from a new thread.
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns},
+    macros::tracepoint,
+    programs::TracePointContext,
+};
+use poolscope_shared::{LossSource, ProcessEvent, ProcessEventKind, Watched};
+
+use crate::maps::{PENDING_READS, WATCHED, count_loss, send_process_event, watched};
+
+/// Offsets from /sys/kernel/tracing/events/{task,sched}/*/format.
+const NEWTASK_PID: usize = 8;
+const NEWTASK_CLONE_FLAGS: usize = 32;
+const EXEC_PID: usize = 12;
+const EXIT_GROUP_DEAD: usize = 32;
+
+const CLONE_THREAD: u64 = 0x0001_0000;
+
+#[tracepoint]
+pub fn process_fork(ctx: TracePointContext) -> u32 {
+    match try_process_fork(&ctx) {
+        Ok(()) | Err(_) => 0,
+    }
+}
+
+fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
+    // SAFETY: offsets match the tracepoint's format.
+    let clone_flags: u64 = unsafe { ctx.read_at(NEWTASK_CLONE_FLAGS)? };
+    if clone_flags & CLONE_THREAD != 0 {
+        return Ok(());
+    }
+    // task_newtask runs in the parent.
+    let parent = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let Some(parent_watch) = watched(parent) else {
+        return Ok(());
+    };
+    // SAFETY: as above.
+    let child: u32 = unsafe { ctx.read_at(NEWTASK_PID)? };
+    // SAFETY: helper without preconditions.
+    let since_ns = unsafe { bpf_ktime_get_ns() };
+    let child_watch = Watched {
+        service: parent_watch.service,
+        _pad: 0,
+        since_ns,
+    };
+    if WATCHED.insert(child, child_watch, 0).is_err() {
+        count_loss(LossSource::WatchedFull);
+        return Ok(());
+    }
+    send_process_event(ProcessEvent {
+        kind: ProcessEventKind::Fork as u32,
+        pid: child,
+        parent,
+        service: parent_watch.service,
+        since_ns,
+    });
+    Ok(())
+}
+
+#[tracepoint]
+pub fn process_exec(ctx: TracePointContext) -> u32 {
+    match try_process_exec(&ctx) {
+        Ok(()) | Err(_) => 0,
+    }
+}
+
+fn try_process_exec(ctx: &TracePointContext) -> Result<(), i32> {
+    // SAFETY: offset matches the tracepoint's format.
+    let pid: u32 = unsafe { ctx.read_at(EXEC_PID)? };
+    // Any process: an exec can make it match a `comm` or `exe` rule.
+    send_process_event(ProcessEvent {
+        kind: ProcessEventKind::Exec as u32,
+        pid,
+        parent: 0,
+        service: u32::MAX,
+        since_ns: 0,
+    });
+    Ok(())
+}
+
+#[tracepoint]
+pub fn process_exit(ctx: TracePointContext) -> u32 {
+    match try_process_exit(&ctx) {
+        Ok(()) | Err(_) => 0,
+    }
+}
+
+fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // A thread killed inside a read leaves its pending entry behind otherwise.
+    let _ = PENDING_READS.remove(pid_tgid as u32);
+    // SAFETY: offset matches the tracepoint's format.
+    let group_dead: u8 = unsafe { ctx.read_at(EXIT_GROUP_DEAD)? };
+    if group_dead == 0 {
+        return Ok(());
+    }
+    let tgid = (pid_tgid >> 32) as u32;
+    let Some(watch) = watched(tgid) else {
+        return Ok(());
+    };
+    let _ = WATCHED.remove(tgid);
+    send_process_event(ProcessEvent {
+        kind: ProcessEventKind::Exit as u32,
+        pid: tgid,
+        parent: 0,
+        service: watch.service,
+        since_ns: watch.since_ns,
+    });
+    Ok(())
+}
