@@ -5,7 +5,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
 use poolscope_shared::{
-    Conn, ConnKey, LossSource, MAX_SERVICES, ProcessEvent, SYSCALL_COUNTS_SIZE,
+    Conn, ConnKey, LossSource, MAX_SERVICES, PENDING_READS_CAPACITY, ProcessEvent, SYSCALL_COUNTS_SIZE,
     SYSCALL_TABLE_SIZE, ServiceCounters, Watched,
 };
 
@@ -15,7 +15,8 @@ pub static WATCHED: HashMap<u32, Watched> = HashMap::with_max_entries(16384, 0);
 #[map]
 pub static CONNS: HashMap<ConnKey, Conn> = HashMap::with_max_entries(65536, 0);
 #[map]
-pub static PENDING_READS: HashMap<u32, u32> = HashMap::with_max_entries(16384, 0);
+pub static PENDING_READS: HashMap<u32, u32> =
+    HashMap::with_max_entries(PENDING_READS_CAPACITY, 0);
 #[map]
 pub static SYSCALL_SLOTS: Array<u32> = Array::with_max_entries(SYSCALL_TABLE_SIZE, 0);
 #[map]

@@ -1,1 +1,40 @@
-fn main(){}
+//! The `poolscope` binary: command-line flags in Prometheus exporter style, then
+//! `poolscope::run`. Exits non-zero with the reason when the configuration is refused
+//! or the kernel programs cannot be loaded.
+use std::{path::PathBuf, process::ExitCode};
+
+use clap::Parser;
+use poolscope::config::Overrides;
+
+/// Prometheus exporter for queue depth, thread-pool use and request timing of every
+/// network service on this host, measured with eBPF.
+#[derive(Debug, Parser)]
+#[command(name = "poolscope", version)]
+struct Cli {
+    /// TOML configuration file.
+    #[arg(long = "config.file", env = "POOLSCOPE_CONFIG_FILE")]
+    config_file: Option<PathBuf>,
+    /// Address to serve /metrics on (default 127.0.0.1:9435).
+    #[arg(long = "web.listen-address")]
+    web_listen_address: Option<String>,
+    /// error, warn, info, debug or trace.
+    #[arg(long = "log.level")]
+    log_level: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let overrides = Overrides {
+        config_file: cli.config_file,
+        listen_address: cli.web_listen_address,
+        log_level: cli.log_level,
+    };
+    match poolscope::run(overrides).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("poolscope: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

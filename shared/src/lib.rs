@@ -25,6 +25,8 @@ pub mod maps {
 
 /// Capacity of the per-service arrays; service ids are `0..MAX_SERVICES`.
 pub const MAX_SERVICES: u32 = 1024;
+/// Capacity of [`maps::PENDING_READS`]: at most one entry per thread inside a read.
+pub const PENDING_READS_CAPACITY: u32 = 16384;
 /// Size of the syscall-number → slot table (covers every x86_64 and aarch64 number).
 pub const SYSCALL_TABLE_SIZE: u32 = 512;
 

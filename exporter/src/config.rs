@@ -1,0 +1,466 @@
+//! Configuration: raw values merged by figment from built-in defaults, the TOML file,
+//! `POOLSCOPE_*` environment variables and command-line flags (in that order of
+//! precedence, last wins), then validated into `Settings`. Every refusal names the
+//! source, the key and the reason.
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use figment::{
+    Figment,
+    providers::{Env, Format as _, Serialized, Toml},
+};
+use regex::Regex;
+use serde::{Deserialize, Serialize};
+
+/// Environment variable prefix; nested keys use `__`, e.g. `POOLSCOPE_WEB__LISTEN_ADDRESS`.
+pub const ENV_PREFIX: &str = "POOLSCOPE_";
+/// Default address: localhost only, the port of no other well-known exporter.
+pub const DEFAULT_LISTEN_ADDRESS: &str = "127.0.0.1:9435";
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawConfig {
+    pub web: RawWeb,
+    pub log: RawLog,
+    pub discovery: RawDiscovery,
+    pub probes: RawProbes,
+    pub limits: RawLimits,
+    pub targets: Vec<RawTarget>,
+}
+
+impl Default for RawConfig {
+    fn default() -> Self {
+        Self {
+            web: RawWeb {
+                listen_address: DEFAULT_LISTEN_ADDRESS.to_owned(),
+            },
+            log: RawLog {
+                level: "info".to_owned(),
+            },
+            discovery: RawDiscovery {
+                rescan_interval: Duration::from_secs(5),
+                procfs_root: PathBuf::from("/proc"),
+            },
+            probes: RawProbes {
+                backend: Backend::Auto,
+                bpf_stats: true,
+            },
+            limits: RawLimits {
+                max_series: 20_000,
+                max_services: 256,
+                watched_processes: 16_384,
+                connections: 65_536,
+            },
+            targets: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawWeb {
+    pub listen_address: String,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLog {
+    pub level: String,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawDiscovery {
+    #[serde(with = "humantime_serde")]
+    pub rescan_interval: Duration,
+    pub procfs_root: PathBuf,
+}
+
+/// Request-correlation backend (DESIGN §2).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    #[default]
+    Auto,
+    Socket,
+    Syscall,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawProbes {
+    pub backend: Backend,
+    /// Keep `kernel.bpf_stats_enabled` on while running (a few ns per program run).
+    pub bpf_stats: bool,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLimits {
+    pub max_series: usize,
+    pub max_services: u32,
+    pub watched_processes: u32,
+    pub connections: u32,
+}
+
+/// One `[[targets]]` entry; every selector given must match.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawTarget {
+    pub service: Option<String>,
+    pub pids: Vec<u32>,
+    pub comm: Option<String>,
+    pub exe: Option<String>,
+    pub port: Ports,
+    pub cgroup: Option<String>,
+}
+
+/// `port = 8080` or `port = [8080, 8443]`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Ports {
+    #[default]
+    None,
+    One(u16),
+    Many(Vec<u16>),
+}
+
+impl Ports {
+    fn to_vec(&self) -> Vec<u16> {
+        match self {
+            Self::None => Vec::new(),
+            Self::One(port) => vec![*port],
+            Self::Many(ports) => ports.clone(),
+        }
+    }
+}
+
+/// Values given on the command line; `None` leaves the key to the other sources.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    pub config_file: Option<PathBuf>,
+    pub listen_address: Option<String>,
+    pub log_level: Option<String>,
+}
+
+/// A refused configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: {reason}")]
+    File { path: PathBuf, reason: String },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// Validated settings, ready to use.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub listen_address: SocketAddr,
+    pub log_level: tracing::level_filters::LevelFilter,
+    pub rescan_interval: Duration,
+    pub procfs_root: PathBuf,
+    pub backend: Backend,
+    pub bpf_stats: bool,
+    pub max_series: usize,
+    pub max_services: u32,
+    pub watched_processes: u32,
+    pub connections: u32,
+    /// Empty: auto-discover every process with a listening TCP socket.
+    pub targets: Vec<TargetRule>,
+}
+
+/// A validated `[[targets]]` entry.
+#[derive(Clone, Debug)]
+pub struct TargetRule {
+    pub service: Option<String>,
+    pub pids: Vec<u32>,
+    pub comm: Option<Regex>,
+    pub exe: Option<Regex>,
+    pub ports: Vec<u16>,
+    pub cgroup: Option<String>,
+}
+
+impl Settings {
+    /// Loads and validates the configuration from every source.
+    pub fn load(overrides: &Overrides) -> Result<Self, ConfigError> {
+        let figment = figment(overrides)?;
+        let raw: RawConfig = figment.extract().map_err(|error| describe(&error))?;
+        validate(&raw, &figment)
+    }
+}
+
+fn figment(overrides: &Overrides) -> Result<Figment, ConfigError> {
+    let mut figment = Figment::from(Serialized::defaults(RawConfig::default()));
+    if let Some(path) = &overrides.config_file {
+        // figment ignores a missing file; a named file that is missing is an error.
+        if let Err(error) = std::fs::metadata(path) {
+            return Err(ConfigError::File {
+                path: path.clone(),
+                reason: error.to_string(),
+            });
+        }
+        figment = figment.merge(Toml::file_exact(path));
+    }
+    figment = figment.merge(
+        Env::prefixed(ENV_PREFIX)
+            .split("__")
+            .ignore(&["config_file"]),
+    );
+    if let Some(address) = &overrides.listen_address {
+        figment = figment.merge(Serialized::default("web.listen_address", address));
+    }
+    if let Some(level) = &overrides.log_level {
+        figment = figment.merge(Serialized::default("log.level", level));
+    }
+    Ok(figment)
+}
+
+/// Every figment error with its key and source, one per line.
+fn describe(errors: &figment::Error) -> ConfigError {
+    let lines: Vec<String> = errors
+        .clone()
+        .into_iter()
+        .map(|error| {
+            let key = error.path.join(".");
+            let source = error
+                .metadata
+                .as_ref()
+                .map(|metadata| match &metadata.source {
+                    Some(source) => format!("{} ({source})", metadata.name),
+                    None => metadata.name.to_string(),
+                })
+                .unwrap_or_else(|| "configuration".to_owned());
+            format!("{source}: key `{key}`: {}", error.kind)
+        })
+        .collect();
+    ConfigError::Invalid(lines.join("; "))
+}
+
+/// A validation failure for `key`, naming the source that set it.
+fn invalid(figment: &Figment, key: &str, reason: impl std::fmt::Display) -> ConfigError {
+    let source = figment
+        .find_metadata(key)
+        .map(|metadata| match &metadata.source {
+            Some(source) => format!("{} ({source})", metadata.name),
+            None => metadata.name.to_string(),
+        })
+        .unwrap_or_else(|| "configuration".to_owned());
+    ConfigError::Invalid(format!("{source}: key `{key}`: {reason}"))
+}
+
+fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError> {
+    let listen_address = raw
+        .web
+        .listen_address
+        .parse()
+        .map_err(|error| invalid(figment, "web.listen_address", format!("{error} (want ip:port)")))?;
+    let log_level = raw
+        .log
+        .level
+        .parse()
+        .map_err(|_| invalid(figment, "log.level", "want one of error, warn, info, debug, trace, off"))?;
+    if raw.discovery.rescan_interval < Duration::from_millis(100) {
+        return Err(invalid(figment, "discovery.rescan_interval", "must be at least 100ms"));
+    }
+    let positive = |key: &str, value: u64| {
+        if value == 0 {
+            Err(invalid(figment, key, "must be greater than 0"))
+        } else {
+            Ok(())
+        }
+    };
+    positive("limits.max_series", raw.limits.max_series as u64)?;
+    positive("limits.watched_processes", raw.limits.watched_processes.into())?;
+    positive("limits.connections", raw.limits.connections.into())?;
+    positive("limits.max_services", raw.limits.max_services.into())?;
+    if raw.limits.max_services > poolscope_shared::MAX_SERVICES {
+        return Err(invalid(
+            figment,
+            "limits.max_services",
+            format!("at most {}", poolscope_shared::MAX_SERVICES),
+        ));
+    }
+    let targets = raw
+        .targets
+        .iter()
+        .enumerate()
+        .map(|(index, target)| validate_target(target, index, figment))
+        .collect::<Result<_, _>>()?;
+    Ok(Settings {
+        listen_address,
+        log_level,
+        rescan_interval: raw.discovery.rescan_interval,
+        procfs_root: raw.discovery.procfs_root.clone(),
+        backend: raw.probes.backend,
+        bpf_stats: raw.probes.bpf_stats,
+        max_series: raw.limits.max_series,
+        max_services: raw.limits.max_services,
+        watched_processes: raw.limits.watched_processes,
+        connections: raw.limits.connections,
+        targets,
+    })
+}
+
+fn validate_target(
+    target: &RawTarget,
+    index: usize,
+    figment: &Figment,
+) -> Result<TargetRule, ConfigError> {
+    let key = |field: &str| format!("targets[{index}].{field}");
+    let regex = |field: &str, pattern: &Option<String>| {
+        pattern
+            .as_deref()
+            .map(Regex::new)
+            .transpose()
+            .map_err(|error| invalid(figment, "targets", format!("{}: {error}", key(field))))
+    };
+    let rule = TargetRule {
+        service: target.service.clone(),
+        pids: target.pids.clone(),
+        comm: regex("comm", &target.comm)?,
+        exe: regex("exe", &target.exe)?,
+        ports: target.port.to_vec(),
+        cgroup: target.cgroup.clone(),
+    };
+    if let Some(service) = &rule.service
+        && (service.is_empty() || service.len() > 128)
+    {
+        return Err(invalid(figment, "targets", format!("{}: 1 to 128 characters", key("service"))));
+    }
+    if rule.cgroup.as_deref() == Some("") {
+        return Err(invalid(figment, "targets", format!("{}: must not be empty", key("cgroup"))));
+    }
+    let selects = !rule.pids.is_empty()
+        || rule.comm.is_some()
+        || rule.exe.is_some()
+        || !rule.ports.is_empty()
+        || rule.cgroup.is_some();
+    if !selects {
+        return Err(invalid(
+            figment,
+            "targets",
+            format!("{}: needs at least one of pids, comm, exe, port, cgroup", key("")),
+        ));
+    }
+    Ok(rule)
+}
+
+/// The file a config was loaded from, for messages.
+pub fn describe_source(path: Option<&Path>) -> String {
+    path.map_or_else(|| "built-in defaults".to_owned(), |p| p.display().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_toml(toml: &str) -> Result<Settings, ConfigError> {
+        let dir = tempfile::tempdir().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let path = dir.path().join("poolscope.toml");
+        std::fs::write(&path, toml).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        Settings::load(&Overrides {
+            config_file: Some(path),
+            ..Overrides::default()
+        })
+    }
+
+    fn error_of(toml: &str) -> String {
+        match load_toml(toml) {
+            Ok(settings) => panic!("accepted {toml:?} as {settings:?}"),
+            Err(error) => error.to_string(),
+        }
+    }
+
+    #[test]
+    fn defaults_listen_on_localhost_and_auto_discover() -> Result<(), ConfigError> {
+        let settings = load_toml("")?;
+        assert_eq!(settings.listen_address, DEFAULT_LISTEN_ADDRESS.parse().expect("addr"));
+        assert!(settings.listen_address.ip().is_loopback());
+        assert!(settings.targets.is_empty());
+        assert_eq!(settings.backend, Backend::Auto);
+        Ok(())
+    }
+
+    #[test]
+    fn full_file_is_read() -> Result<(), ConfigError> {
+        let settings = load_toml(
+            r#"
+            [web]
+            listen_address = "0.0.0.0:9999"
+            [discovery]
+            rescan_interval = "2s"
+            [probes]
+            backend = "syscall"
+            [[targets]]
+            service = "api"
+            comm = "^java$"
+            port = 8080
+            [[targets]]
+            pids = [1, 2]
+            port = [80, 443]
+            cgroup = "nginx.service"
+            "#,
+        )?;
+        assert_eq!(settings.listen_address.port(), 9999);
+        assert_eq!(settings.rescan_interval, Duration::from_secs(2));
+        assert_eq!(settings.backend, Backend::Syscall);
+        assert_eq!(settings.targets.len(), 2);
+        assert_eq!(settings.targets[0].ports, vec![8080]);
+        assert_eq!(settings.targets[1].ports, vec![80, 443]);
+        Ok(())
+    }
+
+    #[test]
+    fn unknown_key_names_file_and_key() {
+        let error = error_of("[web]\nlisten_adress = \"x\"\n");
+        assert!(error.contains("poolscope.toml"), "{error}");
+        assert!(error.contains("listen_adress"), "{error}");
+    }
+
+    #[test]
+    fn bad_values_name_key_and_reason() {
+        let error = error_of("[web]\nlisten_address = \"localhost\"\n");
+        assert!(error.contains("web.listen_address") && error.contains("poolscope.toml"), "{error}");
+        let error = error_of("[probes]\nbackend = \"kprobe\"\n");
+        assert!(error.contains("backend") && error.contains("kprobe"), "{error}");
+        let error = error_of("[[targets]]\ncomm = \"(\"\n");
+        assert!(error.contains("targets[0].comm"), "{error}");
+        let error = error_of("[[targets]]\nservice = \"x\"\n");
+        assert!(error.contains("needs at least one"), "{error}");
+        let error = error_of("[log]\nlevel = \"loud\"\n");
+        assert!(error.contains("log.level"), "{error}");
+        let error = error_of("[discovery]\nrescan_interval = \"soon\"\n");
+        assert!(error.contains("rescan_interval"), "{error}");
+        let error = error_of("this is not toml");
+        assert!(error.contains("poolscope.toml"), "{error}");
+    }
+
+    #[test]
+    fn missing_file_is_refused() {
+        let result = Settings::load(&Overrides {
+            config_file: Some(PathBuf::from("/nonexistent/poolscope.toml")),
+            ..Overrides::default()
+        });
+        let error = result.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(error.contains("/nonexistent/poolscope.toml"), "{error}");
+    }
+
+    #[test]
+    fn flags_override_the_file() -> Result<(), ConfigError> {
+        let dir = tempfile::tempdir().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[web]\nlisten_address = \"127.0.0.1:1\"\n")
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let settings = Settings::load(&Overrides {
+            config_file: Some(path),
+            listen_address: Some("127.0.0.1:2".into()),
+            log_level: Some("debug".into()),
+        })?;
+        assert_eq!(settings.listen_address.port(), 2);
+        assert_eq!(settings.log_level, tracing::level_filters::LevelFilter::DEBUG);
+        Ok(())
+    }
+}

@@ -1,0 +1,170 @@
+//! The running exporter: the kernel, the watched set and the current settings behind
+//! one lock, with the three things that touch them: a rescan, a process event, and a
+//! scrape (`Gatherer`). Scans and netlink reads happen outside the lock.
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex, MutexGuard, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Instant,
+};
+
+use poolscope_shared::ProcessEvent;
+
+use crate::{
+    collect::{SelfStats, self_families, service_families, service_listeners},
+    config::Settings,
+    discovery,
+    encode::{Family, cap_series},
+    kernel::{Kernel, Probe},
+    procfs, sockdiag,
+    targets::{Targets, monotonic_ns},
+    web::Gatherer,
+};
+
+struct Shared {
+    kernel: Kernel,
+    targets: Targets,
+}
+
+pub struct Exporter {
+    shared: Mutex<Shared>,
+    settings: RwLock<Arc<Settings>>,
+    probes: Vec<Probe>,
+    series_dropped: AtomicU64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScanError {
+    #[error("scanning {root}: {source}")]
+    Procfs {
+        root: String,
+        source: std::io::Error,
+    },
+}
+
+impl Exporter {
+    pub fn new(kernel: Kernel, settings: Settings) -> Self {
+        let probes = kernel.probes().to_vec();
+        let targets = Targets::new(settings.procfs_root.clone(), settings.max_services);
+        Self {
+            shared: Mutex::new(Shared { kernel, targets }),
+            settings: RwLock::new(Arc::new(settings)),
+            probes,
+            series_dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// Probes (attached or not) the kernel side has.
+    pub fn probe_count(&self) -> usize {
+        self.probes.len()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        // A panic while holding the lock leaves maps consistent (the kernel owns the
+        // state), so a poisoned lock is still usable.
+        self.shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn settings(&self) -> Arc<Settings> {
+        self.settings
+            .read()
+            .map_or_else(|poisoned| poisoned.into_inner().clone(), |s| s.clone())
+    }
+
+    /// Takes new settings (SIGHUP); the next rescan applies the new targets.
+    pub fn replace_settings(&self, settings: Settings) {
+        let mut current = self.settings.write().unwrap_or_else(|p| p.into_inner());
+        *current = Arc::new(settings);
+    }
+
+    /// Scans procfs and makes the watched set match the target rules.
+    pub fn rescan(&self) -> Result<(), ScanError> {
+        let settings = self.settings();
+        let started_ns = monotonic_ns();
+        let snapshot =
+            procfs::scan(&settings.procfs_root).map_err(|source| ScanError::Procfs {
+                root: settings.procfs_root.display().to_string(),
+                source,
+            })?;
+        let assignments = discovery::assign(&snapshot, &settings.targets, std::process::id());
+        let service_of: HashMap<u32, &str> =
+            assignments.iter().map(|a| (a.pid, a.service.as_str())).collect();
+        let mut listeners = HashMap::new();
+        for process in &snapshot.processes {
+            if let Some(service) = service_of.get(&process.pid) {
+                for inode in &process.listeners {
+                    listeners.entry(*inode).or_insert_with(|| (*service).to_owned());
+                }
+            }
+        }
+        let mut shared = self.lock();
+        let Shared { kernel, targets } = &mut *shared;
+        targets.apply(kernel, &assignments, listeners, started_ns);
+        Ok(())
+    }
+
+    /// Applies process events; true if a rescan is worth doing.
+    pub fn on_events(&self, events: &[ProcessEvent]) -> bool {
+        let mut shared = self.lock();
+        let Shared { kernel, targets } = &mut *shared;
+        events
+            .iter()
+            .fold(false, |rescan, event| targets.on_event(kernel, event) | rescan)
+    }
+}
+
+impl Gatherer for Exporter {
+    fn gather(&self) -> Vec<Family> {
+        let settings = self.settings();
+        let mut collectors = Vec::new();
+
+        let started = Instant::now();
+        let (services, kernel, owners, services_refused, watch_errors) = {
+            let shared = self.lock();
+            let services = shared.targets.services();
+            let ids: Vec<u32> = services.iter().map(|s| s.id).collect();
+            let kernel = shared.kernel.read(&ids);
+            if let Err(error) = &kernel {
+                tracing::warn!(%error, "reading kernel maps failed");
+            }
+            (
+                services,
+                kernel.ok(),
+                shared.targets.listener_owners().clone(),
+                shared.targets.services_refused,
+                shared.targets.watch_errors,
+            )
+        };
+        collectors.push(("kernel", started.elapsed().as_secs_f64(), kernel.is_some()));
+
+        let started = Instant::now();
+        let queues = sockdiag::listen_queues();
+        if let Err(error) = &queues {
+            tracing::warn!(%error, "reading listen queues failed");
+        }
+        collectors.push(("listen_queues", started.elapsed().as_secs_f64(), queues.is_ok()));
+        let listeners = service_listeners(queues.as_deref().unwrap_or_default(), |inode| {
+            owners.get(&inode).cloned()
+        });
+
+        let mut families = service_families(
+            &services,
+            kernel.as_ref().unwrap_or(&Default::default()),
+            &listeners,
+        );
+        let dropped = cap_series(&mut families, settings.max_series);
+        let series_dropped = self.series_dropped.fetch_add(dropped, Ordering::Relaxed) + dropped;
+        let stats = SelfStats {
+            version: env!("CARGO_PKG_VERSION"),
+            backend: "syscall",
+            series_dropped,
+            services_refused,
+            watch_errors,
+            collectors,
+        };
+        families.extend(self_families(&stats, &self.probes, kernel.as_ref()));
+        families
+    }
+}

@@ -1,0 +1,447 @@
+//! The kernel side seen from user space: loads and attaches `poolscope-ebpf`, owns its
+//! maps, and offers small typed operations on them (watch a process, purge its
+//! connections) plus one read of every counter for a scrape. No numbers are kept here;
+//! the maps are the state.
+use std::{
+    collections::BTreeMap,
+    os::fd::OwnedFd,
+    path::Path,
+    time::Duration,
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuValues, RingBuf},
+    programs::{ProgramError, TracePoint},
+};
+use poolscope_shared::{
+    Conn, ConnKey, LossSource, ProcessEvent, ServiceCounters, SyscallSlot, Watched, maps,
+    syscall_counter_index,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("tracefs is not mounted at /sys/kernel/tracing and mounting it failed: {0}")]
+    Tracefs(std::io::Error),
+    #[error("loading the kernel programs failed (needs root or CAP_BPF+CAP_PERFMON): {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("kernel program {0} is missing from the object")]
+    MissingProgram(&'static str),
+    #[error("map {0} is missing from the object")]
+    MissingMap(&'static str),
+    #[error("program {program}: {source}")]
+    Program {
+        program: &'static str,
+        source: ProgramError,
+    },
+    #[error("attaching {program} to {probe} failed: {source}")]
+    Attach {
+        program: &'static str,
+        probe: String,
+        source: ProgramError,
+    },
+    #[error("map {map}: {source}")]
+    Map {
+        map: &'static str,
+        source: MapError,
+    },
+}
+
+/// Where each program is attached. Programs marked `required` must attach; the
+/// others are reported through `probe_attached` and the exporter carries on.
+struct Attachment {
+    program: &'static str,
+    category: &'static str,
+    events: Vec<String>,
+    required: bool,
+}
+
+fn attachments() -> Vec<Attachment> {
+    let syscall_events = |prefix: &str, slots: &[SyscallSlot]| -> Vec<String> {
+        slots
+            .iter()
+            .map(|slot| format!("{prefix}{}", tracepoint_syscall_name(*slot)))
+            .collect()
+    };
+    let reads = [
+        SyscallSlot::Read,
+        SyscallSlot::Readv,
+        SyscallSlot::Recvfrom,
+        SyscallSlot::Recvmsg,
+    ];
+    vec![
+        Attachment {
+            program: "process_fork",
+            category: "task",
+            events: vec!["task_newtask".into()],
+            required: true,
+        },
+        Attachment {
+            program: "process_exec",
+            category: "sched",
+            events: vec!["sched_process_exec".into()],
+            required: true,
+        },
+        Attachment {
+            program: "process_exit",
+            category: "sched",
+            events: vec!["sched_process_exit".into()],
+            required: true,
+        },
+        Attachment {
+            program: "sys_enter",
+            category: "syscalls",
+            events: syscall_events("sys_enter_", &SyscallSlot::ALL),
+            required: false,
+        },
+        Attachment {
+            program: "sys_exit_accept",
+            category: "syscalls",
+            events: syscall_events("sys_exit_", &[SyscallSlot::Accept, SyscallSlot::Accept4]),
+            required: false,
+        },
+        Attachment {
+            program: "sys_exit_read",
+            category: "syscalls",
+            events: syscall_events("sys_exit_", &reads),
+            required: false,
+        },
+    ]
+}
+
+/// The syscall's name in tracepoint names (`sendfile` is `sendfile64` there).
+fn tracepoint_syscall_name(slot: SyscallSlot) -> &'static str {
+    match slot {
+        SyscallSlot::Sendfile => "sendfile64",
+        other => other.name(),
+    }
+}
+
+/// This architecture's number of the syscall.
+fn syscall_number(slot: SyscallSlot) -> Option<libc::c_long> {
+    #[cfg(target_arch = "x86_64")]
+    let accept = Some(libc::SYS_accept);
+    #[cfg(not(target_arch = "x86_64"))]
+    let accept = None;
+    match slot {
+        SyscallSlot::None => None,
+        SyscallSlot::Accept => accept,
+        SyscallSlot::Accept4 => Some(libc::SYS_accept4),
+        SyscallSlot::Read => Some(libc::SYS_read),
+        SyscallSlot::Readv => Some(libc::SYS_readv),
+        SyscallSlot::Recvfrom => Some(libc::SYS_recvfrom),
+        SyscallSlot::Recvmsg => Some(libc::SYS_recvmsg),
+        SyscallSlot::Write => Some(libc::SYS_write),
+        SyscallSlot::Writev => Some(libc::SYS_writev),
+        SyscallSlot::Sendto => Some(libc::SYS_sendto),
+        SyscallSlot::Sendmsg => Some(libc::SYS_sendmsg),
+        SyscallSlot::Sendfile => Some(libc::SYS_sendfile),
+        SyscallSlot::Close => Some(libc::SYS_close),
+    }
+}
+
+/// One probe (program on one tracepoint) and whether it is attached.
+#[derive(Clone, Debug)]
+pub struct Probe {
+    pub name: String,
+    pub attached: bool,
+}
+
+/// Sizes of the maps that grow with the watched workload.
+#[derive(Clone, Copy, Debug)]
+pub struct MapSizes {
+    pub watched_processes: u32,
+    pub connections: u32,
+}
+
+/// Loaded and attached kernel programs with their maps.
+pub struct Kernel {
+    ebpf: Ebpf,
+    watched: HashMap<MapData, u32, Watched>,
+    conns: HashMap<MapData, ConnKey, Conn>,
+    pending_reads: HashMap<MapData, u32, u32>,
+    syscall_counts: PerCpuArray<MapData, u64>,
+    service_counters: PerCpuArray<MapData, ServiceCounters>,
+    losses: PerCpuArray<MapData, u64>,
+    probes: Vec<Probe>,
+    sizes: MapSizes,
+    /// Keeps `kernel.bpf_stats_enabled` on while we run.
+    _stats: Option<OwnedFd>,
+    cpus: usize,
+}
+
+/// Reader of process lifecycle events from the kernel.
+pub struct ProcessEvents {
+    pub ring: RingBuf<MapData>,
+}
+
+/// Everything the kernel counted, read for one scrape.
+#[derive(Clone, Debug, Default)]
+pub struct Readout {
+    pub services: BTreeMap<u32, ServiceCounters>,
+    pub syscalls: BTreeMap<(u32, &'static str), u64>,
+    pub losses: Vec<(LossSource, u64)>,
+    pub maps: Vec<MapFill>,
+    pub programs: Vec<ProgramStats>,
+}
+
+#[derive(Clone, Debug)]
+pub struct MapFill {
+    pub name: &'static str,
+    pub entries: u64,
+    pub capacity: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct ProgramStats {
+    pub name: String,
+    pub run_time: Duration,
+    pub runs: u64,
+}
+
+fn ensure_tracefs() -> Result<(), KernelError> {
+    let tracefs = Path::new("/sys/kernel/tracing");
+    if tracefs.join("events").exists() {
+        return Ok(());
+    }
+    let source = c"nodev";
+    let target = c"/sys/kernel/tracing";
+    let fstype = c"tracefs";
+    // SAFETY: constant NUL-terminated strings, no data argument.
+    let rc = unsafe {
+        libc::mount(source.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null())
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(KernelError::Tracefs(std::io::Error::last_os_error()))
+    }
+}
+
+fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, KernelError>
+where
+    T: TryFrom<aya::maps::Map, Error = MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(KernelError::MissingMap(name))?;
+    T::try_from(map).map_err(|source| KernelError::Map { map: name, source })
+}
+
+impl Kernel {
+    /// Loads the programs, fills the syscall table and attaches every probe.
+    pub fn load(sizes: MapSizes, bpf_stats: bool) -> Result<(Self, ProcessEvents), KernelError> {
+        ensure_tracefs()?;
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries(maps::WATCHED, sizes.watched_processes)
+            .map_max_entries(maps::CONNS, sizes.connections)
+            .load(aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/poolscope")))?;
+
+        let mut slots: Array<_, u32> = take(&mut ebpf, maps::SYSCALL_SLOTS)?;
+        for slot in SyscallSlot::ALL {
+            if let Some(number) = syscall_number(slot) {
+                slots
+                    .set(number as u32, slot as u32, 0)
+                    .map_err(|source| KernelError::Map {
+                        map: maps::SYSCALL_SLOTS,
+                        source,
+                    })?;
+            }
+        }
+
+        let stats = if bpf_stats {
+            match aya::sys::enable_stats(aya::sys::Stats::RunTime) {
+                Ok(fd) => Some(fd),
+                Err(error) => {
+                    tracing::warn!(%error, "cannot enable BPF run-time stats; bpf_run_* will stay 0");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+
+        let mut probes = Vec::new();
+        for attachment in attachments() {
+            let program: &mut TracePoint = ebpf
+                .program_mut(attachment.program)
+                .ok_or(KernelError::MissingProgram(attachment.program))?
+                .try_into()
+                .map_err(|source| KernelError::Program {
+                    program: attachment.program,
+                    source,
+                })?;
+            program.load().map_err(|source| KernelError::Program {
+                program: attachment.program,
+                source,
+            })?;
+            for event in &attachment.events {
+                let name = format!("{}/{event}", attachment.category);
+                match program.attach(attachment.category, event) {
+                    Ok(_) => probes.push(Probe { name, attached: true }),
+                    Err(source) if !attachment.required => {
+                        tracing::warn!(probe = %name, error = %source, "probe not attached");
+                        probes.push(Probe {
+                            name,
+                            attached: false,
+                        });
+                    }
+                    Err(source) => {
+                        return Err(KernelError::Attach {
+                            program: attachment.program,
+                            probe: name,
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+
+        let events = ProcessEvents {
+            ring: take(&mut ebpf, maps::PROCESS_EVENTS)?,
+        };
+        let kernel = Self {
+            watched: take(&mut ebpf, maps::WATCHED)?,
+            conns: take(&mut ebpf, maps::CONNS)?,
+            pending_reads: take(&mut ebpf, maps::PENDING_READS)?,
+            syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
+            service_counters: take(&mut ebpf, maps::SERVICE_COUNTERS)?,
+            losses: take(&mut ebpf, maps::LOSSES)?,
+            ebpf,
+            probes,
+            sizes,
+            _stats: stats,
+            cpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
+        };
+        Ok((kernel, events))
+    }
+
+    pub fn probes(&self) -> &[Probe] {
+        &self.probes
+    }
+
+    /// The watch entry of `pid`, if any.
+    pub fn watched(&self, pid: u32) -> Option<Watched> {
+        self.watched.get(&pid, 0).ok()
+    }
+
+    /// Every entry of `WATCHED`.
+    pub fn watched_pids(&self) -> Vec<(u32, Watched)> {
+        self.watched.iter().filter_map(Result::ok).collect()
+    }
+
+    pub fn watch(&mut self, pid: u32, watch: Watched) -> Result<(), MapError> {
+        self.watched.insert(pid, watch, 0)
+    }
+
+    /// Stops watching `pid` if its entry is still the one made at `since_ns`.
+    pub fn unwatch(&mut self, pid: u32, since_ns: u64) {
+        if self.watched(pid).is_some_and(|w| w.since_ns == since_ns) {
+            // A concurrent exit may have removed it first; either way it is gone.
+            let _ = self.watched.remove(&pid);
+        }
+    }
+
+    /// Removes the connections of the process `(pid, since_ns)`, which exited without
+    /// closing them one by one. Returns how many were unserved, per service.
+    pub fn purge_connections(&mut self, pid: u32, since_ns: u64) -> Vec<u32> {
+        let stale: Vec<(ConnKey, Conn)> = self
+            .conns
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, conn)| key.tgid == pid && conn.owner_since_ns == since_ns)
+            .collect();
+        stale
+            .into_iter()
+            .filter(|(key, conn)| {
+                self.conns.remove(key).is_ok() && conn.flags & poolscope_shared::CONN_UNSERVED != 0
+            })
+            .map(|(_, conn)| conn.service)
+            .collect()
+    }
+
+    /// Zeroes the counters of a service id before it is reused for another service.
+    pub fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
+        let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;
+        self.service_counters.set(service, zero_counters, 0)?;
+        for slot in SyscallSlot::ALL {
+            let zeros = PerCpuValues::try_from(vec![0u64; self.cpus])?;
+            self.syscall_counts
+                .set(syscall_counter_index(service, slot), zeros, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the counters of `services` and the exporter's own kernel-side health.
+    pub fn read(&self, services: &[u32]) -> Result<Readout, KernelError> {
+        let map_error = |map| move |source| KernelError::Map { map, source };
+        let mut readout = Readout::default();
+        for &service in services {
+            let per_cpu = self
+                .service_counters
+                .get(&service, 0)
+                .map_err(map_error(maps::SERVICE_COUNTERS))?;
+            let total = per_cpu.iter().fold(ServiceCounters::default(), |sum, c| ServiceCounters {
+                accepted: sum.accepted + c.accepted,
+                unserved_entered: sum.unserved_entered + c.unserved_entered,
+                unserved_left: sum.unserved_left + c.unserved_left,
+            });
+            readout.services.insert(service, total);
+            for slot in SyscallSlot::ALL {
+                let calls: u64 = self
+                    .syscall_counts
+                    .get(&syscall_counter_index(service, slot), 0)
+                    .map_err(map_error(maps::SYSCALL_COUNTS))?
+                    .iter()
+                    .sum();
+                readout.syscalls.insert((service, slot.name()), calls);
+            }
+        }
+        for source in LossSource::ALL {
+            let lost: u64 = self
+                .losses
+                .get(&(source as u32), 0)
+                .map_err(map_error(maps::LOSSES))?
+                .iter()
+                .sum();
+            readout.losses.push((source, lost));
+        }
+        readout.maps = vec![
+            MapFill {
+                name: maps::WATCHED,
+                entries: self.watched.keys().filter(Result::is_ok).count() as u64,
+                capacity: self.sizes.watched_processes,
+            },
+            MapFill {
+                name: maps::CONNS,
+                entries: self.conns.keys().filter(Result::is_ok).count() as u64,
+                capacity: self.sizes.connections,
+            },
+            MapFill {
+                name: maps::PENDING_READS,
+                entries: self.pending_reads.keys().filter(Result::is_ok).count() as u64,
+                capacity: poolscope_shared::PENDING_READS_CAPACITY,
+            },
+        ];
+        for (name, program) in self.ebpf.programs() {
+            if let Ok(info) = program.info() {
+                readout.programs.push(ProgramStats {
+                    name: name.to_owned(),
+                    run_time: info.run_time(),
+                    runs: info.run_count(),
+                });
+            }
+        }
+        Ok(readout)
+    }
+}
+
+impl ProcessEvents {
+    /// Decodes one ring-buffer record; `None` for a record of the wrong size.
+    pub fn decode(bytes: &[u8]) -> Option<ProcessEvent> {
+        if bytes.len() < size_of::<ProcessEvent>() {
+            return None;
+        }
+        // SAFETY: ProcessEvent is repr(C) of integers, any bit pattern is valid, and
+        // read_unaligned does not need alignment.
+        Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<ProcessEvent>()) })
+    }
+}

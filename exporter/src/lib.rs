@@ -1,0 +1,180 @@
+//! poolscope: a Prometheus exporter for queue depth, thread pools and request timing
+//! of every network service on a Linux host, from eBPF. `run` wires the pieces:
+//! config → kernel programs → discovery → HTTP, plus signals (SIGHUP reloads,
+//! SIGTERM/SIGINT stop and detach every probe).
+pub mod collect;
+pub mod config;
+pub mod discovery;
+pub mod encode;
+pub mod exporter;
+pub mod kernel;
+pub mod procfs;
+pub mod sockdiag;
+pub mod targets;
+pub mod web;
+
+use std::{sync::Arc, time::Duration};
+
+use anyhow::Context as _;
+use tokio::{io::unix::AsyncFd, sync::Notify};
+use tracing_subscriber::{filter::LevelFilter, layer::SubscriberExt as _, reload, util::SubscriberInitExt as _};
+
+use crate::{
+    config::{Overrides, Settings},
+    exporter::Exporter,
+    kernel::{Kernel, MapSizes, ProcessEvents},
+};
+
+/// After an exec-triggered rescan, wait at least this long before the next one.
+const MIN_TRIGGERED_RESCAN_GAP: Duration = Duration::from_secs(1);
+
+type LogHandle = reload::Handle<LevelFilter, tracing_subscriber::Registry>;
+
+fn init_logging(level: LevelFilter) -> LogHandle {
+    let (filter, handle) = reload::Layer::new(level);
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .init();
+    handle
+}
+
+/// Runs the exporter until SIGTERM or SIGINT.
+pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
+    let settings = Settings::load(&overrides)?;
+    let log = init_logging(settings.log_level);
+
+    let sizes = MapSizes {
+        watched_processes: settings.watched_processes,
+        connections: settings.connections,
+    };
+    let (kernel, events) = Kernel::load(sizes, settings.bpf_stats)?;
+    let attached = kernel.probes().iter().filter(|p| p.attached).count();
+    tracing::info!(attached, "kernel probes attached");
+
+    let listener = tokio::net::TcpListener::bind(settings.listen_address)
+        .await
+        .with_context(|| format!("cannot listen on {}", settings.listen_address))?;
+    let exporter = Arc::new(Exporter::new(kernel, settings));
+    if let Err(error) = exporter.rescan() {
+        tracing::warn!(%error, "initial scan failed");
+    }
+
+    let rescan_now = Arc::new(Notify::new());
+    tokio::spawn(rescan_loop(exporter.clone(), rescan_now.clone()));
+    tokio::spawn(event_loop(exporter.clone(), events, rescan_now.clone()));
+
+    let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
+    spawn_signal_thread(exporter.clone(), overrides, log, rescan_now, shutdown_tx)?;
+
+    tracing::info!(address = %listener.local_addr()?, "serving /metrics");
+    axum::serve(listener, web::app(exporter.clone()))
+        .with_graceful_shutdown(async {
+            let _ = shutdown_rx.await;
+        })
+        .await
+        .context("HTTP server")?;
+
+    // Dropping the last reference to the kernel programs detaches every probe.
+    let probes = exporter.probe_count();
+    drop(exporter);
+    tracing::info!(probes, "stopped; probes detached");
+    Ok(())
+}
+
+async fn rescan_loop(exporter: Arc<Exporter>, trigger: Arc<Notify>) {
+    loop {
+        let interval = exporter.settings().rescan_interval;
+        let triggered = tokio::select! {
+            () = tokio::time::sleep(interval) => false,
+            () = trigger.notified() => true,
+        };
+        let worker = exporter.clone();
+        match tokio::task::spawn_blocking(move || worker.rescan()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "rescan failed"),
+            Err(error) => tracing::error!(%error, "rescan panicked"),
+        }
+        if triggered {
+            tokio::time::sleep(MIN_TRIGGERED_RESCAN_GAP).await;
+        }
+    }
+}
+
+async fn event_loop(exporter: Arc<Exporter>, events: ProcessEvents, rescan_now: Arc<Notify>) {
+    // SAFETY: the ring buffer owns its map fd for as long as the AsyncFd holds it.
+    let registered = unsafe { AsyncFd::register_with_interest(events.ring, tokio::io::Interest::READABLE) };
+    let mut ring = match registered {
+        Ok(ring) => ring,
+        Err(error) => {
+            let error = error.into_parts().1;
+            tracing::error!(%error, "cannot poll process events; relying on rescans");
+            return;
+        }
+    };
+    loop {
+        let mut guard = match ring.readable_mut().await {
+            Ok(guard) => guard,
+            Err(error) => {
+                tracing::error!(%error, "polling process events failed; relying on rescans");
+                return;
+            }
+        };
+        let mut batch = Vec::new();
+        while let Some(record) = guard.get_inner_mut().next() {
+            if let Some(event) = ProcessEvents::decode(&record) {
+                batch.push(event);
+            }
+        }
+        guard.clear_ready();
+        if exporter.on_events(&batch) {
+            rescan_now.notify_one();
+        }
+    }
+}
+
+fn spawn_signal_thread(
+    exporter: Arc<Exporter>,
+    overrides: Overrides,
+    log: LogHandle,
+    rescan_now: Arc<Notify>,
+    shutdown: tokio::sync::oneshot::Sender<()>,
+) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGTERM])
+        .context("installing signal handlers")?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for signal in signals.forever() {
+                if signal != SIGHUP {
+                    tracing::info!(signal, "shutting down");
+                    let _ = shutdown.send(());
+                    return;
+                }
+                reload(&exporter, &overrides, &log);
+                rescan_now.notify_one();
+            }
+        })
+        .context("starting the signal thread")?;
+    Ok(())
+}
+
+fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) {
+    match Settings::load(overrides) {
+        Ok(settings) => {
+            let current = exporter.settings();
+            if settings.listen_address != current.listen_address {
+                tracing::warn!("web.listen_address changes on restart only");
+            }
+            if let Err(error) = log.modify(|level| *level = settings.log_level) {
+                tracing::warn!(%error, "cannot change the log level");
+            }
+            tracing::info!(targets = settings.targets.len(), "configuration reloaded");
+            exporter.replace_settings(settings);
+        }
+        Err(error) => {
+            tracing::error!(%error, "reload refused; keeping the running configuration");
+        }
+    }
+}

@@ -1,0 +1,322 @@
+//! Reading processes and their listening sockets from a procfs root. The parsers are
+//! pure functions over file contents (tested on fixtures); `scan` walks a root such as
+//! `/proc`, or a fixture tree in tests, and tolerates processes vanishing mid-scan.
+use std::{
+    collections::{HashMap, HashSet},
+    fs, io,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::{Path, PathBuf},
+};
+
+/// What discovery needs to know about one process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcInfo {
+    pub pid: u32,
+    pub ppid: u32,
+    /// Clock ticks after boot (`/proc/<pid>/stat` field 22); with the pid it names
+    /// one process even when the pid is reused.
+    pub start_time: u64,
+    pub comm: String,
+    pub exe: Option<PathBuf>,
+    /// cgroup v2 path (`0::<path>`), or the systemd v1 hierarchy's path.
+    pub cgroup: String,
+    /// Inodes of the listening TCP sockets among its open fds.
+    pub listeners: Vec<u64>,
+}
+
+/// One scan of a procfs root.
+#[derive(Clone, Debug, Default)]
+pub struct ProcSnapshot {
+    pub processes: Vec<ProcInfo>,
+    /// Listening TCP sockets of every network namespace seen, by socket inode.
+    pub listen_sockets: HashMap<u64, SocketAddr>,
+}
+
+/// Fields of `/proc/<pid>/stat` we use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stat {
+    pub comm: String,
+    pub ppid: u32,
+    pub start_time: u64,
+}
+
+/// Parses `/proc/<pid>/stat`. The comm sits in parentheses and may itself hold spaces
+/// and parentheses, so fields are counted from the last `)`.
+pub fn parse_stat(content: &str) -> Option<Stat> {
+    let open = content.find('(')?;
+    let close = content.rfind(')')?;
+    let comm = content.get(open + 1..close)?.to_owned();
+    // After ") " come field 3 (state), 4 (ppid), ... 22 (starttime).
+    let mut fields = content.get(close + 1..)?.split_ascii_whitespace();
+    let ppid = fields.nth(1)?.parse().ok()?;
+    let start_time = fields.nth(17)?.parse().ok()?;
+    Some(Stat {
+        comm,
+        ppid,
+        start_time,
+    })
+}
+
+/// The inode of a `socket:[12345]` fd link.
+pub fn socket_inode(link: &str) -> Option<u64> {
+    link.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
+}
+
+/// The cgroup of a process from `/proc/<pid>/cgroup`: the v2 entry if there is one,
+/// else the v1 `name=systemd` entry.
+pub fn parse_cgroup(content: &str) -> String {
+    let entry = |prefix: &str| {
+        content.lines().find_map(|line| {
+            let (_, rest) = line.split_once(':')?;
+            rest.strip_prefix(prefix).map(str::to_owned)
+        })
+    };
+    entry(":")
+        .or_else(|| entry("name=systemd:"))
+        .unwrap_or_else(|| "/".to_owned())
+}
+
+const TCP_LISTEN: &str = "0A";
+
+/// Listening sockets (state `0A`) in `/proc/net/tcp` or `/proc/net/tcp6`, by inode.
+pub fn parse_net_tcp(content: &str) -> Vec<(u64, SocketAddr)> {
+    content
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_ascii_whitespace().collect();
+            if fields.get(3) != Some(&TCP_LISTEN) {
+                return None;
+            }
+            let addr = parse_hex_socket_addr(fields.get(1)?)?;
+            let inode = fields.get(9)?.parse().ok()?;
+            Some((inode, addr))
+        })
+        .collect()
+}
+
+/// `0100007F:1F90` (IPv4) or 32 hex digits `:` port (IPv6). The address is printed as
+/// 32-bit words in host byte order (little-endian on every arch we build for).
+fn parse_hex_socket_addr(field: &str) -> Option<SocketAddr> {
+    let (ip, port) = field.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let word = |i: usize| -> Option<[u8; 4]> {
+        let hex = ip.get(i * 8..i * 8 + 8)?;
+        Some(u32::from_str_radix(hex, 16).ok()?.to_le_bytes())
+    };
+    match ip.len() {
+        8 => Some(SocketAddr::from((Ipv4Addr::from(word(0)?), port))),
+        32 => {
+            let mut octets = [0u8; 16];
+            for i in 0..4 {
+                octets[i * 4..i * 4 + 4].copy_from_slice(&word(i)?);
+            }
+            Some(SocketAddr::from((Ipv6Addr::from(octets), port)))
+        }
+        _ => None,
+    }
+}
+
+/// The systemd unit of a cgroup path, e.g. `/system.slice/nginx.service` → `nginx`.
+pub fn systemd_service(cgroup: &str) -> Option<&str> {
+    cgroup
+        .rsplit('/')
+        .find_map(|component| component.strip_suffix(".service"))
+        .filter(|name| !name.is_empty())
+}
+
+/// The short (12 hex digits) id of the container a cgroup path belongs to, for the
+/// layouts of docker, containerd, CRI-O and podman.
+pub fn container_id(cgroup: &str) -> Option<&str> {
+    cgroup.rsplit('/').find_map(|component| {
+        let component = component.strip_suffix(".scope").unwrap_or(component);
+        let id = component.rsplit(['-', ':']).next()?;
+        (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| &id[..12])
+    })
+}
+
+/// Reads one process; `None` if it vanished or is a kernel thread.
+pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
+    let dir = root.join(pid.to_string());
+    let stat = parse_stat(&fs::read_to_string(dir.join("stat")).ok()?)?;
+    // Kernel threads have no exe and no fds worth looking at.
+    let exe = fs::read_link(dir.join("exe")).ok();
+    if exe.is_none() && stat.ppid == 2 {
+        return None;
+    }
+    let cgroup = fs::read_to_string(dir.join("cgroup"))
+        .map(|content| parse_cgroup(&content))
+        .unwrap_or_else(|_| "/".to_owned());
+    Some(ProcInfo {
+        pid,
+        ppid: stat.ppid,
+        start_time: stat.start_time,
+        comm: stat.comm,
+        exe,
+        cgroup,
+        listeners: Vec::new(),
+    })
+}
+
+/// Socket inodes among the open fds of a process (empty if it vanished).
+fn socket_inodes(root: &Path, pid: u32) -> Vec<u64> {
+    let Ok(entries) = fs::read_dir(root.join(pid.to_string()).join("fd")) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| {
+            let link = fs::read_link(entry.ok()?.path()).ok()?;
+            socket_inode(link.to_str()?)
+        })
+        .collect()
+}
+
+/// The start time of `pid` now, to check that a pid still names the same process.
+pub fn start_time(root: &Path, pid: u32) -> Option<u64> {
+    let content = fs::read_to_string(root.join(pid.to_string()).join("stat")).ok()?;
+    parse_stat(&content).map(|stat| stat.start_time)
+}
+
+/// Scans every process under `root` with its listening sockets. Listening sockets are
+/// read once per network namespace, through a process inside it.
+pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
+    let mut snapshot = ProcSnapshot::default();
+    let mut namespaces_seen = HashSet::new();
+    for entry in fs::read_dir(root)? {
+        let Some(pid) = entry?.file_name().to_str().and_then(|name| name.parse().ok()) else {
+            continue;
+        };
+        let Some(mut process) = read_process(root, pid) else {
+            continue;
+        };
+        let dir = root.join(pid.to_string());
+        let namespace = fs::read_link(dir.join("ns/net")).ok();
+        if namespaces_seen.insert(namespace) {
+            for file in ["net/tcp", "net/tcp6"] {
+                if let Ok(content) = fs::read_to_string(dir.join(file)) {
+                    snapshot.listen_sockets.extend(parse_net_tcp(&content));
+                }
+            }
+        }
+        process.listeners = socket_inodes(root, pid);
+        snapshot.processes.push(process);
+    }
+    // Keep only the sockets that listen; other fds were collected unfiltered above
+    // because the namespace tables may be read after the process's fds.
+    for process in &mut snapshot.processes {
+        process
+            .listeners
+            .retain(|inode| snapshot.listen_sockets.contains_key(inode));
+    }
+    Ok(snapshot)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_with_parentheses_and_spaces_in_comm() {
+        let content = "4242 (my (odd) name) S 17 4242 4242 0 -1 4194560 100 0 0 0 3 1 0 0 20 0 2 0 987654 1000 50 18446744073709551615";
+        assert_eq!(
+            parse_stat(content),
+            Some(Stat {
+                comm: "my (odd) name".into(),
+                ppid: 17,
+                start_time: 987654
+            })
+        );
+    }
+
+    #[test]
+    fn stat_truncated_is_none() {
+        assert_eq!(parse_stat("1 (init) S 0 1"), None);
+    }
+
+    #[test]
+    fn net_tcp_listeners_v4_and_v6() {
+        let v4 = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 0100007F:1F90 00000000:0000 0A 00000000:00000003 00:00000000 00000000     0        0 31337 1 0000000000000000 100 0 0 10 0\n   1: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 31338 1 0000000000000000 20 4 30 10 -1\n";
+        assert_eq!(
+            parse_net_tcp(v4),
+            vec![(31337, "127.0.0.1:8080".parse().expect("addr"))]
+        );
+        let v6 = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000000000000000000001000000:0050 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4444 1 0000000000000000 100 0 0 10 0\n";
+        assert_eq!(
+            parse_net_tcp(v6),
+            vec![(4444, "[::1]:80".parse().expect("addr"))]
+        );
+    }
+
+    #[test]
+    fn socket_links() {
+        assert_eq!(socket_inode("socket:[123]"), Some(123));
+        assert_eq!(socket_inode("pipe:[123]"), None);
+        assert_eq!(socket_inode("/dev/null"), None);
+    }
+
+    #[test]
+    fn cgroup_v2_then_v1() {
+        assert_eq!(parse_cgroup("0::/system.slice/nginx.service\n"), "/system.slice/nginx.service");
+        assert_eq!(parse_cgroup("9:name=systemd:/system.slice/a.service\n1:cpu:/\n"), "/system.slice/a.service");
+        assert_eq!(parse_cgroup(""), "/");
+    }
+
+    #[test]
+    fn service_and_container_names() {
+        assert_eq!(systemd_service("/system.slice/nginx.service"), Some("nginx"));
+        assert_eq!(systemd_service("/user.slice/user-0.slice/session-3.scope"), None);
+        let id = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+        assert_eq!(
+            container_id(&format!("/system.slice/docker-{id}.scope")),
+            Some("0123456789ab")
+        );
+        assert_eq!(
+            container_id(&format!("/kubepods/burstable/pod1/cri-containerd-{id}.scope")),
+            Some("0123456789ab")
+        );
+        assert_eq!(container_id("/system.slice/nginx.service"), None);
+    }
+
+    /// A fixture procfs root: two processes in one namespace, one listening.
+    #[test]
+    fn scan_fixture_root() -> io::Result<()> {
+        use std::os::unix::fs::symlink;
+        let root = tempfile::tempdir()?;
+        let make = |pid: u32, ppid: u32, comm: &str, fds: &[&str]| -> io::Result<()> {
+            let dir = root.path().join(pid.to_string());
+            fs::create_dir_all(dir.join("fd"))?;
+            fs::create_dir_all(dir.join("net"))?;
+            fs::create_dir_all(dir.join("ns"))?;
+            fs::write(
+                dir.join("stat"),
+                format!("{pid} ({comm}) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {} 0 0", 1000 + pid),
+            )?;
+            fs::write(dir.join("cgroup"), "0::/system.slice/web.service\n")?;
+            symlink("/usr/bin/web", dir.join("exe"))?;
+            symlink("net:[4026531840]", dir.join("ns/net"))?;
+            fs::write(
+                dir.join("net/tcp"),
+                "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 777 1 0 100 0 0 10 0\n",
+            )?;
+            for (i, link) in fds.iter().enumerate() {
+                symlink(link, dir.join("fd").join(i.to_string()))?;
+            }
+            Ok(())
+        };
+        make(10, 1, "web", &["/dev/null", "socket:[777]", "socket:[778]"])?;
+        make(11, 10, "web worker", &["pipe:[5]"])?;
+        fs::create_dir_all(root.path().join("self"))?;
+
+        let mut snapshot = scan(root.path())?;
+        snapshot.processes.sort_by_key(|p| p.pid);
+        assert_eq!(snapshot.listen_sockets.get(&777), Some(&"0.0.0.0:8080".parse().expect("addr")));
+        assert_eq!(snapshot.processes.len(), 2);
+        assert_eq!(snapshot.processes[0].listeners, vec![777]);
+        assert_eq!(snapshot.processes[0].start_time, 1010);
+        assert_eq!(snapshot.processes[1].comm, "web worker");
+        assert_eq!(snapshot.processes[1].ppid, 10);
+        assert!(snapshot.processes[1].listeners.is_empty());
+        assert_eq!(snapshot.processes[1].cgroup, "/system.slice/web.service");
+        Ok(())
+    }
+}

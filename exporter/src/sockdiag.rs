@@ -1,0 +1,239 @@
+//! Listen-queue depth and limit of every listening TCP socket, from the kernel's
+//! sock_diag netlink interface (what `ss -lnt` shows as Recv-Q / Send-Q): for a
+//! listener, `idiag_rqueue` is `sk_ack_backlog` and `idiag_wqueue` is
+//! `sk_max_ack_backlog`. One dump per address family per scrape; the parser is a pure
+//! function over the reply bytes.
+//!
+//! Sees the exporter's own network namespace only.
+use std::{
+    io,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+};
+
+/// One listening socket's queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ListenQueue {
+    pub inode: u64,
+    pub addr: SocketAddr,
+    /// Connections completed and waiting for accept().
+    pub depth: u32,
+    /// The backlog given to listen(), capped by net.core.somaxconn.
+    pub limit: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SockDiagError {
+    #[error("sock_diag socket: {0}")]
+    Io(#[from] io::Error),
+    #[error("sock_diag reply truncated or malformed")]
+    Malformed,
+    #[error("sock_diag error reply: errno {0}")]
+    Kernel(i32),
+}
+
+const NETLINK_SOCK_DIAG: libc::c_int = 4;
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLMSG_HDRLEN: usize = 16;
+const TCP_LISTEN: u32 = 10;
+/// inet_diag_req_v2: family, protocol, ext, pad, states, then a 48-byte socket id.
+const REQUEST_LEN: usize = 56;
+/// inet_diag_msg: 4 bytes, 48-byte id, expires, rqueue, wqueue, uid, inode.
+const MESSAGE_LEN: usize = 72;
+
+/// Every listening TCP socket (IPv4 and IPv6) with its queue.
+pub fn listen_queues() -> Result<Vec<ListenQueue>, SockDiagError> {
+    let mut queues = Vec::new();
+    for family in [libc::AF_INET, libc::AF_INET6] {
+        queues.extend(dump(family as u8)?);
+    }
+    Ok(queues)
+}
+
+fn request(family: u8) -> Vec<u8> {
+    let total = NLMSG_HDRLEN + REQUEST_LEN;
+    let mut message = Vec::with_capacity(total);
+    message.extend_from_slice(&(total as u32).to_ne_bytes());
+    message.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+    message.extend_from_slice(&flags.to_ne_bytes());
+    message.extend_from_slice(&1u32.to_ne_bytes()); // sequence
+    message.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel
+    message.extend_from_slice(&[family, libc::IPPROTO_TCP as u8, 0, 0]);
+    message.extend_from_slice(&(1u32 << TCP_LISTEN).to_ne_bytes());
+    message.resize(total, 0); // any socket id
+    message
+}
+
+fn dump(family: u8) -> Result<Vec<ListenQueue>, SockDiagError> {
+    // SAFETY: plain socket(2); the fd is owned at once.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+            NETLINK_SOCK_DIAG,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    // SAFETY: fd is a fresh, valid descriptor that nothing else owns.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    let message = request(family);
+    // SAFETY: zeroed sockaddr_nl is valid; nl_pid 0 addresses the kernel.
+    let mut kernel: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+    kernel.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+    // SAFETY: message and address outlive the call; lengths are theirs.
+    let sent = unsafe {
+        libc::sendto(
+            socket.as_raw_fd(),
+            message.as_ptr().cast(),
+            message.len(),
+            0,
+            std::ptr::from_ref(&kernel).cast(),
+            size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+        )
+    };
+    if sent < 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    let mut queues = Vec::new();
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        // SAFETY: buffer is valid for its length.
+        let received = unsafe {
+            libc::recv(socket.as_raw_fd(), buffer.as_mut_ptr().cast(), buffer.len(), 0)
+        };
+        if received < 0 {
+            let error = io::Error::last_os_error();
+            if error.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(error.into());
+        }
+        let bytes = buffer.get(..received as usize).ok_or(SockDiagError::Malformed)?;
+        if parse_reply(bytes, &mut queues)? {
+            return Ok(queues);
+        }
+    }
+}
+
+fn u32_at(bytes: &[u8], offset: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(bytes.get(offset..offset + 4)?.try_into().ok()?))
+}
+
+fn u16_at(bytes: &[u8], offset: usize) -> Option<u16> {
+    Some(u16::from_ne_bytes(bytes.get(offset..offset + 2)?.try_into().ok()?))
+}
+
+/// Appends the sockets of one received datagram; `true` once the dump is done.
+pub fn parse_reply(mut bytes: &[u8], queues: &mut Vec<ListenQueue>) -> Result<bool, SockDiagError> {
+    while bytes.len() >= NLMSG_HDRLEN {
+        let length = u32_at(bytes, 0).ok_or(SockDiagError::Malformed)? as usize;
+        let kind = u16_at(bytes, 4).ok_or(SockDiagError::Malformed)?;
+        if length < NLMSG_HDRLEN || length > bytes.len() {
+            return Err(SockDiagError::Malformed);
+        }
+        let payload = &bytes[NLMSG_HDRLEN..length];
+        match kind {
+            NLMSG_DONE => return Ok(true),
+            NLMSG_ERROR => {
+                let errno = u32_at(payload, 0).ok_or(SockDiagError::Malformed)? as i32;
+                return Err(SockDiagError::Kernel(-errno));
+            }
+            SOCK_DIAG_BY_FAMILY => queues.push(parse_message(payload)?),
+            _ => {}
+        }
+        // Messages are 4-byte aligned.
+        let advance = (length + 3) & !3;
+        bytes = bytes.get(advance..).unwrap_or_default();
+    }
+    Ok(false)
+}
+
+fn parse_message(payload: &[u8]) -> Result<ListenQueue, SockDiagError> {
+    if payload.len() < MESSAGE_LEN {
+        return Err(SockDiagError::Malformed);
+    }
+    let family = payload[0];
+    let port = u16::from_be_bytes([payload[4], payload[5]]);
+    let source = &payload[8..24];
+    let ip = if family == libc::AF_INET6 as u8 {
+        let octets: [u8; 16] = source.try_into().map_err(|_| SockDiagError::Malformed)?;
+        Ipv6Addr::from(octets).into()
+    } else {
+        Ipv4Addr::new(source[0], source[1], source[2], source[3]).into()
+    };
+    let field = |offset| u32_at(payload, offset).ok_or(SockDiagError::Malformed);
+    Ok(ListenQueue {
+        addr: SocketAddr::new(ip, port),
+        depth: field(56)?,
+        limit: field(60)?,
+        inode: field(68)?.into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(family: u8, ip: &[u8], port: u16, rqueue: u32, wqueue: u32, inode: u32) -> Vec<u8> {
+        let mut payload = vec![0u8; MESSAGE_LEN];
+        payload[0] = family;
+        payload[1] = TCP_LISTEN as u8;
+        payload[4..6].copy_from_slice(&port.to_be_bytes());
+        payload[8..8 + ip.len()].copy_from_slice(ip);
+        payload[56..60].copy_from_slice(&rqueue.to_ne_bytes());
+        payload[60..64].copy_from_slice(&wqueue.to_ne_bytes());
+        payload[68..72].copy_from_slice(&inode.to_ne_bytes());
+        let mut out = Vec::new();
+        out.extend_from_slice(&((NLMSG_HDRLEN + MESSAGE_LEN) as u32).to_ne_bytes());
+        out.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        out.extend_from_slice(&[0u8; 10]);
+        out.extend_from_slice(&payload);
+        out
+    }
+
+    fn done() -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&20u32.to_ne_bytes());
+        out.extend_from_slice(&NLMSG_DONE.to_ne_bytes());
+        out.extend_from_slice(&[0u8; 14]);
+        out
+    }
+
+    #[test]
+    fn parses_v4_and_v6_listeners_then_done() -> Result<(), SockDiagError> {
+        let mut bytes = message(libc::AF_INET as u8, &[127, 0, 0, 1], 8080, 3, 128, 99);
+        let mut v6 = [0u8; 16];
+        v6[15] = 1;
+        bytes.extend(message(libc::AF_INET6 as u8, &v6, 443, 0, 4096, 100));
+        let mut queues = Vec::new();
+        assert!(!parse_reply(&bytes, &mut queues)?);
+        assert_eq!(
+            queues,
+            vec![
+                ListenQueue { inode: 99, addr: "127.0.0.1:8080".parse().expect("addr"), depth: 3, limit: 128 },
+                ListenQueue { inode: 100, addr: "[::1]:443".parse().expect("addr"), depth: 0, limit: 4096 },
+            ]
+        );
+        assert!(parse_reply(&done(), &mut queues)?);
+        Ok(())
+    }
+
+    #[test]
+    fn truncated_reply_is_an_error() {
+        let bytes = message(libc::AF_INET as u8, &[127, 0, 0, 1], 1, 0, 0, 1);
+        let mut queues = Vec::new();
+        assert!(parse_reply(&bytes[..40], &mut queues).is_err());
+    }
+
+    #[test]
+    fn request_asks_for_listeners_only() {
+        let request = request(libc::AF_INET as u8);
+        assert_eq!(request.len(), 72);
+        assert_eq!(u32_at(&request, 20), Some(1 << TCP_LISTEN));
+    }
+}

@@ -1,0 +1,295 @@
+//! The watched set: which process (pid and start time) is watched for which service,
+//! kept in step with the kernel's `WATCHED` map, and the dense service ids the kernel
+//! counts by. Updated by rescans (whole snapshot) and by process events (one fork or
+//! exit at a time). A process is named by (pid, start time) so that a reused pid is a
+//! new process: the kernel drops an exited process at once, and user space checks the
+//! start time again after every insert.
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+};
+
+use poolscope_shared::{ProcessEvent, ProcessEventKind, Watched};
+
+use crate::{discovery::Assignment, kernel::Kernel, procfs};
+
+/// One watched process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tracked {
+    start_time: u64,
+    service: u32,
+    since_ns: u64,
+}
+
+/// Service names ↔ dense ids `0..max`; an id is reused only after its counters are zeroed.
+#[derive(Debug, Default)]
+struct ServiceIds {
+    names: Vec<Option<String>>,
+    by_name: HashMap<String, u32>,
+    max: u32,
+}
+
+impl ServiceIds {
+    fn get_or_allocate(&mut self, name: &str) -> Option<u32> {
+        if let Some(&id) = self.by_name.get(name) {
+            return Some(id);
+        }
+        let id = match self.names.iter().position(Option::is_none) {
+            Some(free) => free as u32,
+            None if (self.names.len() as u32) < self.max => {
+                self.names.push(None);
+                self.names.len() as u32 - 1
+            }
+            None => return None,
+        };
+        self.names[id as usize] = Some(name.to_owned());
+        self.by_name.insert(name.to_owned(), id);
+        Some(id)
+    }
+
+    fn name(&self, id: u32) -> Option<&str> {
+        self.names.get(id as usize)?.as_deref()
+    }
+
+    fn free(&mut self, id: u32) {
+        if let Some(slot) = self.names.get_mut(id as usize)
+            && let Some(name) = slot.take()
+        {
+            self.by_name.remove(&name);
+        }
+    }
+}
+
+/// A live service as the scrape sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceView {
+    pub id: u32,
+    pub name: String,
+    pub processes: u64,
+    /// Unserved connections removed when their process exited (user space's purge).
+    pub purged_unserved: u64,
+}
+
+#[derive(Debug)]
+pub struct Targets {
+    ids: ServiceIds,
+    processes: HashMap<u32, Tracked>,
+    purged_unserved: HashMap<u32, u64>,
+    /// Listening socket inode → service name, from the last scan.
+    listeners: HashMap<u64, String>,
+    procfs_root: PathBuf,
+    /// Processes not watched because `limits.max_services` was reached.
+    pub services_refused: u64,
+    /// Inserts into `WATCHED` that failed (map full).
+    pub watch_errors: u64,
+}
+
+/// CLOCK_MONOTONIC in ns, the clock of `bpf_ktime_get_ns`.
+pub fn monotonic_ns() -> u64 {
+    // SAFETY: zeroed timespec is valid; clock_gettime only writes it.
+    let mut now: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer to a timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+impl Targets {
+    pub fn new(procfs_root: PathBuf, max_services: u32) -> Self {
+        Self {
+            ids: ServiceIds {
+                max: max_services,
+                ..ServiceIds::default()
+            },
+            processes: HashMap::new(),
+            purged_unserved: HashMap::new(),
+            listeners: HashMap::new(),
+            procfs_root,
+            services_refused: 0,
+            watch_errors: 0,
+        }
+    }
+
+    /// Makes the watched set equal to `assignments` (one full scan, begun at
+    /// `scan_started_ns`), in user space and in the kernel.
+    pub fn apply(
+        &mut self,
+        kernel: &mut Kernel,
+        assignments: &[Assignment],
+        listeners: HashMap<u64, String>,
+        scan_started_ns: u64,
+    ) {
+        self.listeners = listeners;
+        let desired: HashMap<u32, &Assignment> = assignments.iter().map(|a| (a.pid, a)).collect();
+        let gone: Vec<u32> = self
+            .processes
+            .iter()
+            .filter(|(pid, tracked)| {
+                desired.get(pid).is_none_or(|a| {
+                    a.start_time != tracked.start_time
+                        || self.ids.name(tracked.service) != Some(a.service.as_str())
+                })
+            })
+            .map(|(pid, _)| *pid)
+            .collect();
+        for pid in gone {
+            self.forget(kernel, pid);
+        }
+        for assignment in assignments {
+            if !self.processes.contains_key(&assignment.pid) {
+                self.add(kernel, assignment);
+            }
+        }
+        // Kernel entries that the scan should have seen but did not assign: a fork
+        // child outside its parent's cgroup, or a fork whose event was lost.
+        let strays: Vec<(u32, u64)> = kernel
+            .watched_pids()
+            .into_iter()
+            .filter(|(pid, watch)| {
+                !self.processes.contains_key(pid) && watch.since_ns < scan_started_ns
+            })
+            .map(|(pid, watch)| (pid, watch.since_ns))
+            .collect();
+        for (pid, since_ns) in strays {
+            kernel.unwatch(pid, since_ns);
+            self.purge(kernel, pid, since_ns);
+        }
+        self.free_idle_services(kernel);
+    }
+
+    fn add(&mut self, kernel: &mut Kernel, assignment: &Assignment) {
+        let Some(service) = self.ids.get_or_allocate(&assignment.service) else {
+            self.services_refused += 1;
+            tracing::warn!(service = %assignment.service, "limits.max_services reached; not watched");
+            return;
+        };
+        let pid = assignment.pid;
+        // A fork may have put it there already: keep that entry and its `since`.
+        let since_ns = match kernel.watched(pid) {
+            Some(watch) if watch.service == service => watch.since_ns,
+            _ => {
+                let since_ns = monotonic_ns();
+                let watch = Watched {
+                    service,
+                    _pad: 0,
+                    since_ns,
+                };
+                if let Err(error) = kernel.watch(pid, watch) {
+                    self.watch_errors += 1;
+                    tracing::warn!(pid, %error, "cannot watch process");
+                    return;
+                }
+                since_ns
+            }
+        };
+        // The pid may have been reused between the scan and the insert.
+        if procfs::start_time(&self.procfs_root, pid) != Some(assignment.start_time) {
+            kernel.unwatch(pid, since_ns);
+            return;
+        }
+        self.processes.insert(
+            pid,
+            Tracked {
+                start_time: assignment.start_time,
+                service,
+                since_ns,
+            },
+        );
+    }
+
+    fn forget(&mut self, kernel: &mut Kernel, pid: u32) {
+        if let Some(tracked) = self.processes.remove(&pid) {
+            kernel.unwatch(pid, tracked.since_ns);
+            self.purge(kernel, pid, tracked.since_ns);
+        }
+    }
+
+    fn purge(&mut self, kernel: &mut Kernel, pid: u32, since_ns: u64) {
+        for service in kernel.purge_connections(pid, since_ns) {
+            *self.purged_unserved.entry(service).or_default() += 1;
+        }
+    }
+
+    /// Frees the ids of services with no process left, zeroing their kernel counters.
+    fn free_idle_services(&mut self, kernel: &mut Kernel) {
+        let busy: std::collections::HashSet<u32> =
+            self.processes.values().map(|t| t.service).collect();
+        let idle: Vec<u32> = (0..self.ids.names.len() as u32)
+            .filter(|id| self.ids.name(*id).is_some() && !busy.contains(id))
+            .collect();
+        for id in idle {
+            match kernel.reset_service(id) {
+                Ok(()) => {
+                    self.ids.free(id);
+                    self.purged_unserved.remove(&id);
+                }
+                Err(error) => tracing::warn!(id, %error, "cannot reset counters of a service"),
+            }
+        }
+    }
+
+    /// Applies one event from the kernel. Returns true when a rescan is worth doing
+    /// (an unwatched process exec'd and may now match a rule).
+    pub fn on_event(&mut self, kernel: &mut Kernel, event: &ProcessEvent) -> bool {
+        match event.kind {
+            k if k == ProcessEventKind::Fork as u32 => {
+                if self.ids.name(event.service).is_none() {
+                    return false;
+                }
+                match procfs::start_time(&self.procfs_root, event.pid) {
+                    Some(start_time) => {
+                        self.processes.insert(
+                            event.pid,
+                            Tracked {
+                                start_time,
+                                service: event.service,
+                                since_ns: event.since_ns,
+                            },
+                        );
+                    }
+                    // Already gone: its exit event follows, or a rescan cleans up.
+                    None => kernel.unwatch(event.pid, event.since_ns),
+                }
+                false
+            }
+            k if k == ProcessEventKind::Exit as u32 => {
+                if self
+                    .processes
+                    .get(&event.pid)
+                    .is_some_and(|t| t.since_ns == event.since_ns)
+                {
+                    self.processes.remove(&event.pid);
+                }
+                self.purge(kernel, event.pid, event.since_ns);
+                false
+            }
+            k if k == ProcessEventKind::Exec as u32 => !self.processes.contains_key(&event.pid),
+            _ => false,
+        }
+    }
+
+    /// Live services with their process counts.
+    pub fn services(&self) -> Vec<ServiceView> {
+        let mut counts: HashMap<u32, u64> = HashMap::new();
+        for tracked in self.processes.values() {
+            *counts.entry(tracked.service).or_default() += 1;
+        }
+        let mut views: Vec<ServiceView> = counts
+            .into_iter()
+            .filter_map(|(id, processes)| {
+                Some(ServiceView {
+                    id,
+                    name: self.ids.name(id)?.to_owned(),
+                    processes,
+                    purged_unserved: self.purged_unserved.get(&id).copied().unwrap_or(0),
+                })
+            })
+            .collect();
+        views.sort_by(|a, b| a.name.cmp(&b.name));
+        views
+    }
+
+    /// Listening socket inode → owning service, from the last scan.
+    pub fn listener_owners(&self) -> &HashMap<u64, String> {
+        &self.listeners
+    }
+}

@@ -1,0 +1,98 @@
+//! HTTP endpoints: `/metrics` (text or OpenMetrics by Accept header) and `/healthz`.
+//! `app` builds the router so that tests can call it without a socket.
+use std::sync::Arc;
+
+use axum::{
+    Router,
+    extract::State,
+    http::{HeaderMap, HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::get,
+};
+
+use crate::encode::{Family, Format, render};
+
+/// Something that reads every metric family for one scrape.
+pub trait Gatherer: Send + Sync + 'static {
+    /// Blocking: reads kernel maps and netlink.
+    fn gather(&self) -> Vec<Family>;
+}
+
+pub fn app(gatherer: Arc<dyn Gatherer>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/", get(|| async { "poolscope: see /metrics\n" }))
+        .with_state(gatherer)
+}
+
+async fn metrics(State(gatherer): State<Arc<dyn Gatherer>>, headers: HeaderMap) -> Response {
+    let format = Format::negotiate(
+        headers
+            .get(header::ACCEPT)
+            .and_then(|value| value.to_str().ok()),
+    );
+    // Reading maps and netlink blocks; keep it off the async workers.
+    match tokio::task::spawn_blocking(move || render(&gatherer.gather(), format)).await {
+        Ok(body) => (
+            [(header::CONTENT_TYPE, HeaderValue::from_static(format.content_type()))],
+            body,
+        )
+            .into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, format!("scrape failed: {error}\n"))
+            .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use http_body_util::BodyExt as _;
+    use tower::ServiceExt as _;
+
+    use super::*;
+    use crate::encode::Kind;
+
+    struct Fixed;
+    impl Gatherer for Fixed {
+        fn gather(&self) -> Vec<Family> {
+            vec![Family::new("queue_depth", Kind::Gauge, "Depth.").with(&[("service", "a")], 2.0)]
+        }
+    }
+
+    async fn get(path: &str, accept: Option<&str>) -> (StatusCode, String, String) {
+        let mut request = axum::http::Request::get(path);
+        if let Some(accept) = accept {
+            request = request.header(header::ACCEPT, accept);
+        }
+        let request = request.body(Body::empty()).expect("request");
+        let response = app(Arc::new(Fixed)).oneshot(request).await.expect("response");
+        let status = response.status();
+        let content_type = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let body = response.into_body().collect().await.expect("body").to_bytes();
+        (status, content_type, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn metrics_in_both_formats() {
+        let (status, content_type, body) = get("/metrics", None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(content_type.starts_with("text/plain; version=0.0.4"));
+        assert!(body.contains("poolscope_queue_depth{service=\"a\"} 2\n"));
+        let (_, content_type, body) =
+            get("/metrics", Some("application/openmetrics-text; version=1.0.0")).await;
+        assert!(content_type.starts_with("application/openmetrics-text"));
+        assert!(body.ends_with("# EOF\n"));
+    }
+
+    #[tokio::test]
+    async fn healthz_and_unknown_paths() {
+        assert_eq!(get("/healthz", None).await.0, StatusCode::OK);
+        assert_eq!(get("/nope", None).await.0, StatusCode::NOT_FOUND);
+    }
+}
