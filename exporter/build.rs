@@ -21,8 +21,9 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: build scripts are single-threaded at this point.
     unsafe { std::env::set_var("RUSTC_BOOTSTRAP", "1") };
     println!("cargo:rerun-if-env-changed=RUSTUP_TOOLCHAIN");
-    let toolchain = std::env::var("RUSTUP_TOOLCHAIN")
-        .context("RUSTUP_TOOLCHAIN is not set: build through rustup's cargo (rust-toolchain.toml)")?;
+    let toolchain = std::env::var("RUSTUP_TOOLCHAIN").context(
+        "RUSTUP_TOOLCHAIN is not set: build through rustup's cargo (rust-toolchain.toml)",
+    )?;
     aya_build::build_ebpf(
         [aya_build::Package {
             name: ebpf.name.as_str(),

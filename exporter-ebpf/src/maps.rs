@@ -5,8 +5,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
 use poolscope_shared::{
-    Conn, ConnKey, LossSource, MAX_SERVICES, PENDING_READS_CAPACITY, ProcessEvent, SYSCALL_COUNTS_SIZE,
-    SYSCALL_TABLE_SIZE, ServiceCounters, Watched,
+    Conn, ConnKey, LossSource, MAX_SERVICES, PENDING_CALLS_CAPACITY, PendingCall, ProcessEvent,
+    SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, Watched,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -15,8 +15,8 @@ pub static WATCHED: HashMap<u32, Watched> = HashMap::with_max_entries(16384, 0);
 #[map]
 pub static CONNS: HashMap<ConnKey, Conn> = HashMap::with_max_entries(65536, 0);
 #[map]
-pub static PENDING_READS: HashMap<u32, u32> =
-    HashMap::with_max_entries(PENDING_READS_CAPACITY, 0);
+pub static PENDING_CALLS: HashMap<u32, PendingCall> =
+    HashMap::with_max_entries(PENDING_CALLS_CAPACITY, 0);
 #[map]
 pub static SYSCALL_SLOTS: Array<u32> = Array::with_max_entries(SYSCALL_TABLE_SIZE, 0);
 #[map]

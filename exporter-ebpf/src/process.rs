@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use poolscope_shared::{LossSource, ProcessEvent, ProcessEventKind, Watched};
 
-use crate::maps::{PENDING_READS, WATCHED, count_loss, send_process_event, watched};
+use crate::maps::{PENDING_CALLS, WATCHED, count_loss, send_process_event, watched};
 
 /// Offsets from /sys/kernel/tracing/events/{task,sched}/*/format.
 const NEWTASK_PID: usize = 8;
@@ -93,8 +93,8 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
 
 fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
     let pid_tgid = bpf_get_current_pid_tgid();
-    // A thread killed inside a read leaves its pending entry behind otherwise.
-    let _ = PENDING_READS.remove(pid_tgid as u32);
+    // A thread killed inside a syscall leaves its pending entry behind otherwise.
+    let _ = PENDING_CALLS.remove(pid_tgid as u32);
     // SAFETY: offset matches the tracepoint's format.
     let group_dead: u8 = unsafe { ctx.read_at(EXIT_GROUP_DEAD)? };
     if group_dead == 0 {

@@ -57,7 +57,10 @@ pub fn service_families(
             if *id != service.id {
                 break;
             }
-            syscalls.push(&[("service", &service.name), ("syscall", syscall)], *calls as f64);
+            syscalls.push(
+                &[("service", &service.name), ("syscall", syscall)],
+                *calls as f64,
+            );
         }
     }
 
@@ -73,7 +76,10 @@ pub fn service_families(
     );
     for listener in listeners {
         let address = listener.queue.addr.to_string();
-        let labels = [("service", listener.service.as_str()), ("listener", address.as_str())];
+        let labels = [
+            ("service", listener.service.as_str()),
+            ("listener", address.as_str()),
+        ];
         depth.push(&labels, listener.queue.depth.into());
         limit.push(&labels, listener.queue.limit.into());
     }
@@ -114,8 +120,15 @@ pub struct SelfStats {
 /// The exporter's own families; never capped.
 pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readout>) -> Vec<Family> {
     let mut families = vec![
-        Family::new("build_info", Kind::Gauge, "poolscope's version and request backend; always 1.")
-            .with(&[("version", stats.version), ("backend", stats.backend)], 1.0),
+        Family::new(
+            "build_info",
+            Kind::Gauge,
+            "poolscope's version and request backend; always 1.",
+        )
+        .with(
+            &[("version", stats.version), ("backend", stats.backend)],
+            1.0,
+        ),
     ];
     let mut attached = Family::new(
         "probe_attached",
@@ -123,7 +136,10 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
         "1 if the kernel probe (category/tracepoint) is attached, else 0.",
     );
     for probe in probes {
-        attached.push(&[("probe", &probe.name)], if probe.attached { 1.0 } else { 0.0 });
+        attached.push(
+            &[("probe", &probe.name)],
+            if probe.attached { 1.0 } else { 0.0 },
+        );
     }
     families.push(attached);
 
@@ -141,7 +157,10 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
         );
         let mut runs = Family::new("bpf_runs", Kind::Counter, "Runs of each kernel program.");
         for program in &kernel.programs {
-            run_seconds.push(&[("program", &program.name)], program.run_time.as_secs_f64());
+            run_seconds.push(
+                &[("program", &program.name)],
+                program.run_time.as_secs_f64(),
+            );
             runs.push(&[("program", &program.name)], program.runs as f64);
         }
         families.extend([run_seconds, runs]);
@@ -149,8 +168,8 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
         for (source, lost) in &kernel.losses {
             match source {
                 LossSource::ConnsFull => *map_errors.entry("CONNS").or_default() += lost,
-                LossSource::PendingReadsFull => {
-                    *map_errors.entry("PENDING_READS").or_default() += lost;
+                LossSource::PendingCallsFull => {
+                    *map_errors.entry("PENDING_CALLS").or_default() += lost;
                 }
                 LossSource::WatchedFull => *map_errors.entry("WATCHED").or_default() += lost,
                 LossSource::ProcessEvents => {
@@ -244,10 +263,16 @@ mod tests {
         readout.syscalls.insert((4, "read"), 9);
         let families = service_families(&[view(3, "web", 1)], &readout, &[]);
         let text = render(&families, Format::Text);
-        assert!(text.contains("poolscope_connections_unserved{service=\"web\"} 3\n"), "{text}");
+        assert!(
+            text.contains("poolscope_connections_unserved{service=\"web\"} 3\n"),
+            "{text}"
+        );
         assert!(text.contains("poolscope_connections_accepted_total{service=\"web\"} 10\n"));
         assert!(text.contains("poolscope_syscalls_total{service=\"web\",syscall=\"read\"} 7\n"));
-        assert!(!text.contains("} 9\n"), "another service's counter leaked: {text}");
+        assert!(
+            !text.contains("} 9\n"),
+            "another service's counter leaked: {text}"
+        );
         assert!(text.contains("poolscope_targets{service=\"web\"} 2\n"));
     }
 
@@ -263,7 +288,10 @@ mod tests {
             (inode == 1).then(|| "web".to_owned())
         });
         assert_eq!(listeners.len(), 1);
-        let text = render(&service_families(&[], &Readout::default(), &listeners), Format::Text);
+        let text = render(
+            &service_families(&[], &Readout::default(), &listeners),
+            Format::Text,
+        );
         assert!(text.contains(
             "poolscope_listen_queue_depth{service=\"web\",listener=\"127.0.0.1:80\"} 4\n"
         ));

@@ -46,7 +46,7 @@ impl Default for RawConfig {
             },
             probes: RawProbes {
                 backend: Backend::Auto,
-                bpf_stats: true,
+                bpf_stats: false,
             },
             limits: RawLimits {
                 max_series: 20_000,
@@ -93,7 +93,9 @@ pub enum Backend {
 #[serde(deny_unknown_fields, default)]
 pub struct RawProbes {
     pub backend: Backend,
-    /// Keep `kernel.bpf_stats_enabled` on while running (a few ns per program run).
+    /// Keep `kernel.bpf_stats_enabled` on while running. Off by default: the kernel
+    /// then times every program run, which cost ~75 ns per run on our test VMs
+    /// (`cargo xtask bench`). `bpf_run_*` also count when an operator enables it.
     pub bpf_stats: bool,
 }
 
@@ -252,18 +254,26 @@ fn invalid(figment: &Figment, key: &str, reason: impl std::fmt::Display) -> Conf
 }
 
 fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError> {
-    let listen_address = raw
-        .web
-        .listen_address
-        .parse()
-        .map_err(|error| invalid(figment, "web.listen_address", format!("{error} (want ip:port)")))?;
-    let log_level = raw
-        .log
-        .level
-        .parse()
-        .map_err(|_| invalid(figment, "log.level", "want one of error, warn, info, debug, trace, off"))?;
+    let listen_address = raw.web.listen_address.parse().map_err(|error| {
+        invalid(
+            figment,
+            "web.listen_address",
+            format!("{error} (want ip:port)"),
+        )
+    })?;
+    let log_level = raw.log.level.parse().map_err(|_| {
+        invalid(
+            figment,
+            "log.level",
+            "want one of error, warn, info, debug, trace, off",
+        )
+    })?;
     if raw.discovery.rescan_interval < Duration::from_millis(100) {
-        return Err(invalid(figment, "discovery.rescan_interval", "must be at least 100ms"));
+        return Err(invalid(
+            figment,
+            "discovery.rescan_interval",
+            "must be at least 100ms",
+        ));
     }
     let positive = |key: &str, value: u64| {
         if value == 0 {
@@ -273,7 +283,10 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         }
     };
     positive("limits.max_series", raw.limits.max_series as u64)?;
-    positive("limits.watched_processes", raw.limits.watched_processes.into())?;
+    positive(
+        "limits.watched_processes",
+        raw.limits.watched_processes.into(),
+    )?;
     positive("limits.connections", raw.limits.connections.into())?;
     positive("limits.max_services", raw.limits.max_services.into())?;
     if raw.limits.max_services > poolscope_shared::MAX_SERVICES {
@@ -328,10 +341,18 @@ fn validate_target(
     if let Some(service) = &rule.service
         && (service.is_empty() || service.len() > 128)
     {
-        return Err(invalid(figment, "targets", format!("{}: 1 to 128 characters", key("service"))));
+        return Err(invalid(
+            figment,
+            "targets",
+            format!("{}: 1 to 128 characters", key("service")),
+        ));
     }
     if rule.cgroup.as_deref() == Some("") {
-        return Err(invalid(figment, "targets", format!("{}: must not be empty", key("cgroup"))));
+        return Err(invalid(
+            figment,
+            "targets",
+            format!("{}: must not be empty", key("cgroup")),
+        ));
     }
     let selects = !rule.pids.is_empty()
         || rule.comm.is_some()
@@ -342,7 +363,10 @@ fn validate_target(
         return Err(invalid(
             figment,
             "targets",
-            format!("{}: needs at least one of pids, comm, exe, port, cgroup", key("")),
+            format!(
+                "{}: needs at least one of pids, comm, exe, port, cgroup",
+                key("")
+            ),
         ));
     }
     Ok(rule)
@@ -350,7 +374,10 @@ fn validate_target(
 
 /// The file a config was loaded from, for messages.
 pub fn describe_source(path: Option<&Path>) -> String {
-    path.map_or_else(|| "built-in defaults".to_owned(), |p| p.display().to_string())
+    path.map_or_else(
+        || "built-in defaults".to_owned(),
+        |p| p.display().to_string(),
+    )
 }
 
 #[cfg(test)]
@@ -377,7 +404,10 @@ mod tests {
     #[test]
     fn defaults_listen_on_localhost_and_auto_discover() -> Result<(), ConfigError> {
         let settings = load_toml("")?;
-        assert_eq!(settings.listen_address, DEFAULT_LISTEN_ADDRESS.parse().expect("addr"));
+        assert_eq!(
+            settings.listen_address,
+            DEFAULT_LISTEN_ADDRESS.parse().expect("addr")
+        );
         assert!(settings.listen_address.ip().is_loopback());
         assert!(settings.targets.is_empty());
         assert_eq!(settings.backend, Backend::Auto);
@@ -423,9 +453,15 @@ mod tests {
     #[test]
     fn bad_values_name_key_and_reason() {
         let error = error_of("[web]\nlisten_address = \"localhost\"\n");
-        assert!(error.contains("web.listen_address") && error.contains("poolscope.toml"), "{error}");
+        assert!(
+            error.contains("web.listen_address") && error.contains("poolscope.toml"),
+            "{error}"
+        );
         let error = error_of("[probes]\nbackend = \"kprobe\"\n");
-        assert!(error.contains("backend") && error.contains("kprobe"), "{error}");
+        assert!(
+            error.contains("backend") && error.contains("kprobe"),
+            "{error}"
+        );
         let error = error_of("[[targets]]\ncomm = \"(\"\n");
         assert!(error.contains("targets[0].comm"), "{error}");
         let error = error_of("[[targets]]\nservice = \"x\"\n");
@@ -460,7 +496,10 @@ mod tests {
             log_level: Some("debug".into()),
         })?;
         assert_eq!(settings.listen_address.port(), 2);
-        assert_eq!(settings.log_level, tracing::level_filters::LevelFilter::DEBUG);
+        assert_eq!(
+            settings.log_level,
+            tracing::level_filters::LevelFilter::DEBUG
+        );
         Ok(())
     }
 }

@@ -52,7 +52,10 @@ fn cgroup_matches(selector: &str, cgroup: &str) -> bool {
 
 fn rule_matches(rule: &TargetRule, process: &ProcInfo, snapshot: &ProcSnapshot) -> bool {
     (rule.pids.is_empty() || rule.pids.contains(&process.pid))
-        && rule.comm.as_ref().is_none_or(|re| re.is_match(&process.comm))
+        && rule
+            .comm
+            .as_ref()
+            .is_none_or(|re| re.is_match(&process.comm))
         && rule.exe.as_ref().is_none_or(|re| {
             process
                 .exe
@@ -74,14 +77,22 @@ fn rule_matches(rule: &TargetRule, process: &ProcInfo, snapshot: &ProcSnapshot) 
 }
 
 /// The service a process belongs to by itself (not through an ancestor).
-fn direct_service(process: &ProcInfo, rules: &[TargetRule], snapshot: &ProcSnapshot) -> Option<String> {
+fn direct_service(
+    process: &ProcInfo,
+    rules: &[TargetRule],
+    snapshot: &ProcSnapshot,
+) -> Option<String> {
     if rules.is_empty() {
         return (!process.listeners.is_empty()).then(|| default_service_name(process));
     }
     rules
         .iter()
         .find(|rule| rule_matches(rule, process, snapshot))
-        .map(|rule| rule.service.clone().unwrap_or_else(|| default_service_name(process)))
+        .map(|rule| {
+            rule.service
+                .clone()
+                .unwrap_or_else(|| default_service_name(process))
+        })
 }
 
 /// Assigns every process of `snapshot` that belongs to a service. `exclude` (the
@@ -115,7 +126,10 @@ pub fn assign(snapshot: &ProcSnapshot, rules: &[TargetRule], exclude: u32) -> Ve
         .iter()
         .filter(|p| p.pid != exclude && p.pid > 1)
         .filter_map(|process| {
-            let service = direct.get(&process.pid).cloned().or_else(|| inherited(process))?;
+            let service = direct
+                .get(&process.pid)
+                .cloned()
+                .or_else(|| inherited(process))?;
             Some(Assignment {
                 pid: process.pid,
                 start_time: process.start_time,
@@ -171,7 +185,10 @@ mod tests {
     }
 
     fn services(assignments: &[Assignment]) -> Vec<(u32, &str)> {
-        let mut pairs: Vec<_> = assignments.iter().map(|a| (a.pid, a.service.as_str())).collect();
+        let mut pairs: Vec<_> = assignments
+            .iter()
+            .map(|a| (a.pid, a.service.as_str()))
+            .collect();
         pairs.sort();
         pairs
     }
@@ -181,7 +198,13 @@ mod tests {
         let assignments = assign(&snapshot(), &[], 500);
         assert_eq!(
             services(&assignments),
-            vec![(100, "nginx"), (101, "nginx"), (102, "nginx"), (200, "ssh"), (300, "java")]
+            vec![
+                (100, "nginx"),
+                (101, "nginx"),
+                (102, "nginx"),
+                (200, "ssh"),
+                (300, "java")
+            ]
         );
         assert_eq!(assignments[0].start_time, 1000);
     }
@@ -204,7 +227,10 @@ mod tests {
             ports: vec![8080],
             ..rule(Some("api"))
         };
-        assert_eq!(services(&assign(&snapshot(), &[by_comm_and_port], 500)), vec![(300, "api")]);
+        assert_eq!(
+            services(&assign(&snapshot(), &[by_comm_and_port], 500)),
+            vec![(300, "api")]
+        );
         let wrong_port = TargetRule {
             comm: Some(Regex::new("^java$").expect("regex")),
             ports: vec![9999],
@@ -228,7 +254,10 @@ mod tests {
             ..rule(None)
         };
         // bash is in its own session scope: not part of sshd.
-        assert_eq!(services(&assign(&snapshot(), &[sshd], 500)), vec![(200, "ssh")]);
+        assert_eq!(
+            services(&assign(&snapshot(), &[sshd], 500)),
+            vec![(200, "ssh")]
+        );
     }
 
     #[test]
@@ -248,15 +277,27 @@ mod tests {
             ..rule(Some("system"))
         };
         assert_eq!(assign(&snapshot(), &[by_path], 500).len(), 4);
-        assert!(!cgroup_matches("/system.slice/ng", "/system.slice/nginx.service"));
+        assert!(!cgroup_matches(
+            "/system.slice/ng",
+            "/system.slice/nginx.service"
+        ));
     }
 
     #[test]
     fn first_matching_rule_wins_and_self_is_excluded() {
         let rules = [
-            TargetRule { pids: vec![101], ..rule(Some("first")) },
-            TargetRule { exe: Some(Regex::new("/nginx$").expect("regex")), ..rule(Some("second")) },
-            TargetRule { pids: vec![500], ..rule(Some("me")) },
+            TargetRule {
+                pids: vec![101],
+                ..rule(Some("first"))
+            },
+            TargetRule {
+                exe: Some(Regex::new("/nginx$").expect("regex")),
+                ..rule(Some("second"))
+            },
+            TargetRule {
+                pids: vec![500],
+                ..rule(Some("me"))
+            },
         ];
         assert_eq!(
             services(&assign(&snapshot(), &rules, 500)),

@@ -137,10 +137,18 @@ pub fn render(families: &[Family], format: Format) -> String {
             Kind::Gauge => ("gauge", ""),
         };
         // The family name carries `_total` in the text format, not in OpenMetrics.
-        let family_suffix = if format == Format::Text { sample_suffix } else { "" };
+        let family_suffix = if format == Format::Text {
+            sample_suffix
+        } else {
+            ""
+        };
         let _ = write!(out, "# HELP {PREFIX}{}{family_suffix} ", family.name);
         escape_help(family.help, format, &mut out);
-        let _ = writeln!(out, "\n# TYPE {PREFIX}{}{family_suffix} {kind}", family.name);
+        let _ = writeln!(
+            out,
+            "\n# TYPE {PREFIX}{}{family_suffix} {kind}",
+            family.name
+        );
         for sample in &family.samples {
             let _ = write!(out, "{PREFIX}{}{sample_suffix}", family.name);
             if !sample.labels.is_empty() {
@@ -206,7 +214,10 @@ mod tests {
     #[test]
     fn negotiation() {
         assert_eq!(Format::negotiate(None), Format::Text);
-        assert_eq!(Format::negotiate(Some("text/plain;version=0.0.4")), Format::Text);
+        assert_eq!(
+            Format::negotiate(Some("text/plain;version=0.0.4")),
+            Format::Text
+        );
         assert_eq!(
             Format::negotiate(Some(
                 "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"

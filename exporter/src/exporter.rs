@@ -64,7 +64,9 @@ impl Exporter {
     fn lock(&self) -> MutexGuard<'_, Shared> {
         // A panic while holding the lock leaves maps consistent (the kernel owns the
         // state), so a poisoned lock is still usable.
-        self.shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.shared
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn settings(&self) -> Arc<Settings> {
@@ -83,19 +85,22 @@ impl Exporter {
     pub fn rescan(&self) -> Result<(), ScanError> {
         let settings = self.settings();
         let started_ns = monotonic_ns();
-        let snapshot =
-            procfs::scan(&settings.procfs_root).map_err(|source| ScanError::Procfs {
-                root: settings.procfs_root.display().to_string(),
-                source,
-            })?;
+        let snapshot = procfs::scan(&settings.procfs_root).map_err(|source| ScanError::Procfs {
+            root: settings.procfs_root.display().to_string(),
+            source,
+        })?;
         let assignments = discovery::assign(&snapshot, &settings.targets, std::process::id());
-        let service_of: HashMap<u32, &str> =
-            assignments.iter().map(|a| (a.pid, a.service.as_str())).collect();
+        let service_of: HashMap<u32, &str> = assignments
+            .iter()
+            .map(|a| (a.pid, a.service.as_str()))
+            .collect();
         let mut listeners = HashMap::new();
         for process in &snapshot.processes {
             if let Some(service) = service_of.get(&process.pid) {
                 for inode in &process.listeners {
-                    listeners.entry(*inode).or_insert_with(|| (*service).to_owned());
+                    listeners
+                        .entry(*inode)
+                        .or_insert_with(|| (*service).to_owned());
                 }
             }
         }
@@ -109,9 +114,9 @@ impl Exporter {
     pub fn on_events(&self, events: &[ProcessEvent]) -> bool {
         let mut shared = self.lock();
         let Shared { kernel, targets } = &mut *shared;
-        events
-            .iter()
-            .fold(false, |rescan, event| targets.on_event(kernel, event) | rescan)
+        events.iter().fold(false, |rescan, event| {
+            targets.on_event(kernel, event) | rescan
+        })
     }
 }
 
@@ -144,7 +149,11 @@ impl Gatherer for Exporter {
         if let Err(error) = &queues {
             tracing::warn!(%error, "reading listen queues failed");
         }
-        collectors.push(("listen_queues", started.elapsed().as_secs_f64(), queues.is_ok()));
+        collectors.push((
+            "listen_queues",
+            started.elapsed().as_secs_f64(),
+            queues.is_ok(),
+        ));
         let listeners = service_listeners(queues.as_deref().unwrap_or_default(), |inode| {
             owners.get(&inode).cloned()
         });

@@ -2,21 +2,16 @@
 //! maps, and offers small typed operations on them (watch a process, purge its
 //! connections) plus one read of every counter for a scrape. No numbers are kept here;
 //! the maps are the state.
-use std::{
-    collections::BTreeMap,
-    os::fd::OwnedFd,
-    path::Path,
-    time::Duration,
-};
+use std::{collections::BTreeMap, os::fd::OwnedFd, path::Path, time::Duration};
 
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuValues, RingBuf},
-    programs::{ProgramError, TracePoint},
+    programs::{ProgramError, RawTracePoint, TracePoint},
 };
 use poolscope_shared::{
-    Conn, ConnKey, LossSource, ProcessEvent, ServiceCounters, SyscallSlot, Watched, maps,
-    syscall_counter_index,
+    Conn, ConnKey, LossSource, PendingCall, ProcessEvent, ServiceCounters, SyscallSlot, Watched,
+    maps, syscall_counter_index,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -41,81 +36,50 @@ pub enum KernelError {
         source: ProgramError,
     },
     #[error("map {map}: {source}")]
-    Map {
-        map: &'static str,
-        source: MapError,
-    },
+    Map { map: &'static str, source: MapError },
 }
 
-/// Where each program is attached. Programs marked `required` must attach; the
-/// others are reported through `probe_attached` and the exporter carries on.
+/// Where each program is attached; every probe must attach.
 struct Attachment {
     program: &'static str,
     category: &'static str,
-    events: Vec<String>,
-    required: bool,
+    event: &'static str,
+    /// A raw tracepoint (`category` is then only part of the probe's name).
+    raw: bool,
 }
 
-fn attachments() -> Vec<Attachment> {
-    let syscall_events = |prefix: &str, slots: &[SyscallSlot]| -> Vec<String> {
-        slots
-            .iter()
-            .map(|slot| format!("{prefix}{}", tracepoint_syscall_name(*slot)))
-            .collect()
-    };
-    let reads = [
-        SyscallSlot::Read,
-        SyscallSlot::Readv,
-        SyscallSlot::Recvfrom,
-        SyscallSlot::Recvmsg,
-    ];
-    vec![
-        Attachment {
-            program: "process_fork",
-            category: "task",
-            events: vec!["task_newtask".into()],
-            required: true,
-        },
-        Attachment {
-            program: "process_exec",
-            category: "sched",
-            events: vec!["sched_process_exec".into()],
-            required: true,
-        },
-        Attachment {
-            program: "process_exit",
-            category: "sched",
-            events: vec!["sched_process_exit".into()],
-            required: true,
-        },
-        Attachment {
-            program: "sys_enter",
-            category: "syscalls",
-            events: syscall_events("sys_enter_", &SyscallSlot::ALL),
-            required: false,
-        },
-        Attachment {
-            program: "sys_exit_accept",
-            category: "syscalls",
-            events: syscall_events("sys_exit_", &[SyscallSlot::Accept, SyscallSlot::Accept4]),
-            required: false,
-        },
-        Attachment {
-            program: "sys_exit_read",
-            category: "syscalls",
-            events: syscall_events("sys_exit_", &reads),
-            required: false,
-        },
-    ]
-}
-
-/// The syscall's name in tracepoint names (`sendfile` is `sendfile64` there).
-fn tracepoint_syscall_name(slot: SyscallSlot) -> &'static str {
-    match slot {
-        SyscallSlot::Sendfile => "sendfile64",
-        other => other.name(),
-    }
-}
+const ATTACHMENTS: [Attachment; 5] = [
+    Attachment {
+        program: "process_fork",
+        category: "task",
+        event: "task_newtask",
+        raw: false,
+    },
+    Attachment {
+        program: "process_exec",
+        category: "sched",
+        event: "sched_process_exec",
+        raw: false,
+    },
+    Attachment {
+        program: "process_exit",
+        category: "sched",
+        event: "sched_process_exit",
+        raw: false,
+    },
+    Attachment {
+        program: "sys_enter",
+        category: "raw_syscalls",
+        event: "sys_enter",
+        raw: true,
+    },
+    Attachment {
+        program: "sys_exit",
+        category: "raw_syscalls",
+        event: "sys_exit",
+        raw: true,
+    },
+];
 
 /// This architecture's number of the syscall.
 fn syscall_number(slot: SyscallSlot) -> Option<libc::c_long> {
@@ -159,7 +123,7 @@ pub struct Kernel {
     ebpf: Ebpf,
     watched: HashMap<MapData, u32, Watched>,
     conns: HashMap<MapData, ConnKey, Conn>,
-    pending_reads: HashMap<MapData, u32, u32>,
+    pending_calls: HashMap<MapData, u32, PendingCall>,
     syscall_counts: PerCpuArray<MapData, u64>,
     service_counters: PerCpuArray<MapData, ServiceCounters>,
     losses: PerCpuArray<MapData, u64>,
@@ -209,7 +173,13 @@ fn ensure_tracefs() -> Result<(), KernelError> {
     let fstype = c"tracefs";
     // SAFETY: constant NUL-terminated strings, no data argument.
     let rc = unsafe {
-        libc::mount(source.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null())
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
     };
     if rc == 0 {
         Ok(())
@@ -233,7 +203,10 @@ impl Kernel {
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(maps::WATCHED, sizes.watched_processes)
             .map_max_entries(maps::CONNS, sizes.connections)
-            .load(aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/poolscope")))?;
+            .load(aya::include_bytes_aligned!(concat!(
+                env!("OUT_DIR"),
+                "/poolscope"
+            )))?;
 
         let mut slots: Array<_, u32> = take(&mut ebpf, maps::SYSCALL_SLOTS)?;
         for slot in SyscallSlot::ALL {
@@ -260,39 +233,35 @@ impl Kernel {
         };
 
         let mut probes = Vec::new();
-        for attachment in attachments() {
-            let program: &mut TracePoint = ebpf
+        for attachment in &ATTACHMENTS {
+            let program = ebpf
                 .program_mut(attachment.program)
-                .ok_or(KernelError::MissingProgram(attachment.program))?
-                .try_into()
-                .map_err(|source| KernelError::Program {
-                    program: attachment.program,
-                    source,
-                })?;
-            program.load().map_err(|source| KernelError::Program {
+                .ok_or(KernelError::MissingProgram(attachment.program))?;
+            let program_error = |source| KernelError::Program {
                 program: attachment.program,
                 source,
+            };
+            let attached = if attachment.raw {
+                let program: &mut RawTracePoint = program.try_into().map_err(program_error)?;
+                program.load().map_err(program_error)?;
+                program.attach(attachment.event).map(drop)
+            } else {
+                let program: &mut TracePoint = program.try_into().map_err(program_error)?;
+                program.load().map_err(program_error)?;
+                program
+                    .attach(attachment.category, attachment.event)
+                    .map(drop)
+            };
+            let name = format!("{}/{}", attachment.category, attachment.event);
+            attached.map_err(|source| KernelError::Attach {
+                program: attachment.program,
+                probe: name.clone(),
+                source,
             })?;
-            for event in &attachment.events {
-                let name = format!("{}/{event}", attachment.category);
-                match program.attach(attachment.category, event) {
-                    Ok(_) => probes.push(Probe { name, attached: true }),
-                    Err(source) if !attachment.required => {
-                        tracing::warn!(probe = %name, error = %source, "probe not attached");
-                        probes.push(Probe {
-                            name,
-                            attached: false,
-                        });
-                    }
-                    Err(source) => {
-                        return Err(KernelError::Attach {
-                            program: attachment.program,
-                            probe: name,
-                            source,
-                        });
-                    }
-                }
-            }
+            probes.push(Probe {
+                name,
+                attached: true,
+            });
         }
 
         let events = ProcessEvents {
@@ -301,7 +270,7 @@ impl Kernel {
         let kernel = Self {
             watched: take(&mut ebpf, maps::WATCHED)?,
             conns: take(&mut ebpf, maps::CONNS)?,
-            pending_reads: take(&mut ebpf, maps::PENDING_READS)?,
+            pending_calls: take(&mut ebpf, maps::PENDING_CALLS)?,
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
             service_counters: take(&mut ebpf, maps::SERVICE_COUNTERS)?,
             losses: take(&mut ebpf, maps::LOSSES)?,
@@ -379,11 +348,13 @@ impl Kernel {
                 .service_counters
                 .get(&service, 0)
                 .map_err(map_error(maps::SERVICE_COUNTERS))?;
-            let total = per_cpu.iter().fold(ServiceCounters::default(), |sum, c| ServiceCounters {
-                accepted: sum.accepted + c.accepted,
-                unserved_entered: sum.unserved_entered + c.unserved_entered,
-                unserved_left: sum.unserved_left + c.unserved_left,
-            });
+            let total = per_cpu
+                .iter()
+                .fold(ServiceCounters::default(), |sum, c| ServiceCounters {
+                    accepted: sum.accepted + c.accepted,
+                    unserved_entered: sum.unserved_entered + c.unserved_entered,
+                    unserved_left: sum.unserved_left + c.unserved_left,
+                });
             readout.services.insert(service, total);
             for slot in SyscallSlot::ALL {
                 let calls: u64 = self
@@ -416,9 +387,9 @@ impl Kernel {
                 capacity: self.sizes.connections,
             },
             MapFill {
-                name: maps::PENDING_READS,
-                entries: self.pending_reads.keys().filter(Result::is_ok).count() as u64,
-                capacity: poolscope_shared::PENDING_READS_CAPACITY,
+                name: maps::PENDING_CALLS,
+                entries: self.pending_calls.keys().filter(Result::is_ok).count() as u64,
+                capacity: poolscope_shared::PENDING_CALLS_CAPACITY,
             },
         ];
         for (name, program) in self.ebpf.programs() {

@@ -17,7 +17,9 @@ use std::{sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use tokio::{io::unix::AsyncFd, sync::Notify};
-use tracing_subscriber::{filter::LevelFilter, layer::SubscriberExt as _, reload, util::SubscriberInitExt as _};
+use tracing_subscriber::{
+    filter::LevelFilter, layer::SubscriberExt as _, reload, util::SubscriberInitExt as _,
+};
 
 use crate::{
     config::{Overrides, Settings},
@@ -103,7 +105,8 @@ async fn rescan_loop(exporter: Arc<Exporter>, trigger: Arc<Notify>) {
 
 async fn event_loop(exporter: Arc<Exporter>, events: ProcessEvents, rescan_now: Arc<Notify>) {
     // SAFETY: the ring buffer owns its map fd for as long as the AsyncFd holds it.
-    let registered = unsafe { AsyncFd::register_with_interest(events.ring, tokio::io::Interest::READABLE) };
+    let registered =
+        unsafe { AsyncFd::register_with_interest(events.ring, tokio::io::Interest::READABLE) };
     let mut ring = match registered {
         Ok(ring) => ring,
         Err(error) => {

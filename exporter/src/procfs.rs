@@ -59,7 +59,10 @@ pub fn parse_stat(content: &str) -> Option<Stat> {
 
 /// The inode of a `socket:[12345]` fd link.
 pub fn socket_inode(link: &str) -> Option<u64> {
-    link.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
+    link.strip_prefix("socket:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
 }
 
 /// The cgroup of a process from `/proc/<pid>/cgroup`: the v2 entry if there is one,
@@ -183,7 +186,11 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
     let mut snapshot = ProcSnapshot::default();
     let mut namespaces_seen = HashSet::new();
     for entry in fs::read_dir(root)? {
-        let Some(pid) = entry?.file_name().to_str().and_then(|name| name.parse().ok()) else {
+        let Some(pid) = entry?
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse().ok())
+        else {
             continue;
         };
         let Some(mut process) = read_process(root, pid) else {
@@ -256,22 +263,36 @@ mod tests {
 
     #[test]
     fn cgroup_v2_then_v1() {
-        assert_eq!(parse_cgroup("0::/system.slice/nginx.service\n"), "/system.slice/nginx.service");
-        assert_eq!(parse_cgroup("9:name=systemd:/system.slice/a.service\n1:cpu:/\n"), "/system.slice/a.service");
+        assert_eq!(
+            parse_cgroup("0::/system.slice/nginx.service\n"),
+            "/system.slice/nginx.service"
+        );
+        assert_eq!(
+            parse_cgroup("9:name=systemd:/system.slice/a.service\n1:cpu:/\n"),
+            "/system.slice/a.service"
+        );
         assert_eq!(parse_cgroup(""), "/");
     }
 
     #[test]
     fn service_and_container_names() {
-        assert_eq!(systemd_service("/system.slice/nginx.service"), Some("nginx"));
-        assert_eq!(systemd_service("/user.slice/user-0.slice/session-3.scope"), None);
+        assert_eq!(
+            systemd_service("/system.slice/nginx.service"),
+            Some("nginx")
+        );
+        assert_eq!(
+            systemd_service("/user.slice/user-0.slice/session-3.scope"),
+            None
+        );
         let id = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
         assert_eq!(
             container_id(&format!("/system.slice/docker-{id}.scope")),
             Some("0123456789ab")
         );
         assert_eq!(
-            container_id(&format!("/kubepods/burstable/pod1/cri-containerd-{id}.scope")),
+            container_id(&format!(
+                "/kubepods/burstable/pod1/cri-containerd-{id}.scope"
+            )),
             Some("0123456789ab")
         );
         assert_eq!(container_id("/system.slice/nginx.service"), None);
@@ -289,7 +310,10 @@ mod tests {
             fs::create_dir_all(dir.join("ns"))?;
             fs::write(
                 dir.join("stat"),
-                format!("{pid} ({comm}) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {} 0 0", 1000 + pid),
+                format!(
+                    "{pid} ({comm}) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {} 0 0",
+                    1000 + pid
+                ),
             )?;
             fs::write(dir.join("cgroup"), "0::/system.slice/web.service\n")?;
             symlink("/usr/bin/web", dir.join("exe"))?;
@@ -309,7 +333,10 @@ mod tests {
 
         let mut snapshot = scan(root.path())?;
         snapshot.processes.sort_by_key(|p| p.pid);
-        assert_eq!(snapshot.listen_sockets.get(&777), Some(&"0.0.0.0:8080".parse().expect("addr")));
+        assert_eq!(
+            snapshot.listen_sockets.get(&777),
+            Some(&"0.0.0.0:8080".parse().expect("addr"))
+        );
         assert_eq!(snapshot.processes.len(), 2);
         assert_eq!(snapshot.processes[0].listeners, vec![777]);
         assert_eq!(snapshot.processes[0].start_time, 1010);

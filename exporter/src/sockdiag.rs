@@ -104,7 +104,12 @@ fn dump(family: u8) -> Result<Vec<ListenQueue>, SockDiagError> {
     loop {
         // SAFETY: buffer is valid for its length.
         let received = unsafe {
-            libc::recv(socket.as_raw_fd(), buffer.as_mut_ptr().cast(), buffer.len(), 0)
+            libc::recv(
+                socket.as_raw_fd(),
+                buffer.as_mut_ptr().cast(),
+                buffer.len(),
+                0,
+            )
         };
         if received < 0 {
             let error = io::Error::last_os_error();
@@ -113,7 +118,9 @@ fn dump(family: u8) -> Result<Vec<ListenQueue>, SockDiagError> {
             }
             return Err(error.into());
         }
-        let bytes = buffer.get(..received as usize).ok_or(SockDiagError::Malformed)?;
+        let bytes = buffer
+            .get(..received as usize)
+            .ok_or(SockDiagError::Malformed)?;
         if parse_reply(bytes, &mut queues)? {
             return Ok(queues);
         }
@@ -121,11 +128,15 @@ fn dump(family: u8) -> Result<Vec<ListenQueue>, SockDiagError> {
 }
 
 fn u32_at(bytes: &[u8], offset: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(bytes.get(offset..offset + 4)?.try_into().ok()?))
+    Some(u32::from_ne_bytes(
+        bytes.get(offset..offset + 4)?.try_into().ok()?,
+    ))
 }
 
 fn u16_at(bytes: &[u8], offset: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(bytes.get(offset..offset + 2)?.try_into().ok()?))
+    Some(u16::from_ne_bytes(
+        bytes.get(offset..offset + 2)?.try_into().ok()?,
+    ))
 }
 
 /// Appends the sockets of one received datagram; `true` once the dump is done.
@@ -215,8 +226,18 @@ mod tests {
         assert_eq!(
             queues,
             vec![
-                ListenQueue { inode: 99, addr: "127.0.0.1:8080".parse().expect("addr"), depth: 3, limit: 128 },
-                ListenQueue { inode: 100, addr: "[::1]:443".parse().expect("addr"), depth: 0, limit: 4096 },
+                ListenQueue {
+                    inode: 99,
+                    addr: "127.0.0.1:8080".parse().expect("addr"),
+                    depth: 3,
+                    limit: 128
+                },
+                ListenQueue {
+                    inode: 100,
+                    addr: "[::1]:443".parse().expect("addr"),
+                    depth: 0,
+                    limit: 4096
+                },
             ]
         );
         assert!(parse_reply(&done(), &mut queues)?);

@@ -4,10 +4,7 @@
 //! exit at a time). A process is named by (pid, start time) so that a reused pid is a
 //! new process: the kernel drops an exited process at once, and user space checks the
 //! start time again after every insert.
-use std::{
-    collections::HashMap,
-    path::PathBuf,
-};
+use std::{collections::HashMap, path::PathBuf};
 
 use poolscope_shared::{ProcessEvent, ProcessEventKind, Watched};
 

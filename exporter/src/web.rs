@@ -35,11 +35,17 @@ async fn metrics(State(gatherer): State<Arc<dyn Gatherer>>, headers: HeaderMap) 
     // Reading maps and netlink blocks; keep it off the async workers.
     match tokio::task::spawn_blocking(move || render(&gatherer.gather(), format)).await {
         Ok(body) => (
-            [(header::CONTENT_TYPE, HeaderValue::from_static(format.content_type()))],
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(format.content_type()),
+            )],
             body,
         )
             .into_response(),
-        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, format!("scrape failed: {error}\n"))
+        Err(error) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("scrape failed: {error}\n"),
+        )
             .into_response(),
     }
 }
@@ -66,7 +72,10 @@ mod tests {
             request = request.header(header::ACCEPT, accept);
         }
         let request = request.body(Body::empty()).expect("request");
-        let response = app(Arc::new(Fixed)).oneshot(request).await.expect("response");
+        let response = app(Arc::new(Fixed))
+            .oneshot(request)
+            .await
+            .expect("response");
         let status = response.status();
         let content_type = response
             .headers()
@@ -74,8 +83,17 @@ mod tests {
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default()
             .to_owned();
-        let body = response.into_body().collect().await.expect("body").to_bytes();
-        (status, content_type, String::from_utf8_lossy(&body).into_owned())
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        (
+            status,
+            content_type,
+            String::from_utf8_lossy(&body).into_owned(),
+        )
     }
 
     #[tokio::test]
@@ -84,8 +102,11 @@ mod tests {
         assert_eq!(status, StatusCode::OK);
         assert!(content_type.starts_with("text/plain; version=0.0.4"));
         assert!(body.contains("poolscope_queue_depth{service=\"a\"} 2\n"));
-        let (_, content_type, body) =
-            get("/metrics", Some("application/openmetrics-text; version=1.0.0")).await;
+        let (_, content_type, body) = get(
+            "/metrics",
+            Some("application/openmetrics-text; version=1.0.0"),
+        )
+        .await;
         assert!(content_type.starts_with("application/openmetrics-text"));
         assert!(body.ends_with("# EOF\n"));
     }

@@ -9,8 +9,9 @@ pub mod maps {
     pub const WATCHED: &str = "WATCHED";
     /// [`crate::ConnKey`] → [`crate::Conn`]: accepted connections of watched processes.
     pub const CONNS: &str = "CONNS";
-    /// tid (u32) → fd (u32): a read in progress on a connection not yet served.
-    pub const PENDING_READS: &str = "PENDING_READS";
+    /// tid (u32) → [`crate::PendingCall`]: an accept, or a first read of a connection,
+    /// between syscall entry and exit.
+    pub const PENDING_CALLS: &str = "PENDING_CALLS";
     /// syscall number (index) → [`crate::SyscallSlot`] as u32, filled by user space.
     pub const SYSCALL_SLOTS: &str = "SYSCALL_SLOTS";
     /// per-CPU array, index [`crate::syscall_counter_index`] → calls.
@@ -25,8 +26,8 @@ pub mod maps {
 
 /// Capacity of the per-service arrays; service ids are `0..MAX_SERVICES`.
 pub const MAX_SERVICES: u32 = 1024;
-/// Capacity of [`maps::PENDING_READS`]: at most one entry per thread inside a read.
-pub const PENDING_READS_CAPACITY: u32 = 16384;
+/// Capacity of [`maps::PENDING_CALLS`]: at most one entry per thread inside a syscall.
+pub const PENDING_CALLS_CAPACITY: u32 = 16384;
 /// Size of the syscall-number → slot table (covers every x86_64 and aarch64 number).
 pub const SYSCALL_TABLE_SIZE: u32 = 512;
 
@@ -64,6 +65,16 @@ pub struct Conn {
     /// whose owner no longer matches is stale (the process exited, its pid was reused).
     pub owner_since_ns: u64,
     pub accepted_ns: u64,
+}
+
+/// Value of [`maps::PENDING_CALLS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PendingCall {
+    /// [`SyscallSlot`] as u32.
+    pub slot: u32,
+    /// The fd argument (reads); unused for accepts.
+    pub fd: u32,
 }
 
 /// Per-service counters, summed over CPUs by user space.
@@ -154,9 +165,16 @@ impl SyscallSlot {
         }
     }
 
+    pub const fn is_accept(self) -> bool {
+        matches!(self, Self::Accept | Self::Accept4)
+    }
+
     /// Reads of request bytes.
     pub const fn is_read(self) -> bool {
-        matches!(self, Self::Read | Self::Readv | Self::Recvfrom | Self::Recvmsg)
+        matches!(
+            self,
+            Self::Read | Self::Readv | Self::Recvfrom | Self::Recvmsg
+        )
     }
 }
 
@@ -174,8 +192,8 @@ pub const SYSCALL_COUNTS_SIZE: u32 = MAX_SERVICES * SyscallSlot::COUNT;
 pub enum LossSource {
     /// A [`maps::CONNS`] insert failed (map full).
     ConnsFull = 0,
-    /// A [`maps::PENDING_READS`] insert failed.
-    PendingReadsFull,
+    /// A [`maps::PENDING_CALLS`] insert failed.
+    PendingCallsFull,
     /// A [`maps::WATCHED`] insert for a forked child failed.
     WatchedFull,
     /// The process-event ring buffer was full.
@@ -186,7 +204,7 @@ impl LossSource {
     pub const COUNT: u32 = 4;
     pub const ALL: [LossSource; 4] = [
         Self::ConnsFull,
-        Self::PendingReadsFull,
+        Self::PendingCallsFull,
         Self::WatchedFull,
         Self::ProcessEvents,
     ];
@@ -224,6 +242,7 @@ mod pod {
     unsafe impl aya::Pod for super::Watched {}
     unsafe impl aya::Pod for super::ConnKey {}
     unsafe impl aya::Pod for super::Conn {}
+    unsafe impl aya::Pod for super::PendingCall {}
     unsafe impl aya::Pod for super::ServiceCounters {}
     unsafe impl aya::Pod for super::ProcessEvent {}
 }
@@ -231,5 +250,6 @@ mod pod {
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<ConnKey>() == 8);
 const _: () = assert!(core::mem::size_of::<Conn>() == 24);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 8);
 const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 24);
 const _: () = assert!(core::mem::size_of::<ProcessEvent>() == 24);

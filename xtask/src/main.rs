@@ -1,1 +1,119 @@
-fn main(){}
+//! `cargo xtask <run|test|bench|setup>`: the project's only entry points. Each first
+//! installs what is missing (rust-src, bpf-linker linked to rustc's own libLLVM, the
+//! Debian packages the task needs) and says nothing when nothing is missing.
+mod bench;
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, bail};
+
+const USAGE: &str = "usage: cargo xtask <command>
+  run [-- poolscope flags]  install what is missing, build, run poolscope (auto-discovery)
+  test                      install what is missing, run lint, unit and privileged tests
+  bench                     install what is missing, measure poolscope's cost on nginx
+  setup                     only install what is missing";
+
+/// Debian packages the tests use: promtool (prometheus).
+const TEST_PACKAGES: &[&str] = &["prometheus"];
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = workspace_root()?;
+    match args.first().map(String::as_str) {
+        Some("run") => {
+            setup::ensure(&[])?;
+            let flags = args.get(1..).unwrap_or_default();
+            let flags: Vec<&str> = flags
+                .iter()
+                .map(String::as_str)
+                .skip_while(|a| *a == "--")
+                .collect();
+            cargo(
+                &root,
+                &["build", "--quiet", "--release", "--package", "poolscope"],
+            )?;
+            let binary = root.join("target/release/poolscope");
+            run_privileged(&binary, &flags)
+        }
+        Some("test") => {
+            setup::ensure(TEST_PACKAGES)?;
+            cargo(&root, &["fmt", "--all", "--check"])?;
+            cargo(
+                &root,
+                &[
+                    "clippy",
+                    "--quiet",
+                    "--workspace",
+                    "--all-targets",
+                    "--",
+                    "-D",
+                    "warnings",
+                ],
+            )?;
+            setup::clippy_ebpf(&root)?;
+            // The integration tests start the built binaries.
+            cargo(&root, &["build", "--quiet", "--workspace", "--bins"])?;
+            cargo(&root, &["test", "--workspace"])
+        }
+        Some("bench") => {
+            setup::ensure(bench::PACKAGES)?;
+            cargo(
+                &root,
+                &["build", "--quiet", "--release", "--package", "poolscope"],
+            )?;
+            bench::run(&root)
+        }
+        Some("setup") => setup::ensure(&[TEST_PACKAGES, bench::PACKAGES].concat()),
+        _ => bail!("{USAGE}"),
+    }
+}
+
+fn workspace_root() -> anyhow::Result<PathBuf> {
+    let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir
+        .parent()
+        .map(Path::to_path_buf)
+        .context("xtask has no parent directory")
+}
+
+/// Runs cargo (the toolchain rust-toolchain.toml pins) in the workspace.
+fn cargo(root: &Path, args: &[&str]) -> anyhow::Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let status = Command::new(cargo)
+        .args(args)
+        .current_dir(root)
+        .status()
+        .with_context(|| format!("running cargo {}", args.join(" ")))?;
+    if !status.success() {
+        bail!("cargo {} failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Runs `program` as root (through sudo when we are not root) and returns its result.
+fn run_privileged(program: &Path, args: &[&str]) -> anyhow::Result<()> {
+    let mut command = if is_root() {
+        Command::new(program)
+    } else {
+        let mut sudo = Command::new("sudo");
+        sudo.arg(program);
+        sudo
+    };
+    let status = command
+        .args(args)
+        .status()
+        .with_context(|| format!("starting {}", program.display()))?;
+    if !status.success() {
+        bail!("{} exited with {status}", program.display());
+    }
+    Ok(())
+}
