@@ -36,7 +36,11 @@ fn init_logging(level: LevelFilter) -> LogHandle {
     let (filter, handle) = reload::Layer::new(level);
     tracing_subscriber::registry()
         .with(filter)
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        )
         .init();
     handle
 }

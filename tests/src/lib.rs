@@ -1,1 +1,315 @@
+//! Helpers for poolscope's privileged end-to-end tests: start the real `poolscope`
+//! binary on a free port with a given config, start `testserver` processes whose
+//! behaviour the test controls, scrape and parse `/metrics`.
+//!
+//! Tests that need root call [`privileged`] first: without root they skip with a
+//! message, except under `CI=true`, where a skip is a failure.
+use std::{
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    net::{TcpListener, TcpStream},
+    path::PathBuf,
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    thread::sleep,
+    time::{Duration, Instant},
+};
 
+use anyhow::{Context as _, bail};
+
+/// True when the test can run; otherwise says why it skips (or fails under CI=true).
+pub fn privileged(test: &str) -> bool {
+    // SAFETY: geteuid cannot fail.
+    let reason = if unsafe { libc::geteuid() } != 0 {
+        "needs root (loads eBPF programs)"
+    } else if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+        "needs a kernel with BTF"
+    } else {
+        return true;
+    };
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test} cannot run here ({reason}) and CI=true forbids skipping"
+    );
+    eprintln!("SKIP {test}: {reason}");
+    false
+}
+
+/// Directory of the built binaries (target/<profile>), from the test executable's path.
+pub fn bin_dir() -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    // target/<profile>/deps/<test>-<hash>
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .map(PathBuf::from)
+        .context("test executable has no target directory")
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Polls `check` every 50 ms until it is true or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if check() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        sleep(Duration::from_millis(50));
+    }
+}
+
+/// A running `poolscope` process; killed when dropped.
+pub struct Poolscope {
+    child: Child,
+    pub port: u16,
+    pub config_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Poolscope {
+    /// Starts poolscope with `config` (TOML) and waits until it serves.
+    pub fn start(config: &str) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let config_path = dir.path().join("poolscope.toml");
+        std::fs::write(&config_path, config)?;
+        let port = free_port()?;
+        let child = Command::new(bin_dir()?.join("poolscope"))
+            .arg("--config.file")
+            .arg(&config_path)
+            .arg("--web.listen-address")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--log.level")
+            .arg("info")
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting poolscope (build it first: cargo build --bins)")?;
+        let mut poolscope = Self {
+            child,
+            port,
+            config_path,
+            _dir: dir,
+        };
+        let serving = wait_until(Duration::from_secs(30), || {
+            poolscope.get("/healthz").is_ok() || !matches!(poolscope.child.try_wait(), Ok(None))
+        });
+        if !serving || poolscope.get("/healthz").is_err() {
+            let log = poolscope.stop_and_log();
+            bail!("poolscope did not serve within 30 s:\n{log}");
+        }
+        Ok(poolscope)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// GET `path`; the body of a 200 response.
+    pub fn get(&self, path: &str) -> anyhow::Result<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: test\r\n\r\n")?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        let (head, body) = response.split_once("\r\n\r\n").context("no HTTP header end")?;
+        if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
+            bail!("GET {path}: {head}");
+        }
+        Ok(body.to_owned())
+    }
+
+    pub fn scrape(&self) -> anyhow::Result<Metrics> {
+        Ok(Metrics::parse(&self.get("/metrics")?))
+    }
+
+    /// Sends `signal` to the exporter.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    /// Waits for the exporter to exit (after a signal); its exit code and log.
+    pub fn wait_exit(&mut self, timeout: Duration) -> anyhow::Result<(Option<i32>, String)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok((status.code(), self.read_log()));
+            }
+            if Instant::now() > deadline {
+                bail!("poolscope still running after {timeout:?}");
+            }
+            sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn read_log(&mut self) -> String {
+        let mut log = String::new();
+        if let Some(mut stderr) = self.child.stderr.take() {
+            let _ = stderr.read_to_string(&mut log);
+        }
+        log
+    }
+
+    /// Kills the exporter and returns what it logged.
+    pub fn stop_and_log(&mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.read_log()
+    }
+}
+
+impl Drop for Poolscope {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A running `testserver`; killed when dropped.
+pub struct TestServer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    pub port: u16,
+}
+
+impl TestServer {
+    pub fn start(backlog: u32) -> anyhow::Result<Self> {
+        let mut child = Command::new(bin_dir()?.join("testserver"))
+            .arg(backlog.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting testserver")?;
+        let stdin = child.stdin.take().context("no stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("no stdout")?);
+        let mut server = Self {
+            child,
+            stdin,
+            stdout,
+            port: 0,
+        };
+        let line = server.line()?;
+        server.port = line
+            .strip_prefix("port ")
+            .and_then(|p| p.parse().ok())
+            .with_context(|| format!("testserver said {line:?}"))?;
+        Ok(server)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn line(&mut self) -> anyhow::Result<String> {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        Ok(line.trim().to_owned())
+    }
+
+    /// Sends one command and returns the server's answer.
+    pub fn command(&mut self, command: &str) -> anyhow::Result<String> {
+        writeln!(self.stdin, "{command}")?;
+        self.stdin.flush()?;
+        self.line()
+    }
+
+    /// Tells the server to exit and reaps it.
+    pub fn exit(mut self) -> anyhow::Result<()> {
+        writeln!(self.stdin, "exit")?;
+        self.stdin.flush()?;
+        self.child.wait()?;
+        Ok(())
+    }
+
+    pub fn connect(&self) -> anyhow::Result<TcpStream> {
+        Ok(TcpStream::connect(("127.0.0.1", self.port))?)
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One parsed sample.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+/// A parsed scrape (text format; label values without escapes are enough here).
+#[derive(Clone, Debug, Default)]
+pub struct Metrics {
+    pub samples: Vec<Sample>,
+    pub text: String,
+}
+
+impl Metrics {
+    pub fn parse(text: &str) -> Self {
+        let samples = text
+            .lines()
+            .filter(|line| !line.starts_with('#') && !line.is_empty())
+            .filter_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                let (name, labels) = match series.split_once('{') {
+                    Some((name, rest)) => (name, rest.strip_suffix('}')?),
+                    None => (series, ""),
+                };
+                let labels = labels
+                    .split("\",")
+                    .filter(|pair| !pair.is_empty())
+                    .filter_map(|pair| {
+                        let (key, value) = pair.split_once("=\"")?;
+                        Some((key.to_owned(), value.trim_end_matches('"').to_owned()))
+                    })
+                    .collect();
+                Some(Sample {
+                    name: name.to_owned(),
+                    labels,
+                    value: value.parse().ok()?,
+                })
+            })
+            .collect();
+        Self {
+            samples,
+            text: text.to_owned(),
+        }
+    }
+
+    /// The value of the one sample named `name` whose labels include `labels`.
+    pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        self.samples
+            .iter()
+            .find(|s| {
+                s.name == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| s.labels.iter().any(|(sk, sv)| sk == k && sv == v))
+            })
+            .map(|s| s.value)
+    }
+
+    /// True if any sample carries label `key` = `value`.
+    pub fn has_label(&self, key: &str, value: &str) -> bool {
+        self.samples
+            .iter()
+            .any(|s| s.labels.iter().any(|(k, v)| k == key && v == value))
+    }
+}
+
+/// A config that watches exactly these pids as `service`.
+pub fn pids_config(service: &str, pids: &[u32]) -> String {
+    let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
+    let service = service.replace('\\', "\\\\").replace('"', "\\\"");
+    format!(
+        "[discovery]\nrescan_interval = \"500ms\"\n[[targets]]\nservice = \"{service}\"\npids = [{}]\n",
+        pids.join(", ")
+    )
+}

@@ -1,0 +1,218 @@
+//! Ground truth for the Foundation metrics, against the real kernel: a server whose
+//! backlog, accepts and reads the test controls, watched by a real poolscope.
+use std::{io::Write as _, net::TcpStream, time::Duration};
+
+use poolscope_tests::{Metrics, Poolscope, TestServer, pids_config, privileged, wait_until};
+
+const SETTLE: Duration = Duration::from_secs(10);
+
+fn scrape_until(
+    poolscope: &Poolscope,
+    mut check: impl FnMut(&Metrics) -> bool,
+) -> anyhow::Result<Metrics> {
+    let mut last = Metrics::default();
+    let ok = wait_until(SETTLE, || match poolscope.scrape() {
+        Ok(metrics) => {
+            let done = check(&metrics);
+            last = metrics;
+            done
+        }
+        Err(_) => false,
+    });
+    anyhow::ensure!(ok, "condition not met within {SETTLE:?}; last scrape:\n{}", last.text);
+    Ok(last)
+}
+
+#[test]
+fn listen_queue_depth_counts_clients_waiting_for_accept() -> anyhow::Result<()> {
+    if !privileged("listen_queue_depth_counts_clients_waiting_for_accept") {
+        return Ok(());
+    }
+    const BACKLOG: u32 = 16;
+    const CLIENTS: usize = 5;
+    let server = TestServer::start(BACKLOG)?;
+    let poolscope = Poolscope::start(&pids_config("backlog", &[server.pid()]))?;
+    let listener = format!("127.0.0.1:{}", server.port);
+    let labels = [("service", "backlog"), ("listener", listener.as_str())];
+
+    let metrics = scrape_until(&poolscope, |m| m.value("poolscope_listen_queue_depth", &labels) == Some(0.0))?;
+    assert_eq!(metrics.value("poolscope_listen_queue_limit", &labels), Some(f64::from(BACKLOG)));
+
+    // The kernel completes each handshake and queues it; nobody accepts.
+    let clients: Vec<TcpStream> = (0..CLIENTS).map(|_| server.connect()).collect::<Result<_, _>>()?;
+    let metrics = scrape_until(&poolscope, |m| {
+        m.value("poolscope_listen_queue_depth", &labels) == Some(CLIENTS as f64)
+    })?;
+    assert_eq!(metrics.value("poolscope_listen_queue_limit", &labels), Some(f64::from(BACKLOG)));
+    assert_eq!(
+        metrics.value("poolscope_connections_accepted_total", &[("service", "backlog")]),
+        Some(0.0)
+    );
+    drop(clients);
+    Ok(())
+}
+
+#[test]
+fn unserved_connections_until_the_server_reads() -> anyhow::Result<()> {
+    if !privileged("unserved_connections_until_the_server_reads") {
+        return Ok(());
+    }
+    const CLIENTS: usize = 4;
+    let mut server = TestServer::start(64)?;
+    let poolscope = Poolscope::start(&pids_config("unserved", &[server.pid()]))?;
+    let service = [("service", "unserved")];
+    scrape_until(&poolscope, |m| m.value("poolscope_targets", &service) == Some(1.0))?;
+
+    let mut clients: Vec<TcpStream> =
+        (0..CLIENTS).map(|_| server.connect()).collect::<Result<_, _>>()?;
+    assert_eq!(server.command(&format!("accept {CLIENTS}"))?, "ok");
+    let metrics = scrape_until(&poolscope, |m| {
+        m.value("poolscope_connections_unserved", &service) == Some(CLIENTS as f64)
+    })?;
+    assert_eq!(
+        metrics.value("poolscope_connections_accepted_total", &service),
+        Some(CLIENTS as f64)
+    );
+    let accepts = metrics
+        .value("poolscope_syscalls_total", &[("service", "unserved"), ("syscall", "accept4")])
+        .unwrap_or(0.0)
+        + metrics
+            .value("poolscope_syscalls_total", &[("service", "unserved"), ("syscall", "accept")])
+            .unwrap_or(0.0);
+    assert_eq!(accepts, CLIENTS as f64, "one accept call per connection");
+
+    for client in &mut clients {
+        client.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+    }
+    assert_eq!(server.command("read")?, "ok");
+    let metrics = scrape_until(&poolscope, |m| {
+        m.value("poolscope_connections_unserved", &service) == Some(0.0)
+    })?;
+    assert_eq!(
+        metrics.value("poolscope_connections_accepted_total", &service),
+        Some(CLIENTS as f64)
+    );
+    Ok(())
+}
+
+#[test]
+fn closed_unserved_connections_leave_the_gauge_and_the_map() -> anyhow::Result<()> {
+    if !privileged("closed_unserved_connections_leave_the_gauge_and_the_map") {
+        return Ok(());
+    }
+    let mut server = TestServer::start(64)?;
+    let poolscope = Poolscope::start(&pids_config("closer", &[server.pid()]))?;
+    let service = [("service", "closer")];
+    scrape_until(&poolscope, |m| m.value("poolscope_targets", &service) == Some(1.0))?;
+    let clients: Vec<TcpStream> = (0..3).map(|_| server.connect()).collect::<Result<_, _>>()?;
+    assert_eq!(server.command("accept 3")?, "ok");
+    scrape_until(&poolscope, |m| m.value("poolscope_connections_unserved", &service) == Some(3.0))?;
+    // The process exits without closing its fds one by one: the purge must catch them.
+    server.exit()?;
+    drop(clients);
+    let metrics = scrape_until(&poolscope, |m| !m.has_label("service", "closer"))?;
+    assert_eq!(
+        metrics.value("poolscope_map_entries", &[("map", "CONNS")]),
+        Some(0.0),
+        "connections of an exited process left in the map"
+    );
+    Ok(())
+}
+
+#[test]
+fn forked_children_count_under_the_parent_service() -> anyhow::Result<()> {
+    if !privileged("forked_children_count_under_the_parent_service") {
+        return Ok(());
+    }
+    let mut server = TestServer::start(64)?;
+    let poolscope = Poolscope::start(&pids_config("forky", &[server.pid()]))?;
+    let service = [("service", "forky")];
+    scrape_until(&poolscope, |m| m.value("poolscope_targets", &service) == Some(1.0))?;
+
+    let answer = server.command("fork")?;
+    assert!(answer.starts_with("child "), "{answer}");
+    scrape_until(&poolscope, |m| m.value("poolscope_targets", &service) == Some(2.0))?;
+    // Only the child accepts: its accepts must be counted under the parent's service.
+    let clients: Vec<TcpStream> = (0..3).map(|_| server.connect()).collect::<Result<_, _>>()?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_connections_accepted_total", &service) == Some(3.0)
+    })?;
+    drop(clients);
+    Ok(())
+}
+
+#[test]
+fn series_of_an_exited_process_go_away_within_two_scrapes() -> anyhow::Result<()> {
+    if !privileged("series_of_an_exited_process_go_away_within_two_scrapes") {
+        return Ok(());
+    }
+    let server = TestServer::start(64)?;
+    let poolscope = Poolscope::start(&pids_config("ephemeral", &[server.pid()]))?;
+    scrape_until(&poolscope, |m| m.has_label("service", "ephemeral"))?;
+    server.exit()?;
+    let first = poolscope.scrape()?;
+    let second = poolscope.scrape()?;
+    assert!(
+        !first.has_label("service", "ephemeral") || !second.has_label("service", "ephemeral"),
+        "series still there two scrapes after exit:\n{}",
+        second.text
+    );
+    // And they stay gone.
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!poolscope.scrape()?.has_label("service", "ephemeral"));
+    Ok(())
+}
+
+#[test]
+fn auto_discovery_finds_a_listening_process_by_comm() -> anyhow::Result<()> {
+    if !privileged("auto_discovery_finds_a_listening_process_by_comm") {
+        return Ok(());
+    }
+    let server = TestServer::start(32)?;
+    let poolscope = Poolscope::start("[discovery]\nrescan_interval = \"500ms\"\n")?;
+    let listener = format!("127.0.0.1:{}", server.port);
+    let metrics = scrape_until(&poolscope, |m| {
+        m.value(
+            "poolscope_listen_queue_limit",
+            &[("service", "testserver"), ("listener", listener.as_str())],
+        ) == Some(32.0)
+    })?;
+    assert!(
+        !metrics.text.contains(&format!("listener=\"127.0.0.1:{}\"", poolscope.port)),
+        "poolscope must not watch itself"
+    );
+    Ok(())
+}
+
+#[test]
+fn metrics_pass_promtool_lint() -> anyhow::Result<()> {
+    if !privileged("metrics_pass_promtool_lint") {
+        return Ok(());
+    }
+    let mut server = TestServer::start(8)?;
+    let poolscope = Poolscope::start(&pids_config("lint \"quoted\" \\ name", &[server.pid()]))?;
+    let _client = server.connect()?;
+    assert_eq!(server.command("accept 1")?, "ok");
+    let metrics = scrape_until(&poolscope, |m| {
+        m.value("poolscope_connections_accepted_total", &[]).is_some()
+    })?;
+    let mut promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    promtool
+        .stdin
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdin"))?
+        .write_all(metrics.text.as_bytes())?;
+    let output = promtool.wait_with_output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success() && said.trim().is_empty(), "promtool: {said}\n{}", metrics.text);
+    Ok(())
+}
