@@ -16,6 +16,7 @@ use anyhow::{Context as _, bail};
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 pub fn ensure(packages: &[&str]) -> anyhow::Result<()> {
+    put_cargo_bin_on_path()?;
     ensure_rust_src()?;
     ensure_bpf_linker()?;
     ensure_packages(packages)
@@ -53,6 +54,21 @@ fn ensure_rust_src() -> anyhow::Result<()> {
     if !status.success() {
         bail!("rustup component add rust-src failed ({status})");
     }
+    Ok(())
+}
+
+/// cargo installs bpf-linker into $CARGO_HOME/bin, which a custom CARGO_HOME may not
+/// have on PATH; the BPF link step finds it through PATH.
+fn put_cargo_bin_on_path() -> anyhow::Result<()> {
+    let bin = cargo_home()?.join("bin");
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    if std::env::split_paths(&path).any(|dir| dir == bin) {
+        return Ok(());
+    }
+    let joined = std::env::join_paths(std::iter::once(bin).chain(std::env::split_paths(&path)))
+        .context("building PATH")?;
+    // SAFETY: xtask is single-threaded; children inherit the new PATH.
+    unsafe { std::env::set_var("PATH", joined) };
     Ok(())
 }
 
