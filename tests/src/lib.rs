@@ -113,7 +113,9 @@ impl Poolscope {
         write!(stream, "GET {path} HTTP/1.0\r\nHost: test\r\n\r\n")?;
         let mut response = String::new();
         stream.read_to_string(&mut response)?;
-        let (head, body) = response.split_once("\r\n\r\n").context("no HTTP header end")?;
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .context("no HTTP header end")?;
         if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
             bail!("GET {path}: {head}");
         }

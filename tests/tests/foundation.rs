@@ -19,7 +19,11 @@ fn scrape_until(
         }
         Err(_) => false,
     });
-    anyhow::ensure!(ok, "condition not met within {SETTLE:?}; last scrape:\n{}", last.text);
+    anyhow::ensure!(
+        ok,
+        "condition not met within {SETTLE:?}; last scrape:\n{}",
+        last.text
+    );
     Ok(last)
 }
 
@@ -35,17 +39,30 @@ fn listen_queue_depth_counts_clients_waiting_for_accept() -> anyhow::Result<()> 
     let listener = format!("127.0.0.1:{}", server.port);
     let labels = [("service", "backlog"), ("listener", listener.as_str())];
 
-    let metrics = scrape_until(&poolscope, |m| m.value("poolscope_listen_queue_depth", &labels) == Some(0.0))?;
-    assert_eq!(metrics.value("poolscope_listen_queue_limit", &labels), Some(f64::from(BACKLOG)));
+    let metrics = scrape_until(&poolscope, |m| {
+        m.value("poolscope_listen_queue_depth", &labels) == Some(0.0)
+    })?;
+    assert_eq!(
+        metrics.value("poolscope_listen_queue_limit", &labels),
+        Some(f64::from(BACKLOG))
+    );
 
     // The kernel completes each handshake and queues it; nobody accepts.
-    let clients: Vec<TcpStream> = (0..CLIENTS).map(|_| server.connect()).collect::<Result<_, _>>()?;
+    let clients: Vec<TcpStream> = (0..CLIENTS)
+        .map(|_| server.connect())
+        .collect::<Result<_, _>>()?;
     let metrics = scrape_until(&poolscope, |m| {
         m.value("poolscope_listen_queue_depth", &labels) == Some(CLIENTS as f64)
     })?;
-    assert_eq!(metrics.value("poolscope_listen_queue_limit", &labels), Some(f64::from(BACKLOG)));
     assert_eq!(
-        metrics.value("poolscope_connections_accepted_total", &[("service", "backlog")]),
+        metrics.value("poolscope_listen_queue_limit", &labels),
+        Some(f64::from(BACKLOG))
+    );
+    assert_eq!(
+        metrics.value(
+            "poolscope_connections_accepted_total",
+            &[("service", "backlog")]
+        ),
         Some(0.0)
     );
     drop(clients);
@@ -61,10 +78,13 @@ fn unserved_connections_until_the_server_reads() -> anyhow::Result<()> {
     let mut server = TestServer::start(64)?;
     let poolscope = Poolscope::start(&pids_config("unserved", &[server.pid()]))?;
     let service = [("service", "unserved")];
-    scrape_until(&poolscope, |m| m.value("poolscope_targets", &service) == Some(1.0))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &service) == Some(1.0)
+    })?;
 
-    let mut clients: Vec<TcpStream> =
-        (0..CLIENTS).map(|_| server.connect()).collect::<Result<_, _>>()?;
+    let mut clients: Vec<TcpStream> = (0..CLIENTS)
+        .map(|_| server.connect())
+        .collect::<Result<_, _>>()?;
     assert_eq!(server.command(&format!("accept {CLIENTS}"))?, "ok");
     let metrics = scrape_until(&poolscope, |m| {
         m.value("poolscope_connections_unserved", &service) == Some(CLIENTS as f64)
@@ -74,10 +94,16 @@ fn unserved_connections_until_the_server_reads() -> anyhow::Result<()> {
         Some(CLIENTS as f64)
     );
     let accepts = metrics
-        .value("poolscope_syscalls_total", &[("service", "unserved"), ("syscall", "accept4")])
+        .value(
+            "poolscope_syscalls_total",
+            &[("service", "unserved"), ("syscall", "accept4")],
+        )
         .unwrap_or(0.0)
         + metrics
-            .value("poolscope_syscalls_total", &[("service", "unserved"), ("syscall", "accept")])
+            .value(
+                "poolscope_syscalls_total",
+                &[("service", "unserved"), ("syscall", "accept")],
+            )
             .unwrap_or(0.0);
     assert_eq!(accepts, CLIENTS as f64, "one accept call per connection");
 
@@ -103,10 +129,14 @@ fn closed_unserved_connections_leave_the_gauge_and_the_map() -> anyhow::Result<(
     let mut server = TestServer::start(64)?;
     let poolscope = Poolscope::start(&pids_config("closer", &[server.pid()]))?;
     let service = [("service", "closer")];
-    scrape_until(&poolscope, |m| m.value("poolscope_targets", &service) == Some(1.0))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &service) == Some(1.0)
+    })?;
     let clients: Vec<TcpStream> = (0..3).map(|_| server.connect()).collect::<Result<_, _>>()?;
     assert_eq!(server.command("accept 3")?, "ok");
-    scrape_until(&poolscope, |m| m.value("poolscope_connections_unserved", &service) == Some(3.0))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_connections_unserved", &service) == Some(3.0)
+    })?;
     // The process exits without closing its fds one by one: the purge must catch them.
     server.exit()?;
     drop(clients);
@@ -127,11 +157,15 @@ fn forked_children_count_under_the_parent_service() -> anyhow::Result<()> {
     let mut server = TestServer::start(64)?;
     let poolscope = Poolscope::start(&pids_config("forky", &[server.pid()]))?;
     let service = [("service", "forky")];
-    scrape_until(&poolscope, |m| m.value("poolscope_targets", &service) == Some(1.0))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &service) == Some(1.0)
+    })?;
 
     let answer = server.command("fork")?;
     assert!(answer.starts_with("child "), "{answer}");
-    scrape_until(&poolscope, |m| m.value("poolscope_targets", &service) == Some(2.0))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &service) == Some(2.0)
+    })?;
     // Only the child accepts: its accepts must be counted under the parent's service.
     let clients: Vec<TcpStream> = (0..3).map(|_| server.connect()).collect::<Result<_, _>>()?;
     scrape_until(&poolscope, |m| {
@@ -178,7 +212,9 @@ fn auto_discovery_finds_a_listening_process_by_comm() -> anyhow::Result<()> {
         ) == Some(32.0)
     })?;
     assert!(
-        !metrics.text.contains(&format!("listener=\"127.0.0.1:{}\"", poolscope.port)),
+        !metrics
+            .text
+            .contains(&format!("listener=\"127.0.0.1:{}\"", poolscope.port)),
         "poolscope must not watch itself"
     );
     Ok(())
@@ -194,7 +230,8 @@ fn metrics_pass_promtool_lint() -> anyhow::Result<()> {
     let _client = server.connect()?;
     assert_eq!(server.command("accept 1")?, "ok");
     let metrics = scrape_until(&poolscope, |m| {
-        m.value("poolscope_connections_accepted_total", &[]).is_some()
+        m.value("poolscope_connections_accepted_total", &[])
+            .is_some()
     })?;
     let mut promtool = std::process::Command::new("promtool")
         .args(["check", "metrics"])
@@ -213,6 +250,10 @@ fn metrics_pass_promtool_lint() -> anyhow::Result<()> {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
-    assert!(output.status.success() && said.trim().is_empty(), "promtool: {said}\n{}", metrics.text);
+    assert!(
+        output.status.success() && said.trim().is_empty(),
+        "promtool: {said}\n{}",
+        metrics.text
+    );
     Ok(())
 }

@@ -25,7 +25,10 @@ fn bad_config_is_refused_with_file_key_and_reason() -> anyhow::Result<()> {
         .output()?;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
-    assert!(stderr.contains("limits.max_series") && stderr.contains("POOLSCOPE_"), "{stderr}");
+    assert!(
+        stderr.contains("limits.max_series") && stderr.contains("POOLSCOPE_"),
+        "{stderr}"
+    );
     Ok(())
 }
 
@@ -37,19 +40,32 @@ fn sighup_reloads_and_a_bad_reload_keeps_the_running_config() -> anyhow::Result<
     let server = TestServer::start(8)?;
     let mut poolscope = Poolscope::start(&pids_config("before", &[server.pid()]))?;
     let has = |poolscope: &Poolscope, service: &str| {
-        poolscope.scrape().is_ok_and(|m| m.has_label("service", service))
+        poolscope
+            .scrape()
+            .is_ok_and(|m| m.has_label("service", service))
     };
-    assert!(wait_until(Duration::from_secs(10), || has(&poolscope, "before")));
+    assert!(wait_until(Duration::from_secs(10), || has(
+        &poolscope, "before"
+    )));
 
-    std::fs::write(&poolscope.config_path, pids_config("after", &[server.pid()]))?;
+    std::fs::write(
+        &poolscope.config_path,
+        pids_config("after", &[server.pid()]),
+    )?;
     poolscope.signal(libc::SIGHUP);
-    assert!(wait_until(Duration::from_secs(10), || has(&poolscope, "after")
-        && !has(&poolscope, "before")));
+    assert!(wait_until(Duration::from_secs(10), || has(
+        &poolscope, "after"
+    ) && !has(
+        &poolscope, "before"
+    )));
 
     std::fs::write(&poolscope.config_path, "[[targets]]\ncomm = \"(\"\n")?;
     poolscope.signal(libc::SIGHUP);
     std::thread::sleep(Duration::from_secs(2));
-    assert!(has(&poolscope, "after"), "a bad reload changed the running config");
+    assert!(
+        has(&poolscope, "after"),
+        "a bad reload changed the running config"
+    );
 
     poolscope.signal(libc::SIGTERM);
     let (code, log) = poolscope.wait_exit(Duration::from_secs(10))?;

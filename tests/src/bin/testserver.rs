@@ -49,7 +49,10 @@ fn main() -> std::io::Result<()> {
     for line in std::io::stdin().lock().lines() {
         let line = line?;
         let mut words = line.split_whitespace();
-        match (words.next(), words.next().and_then(|n| n.parse::<usize>().ok())) {
+        match (
+            words.next(),
+            words.next().and_then(|n| n.parse::<usize>().ok()),
+        ) {
             (Some("accept"), Some(n)) => {
                 for _ in 0..n {
                     kept.push(listener.accept()?.0);
