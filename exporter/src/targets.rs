@@ -117,9 +117,11 @@ impl Targets {
     ) {
         self.listeners = listeners;
         let desired: HashMap<u32, &Assignment> = assignments.iter().map(|a| (a.pid, a)).collect();
+        // Processes watched since the scan began (forks) are not in it: leave them.
         let gone: Vec<u32> = self
             .processes
             .iter()
+            .filter(|(_, tracked)| tracked.since_ns < scan_started_ns)
             .filter(|(pid, tracked)| {
                 desired.get(pid).is_none_or(|a| {
                     a.start_time != tracked.start_time

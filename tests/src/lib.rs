@@ -72,11 +72,25 @@ pub struct Poolscope {
 impl Poolscope {
     /// Starts poolscope with `config` (TOML) and waits until it serves.
     pub fn start(config: &str) -> anyhow::Result<Self> {
+        Self::start_wrapped(config, &[])
+    }
+
+    /// Like `start`, through a wrapper command that execs it (e.g. setpriv ...).
+    pub fn start_wrapped(config: &str, wrapper: &[String]) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let config_path = dir.path().join("poolscope.toml");
         std::fs::write(&config_path, config)?;
         let port = free_port()?;
-        let child = Command::new(bin_dir()?.join("poolscope"))
+        let binary = bin_dir()?.join("poolscope");
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(&binary);
+                command
+            }
+            None => Command::new(&binary),
+        };
+        let child = command
             .arg("--config.file")
             .arg(&config_path)
             .arg("--web.listen-address")
