@@ -2,11 +2,7 @@
 //! `POOLSCOPE_*` environment variables and command-line flags (in that order of
 //! precedence, last wins), then validated into `Settings`. Every refusal names the
 //! source, the key and the reason.
-use std::{
-    net::SocketAddr,
-    path::{Path, PathBuf},
-    time::Duration,
-};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use figment::{
     Figment,
@@ -220,6 +216,18 @@ fn figment(overrides: &Overrides) -> Result<Figment, ConfigError> {
     Ok(figment)
 }
 
+/// Where a value came from: "TOML file (/etc/poolscope.toml)", "`POOLSCOPE_` environment
+/// variable(s)", ...
+fn source_name(metadata: Option<&figment::Metadata>) -> String {
+    metadata.map_or_else(
+        || "configuration".to_owned(),
+        |metadata| match &metadata.source {
+            Some(source) => format!("{} ({source})", metadata.name),
+            None => metadata.name.to_string(),
+        },
+    )
+}
+
 /// Every figment error with its key and source, one per line.
 fn describe(errors: &figment::Error) -> ConfigError {
     let lines: Vec<String> = errors
@@ -227,14 +235,7 @@ fn describe(errors: &figment::Error) -> ConfigError {
         .into_iter()
         .map(|error| {
             let key = error.path.join(".");
-            let source = error
-                .metadata
-                .as_ref()
-                .map(|metadata| match &metadata.source {
-                    Some(source) => format!("{} ({source})", metadata.name),
-                    None => metadata.name.to_string(),
-                })
-                .unwrap_or_else(|| "configuration".to_owned());
+            let source = source_name(error.metadata.as_ref());
             format!("{source}: key `{key}`: {}", error.kind)
         })
         .collect();
@@ -243,13 +244,7 @@ fn describe(errors: &figment::Error) -> ConfigError {
 
 /// A validation failure for `key`, naming the source that set it.
 fn invalid(figment: &Figment, key: &str, reason: impl std::fmt::Display) -> ConfigError {
-    let source = figment
-        .find_metadata(key)
-        .map(|metadata| match &metadata.source {
-            Some(source) => format!("{} ({source})", metadata.name),
-            None => metadata.name.to_string(),
-        })
-        .unwrap_or_else(|| "configuration".to_owned());
+    let source = source_name(figment.find_metadata(key));
     ConfigError::Invalid(format!("{source}: key `{key}`: {reason}"))
 }
 
@@ -370,14 +365,6 @@ fn validate_target(
         ));
     }
     Ok(rule)
-}
-
-/// The file a config was loaded from, for messages.
-pub fn describe_source(path: Option<&Path>) -> String {
-    path.map_or_else(
-        || "built-in defaults".to_owned(),
-        |p| p.display().to_string(),
-    )
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use std::{
 };
 
 use poolscope_shared::ProcessEvent;
+use tokio::sync::Notify;
 
 use crate::{
     collect::{SelfStats, self_families, service_families, service_listeners},
@@ -33,6 +34,8 @@ pub struct Exporter {
     settings: RwLock<Arc<Settings>>,
     probes: Vec<Probe>,
     series_dropped: AtomicU64,
+    /// Wakes the rescan loop before its next tick.
+    rescan_now: Arc<Notify>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -53,7 +56,13 @@ impl Exporter {
             settings: RwLock::new(Arc::new(settings)),
             probes,
             series_dropped: AtomicU64::new(0),
+            rescan_now: Arc::new(Notify::new()),
         }
+    }
+
+    /// Notified when a rescan is worth doing before the next tick.
+    pub fn rescan_trigger(&self) -> Arc<Notify> {
+        self.rescan_now.clone()
     }
 
     /// Probes (attached or not) the kernel side has.
@@ -106,7 +115,8 @@ impl Exporter {
         }
         let mut shared = self.lock();
         let Shared { kernel, targets } = &mut *shared;
-        targets.apply(kernel, &assignments, listeners, started_ns);
+        let known = snapshot.listen_sockets.keys().copied().collect();
+        targets.apply(kernel, &assignments, listeners, known, started_ns);
         Ok(())
     }
 
@@ -154,6 +164,17 @@ impl Gatherer for Exporter {
             started.elapsed().as_secs_f64(),
             queues.is_ok(),
         ));
+        // A socket that began listening after the last scan: find its owner now rather
+        // than at the next periodic rescan.
+        if let Ok(queues) = &queues {
+            let shared = self.lock();
+            if queues
+                .iter()
+                .any(|q| !shared.targets.knows_listen_socket(q.inode))
+            {
+                self.rescan_now.notify_one();
+            }
+        }
         let listeners = service_listeners(queues.as_deref().unwrap_or_default(), |inode| {
             owners.get(&inode).cloned()
         });

@@ -66,9 +66,9 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
         tracing::warn!(%error, "initial scan failed");
     }
 
-    let rescan_now = Arc::new(Notify::new());
+    let rescan_now = exporter.rescan_trigger();
     tokio::spawn(rescan_loop(exporter.clone(), rescan_now.clone()));
-    tokio::spawn(event_loop(exporter.clone(), events, rescan_now.clone()));
+    tokio::spawn(event_loop(exporter.clone(), events));
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     spawn_signal_thread(exporter.clone(), overrides, log, rescan_now, shutdown_tx)?;
@@ -107,7 +107,7 @@ async fn rescan_loop(exporter: Arc<Exporter>, trigger: Arc<Notify>) {
     }
 }
 
-async fn event_loop(exporter: Arc<Exporter>, events: ProcessEvents, rescan_now: Arc<Notify>) {
+async fn event_loop(exporter: Arc<Exporter>, events: ProcessEvents) {
     // SAFETY: the ring buffer owns its map fd for as long as the AsyncFd holds it.
     let registered =
         unsafe { AsyncFd::register_with_interest(events.ring, tokio::io::Interest::READABLE) };
@@ -134,9 +134,7 @@ async fn event_loop(exporter: Arc<Exporter>, events: ProcessEvents, rescan_now: 
             }
         }
         guard.clear_ready();
-        if exporter.on_events(&batch) {
-            rescan_now.notify_one();
-        }
+        exporter.on_events(&batch);
     }
 }
 

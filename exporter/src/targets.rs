@@ -4,7 +4,10 @@
 //! exit at a time). A process is named by (pid, start time) so that a reused pid is a
 //! new process: the kernel drops an exited process at once, and user space checks the
 //! start time again after every insert.
-use std::{collections::HashMap, path::PathBuf};
+use std::{
+    collections::{HashMap, HashSet},
+    path::PathBuf,
+};
 
 use poolscope_shared::{ProcessEvent, ProcessEventKind, Watched};
 
@@ -74,6 +77,8 @@ pub struct Targets {
     purged_unserved: HashMap<u32, u64>,
     /// Listening socket inode → service name, from the last scan.
     listeners: HashMap<u64, String>,
+    /// Every listening socket the last scan saw, watched or not.
+    known_listen_sockets: HashSet<u64>,
     procfs_root: PathBuf,
     /// Processes not watched because `limits.max_services` was reached.
     pub services_refused: u64,
@@ -100,6 +105,7 @@ impl Targets {
             processes: HashMap::new(),
             purged_unserved: HashMap::new(),
             listeners: HashMap::new(),
+            known_listen_sockets: HashSet::new(),
             procfs_root,
             services_refused: 0,
             watch_errors: 0,
@@ -113,9 +119,11 @@ impl Targets {
         kernel: &mut Kernel,
         assignments: &[Assignment],
         listeners: HashMap<u64, String>,
+        known_listen_sockets: HashSet<u64>,
         scan_started_ns: u64,
     ) {
         self.listeners = listeners;
+        self.known_listen_sockets = known_listen_sockets;
         let desired: HashMap<u32, &Assignment> = assignments.iter().map(|a| (a.pid, a)).collect();
         // Processes watched since the scan began (forks) are not in it: leave them.
         let gone: Vec<u32> = self
@@ -210,8 +218,7 @@ impl Targets {
 
     /// Frees the ids of services with no process left, zeroing their kernel counters.
     fn free_idle_services(&mut self, kernel: &mut Kernel) {
-        let busy: std::collections::HashSet<u32> =
-            self.processes.values().map(|t| t.service).collect();
+        let busy: HashSet<u32> = self.processes.values().map(|t| t.service).collect();
         let idle: Vec<u32> = (0..self.ids.names.len() as u32)
             .filter(|id| self.ids.name(*id).is_some() && !busy.contains(id))
             .collect();
@@ -290,5 +297,10 @@ impl Targets {
     /// Listening socket inode → owning service, from the last scan.
     pub fn listener_owners(&self) -> &HashMap<u64, String> {
         &self.listeners
+    }
+
+    /// True if the last scan saw this listening socket (watched or not).
+    pub fn knows_listen_socket(&self, inode: u64) -> bool {
+        self.known_listen_sockets.contains(&inode)
     }
 }

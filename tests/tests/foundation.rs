@@ -27,6 +27,16 @@ fn scrape_until(
     Ok(last)
 }
 
+/// A testserver watched (by pid) as `service`, once poolscope reports it.
+fn watched_server(service: &str) -> anyhow::Result<(TestServer, Poolscope)> {
+    let server = TestServer::start(64)?;
+    let poolscope = Poolscope::start(&pids_config(service, &[server.pid()]))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
+    })?;
+    Ok((server, poolscope))
+}
+
 #[test]
 fn listen_queue_depth_counts_clients_waiting_for_accept() -> anyhow::Result<()> {
     if !privileged("listen_queue_depth_counts_clients_waiting_for_accept") {
@@ -75,12 +85,8 @@ fn unserved_connections_until_the_server_reads() -> anyhow::Result<()> {
         return Ok(());
     }
     const CLIENTS: usize = 4;
-    let mut server = TestServer::start(64)?;
-    let poolscope = Poolscope::start(&pids_config("unserved", &[server.pid()]))?;
+    let (mut server, poolscope) = watched_server("unserved")?;
     let service = [("service", "unserved")];
-    scrape_until(&poolscope, |m| {
-        m.value("poolscope_targets", &service) == Some(1.0)
-    })?;
 
     let mut clients: Vec<TcpStream> = (0..CLIENTS)
         .map(|_| server.connect())
@@ -126,12 +132,8 @@ fn closed_unserved_connections_leave_the_gauge_and_the_map() -> anyhow::Result<(
     if !privileged("closed_unserved_connections_leave_the_gauge_and_the_map") {
         return Ok(());
     }
-    let mut server = TestServer::start(64)?;
-    let poolscope = Poolscope::start(&pids_config("closer", &[server.pid()]))?;
+    let (mut server, poolscope) = watched_server("closer")?;
     let service = [("service", "closer")];
-    scrape_until(&poolscope, |m| {
-        m.value("poolscope_targets", &service) == Some(1.0)
-    })?;
     let clients: Vec<TcpStream> = (0..3).map(|_| server.connect()).collect::<Result<_, _>>()?;
     assert_eq!(server.command("accept 3")?, "ok");
     scrape_until(&poolscope, |m| {
@@ -154,12 +156,8 @@ fn forked_children_count_under_the_parent_service() -> anyhow::Result<()> {
     if !privileged("forked_children_count_under_the_parent_service") {
         return Ok(());
     }
-    let mut server = TestServer::start(64)?;
-    let poolscope = Poolscope::start(&pids_config("forky", &[server.pid()]))?;
+    let (mut server, poolscope) = watched_server("forky")?;
     let service = [("service", "forky")];
-    scrape_until(&poolscope, |m| {
-        m.value("poolscope_targets", &service) == Some(1.0)
-    })?;
 
     let answer = server.command("fork")?;
     assert!(answer.starts_with("child "), "{answer}");
@@ -180,9 +178,7 @@ fn series_of_an_exited_process_go_away_within_two_scrapes() -> anyhow::Result<()
     if !privileged("series_of_an_exited_process_go_away_within_two_scrapes") {
         return Ok(());
     }
-    let server = TestServer::start(64)?;
-    let poolscope = Poolscope::start(&pids_config("ephemeral", &[server.pid()]))?;
-    scrape_until(&poolscope, |m| m.has_label("service", "ephemeral"))?;
+    let (server, poolscope) = watched_server("ephemeral")?;
     server.exit()?;
     let first = poolscope.scrape()?;
     let second = poolscope.scrape()?;
@@ -255,5 +251,26 @@ fn metrics_pass_promtool_lint() -> anyhow::Result<()> {
         "promtool: {said}\n{}",
         metrics.text
     );
+    Ok(())
+}
+
+#[test]
+fn an_exec_is_discovered_without_waiting_for_a_rescan() -> anyhow::Result<()> {
+    if !privileged("an_exec_is_discovered_without_waiting_for_a_rescan") {
+        return Ok(());
+    }
+    // Periodic rescans effectively off: only the exec event can find the server, and
+    // only a listener unknown to the last scan can find its socket (opened after exec).
+    let poolscope = Poolscope::start(
+        "[discovery]\nrescan_interval = \"1h\"\n[[targets]]\nservice = \"late\"\ncomm = \"^testserver$\"\n",
+    )?;
+    let server = TestServer::start(8)?;
+    let listener = format!("127.0.0.1:{}", server.port);
+    scrape_until(&poolscope, |m| {
+        m.value(
+            "poolscope_listen_queue_limit",
+            &[("service", "late"), ("listener", listener.as_str())],
+        ) == Some(8.0)
+    })?;
     Ok(())
 }
