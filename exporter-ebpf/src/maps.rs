@@ -62,9 +62,26 @@ pub fn update_service(service: u32, update: impl FnOnce(&mut ServiceCounters)) {
     }
 }
 
+/// How urgently user space must hear of an event.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Wakeup {
+    /// Wake the reader now (fork and exit of watched processes).
+    Now,
+    /// Let the reader's periodic poll pick it up: waking it costs an IPI, ~25 µs per
+    /// event on our VMs, and execs of unwatched processes are frequent and not urgent.
+    Lazy,
+}
+
 #[inline(always)]
-pub fn send_process_event(event: ProcessEvent) {
-    if PROCESS_EVENTS.output::<ProcessEvent>(&event, 0).is_err() {
+pub fn send_process_event(event: ProcessEvent, wakeup: Wakeup) {
+    let flags = match wakeup {
+        Wakeup::Now => 0,
+        Wakeup::Lazy => u64::from(aya_ebpf::bindings::BPF_RB_NO_WAKEUP),
+    };
+    if PROCESS_EVENTS
+        .output::<ProcessEvent>(&event, flags)
+        .is_err()
+    {
         count_loss(LossSource::ProcessEvents);
     }
 }

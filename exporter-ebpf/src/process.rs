@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use poolscope_shared::{LossSource, ProcessEvent, ProcessEventKind, Watched};
 
-use crate::maps::{PENDING_CALLS, WATCHED, count_loss, send_process_event, watched};
+use crate::maps::{PENDING_CALLS, WATCHED, Wakeup, count_loss, send_process_event, watched};
 
 /// Offsets from /sys/kernel/tracing/events/{task,sched}/*/format.
 const NEWTASK_PID: usize = 8;
@@ -53,13 +53,16 @@ fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
         count_loss(LossSource::WatchedFull);
         return Ok(());
     }
-    send_process_event(ProcessEvent {
-        kind: ProcessEventKind::Fork as u32,
-        pid: child,
-        parent,
-        service: parent_watch.service,
-        since_ns,
-    });
+    send_process_event(
+        ProcessEvent {
+            kind: ProcessEventKind::Fork as u32,
+            pid: child,
+            parent,
+            service: parent_watch.service,
+            since_ns,
+        },
+        Wakeup::Now,
+    );
     Ok(())
 }
 
@@ -74,13 +77,16 @@ fn try_process_exec(ctx: &TracePointContext) -> Result<(), i32> {
     // SAFETY: offset matches the tracepoint's format.
     let pid: u32 = unsafe { ctx.read_at(EXEC_PID)? };
     // Any process: an exec can make it match a `comm` or `exe` rule.
-    send_process_event(ProcessEvent {
-        kind: ProcessEventKind::Exec as u32,
-        pid,
-        parent: 0,
-        service: u32::MAX,
-        since_ns: 0,
-    });
+    send_process_event(
+        ProcessEvent {
+            kind: ProcessEventKind::Exec as u32,
+            pid,
+            parent: 0,
+            service: u32::MAX,
+            since_ns: 0,
+        },
+        Wakeup::Lazy,
+    );
     Ok(())
 }
 
@@ -105,12 +111,15 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
         return Ok(());
     };
     let _ = WATCHED.remove(tgid);
-    send_process_event(ProcessEvent {
-        kind: ProcessEventKind::Exit as u32,
-        pid: tgid,
-        parent: 0,
-        service: watch.service,
-        since_ns: watch.since_ns,
-    });
+    send_process_event(
+        ProcessEvent {
+            kind: ProcessEventKind::Exit as u32,
+            pid: tgid,
+            parent: 0,
+            service: watch.service,
+            since_ns: watch.since_ns,
+        },
+        Wakeup::Now,
+    );
     Ok(())
 }

@@ -2,7 +2,7 @@
 //! one lock, with the three things that touch them: a rescan, a process event, and a
 //! scrape (`Gatherer`). Scans and netlink reads happen outside the lock.
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::{
         Arc, Mutex, MutexGuard, RwLock,
         atomic::{AtomicU64, Ordering},
@@ -138,12 +138,13 @@ impl Gatherer for Exporter {
         let started = Instant::now();
         let (services, kernel, owners, services_refused, watch_errors) = {
             let shared = self.lock();
-            let services = shared.targets.services();
-            let ids: Vec<u32> = services.iter().map(|s| s.id).collect();
-            let kernel = shared.kernel.read(&ids);
+            let kernel = shared.kernel.read(&shared.targets.service_ids());
             if let Err(error) = &kernel {
                 tracing::warn!(%error, "reading kernel maps failed");
             }
+            let no_watch_table = BTreeMap::new();
+            let watched = kernel.as_ref().map_or(&no_watch_table, |k| &k.watched);
+            let services = shared.targets.services(watched);
             (
                 services,
                 kernel.ok(),

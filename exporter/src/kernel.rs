@@ -142,6 +142,8 @@ pub struct ProcessEvents {
 /// Everything the kernel counted, read for one scrape.
 #[derive(Clone, Debug, Default)]
 pub struct Readout {
+    /// The `WATCHED` map: pid → `since_ns`.
+    pub watched: BTreeMap<u32, u64>,
     pub services: BTreeMap<u32, ServiceCounters>,
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
     pub losses: Vec<(LossSource, u64)>,
@@ -342,7 +344,15 @@ impl Kernel {
     /// Reads the counters of `services` and the exporter's own kernel-side health.
     pub fn read(&self, services: &[u32]) -> Result<Readout, KernelError> {
         let map_error = |map| move |source| KernelError::Map { map, source };
-        let mut readout = Readout::default();
+        let mut readout = Readout {
+            watched: self
+                .watched
+                .iter()
+                .filter_map(Result::ok)
+                .map(|(pid, watch)| (pid, watch.since_ns))
+                .collect(),
+            ..Readout::default()
+        };
         for &service in services {
             let per_cpu = self
                 .service_counters
@@ -378,7 +388,7 @@ impl Kernel {
         readout.maps = vec![
             MapFill {
                 name: maps::WATCHED,
-                entries: self.watched.keys().filter(Result::is_ok).count() as u64,
+                entries: readout.watched.len() as u64,
                 capacity: self.sizes.watched_processes,
             },
             MapFill {

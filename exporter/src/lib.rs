@@ -16,6 +16,7 @@ pub mod web;
 use std::{sync::Arc, time::Duration};
 
 use anyhow::Context as _;
+use poolscope_shared::ProcessEvent;
 use tokio::{io::unix::AsyncFd, sync::Notify};
 use tracing_subscriber::{
     filter::LevelFilter, layer::SubscriberExt as _, reload, util::SubscriberInitExt as _,
@@ -26,6 +27,9 @@ use crate::{
     exporter::Exporter,
     kernel::{Kernel, MapSizes, ProcessEvents},
 };
+
+/// How often to look for process events that did not wake us (execs).
+const EVENT_POLL_INTERVAL: Duration = Duration::from_millis(200);
 
 /// After an exec-triggered rescan, wait at least this long before the next one.
 const MIN_TRIGGERED_RESCAN_GAP: Duration = Duration::from_secs(1);
@@ -120,21 +124,31 @@ async fn event_loop(exporter: Arc<Exporter>, events: ProcessEvents) {
         }
     };
     loop {
-        let mut guard = match ring.readable_mut().await {
-            Ok(guard) => guard,
-            Err(error) => {
+        // Exec events do not wake us (see the kernel side): poll for them too.
+        let readable = tokio::time::timeout(EVENT_POLL_INTERVAL, ring.readable_mut()).await;
+        let mut batch = Vec::new();
+        match readable {
+            Ok(Ok(mut guard)) => {
+                drain(guard.get_inner_mut(), &mut batch);
+                guard.clear_ready();
+            }
+            Ok(Err(error)) => {
                 tracing::error!(%error, "polling process events failed; relying on rescans");
                 return;
             }
-        };
-        let mut batch = Vec::new();
-        while let Some(record) = guard.get_inner_mut().next() {
-            if let Some(event) = ProcessEvents::decode(&record) {
-                batch.push(event);
-            }
+            Err(_elapsed) => drain(ring.get_mut(), &mut batch),
         }
-        guard.clear_ready();
-        exporter.on_events(&batch);
+        if !batch.is_empty() {
+            exporter.on_events(&batch);
+        }
+    }
+}
+
+fn drain(ring: &mut aya::maps::RingBuf<aya::maps::MapData>, batch: &mut Vec<ProcessEvent>) {
+    while let Some(record) = ring.next() {
+        if let Some(event) = ProcessEvents::decode(&record) {
+            batch.push(event);
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 //! new process: the kernel drops an exited process at once, and user space checks the
 //! start time again after every insert.
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     path::PathBuf,
 };
 
@@ -219,8 +219,10 @@ impl Targets {
     /// Frees the ids of services with no process left, zeroing their kernel counters.
     fn free_idle_services(&mut self, kernel: &mut Kernel) {
         let busy: HashSet<u32> = self.processes.values().map(|t| t.service).collect();
-        let idle: Vec<u32> = (0..self.ids.names.len() as u32)
-            .filter(|id| self.ids.name(*id).is_some() && !busy.contains(id))
+        let idle: Vec<u32> = self
+            .service_ids()
+            .into_iter()
+            .filter(|id| !busy.contains(id))
             .collect();
         for id in idle {
             match kernel.reset_service(id) {
@@ -274,10 +276,22 @@ impl Targets {
     }
 
     /// Live services with their process counts.
-    pub fn services(&self) -> Vec<ServiceView> {
+    /// Ids of every service that has an id now (some may have no live process).
+    pub fn service_ids(&self) -> Vec<u32> {
+        (0..self.ids.names.len() as u32)
+            .filter(|id| self.ids.name(*id).is_some())
+            .collect()
+    }
+
+    /// Live services with their process counts. `watched` is the kernel's `WATCHED`
+    /// map (pid → since): the kernel drops a process the moment it exits, before its
+    /// exit event reaches us, so a process counts only while its entry is there.
+    pub fn services(&self, watched: &BTreeMap<u32, u64>) -> Vec<ServiceView> {
         let mut counts: HashMap<u32, u64> = HashMap::new();
-        for tracked in self.processes.values() {
-            *counts.entry(tracked.service).or_default() += 1;
+        for (pid, tracked) in &self.processes {
+            if watched.get(pid) == Some(&tracked.since_ns) {
+                *counts.entry(tracked.service).or_default() += 1;
+            }
         }
         let mut views: Vec<ServiceView> = counts
             .into_iter()
