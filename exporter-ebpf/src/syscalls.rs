@@ -9,7 +9,7 @@
 //! we do not watch. The syscall is told by its number through a table user space
 //! fills (numbers differ per arch).
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel},
     macros::raw_tracepoint,
     programs::RawTracePointContext,
 };
@@ -146,8 +146,6 @@ fn on_accepted(tgid: u32, fd: u32) {
         service: watch.service,
         flags: CONN_UNSERVED,
         owner_since_ns: watch.since_ns,
-        // SAFETY: helper without preconditions.
-        accepted_ns: unsafe { bpf_ktime_get_ns() },
     };
     if CONNS.insert(key, conn, 0).is_err() {
         count_loss(LossSource::ConnsFull);

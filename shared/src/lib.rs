@@ -64,7 +64,6 @@ pub struct Conn {
     /// [`Watched::since_ns`] of the owning process when the entry was made; an entry
     /// whose owner no longer matches is stale (the process exited, its pid was reused).
     pub owner_since_ns: u64,
-    pub accepted_ns: u64,
 }
 
 /// Value of [`maps::PENDING_CALLS`].
@@ -249,7 +248,7 @@ mod pod {
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<ConnKey>() == 8);
-const _: () = assert!(core::mem::size_of::<Conn>() == 24);
+const _: () = assert!(core::mem::size_of::<Conn>() == 16);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 8);
 const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 24);
 const _: () = assert!(core::mem::size_of::<ProcessEvent>() == 24);
