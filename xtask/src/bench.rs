@@ -34,6 +34,9 @@ struct Round {
     requests_per_second: f64,
     requests: f64,
     cpu_us_per_request: f64,
+    /// Cost of one syscall of a process poolscope does not watch (the hooks are
+    /// system-wide): `dd bs=1` from /dev/zero to /dev/null, pinned to CPU 1.
+    unwatched_syscall_ns: f64,
     /// program → (runs, ns) during the round
     programs: BTreeMap<String, (f64, f64)>,
 }
@@ -89,7 +92,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     );
     wait_for_port(NGINX_PORT)?;
     // Warm up caches and the worker.
-    wrk(seconds.min(2))?;
+    wrk(seconds)?;
 
     let mut rounds = Vec::new();
     for pair in 0..pairs {
@@ -164,6 +167,22 @@ fn wrk(seconds: u64) -> anyhow::Result<(f64, f64)> {
     }
 }
 
+fn unwatched_syscall_ns() -> anyhow::Result<f64> {
+    const COPIES: u64 = 1_000_000;
+    let started = Instant::now();
+    let status = Command::new("taskset")
+        .args(["-c", "1", "dd", "if=/dev/zero", "of=/dev/null", "bs=1"])
+        .arg(format!("count={COPIES}"))
+        .stderr(Stdio::null())
+        .status()
+        .context("running dd")?;
+    if !status.success() {
+        bail!("dd failed ({status})");
+    }
+    // One read and one write per byte copied.
+    Ok(started.elapsed().as_nanos() as f64 / (2 * COPIES) as f64)
+}
+
 /// CPU seconds (user + system) used so far by nginx's master and workers.
 fn nginx_cpu_seconds(master: u32) -> f64 {
     // SAFETY: sysconf cannot fail for _SC_CLK_TCK.
@@ -232,11 +251,14 @@ fn measure(root: &Path, dir: &Path, nginx: u32, mode: Mode, seconds: u64) -> any
             programs.insert(name, (runs - runs_before, ns - ns_before));
         }
     }
+    // After the program counters were read: dd's syscalls are not requests.
+    let unwatched_syscall_ns = unwatched_syscall_ns()?;
     drop(exporter);
     Ok(Round {
         poolscope: mode != Mode::Off,
         requests_per_second: rate,
         requests: total,
+        unwatched_syscall_ns,
         cpu_us_per_request: cpu * 1e6 / total.max(1.0),
         programs,
     })
@@ -304,6 +326,8 @@ fn report(rounds: &[Round], stats_round: &Round) {
     let (rate_on_min, rate_on) = side(true, |r| r.requests_per_second);
     let (cpu_off_min, cpu_off) = side(false, |r| r.cpu_us_per_request);
     let (cpu_on_min, cpu_on) = side(true, |r| r.cpu_us_per_request);
+    let (sys_off_min, sys_off) = side(false, |r| r.unwatched_syscall_ns);
+    let (sys_on_min, sys_on) = side(true, |r| r.unwatched_syscall_ns);
     println!();
     println!(
         "| nginx, 1 worker, wrk -t1 -c32 | off median (min) | on median (min) | on/off (median) |"
@@ -316,6 +340,10 @@ fn report(rounds: &[Round], stats_round: &Round) {
     println!(
         "| nginx CPU µs/request | {cpu_off:.2} ({cpu_off_min:.2}) | {cpu_on:.2} ({cpu_on_min:.2}) | {:.4} |",
         cpu_on / cpu_off
+    );
+    println!(
+        "| ns per syscall, unwatched process (dd bs=1) | {sys_off:.0} ({sys_off_min:.0}) | {sys_on:.0} ({sys_on_min:.0}) | {:.4} |",
+        sys_on / sys_off
     );
     println!();
     println!(
