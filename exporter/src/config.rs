@@ -263,6 +263,15 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
             "want one of error, warn, info, debug, trace, off",
         )
     })?;
+    // Refused rather than ignored: a forced backend that silently falls back would
+    // make its numbers mean something else than the operator asked for.
+    if raw.probes.backend == Backend::Socket {
+        return Err(invalid(
+            figment,
+            "probes.backend",
+            "the socket backend is not available yet; use auto or syscall",
+        ));
+    }
     if raw.discovery.rescan_interval < Duration::from_millis(100) {
         return Err(invalid(
             figment,
