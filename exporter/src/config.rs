@@ -458,6 +458,11 @@ mod tests {
             error.contains("backend") && error.contains("kprobe"),
             "{error}"
         );
+        let error = error_of("[probes]\nbackend = \"socket\"\n");
+        assert!(
+            error.contains("probes.backend") && error.contains("not available"),
+            "{error}"
+        );
         let error = error_of("[[targets]]\ncomm = \"(\"\n");
         assert!(error.contains("targets[0].comm"), "{error}");
         let error = error_of("[[targets]]\nservice = \"x\"\n");
