@@ -75,7 +75,9 @@ pub enum Wakeup {
 #[inline(always)]
 pub fn send_process_event(event: ProcessEvent, wakeup: Wakeup) {
     let flags = match wakeup {
-        Wakeup::Now => 0,
+        // Forced: with flags 0 the kernel wakes the reader only if it has read
+        // everything before, which an unread lazy record prevents.
+        Wakeup::Now => u64::from(aya_ebpf::bindings::BPF_RB_FORCE_WAKEUP),
         Wakeup::Lazy => u64::from(aya_ebpf::bindings::BPF_RB_NO_WAKEUP),
     };
     if PROCESS_EVENTS

@@ -18,7 +18,12 @@ use crate::maps::{PENDING_CALLS, WATCHED, Wakeup, count_loss, send_process_event
 const NEWTASK_PID: usize = 8;
 const NEWTASK_CLONE_FLAGS: usize = 32;
 const EXEC_PID: usize = 12;
-const EXIT_GROUP_DEAD: usize = 32;
+
+/// Offset of `group_dead` in sched_process_exit's record, which newer kernels have
+/// (6.18 here) and older ones lack; user space reads it from the tracepoint's format
+/// at load time. 0 when absent: the group leader's exit then stands for the process's.
+#[unsafe(no_mangle)]
+static EXIT_GROUP_DEAD_OFFSET: u32 = 0;
 
 const CLONE_THREAD: u64 = 0x0001_0000;
 
@@ -99,17 +104,24 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
 
 fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
     let pid_tgid = bpf_get_current_pid_tgid();
-    // A thread killed inside a syscall leaves its pending entry behind otherwise.
-    let _ = PENDING_CALLS.remove(pid_tgid as u32);
-    // SAFETY: offset matches the tracepoint's format.
-    let group_dead: u8 = unsafe { ctx.read_at(EXIT_GROUP_DEAD)? };
-    if group_dead == 0 {
-        return Ok(());
-    }
+    let tid = pid_tgid as u32;
     let tgid = (pid_tgid >> 32) as u32;
     let Some(watch) = watched(tgid) else {
         return Ok(());
     };
+    // A thread killed inside a syscall leaves its pending entry behind otherwise.
+    let _ = PENDING_CALLS.remove(tid);
+    // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
+    let group_dead_offset = unsafe { core::ptr::read_volatile(&EXIT_GROUP_DEAD_OFFSET) };
+    let process_gone = if group_dead_offset == 0 {
+        tid == tgid
+    } else {
+        // SAFETY: the offset comes from this kernel's format of this tracepoint.
+        unsafe { ctx.read_at::<u8>(group_dead_offset as usize)? != 0 }
+    };
+    if !process_gone {
+        return Ok(());
+    }
     let _ = WATCHED.remove(tgid);
     send_process_event(
         ProcessEvent {

@@ -1,7 +1,10 @@
 //! Reducers from what was read at scrape time (kernel counters, the watched set, the
 //! listen queues) to metric families. Pure functions: names, labels and units are
 //! decided here and nowhere else.
-use std::collections::HashMap;
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::SocketAddr,
+};
 
 use poolscope_shared::LossSource;
 
@@ -87,22 +90,30 @@ pub fn service_families(
 }
 
 /// Joins listen queues to the services that own their sockets. Sockets of unwatched
-/// processes are left out; one socket shared by several processes counts once.
+/// processes are left out; one socket shared by several processes counts once, and
+/// several sockets on one address (SO_REUSEPORT) add up to one listener: their
+/// backlogs and limits summed, as one queue in front of the service.
 pub fn service_listeners(
     queues: &[ListenQueue],
     owner: impl Fn(u64) -> Option<String>,
 ) -> Vec<ServiceListener> {
-    let mut listeners: Vec<ServiceListener> = queues
-        .iter()
-        .filter_map(|queue| {
-            Some(ServiceListener {
-                service: owner(queue.inode)?,
-                queue: *queue,
+    let mut merged: BTreeMap<(String, SocketAddr), ListenQueue> = BTreeMap::new();
+    for queue in queues {
+        let Some(service) = owner(queue.inode) else {
+            continue;
+        };
+        merged
+            .entry((service, queue.addr))
+            .and_modify(|sum| {
+                sum.depth += queue.depth;
+                sum.limit += queue.limit;
             })
-        })
-        .collect();
-    listeners.sort_by(|a, b| (&a.service, a.queue.addr).cmp(&(&b.service, b.queue.addr)));
-    listeners
+            .or_insert(*queue);
+    }
+    merged
+        .into_iter()
+        .map(|((service, _), queue)| ServiceListener { service, queue })
+        .collect()
 }
 
 /// What the exporter knows about its own health at scrape time.
@@ -208,8 +219,8 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
     families.push(
         Family::new(
             "services_refused",
-            Kind::Counter,
-            "Processes not watched because limits.max_services was reached.",
+            Kind::Gauge,
+            "Processes the last scan left unwatched because limits.max_services was reached.",
         )
         .with(&[], stats.services_refused as f64),
     );
@@ -288,6 +299,15 @@ mod tests {
             (inode == 1).then(|| "web".to_owned())
         });
         assert_eq!(listeners.len(), 1);
+        // SO_REUSEPORT: three sockets on one address are one listener.
+        let reuseport = service_listeners(&[queue(1, 80), queue(3, 80), queue(4, 80)], |_| {
+            Some("web".to_owned())
+        });
+        assert_eq!(reuseport.len(), 1);
+        assert_eq!(
+            (reuseport[0].queue.depth, reuseport[0].queue.limit),
+            (12, 48)
+        );
         let text = render(
             &service_families(&[], &Readout::default(), &listeners),
             Format::Text,

@@ -13,6 +13,8 @@ use serde::{Deserialize, Serialize};
 
 /// Environment variable prefix; nested keys use `__`, e.g. `POOLSCOPE_WEB__LISTEN_ADDRESS`.
 pub const ENV_PREFIX: &str = "POOLSCOPE_";
+/// Top-level tables of the file, the only names taken from the environment.
+const SECTIONS: [&str; 5] = ["web", "log", "discovery", "probes", "limits"];
 /// Default address: localhost only, the port of no other well-known exporter.
 pub const DEFAULT_LISTEN_ADDRESS: &str = "127.0.0.1:9435";
 
@@ -203,9 +205,17 @@ fn figment(overrides: &Overrides) -> Result<Figment, ConfigError> {
         figment = figment.merge(Toml::file_exact(path));
     }
     figment = figment.merge(
+        // Only `<SECTION>__<KEY>` names: other POOLSCOPE_* variables are not ours
+        // (Kubernetes sets POOLSCOPE_SERVICE_HOST and friends for a Service of that name).
         Env::prefixed(ENV_PREFIX)
-            .split("__")
-            .ignore(&["config_file"]),
+            .filter(|key| {
+                SECTIONS.iter().any(|section| {
+                    key.as_str()
+                        .to_ascii_lowercase()
+                        .starts_with(&format!("{section}__"))
+                })
+            })
+            .split("__"),
     );
     if let Some(address) = &overrides.listen_address {
         figment = figment.merge(Serialized::default("web.listen_address", address));

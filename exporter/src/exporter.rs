@@ -3,6 +3,7 @@
 //! scrape (`Gatherer`). Scans and netlink reads happen outside the lock.
 use std::{
     collections::{BTreeMap, HashMap},
+    path::PathBuf,
     sync::{
         Arc, Mutex, MutexGuard, RwLock,
         atomic::{AtomicU64, Ordering},
@@ -36,6 +37,8 @@ pub struct Exporter {
     series_dropped: AtomicU64,
     /// Wakes the rescan loop before its next tick.
     rescan_now: Arc<Notify>,
+    /// Fixed at start (a reload does not move it).
+    procfs_root: PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -50,13 +53,15 @@ pub enum ScanError {
 impl Exporter {
     pub fn new(kernel: Kernel, settings: Settings) -> Self {
         let probes = kernel.probes().to_vec();
-        let targets = Targets::new(settings.procfs_root.clone(), settings.max_services);
+        let procfs_root = settings.procfs_root.clone();
+        let targets = Targets::new(procfs_root.clone(), settings.max_services);
         Self {
             shared: Mutex::new(Shared { kernel, targets }),
             settings: RwLock::new(Arc::new(settings)),
             probes,
             series_dropped: AtomicU64::new(0),
             rescan_now: Arc::new(Notify::new()),
+            procfs_root,
         }
     }
 
@@ -94,8 +99,8 @@ impl Exporter {
     pub fn rescan(&self) -> Result<(), ScanError> {
         let settings = self.settings();
         let started_ns = monotonic_ns();
-        let snapshot = procfs::scan(&settings.procfs_root).map_err(|source| ScanError::Procfs {
-            root: settings.procfs_root.display().to_string(),
+        let snapshot = procfs::scan(&self.procfs_root).map_err(|source| ScanError::Procfs {
+            root: self.procfs_root.display().to_string(),
             source,
         })?;
         let assignments = discovery::assign(&snapshot, &settings.targets, std::process::id());
@@ -121,12 +126,42 @@ impl Exporter {
     }
 
     /// Applies process events; true if a rescan is worth doing.
-    pub fn on_events(&self, events: &[ProcessEvent]) -> bool {
+    /// Applies process events. An unwatched process that exec'd is checked against the
+    /// rules on its own (no full scan: execs are frequent on a busy host).
+    pub fn on_events(&self, events: &[ProcessEvent]) {
+        let mut execs: Vec<u32> = {
+            let mut shared = self.lock();
+            let Shared { kernel, targets } = &mut *shared;
+            events
+                .iter()
+                .filter_map(|event| targets.on_event(kernel, event))
+                .collect()
+        };
+        let settings = self.settings();
+        // With no rules, a process becomes a service by listening, which comes after
+        // its exec: the scrape sees the new socket and asks for a rescan then.
+        if execs.is_empty() || settings.targets.is_empty() {
+            return;
+        }
+        execs.sort_unstable();
+        execs.dedup();
+        let processes: Vec<_> = execs
+            .into_iter()
+            .filter_map(|pid| procfs::read_process(&self.procfs_root, pid))
+            .collect();
+        let snapshot = procfs::ProcSnapshot {
+            processes,
+            ..Default::default()
+        };
+        let assignments = discovery::assign(&snapshot, &settings.targets, std::process::id());
+        if assignments.is_empty() {
+            return;
+        }
         let mut shared = self.lock();
         let Shared { kernel, targets } = &mut *shared;
-        events.iter().fold(false, |rescan, event| {
-            targets.on_event(kernel, event) | rescan
-        })
+        for assignment in &assignments {
+            targets.add(kernel, assignment);
+        }
     }
 }
 

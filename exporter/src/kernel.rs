@@ -83,13 +83,9 @@ const ATTACHMENTS: [Attachment; 5] = [
 
 /// This architecture's number of the syscall.
 fn syscall_number(slot: SyscallSlot) -> Option<libc::c_long> {
-    #[cfg(target_arch = "x86_64")]
-    let accept = Some(libc::SYS_accept);
-    #[cfg(not(target_arch = "x86_64"))]
-    let accept = None;
     match slot {
         SyscallSlot::None => None,
-        SyscallSlot::Accept => accept,
+        SyscallSlot::Accept => Some(libc::SYS_accept),
         SyscallSlot::Accept4 => Some(libc::SYS_accept4),
         SyscallSlot::Read => Some(libc::SYS_read),
         SyscallSlot::Readv => Some(libc::SYS_readv),
@@ -190,6 +186,28 @@ fn ensure_tracefs() -> Result<(), KernelError> {
     }
 }
 
+/// The offset of `field` in a tracepoint's `format` file, if the record has it.
+pub fn field_offset(format: &str, field: &str) -> Option<u32> {
+    format.lines().find_map(|line| {
+        let mut parts = line.trim().split(';').map(str::trim);
+        let declaration = parts.next()?.strip_prefix("field:")?;
+        let name = declaration.rsplit([' ', '*']).next()?;
+        if name != field {
+            return None;
+        }
+        parts.find_map(|part| part.strip_prefix("offset:")?.parse().ok())
+    })
+}
+
+/// `group_dead` of sched_process_exit (0 when this kernel's record lacks it).
+fn exit_group_dead_offset() -> u32 {
+    let path = "/sys/kernel/tracing/events/sched/sched_process_exit/format";
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|format| field_offset(&format, "group_dead"))
+        .unwrap_or(0)
+}
+
 fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, KernelError>
 where
     T: TryFrom<aya::maps::Map, Error = MapError>,
@@ -202,7 +220,12 @@ impl Kernel {
     /// Loads the programs, fills the syscall table and attaches every probe.
     pub fn load(sizes: MapSizes, bpf_stats: bool) -> Result<(Self, ProcessEvents), KernelError> {
         ensure_tracefs()?;
+        let group_dead_offset = exit_group_dead_offset();
+        if group_dead_offset == 0 {
+            tracing::info!("sched_process_exit has no group_dead: a process ends with its leader");
+        }
         let mut ebpf = EbpfLoader::new()
+            .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .map_max_entries(maps::WATCHED, sizes.watched_processes)
             .map_max_entries(maps::CONNS, sizes.connections)
             .load(aya::include_bytes_aligned!(concat!(
@@ -424,5 +447,23 @@ impl ProcessEvents {
         // SAFETY: ProcessEvent is repr(C) of integers, any bit pattern is valid, and
         // read_unaligned does not need alignment.
         Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<ProcessEvent>()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::field_offset;
+
+    #[test]
+    fn offsets_from_a_tracepoint_format() {
+        let format = "name: sched_process_exit\nID: 369\nformat:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n";
+        assert_eq!(field_offset(format, "group_dead"), Some(32));
+        assert_eq!(field_offset(format, "pid"), Some(24));
+        assert_eq!(field_offset(format, "prio"), None);
+        let older = format.replace(
+            "\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n",
+            "",
+        );
+        assert_eq!(field_offset(&older, "group_dead"), None);
     }
 }

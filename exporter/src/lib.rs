@@ -183,8 +183,34 @@ fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) {
     match Settings::load(overrides) {
         Ok(settings) => {
             let current = exporter.settings();
-            if settings.listen_address != current.listen_address {
-                tracing::warn!("web.listen_address changes on restart only");
+            let restart_only = [
+                (
+                    "web.listen_address",
+                    settings.listen_address != current.listen_address,
+                ),
+                (
+                    "discovery.procfs_root",
+                    settings.procfs_root != current.procfs_root,
+                ),
+                ("probes.backend", settings.backend != current.backend),
+                ("probes.bpf_stats", settings.bpf_stats != current.bpf_stats),
+                (
+                    "limits.max_services",
+                    settings.max_services != current.max_services,
+                ),
+                (
+                    "limits.watched_processes",
+                    settings.watched_processes != current.watched_processes,
+                ),
+                (
+                    "limits.connections",
+                    settings.connections != current.connections,
+                ),
+            ];
+            for (key, changed) in restart_only {
+                if changed {
+                    tracing::warn!(key, "changed in the configuration; takes effect on restart");
+                }
             }
             if let Err(error) = log.modify(|level| *level = settings.log_level) {
                 tracing::warn!(%error, "cannot change the log level");

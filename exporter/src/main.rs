@@ -20,6 +20,9 @@ struct Cli {
     /// error, warn, info, debug or trace.
     #[arg(long = "log.level")]
     log_level: Option<String>,
+    /// Only check the configuration (file, environment, flags) and exit.
+    #[arg(long = "config.check")]
+    config_check: bool,
 }
 
 #[tokio::main]
@@ -30,6 +33,18 @@ async fn main() -> ExitCode {
         listen_address: cli.web_listen_address,
         log_level: cli.log_level,
     };
+    if cli.config_check {
+        return match poolscope::config::Settings::load(&overrides) {
+            Ok(_) => {
+                println!("poolscope: configuration is valid");
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("poolscope: {error}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     match poolscope::run(overrides).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

@@ -80,7 +80,7 @@ pub struct Targets {
     /// Every listening socket the last scan saw, watched or not.
     known_listen_sockets: HashSet<u64>,
     procfs_root: PathBuf,
-    /// Processes not watched because `limits.max_services` was reached.
+    /// Processes the last scan left unwatched because `limits.max_services` was reached.
     pub services_refused: u64,
     /// Inserts into `WATCHED` that failed (map full).
     pub watch_errors: u64,
@@ -124,6 +124,7 @@ impl Targets {
     ) {
         self.listeners = listeners;
         self.known_listen_sockets = known_listen_sockets;
+        self.services_refused = 0;
         let desired: HashMap<u32, &Assignment> = assignments.iter().map(|a| (a.pid, a)).collect();
         // Processes watched since the scan began (forks) are not in it: leave them.
         let gone: Vec<u32> = self
@@ -142,9 +143,7 @@ impl Targets {
             self.forget(kernel, pid);
         }
         for assignment in assignments {
-            if !self.processes.contains_key(&assignment.pid) {
-                self.add(kernel, assignment);
-            }
+            self.add(kernel, assignment);
         }
         // Kernel entries that the scan should have seen but did not assign: a fork
         // child outside its parent's cgroup, or a fork whose event was lost.
@@ -163,7 +162,11 @@ impl Targets {
         self.free_idle_services(kernel);
     }
 
-    fn add(&mut self, kernel: &mut Kernel, assignment: &Assignment) {
+    /// Watches one assigned process (no-op if it is watched already).
+    pub fn add(&mut self, kernel: &mut Kernel, assignment: &Assignment) {
+        if self.processes.contains_key(&assignment.pid) {
+            return;
+        }
         let Some(service) = self.ids.get_or_allocate(&assignment.service) else {
             self.services_refused += 1;
             tracing::warn!(service = %assignment.service, "limits.max_services reached; not watched");
@@ -191,6 +194,7 @@ impl Targets {
         // The pid may have been reused between the scan and the insert.
         if procfs::start_time(&self.procfs_root, pid) != Some(assignment.start_time) {
             kernel.unwatch(pid, since_ns);
+            self.purge(kernel, pid, since_ns);
             return;
         }
         self.processes.insert(
@@ -218,7 +222,14 @@ impl Targets {
 
     /// Frees the ids of services with no process left, zeroing their kernel counters.
     fn free_idle_services(&mut self, kernel: &mut Kernel) {
-        let busy: HashSet<u32> = self.processes.values().map(|t| t.service).collect();
+        // Kernel entries count too: a fork whose event we have not read yet still
+        // counts under its parent's id, which must not pass to another service.
+        let busy: HashSet<u32> = self
+            .processes
+            .values()
+            .map(|t| t.service)
+            .chain(kernel.watched_pids().into_iter().map(|(_, w)| w.service))
+            .collect();
         let idle: Vec<u32> = self
             .service_ids()
             .into_iter()
@@ -235,13 +246,14 @@ impl Targets {
         }
     }
 
-    /// Applies one event from the kernel. Returns true when a rescan is worth doing
-    /// (an unwatched process exec'd and may now match a rule).
-    pub fn on_event(&mut self, kernel: &mut Kernel, event: &ProcessEvent) -> bool {
+    /// Applies one event from the kernel. Returns the pid of an unwatched process that
+    /// exec'd: it may now match a rule.
+    pub fn on_event(&mut self, kernel: &mut Kernel, event: &ProcessEvent) -> Option<u32> {
         match event.kind {
             k if k == ProcessEventKind::Fork as u32 => {
                 if self.ids.name(event.service).is_none() {
-                    return false;
+                    kernel.unwatch(event.pid, event.since_ns);
+                    return None;
                 }
                 match procfs::start_time(&self.procfs_root, event.pid) {
                     Some(start_time) => {
@@ -257,7 +269,7 @@ impl Targets {
                     // Already gone: its exit event follows, or a rescan cleans up.
                     None => kernel.unwatch(event.pid, event.since_ns),
                 }
-                false
+                None
             }
             k if k == ProcessEventKind::Exit as u32 => {
                 if self
@@ -268,10 +280,12 @@ impl Targets {
                     self.processes.remove(&event.pid);
                 }
                 self.purge(kernel, event.pid, event.since_ns);
-                false
+                None
             }
-            k if k == ProcessEventKind::Exec as u32 => !self.processes.contains_key(&event.pid),
-            _ => false,
+            k if k == ProcessEventKind::Exec as u32 => {
+                (!self.processes.contains_key(&event.pid)).then_some(event.pid)
+            }
+            _ => None,
         }
     }
 

@@ -32,6 +32,35 @@ fn bad_config_is_refused_with_file_key_and_reason() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Only `POOLSCOPE_<SECTION>__<KEY>` variables are configuration: Kubernetes sets
+/// `POOLSCOPE_SERVICE_HOST` and the like for a Service named poolscope.
+#[test]
+fn environment_configures_sections_and_ignores_other_variables() -> anyhow::Result<()> {
+    let check = |vars: &[(&str, &str)]| -> anyhow::Result<(bool, String)> {
+        let output = Command::new(bin_dir()?.join("poolscope"))
+            .arg("--config.check")
+            .envs(vars.iter().copied())
+            .output()?;
+        Ok((
+            output.status.success(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        ))
+    };
+    let (ok, stderr) = check(&[
+        ("POOLSCOPE_SERVICE_HOST", "10.0.0.1"),
+        ("POOLSCOPE_PORT", "tcp://10.0.0.1:9435"),
+    ])?;
+    assert!(ok, "unrelated variables refused: {stderr}");
+    let (ok, stderr) = check(&[("POOLSCOPE_WEB__LISTEN_ADDRESS", "nowhere")])?;
+    assert!(!ok && stderr.contains("web.listen_address"), "{stderr}");
+    let (ok, stderr) = check(&[("POOLSCOPE_WEB__LISTEN_ADRESS", "127.0.0.1:1")])?;
+    assert!(
+        !ok && stderr.contains("listen_adress"),
+        "a typo inside a section must be refused: {stderr}"
+    );
+    Ok(())
+}
+
 #[test]
 fn sighup_reloads_and_a_bad_reload_keeps_the_running_config() -> anyhow::Result<()> {
     if !privileged("sighup_reloads_and_a_bad_reload_keeps_the_running_config") {
