@@ -2,7 +2,7 @@
 //! one lock, with the three things that touch them: a rescan, a process event, and a
 //! scrape (`Gatherer`). Scans and netlink reads happen outside the lock.
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::BTreeMap,
     path::PathBuf,
     sync::{
         Arc, Mutex, MutexGuard, RwLock,
@@ -104,28 +104,12 @@ impl Exporter {
             source,
         })?;
         let assignments = discovery::assign(&snapshot, &settings.targets, std::process::id());
-        let service_of: HashMap<u32, &str> = assignments
-            .iter()
-            .map(|a| (a.pid, a.service.as_str()))
-            .collect();
-        let mut listeners = HashMap::new();
-        for process in &snapshot.processes {
-            if let Some(service) = service_of.get(&process.pid) {
-                for inode in &process.listeners {
-                    listeners
-                        .entry(*inode)
-                        .or_insert_with(|| (*service).to_owned());
-                }
-            }
-        }
         let mut shared = self.lock();
         let Shared { kernel, targets } = &mut *shared;
-        let known = snapshot.listen_sockets.keys().copied().collect();
-        targets.apply(kernel, &assignments, listeners, known, started_ns);
+        targets.apply(kernel, &snapshot, &assignments, started_ns);
         Ok(())
     }
 
-    /// Applies process events; true if a rescan is worth doing.
     /// Applies process events. An unwatched process that exec'd is checked against the
     /// rules on its own (no full scan: execs are frequent on a busy host).
     pub fn on_events(&self, events: &[ProcessEvent]) {

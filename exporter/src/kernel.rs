@@ -369,9 +369,8 @@ impl Kernel {
         let map_error = |map| move |source| KernelError::Map { map, source };
         let mut readout = Readout {
             watched: self
-                .watched
-                .iter()
-                .filter_map(Result::ok)
+                .watched_pids()
+                .into_iter()
                 .map(|(pid, watch)| (pid, watch.since_ns))
                 .collect(),
             ..Readout::default()

@@ -11,7 +11,11 @@ use std::{
 
 use poolscope_shared::{ProcessEvent, ProcessEventKind, Watched};
 
-use crate::{discovery::Assignment, kernel::Kernel, procfs};
+use crate::{
+    discovery::Assignment,
+    kernel::Kernel,
+    procfs::{self, ProcSnapshot},
+};
 
 /// One watched process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,13 +121,25 @@ impl Targets {
     pub fn apply(
         &mut self,
         kernel: &mut Kernel,
+        snapshot: &ProcSnapshot,
         assignments: &[Assignment],
-        listeners: HashMap<u64, String>,
-        known_listen_sockets: HashSet<u64>,
         scan_started_ns: u64,
     ) {
-        self.listeners = listeners;
-        self.known_listen_sockets = known_listen_sockets;
+        let service_of: HashMap<u32, &str> = assignments
+            .iter()
+            .map(|a| (a.pid, a.service.as_str()))
+            .collect();
+        self.listeners.clear();
+        for process in &snapshot.processes {
+            if let Some(service) = service_of.get(&process.pid) {
+                for inode in &process.listeners {
+                    self.listeners
+                        .entry(*inode)
+                        .or_insert_with(|| (*service).to_owned());
+                }
+            }
+        }
+        self.known_listen_sockets = snapshot.listen_sockets.keys().copied().collect();
         self.services_refused = 0;
         let desired: HashMap<u32, &Assignment> = assignments.iter().map(|a| (a.pid, a)).collect();
         // Processes watched since the scan began (forks) are not in it: leave them.
@@ -147,19 +163,15 @@ impl Targets {
         }
         // Kernel entries that the scan should have seen but did not assign: a fork
         // child outside its parent's cgroup, or a fork whose event was lost.
-        let strays: Vec<(u32, u64)> = kernel
-            .watched_pids()
-            .into_iter()
-            .filter(|(pid, watch)| {
-                !self.processes.contains_key(pid) && watch.since_ns < scan_started_ns
-            })
-            .map(|(pid, watch)| (pid, watch.since_ns))
-            .collect();
-        for (pid, since_ns) in strays {
-            kernel.unwatch(pid, since_ns);
-            self.purge(kernel, pid, since_ns);
+        let in_kernel = kernel.watched_pids();
+        for (pid, watch) in &in_kernel {
+            if !self.processes.contains_key(pid) && watch.since_ns < scan_started_ns {
+                kernel.unwatch(*pid, watch.since_ns);
+                self.purge(kernel, *pid, watch.since_ns);
+            }
         }
-        self.free_idle_services(kernel);
+        // A stray just unwatched keeps its id busy until the next scan: harmless.
+        self.free_idle_services(kernel, &in_kernel);
     }
 
     /// Watches one assigned process (no-op if it is watched already).
@@ -221,14 +233,14 @@ impl Targets {
     }
 
     /// Frees the ids of services with no process left, zeroing their kernel counters.
-    fn free_idle_services(&mut self, kernel: &mut Kernel) {
+    fn free_idle_services(&mut self, kernel: &mut Kernel, in_kernel: &[(u32, Watched)]) {
         // Kernel entries count too: a fork whose event we have not read yet still
         // counts under its parent's id, which must not pass to another service.
         let busy: HashSet<u32> = self
             .processes
             .values()
             .map(|t| t.service)
-            .chain(kernel.watched_pids().into_iter().map(|(_, w)| w.service))
+            .chain(in_kernel.iter().map(|(_, w)| w.service))
             .collect();
         let idle: Vec<u32> = self
             .service_ids()
