@@ -1,11 +1,14 @@
 //! poolscope's kernel programs. Thin by design: each program classifies one event,
 //! updates state or a per-CPU counter in a map, and returns. User space reads the
-//! maps at scrape time. One module per kernel subsystem.
+//! maps at scrape time. One module per kernel subsystem; `requests.rs` is the state
+//! machine that the two request backends (`sock.rs`, `syscalls.rs`) share.
 #![no_std]
 #![no_main]
 
 mod maps;
 mod process;
+mod requests;
+mod sock;
 mod syscalls;
 
 #[cfg(not(test))]

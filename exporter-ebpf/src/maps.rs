@@ -5,15 +5,17 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
 use poolscope_shared::{
-    Conn, ConnKey, LossSource, MAX_SERVICES, PENDING_CALLS_CAPACITY, PendingCall, ProcessEvent,
-    SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, Watched,
+    Conn, LISTEN_PORTS_CAPACITY, LossSource, MAX_SERVICES, PENDING_CALLS_CAPACITY, PendingCall, ProcessEvent,
+    RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, Watched,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
 #[map]
 pub static WATCHED: HashMap<u32, Watched> = HashMap::with_max_entries(16384, 0);
 #[map]
-pub static CONNS: HashMap<ConnKey, Conn> = HashMap::with_max_entries(65536, 0);
+pub static CONNS: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
+#[map]
+pub static LISTEN_PORTS: HashMap<u32, u32> = HashMap::with_max_entries(LISTEN_PORTS_CAPACITY, 0);
 #[map]
 pub static PENDING_CALLS: HashMap<u32, PendingCall> =
     HashMap::with_max_entries(PENDING_CALLS_CAPACITY, 0);
@@ -24,6 +26,8 @@ pub static SYSCALL_COUNTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(SYSC
 #[map]
 pub static SERVICE_COUNTERS: PerCpuArray<ServiceCounters> =
     PerCpuArray::with_max_entries(MAX_SERVICES, 0);
+#[map]
+pub static REQUEST_TIMES: PerCpuArray<RequestTimes> = PerCpuArray::with_max_entries(MAX_SERVICES, 0);
 #[map]
 pub static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LossSource::COUNT, 0);
 #[map]

@@ -6,13 +6,14 @@ use std::{
     net::SocketAddr,
 };
 
-use poolscope_shared::LossSource;
+use poolscope_shared::{LossSource, RequestTimes, ServiceCounters};
 
 use crate::{
-    encode::{Family, Kind},
-    kernel::{Probe, Readout},
+    encode::{Family, Kind, Value},
+    kernel::{Backend, Probe, Readout},
     sockdiag::ListenQueue,
-    targets::ServiceView,
+    targets::{Purged, ServiceView},
+    window::{QUANTILES, coarse_buckets, quantile},
 };
 
 /// A listening socket that belongs to a watched service.
@@ -22,52 +23,214 @@ pub struct ServiceListener {
     pub queue: ListenQueue,
 }
 
+/// What the kernel read gives for one service, with the window deltas.
+pub struct ServiceInput<'a> {
+    pub view: &'a ServiceView,
+    pub counters: &'a ServiceCounters,
+    /// Cumulative request times since the service id was assigned.
+    pub times: &'a RequestTimes,
+    /// Request times over the quantile window.
+    pub window: &'a RequestTimes,
+}
+
+/// The three request gauges of a service; see DESIGN §3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gauges {
+    /// Connected, no request byte read (in the kernel's map: accepted, or for the
+    /// socket backend handshake done, which includes the listen backlog).
+    pub unserved: u64,
+    pub waiting: u64,
+    pub in_flight: u64,
+}
+
+pub fn gauges(counters: &ServiceCounters, purged: &Purged) -> Gauges {
+    let open = |entered: u64, left: u64, purged: u64| {
+        entered.saturating_sub(left).saturating_sub(purged)
+    };
+    Gauges {
+        unserved: open(
+            counters.unserved_entered,
+            counters.unserved_left,
+            purged.unserved,
+        ),
+        waiting: open(counters.waiting_entered, counters.waiting_left, purged.waiting),
+        in_flight: open(counters.serving_entered, counters.serving_left, purged.serving),
+    }
+}
+
+/// (connections_unserved, queue_depth) from the gauges and the listen backlog.
+pub fn queue_depth(backend: Backend, gauges: &Gauges, backlog: u64) -> (u64, u64) {
+    match backend {
+        // The kernel's count starts at the handshake, so it holds the backlog too.
+        Backend::Socket => {
+            let connected = gauges.unserved.max(backlog);
+            (connected - backlog, connected + gauges.waiting)
+        }
+        Backend::Syscall => (gauges.unserved, backlog + gauges.unserved + gauges.waiting),
+    }
+}
+
+struct RequestFamilies {
+    histograms: [Family; 3],
+    windows: [Family; 3],
+}
+
+impl RequestFamilies {
+    fn new() -> Self {
+        Self {
+            histograms: [
+                Family::new(
+                    "request_queue_seconds",
+                    Kind::Histogram,
+                    "Queue time of finished requests: first read minus arrival.",
+                ),
+                Family::new(
+                    "request_duration_seconds",
+                    Kind::Histogram,
+                    "Service time of finished requests: last write minus first read.",
+                ),
+                Family::new(
+                    "request_latency_seconds",
+                    Kind::Histogram,
+                    "Latency of finished requests: last write minus arrival.",
+                ),
+            ],
+            windows: [
+                Family::new(
+                    "request_queue_window_seconds",
+                    Kind::Summary,
+                    "Queue time quantiles over the last window (60 s), per instance.",
+                ),
+                Family::new(
+                    "request_duration_window_seconds",
+                    Kind::Summary,
+                    "Service time quantiles over the last window (60 s), per instance.",
+                ),
+                Family::new(
+                    "request_latency_window_seconds",
+                    Kind::Summary,
+                    "Latency quantiles over the last window (60 s), per instance.",
+                ),
+            ],
+        }
+    }
+
+    fn push(&mut self, labels: &[(&'static str, &str)], times: &RequestTimes, window: &RequestTimes) {
+        let cumulative = [&times.queue, &times.duration, &times.latency];
+        for (family, histogram) in self.histograms.iter_mut().zip(cumulative) {
+            family.push_value(
+                labels,
+                Value::Histogram {
+                    buckets: coarse_buckets(histogram),
+                    sum: histogram.sum_ns as f64 / 1e9,
+                    count: histogram.count(),
+                },
+            );
+        }
+        let windowed = [&window.queue, &window.duration, &window.latency];
+        for (family, histogram) in self.windows.iter_mut().zip(windowed) {
+            let quantiles = QUANTILES
+                .iter()
+                .map(|&q| (q, quantile(histogram, q).unwrap_or(f64::NAN)))
+                .collect();
+            family.push_value(
+                labels,
+                Value::Summary {
+                    quantiles,
+                    sum: histogram.sum_ns as f64 / 1e9,
+                    count: histogram.count(),
+                },
+            );
+        }
+    }
+}
+
 /// Per-service families (the ones the series cap applies to).
 pub fn service_families(
-    services: &[ServiceView],
-    kernel: &Readout,
+    backend: Backend,
+    services: &[ServiceInput<'_>],
+    syscalls: &BTreeMap<(u32, &'static str), u64>,
     listeners: &[ServiceListener],
 ) -> Vec<Family> {
     let mut targets = Family::new("targets", Kind::Gauge, "Processes watched for the service.");
     let mut accepted = Family::new(
         "connections_accepted",
         Kind::Counter,
-        "Connections the service accepted (accept/accept4 returned a socket).",
+        "Connections the service accepted (syscall backend: accept/accept4 returned a \
+         socket; socket backend: the handshake to one of its ports completed).",
     );
     let mut unserved = Family::new(
         "connections_unserved",
         Kind::Gauge,
         "Connections the service accepted and has not read a request byte from yet.",
     );
-    let mut syscalls = Family::new(
+    let mut waiting = Family::new(
+        "requests_waiting",
+        Kind::Gauge,
+        "Requests whose bytes arrived on an open connection and were not read yet.",
+    );
+    let mut in_flight = Family::new(
+        "requests_in_flight",
+        Kind::Gauge,
+        "Requests read (at least in part) and not answered yet.",
+    );
+    let mut depth = Family::new(
+        "queue_depth",
+        Kind::Gauge,
+        "Listen backlog + connections_unserved + requests_waiting: the autoscaling signal.",
+    );
+    let mut requests = Family::new(
+        "requests",
+        Kind::Counter,
+        "Finished requests (a read burst, then a write burst, ended by the next read or close).",
+    );
+    let mut time = Family::new(
+        "request_time_seconds",
+        Kind::Counter,
+        "Where the time of finished requests went, by component.",
+    );
+    let mut request_families = RequestFamilies::new();
+    let mut syscall_family = Family::new(
         "syscalls",
         Kind::Counter,
         "Calls of the socket syscalls poolscope correlates, by the service's threads.",
     );
-    for service in services {
+    let mut backlog_of: HashMap<&str, u64> = HashMap::new();
+    for listener in listeners {
+        *backlog_of.entry(listener.service.as_str()).or_default() +=
+            u64::from(listener.queue.depth);
+    }
+    for input in services {
+        let service = input.view;
         let labels = [("service", service.name.as_str())];
         targets.push(&labels, service.processes as f64);
-        let Some(counters) = kernel.services.get(&service.id) else {
-            continue;
-        };
+        let counters = input.counters;
         accepted.push(&labels, counters.accepted as f64);
-        let open = counters
-            .unserved_entered
-            .saturating_sub(counters.unserved_left)
-            .saturating_sub(service.purged_unserved);
-        unserved.push(&labels, open as f64);
-        for ((id, syscall), calls) in kernel.syscalls.range((service.id, "")..) {
+        let gauges = gauges(counters, &service.purged);
+        let backlog = backlog_of.get(service.name.as_str()).copied().unwrap_or(0);
+        let (unserved_now, depth_now) = queue_depth(backend, &gauges, backlog);
+        unserved.push(&labels, unserved_now as f64);
+        waiting.push(&labels, gauges.waiting as f64);
+        in_flight.push(&labels, gauges.in_flight as f64);
+        depth.push(&labels, depth_now as f64);
+        requests.push(&labels, input.times.duration.count() as f64);
+        time.push(
+            &[("service", service.name.as_str()), ("component", "queue")],
+            input.times.queue.sum_ns as f64 / 1e9,
+        );
+        request_families.push(&labels, input.times, input.window);
+        for ((id, syscall), calls) in syscalls.range((service.id, "")..) {
             if *id != service.id {
                 break;
             }
-            syscalls.push(
+            syscall_family.push(
                 &[("service", &service.name), ("syscall", syscall)],
                 *calls as f64,
             );
         }
     }
 
-    let mut depth = Family::new(
+    let mut listen_depth = Family::new(
         "listen_queue_depth",
         Kind::Gauge,
         "Connections completed by the kernel and waiting in the listen backlog for accept().",
@@ -83,10 +246,26 @@ pub fn service_families(
             ("service", listener.service.as_str()),
             ("listener", address.as_str()),
         ];
-        depth.push(&labels, listener.queue.depth.into());
+        listen_depth.push(&labels, listener.queue.depth.into());
         limit.push(&labels, listener.queue.limit.into());
     }
-    vec![targets, accepted, unserved, syscalls, depth, limit]
+    // Gauges and counters first: when the series cap bites, histograms go before them.
+    let mut families = vec![
+        depth,
+        in_flight,
+        waiting,
+        unserved,
+        requests,
+        accepted,
+        targets,
+        listen_depth,
+        limit,
+        time,
+        syscall_family,
+    ];
+    families.extend(request_families.windows);
+    families.extend(request_families.histograms);
+    families
 }
 
 /// Joins listen queues to the services that own their sockets. Sockets of unwatched
@@ -124,6 +303,7 @@ pub struct SelfStats {
     pub series_dropped: u64,
     pub services_refused: u64,
     pub watch_errors: u64,
+    pub listen_port_errors: u64,
     /// (collector, seconds, success)
     pub collectors: Vec<(&'static str, f64, bool)>,
 }
@@ -154,7 +334,10 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
     }
     families.push(attached);
 
-    let mut map_errors = HashMap::from([("WATCHED", stats.watch_errors)]);
+    let mut map_errors = HashMap::from([
+        ("WATCHED", stats.watch_errors),
+        ("LISTEN_PORTS", stats.listen_port_errors),
+    ]);
     let mut events_lost = Family::new(
         "events_lost",
         Kind::Counter,
@@ -250,41 +433,94 @@ mod tests {
     use super::*;
     use crate::encode::{Format, render};
 
-    fn view(id: u32, name: &str, purged: u64) -> ServiceView {
+    fn view(id: u32, name: &str, purged: Purged) -> ServiceView {
         ServiceView {
             id,
             name: name.into(),
             processes: 2,
-            purged_unserved: purged,
+            purged,
+        }
+    }
+
+    fn counters() -> ServiceCounters {
+        ServiceCounters {
+            accepted: 10,
+            unserved_entered: 10,
+            unserved_left: 6,
+            waiting_entered: 20,
+            waiting_left: 17,
+            serving_entered: 30,
+            serving_left: 25,
         }
     }
 
     #[test]
-    fn unserved_is_entered_minus_left_minus_purged() {
-        let mut readout = Readout::default();
-        readout.services.insert(
-            3,
-            ServiceCounters {
-                accepted: 10,
-                unserved_entered: 10,
-                unserved_left: 6,
-            },
+    fn gauges_are_entered_minus_left_minus_purged() {
+        let purged = Purged {
+            unserved: 1,
+            waiting: 0,
+            serving: 2,
+        };
+        let gauges = gauges(&counters(), &purged);
+        assert_eq!(
+            gauges,
+            Gauges {
+                unserved: 3,
+                waiting: 3,
+                in_flight: 3
+            }
         );
-        readout.syscalls.insert((3, "read"), 7);
-        readout.syscalls.insert((4, "read"), 9);
-        let families = service_families(&[view(3, "web", 1)], &readout, &[]);
+        // Syscall backend: the backlog is not in the kernel's count.
+        assert_eq!(queue_depth(Backend::Syscall, &gauges, 4), (3, 10));
+        // Socket backend: it is (the count starts at the handshake).
+        assert_eq!(queue_depth(Backend::Socket, &gauges, 2), (1, 6));
+        // A backlog read a moment later than the kernel's counters never goes negative.
+        assert_eq!(queue_depth(Backend::Socket, &gauges, 5), (0, 8));
+    }
+
+    #[test]
+    fn service_families_render_each_metric() {
+        let mut times = RequestTimes::default();
+        times.queue.buckets[poolscope_shared::histogram_bucket(2_000_000)] = 4;
+        times.queue.sum_ns = 8_000_000;
+        times.duration.buckets[poolscope_shared::histogram_bucket(5_000_000)] = 4;
+        times.duration.sum_ns = 20_000_000;
+        let view = view(3, "web", Purged::default());
+        let counters = counters();
+        let inputs = [ServiceInput {
+            view: &view,
+            counters: &counters,
+            times: &times,
+            window: &times,
+        }];
+        let mut syscalls = BTreeMap::new();
+        syscalls.insert((3, "read"), 7);
+        syscalls.insert((4, "read"), 9);
+        let families = service_families(Backend::Syscall, &inputs, &syscalls, &[]);
         let text = render(&families, Format::Text);
-        assert!(
-            text.contains("poolscope_connections_unserved{service=\"web\"} 3\n"),
-            "{text}"
-        );
-        assert!(text.contains("poolscope_connections_accepted_total{service=\"web\"} 10\n"));
-        assert!(text.contains("poolscope_syscalls_total{service=\"web\",syscall=\"read\"} 7\n"));
-        assert!(
-            !text.contains("} 9\n"),
-            "another service's counter leaked: {text}"
-        );
-        assert!(text.contains("poolscope_targets{service=\"web\"} 2\n"));
+        for line in [
+            "poolscope_queue_depth{service=\"web\"} 7\n",
+            "poolscope_connections_unserved{service=\"web\"} 4\n",
+            "poolscope_requests_waiting{service=\"web\"} 3\n",
+            "poolscope_requests_in_flight{service=\"web\"} 5\n",
+            "poolscope_requests_total{service=\"web\"} 4\n",
+            "poolscope_connections_accepted_total{service=\"web\"} 10\n",
+            "poolscope_request_time_seconds_total{service=\"web\",component=\"queue\"} 0.008\n",
+            "poolscope_syscalls_total{service=\"web\",syscall=\"read\"} 7\n",
+            "poolscope_request_queue_seconds_sum{service=\"web\"} 0.008\n",
+            "poolscope_request_duration_seconds_count{service=\"web\"} 4\n",
+            "poolscope_targets{service=\"web\"} 2\n",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+        assert!(!text.contains("} 9\n"), "another service's counter leaked: {text}");
+        let median = text
+            .lines()
+            .find(|l| l.starts_with("poolscope_request_duration_window_seconds{service=\"web\",quantile=\"0.5\"}"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .expect("median line");
+        assert!((median - 0.005).abs() < 0.0005, "{median}");
     }
 
     #[test]
@@ -309,7 +545,7 @@ mod tests {
             (12, 48)
         );
         let text = render(
-            &service_families(&[], &Readout::default(), &listeners),
+            &service_families(Backend::Syscall, &[], &BTreeMap::new(), &listeners),
             Format::Text,
         );
         assert!(text.contains(

@@ -273,15 +273,6 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
             "want one of error, warn, info, debug, trace, off",
         )
     })?;
-    // Refused rather than ignored: a forced backend that silently falls back would
-    // make its numbers mean something else than the operator asked for.
-    if raw.probes.backend == Backend::Socket {
-        return Err(invalid(
-            figment,
-            "probes.backend",
-            "the socket backend is not available yet; use auto or syscall",
-        ));
-    }
     if raw.discovery.rescan_interval < Duration::from_millis(100) {
         return Err(invalid(
             figment,
@@ -466,11 +457,6 @@ mod tests {
         let error = error_of("[probes]\nbackend = \"kprobe\"\n");
         assert!(
             error.contains("backend") && error.contains("kprobe"),
-            "{error}"
-        );
-        let error = error_of("[probes]\nbackend = \"socket\"\n");
-        assert!(
-            error.contains("probes.backend") && error.contains("not available"),
             "{error}"
         );
         let error = error_of("[[targets]]\ncomm = \"(\"\n");

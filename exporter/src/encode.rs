@@ -12,12 +12,44 @@ pub const PREFIX: &str = "poolscope_";
 pub enum Kind {
     Counter,
     Gauge,
+    Histogram,
+    Summary,
+}
+
+/// The value of one sample; histograms and summaries are one sample with their parts.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    Number(f64),
+    Histogram {
+        /// (upper bound, cumulative count), ascending; `+Inf` is added when written.
+        buckets: Vec<(f64, u64)>,
+        sum: f64,
+        count: u64,
+    },
+    Summary {
+        /// (quantile, value)
+        quantiles: Vec<(f64, f64)>,
+        sum: f64,
+        count: u64,
+    },
+}
+
+impl Value {
+    /// Lines (series) this value takes in the exposition.
+    fn series(&self) -> usize {
+        match self {
+            Self::Number(_) => 1,
+            // the buckets, +Inf, _sum and _count
+            Self::Histogram { buckets, .. } => buckets.len() + 3,
+            Self::Summary { quantiles, .. } => quantiles.len() + 2,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sample {
     pub labels: Vec<(&'static str, String)>,
-    pub value: f64,
+    pub value: Value,
 }
 
 /// A metric family; `name` has no prefix and, for counters, no `_total`.
@@ -44,7 +76,16 @@ impl Family {
         self
     }
 
+    pub fn with_value(mut self, labels: &[(&'static str, &str)], value: Value) -> Self {
+        self.push_value(labels, value);
+        self
+    }
+
     pub fn push(&mut self, labels: &[(&'static str, &str)], value: f64) {
+        self.push_value(labels, Value::Number(value));
+    }
+
+    pub fn push_value(&mut self, labels: &[(&'static str, &str)], value: Value) {
         self.samples.push(Sample {
             labels: labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect(),
             value,
@@ -77,16 +118,23 @@ impl Format {
     }
 }
 
-/// Keeps at most `max_series` samples over `families` (in order); returns how many
-/// were dropped. Families left empty are removed.
+/// Keeps at most `max_series` series over `families` (in order; a histogram or
+/// summary is kept whole or dropped whole); returns how many series were dropped.
+/// Families left empty are removed.
 pub fn cap_series(families: &mut Vec<Family>, max_series: usize) -> u64 {
     let mut budget = max_series;
     let mut dropped = 0u64;
     for family in families.iter_mut() {
-        let keep = family.samples.len().min(budget);
-        dropped += (family.samples.len() - keep) as u64;
-        family.samples.truncate(keep);
-        budget -= keep;
+        family.samples.retain(|sample| {
+            let series = sample.value.series();
+            if series <= budget {
+                budget -= series;
+                true
+            } else {
+                dropped += series as u64;
+                false
+            }
+        });
     }
     families.retain(|family| !family.samples.is_empty());
     dropped
@@ -128,17 +176,63 @@ fn write_value(value: f64, out: &mut String) {
     }
 }
 
+fn write_labels(
+    labels: &[(&'static str, String)],
+    extra: Option<(&str, f64)>,
+    out: &mut String,
+) {
+    if labels.is_empty() && extra.is_none() {
+        return;
+    }
+    out.push('{');
+    for (i, (name, value)) in labels.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let _ = write!(out, "{name}=\"");
+        escape_label_value(value, out);
+        out.push('"');
+    }
+    if let Some((name, value)) = extra {
+        if !labels.is_empty() {
+            out.push(',');
+        }
+        let _ = write!(out, "{name}=\"");
+        write_value(value, out);
+        out.push('"');
+    }
+    out.push('}');
+}
+
+/// One line: `poolscope_<name><suffix>{labels[,extra]} value`.
+fn write_line(
+    name: &str,
+    suffix: &str,
+    labels: &[(&'static str, String)],
+    extra: Option<(&str, f64)>,
+    value: f64,
+    out: &mut String,
+) {
+    let _ = write!(out, "{PREFIX}{name}{suffix}");
+    write_labels(labels, extra, out);
+    out.push(' ');
+    write_value(value, out);
+    out.push('\n');
+}
+
 /// Renders families in `format`.
 pub fn render(families: &[Family], format: Format) -> String {
     let mut out = String::with_capacity(families.len() * 256);
     for family in families {
-        let (kind, sample_suffix) = match family.kind {
+        let (kind, number_suffix) = match family.kind {
             Kind::Counter => ("counter", "_total"),
             Kind::Gauge => ("gauge", ""),
+            Kind::Histogram => ("histogram", ""),
+            Kind::Summary => ("summary", ""),
         };
         // The family name carries `_total` in the text format, not in OpenMetrics.
         let family_suffix = if format == Format::Text {
-            sample_suffix
+            number_suffix
         } else {
             ""
         };
@@ -149,23 +243,40 @@ pub fn render(families: &[Family], format: Format) -> String {
             "\n# TYPE {PREFIX}{}{family_suffix} {kind}",
             family.name
         );
+        let name = family.name;
         for sample in &family.samples {
-            let _ = write!(out, "{PREFIX}{}{sample_suffix}", family.name);
-            if !sample.labels.is_empty() {
-                out.push('{');
-                for (i, (name, value)) in sample.labels.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    let _ = write!(out, "{name}=\"");
-                    escape_label_value(value, &mut out);
-                    out.push('"');
+            let labels = &sample.labels;
+            match &sample.value {
+                Value::Number(value) => {
+                    write_line(name, number_suffix, labels, None, *value, &mut out);
                 }
-                out.push('}');
+                Value::Histogram {
+                    buckets,
+                    sum,
+                    count,
+                } => {
+                    for (le, cumulative) in buckets {
+                        let le = Some(("le", *le));
+                        write_line(name, "_bucket", labels, le, *cumulative as f64, &mut out);
+                    }
+                    let inf = Some(("le", f64::INFINITY));
+                    write_line(name, "_bucket", labels, inf, *count as f64, &mut out);
+                    write_line(name, "_sum", labels, None, *sum, &mut out);
+                    write_line(name, "_count", labels, None, *count as f64, &mut out);
+                }
+                Value::Summary {
+                    quantiles,
+                    sum,
+                    count,
+                } => {
+                    for (quantile, value) in quantiles {
+                        let quantile = Some(("quantile", *quantile));
+                        write_line(name, "", labels, quantile, *value, &mut out);
+                    }
+                    write_line(name, "_sum", labels, None, *sum, &mut out);
+                    write_line(name, "_count", labels, None, *count as f64, &mut out);
+                }
             }
-            out.push(' ');
-            write_value(sample.value, &mut out);
-            out.push('\n');
         }
     }
     if format == Format::OpenMetrics {
@@ -234,6 +345,48 @@ mod tests {
         let mut families = self::families();
         assert_eq!(cap_series(&mut families, 1), 2);
         assert_eq!(families.len(), 1);
+    }
+
+    #[test]
+    fn histograms_and_summaries() {
+        let families = vec![
+            Family::new("request_duration_seconds", Kind::Histogram, "Durations.").with_value(
+                &[("service", "web")],
+                Value::Histogram {
+                    buckets: vec![(0.5, 1), (1.0, 3)],
+                    sum: 2.25,
+                    count: 4,
+                },
+            ),
+            Family::new("request_duration_window_seconds", Kind::Summary, "Window.").with_value(
+                &[],
+                Value::Summary {
+                    quantiles: vec![(0.5, 0.75)],
+                    sum: 2.25,
+                    count: 4,
+                },
+            ),
+        ];
+        assert_eq!(
+            render(&families, Format::Text),
+            "# HELP poolscope_request_duration_seconds Durations.\n\
+             # TYPE poolscope_request_duration_seconds histogram\n\
+             poolscope_request_duration_seconds_bucket{service=\"web\",le=\"0.5\"} 1\n\
+             poolscope_request_duration_seconds_bucket{service=\"web\",le=\"1\"} 3\n\
+             poolscope_request_duration_seconds_bucket{service=\"web\",le=\"+Inf\"} 4\n\
+             poolscope_request_duration_seconds_sum{service=\"web\"} 2.25\n\
+             poolscope_request_duration_seconds_count{service=\"web\"} 4\n\
+             # HELP poolscope_request_duration_window_seconds Window.\n\
+             # TYPE poolscope_request_duration_window_seconds summary\n\
+             poolscope_request_duration_window_seconds{quantile=\"0.5\"} 0.75\n\
+             poolscope_request_duration_window_seconds_sum 2.25\n\
+             poolscope_request_duration_window_seconds_count 4\n"
+        );
+        // A histogram is capped whole: 5 lines do not fit in 4.
+        let mut capped = families.clone();
+        assert_eq!(cap_series(&mut capped, 4), 5);
+        assert_eq!(capped.len(), 1);
+        assert_eq!(capped[0].kind, Kind::Summary);
     }
 
     #[test]

@@ -8,14 +8,14 @@ use std::{
         Arc, Mutex, MutexGuard, RwLock,
         atomic::{AtomicU64, Ordering},
     },
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use poolscope_shared::ProcessEvent;
 use tokio::sync::Notify;
 
 use crate::{
-    collect::{SelfStats, self_families, service_families, service_listeners},
+    collect::{ServiceInput, SelfStats, self_families, service_families, service_listeners},
     config::Settings,
     discovery,
     encode::{Family, cap_series},
@@ -23,11 +23,16 @@ use crate::{
     procfs, sockdiag,
     targets::{Targets, monotonic_ns},
     web::Gatherer,
+    window::Windows,
 };
+
+/// Length of the quantile window of the `_window` summaries (DESIGN §4).
+const QUANTILE_WINDOW: Duration = Duration::from_secs(60);
 
 struct Shared {
     kernel: Kernel,
     targets: Targets,
+    windows: Windows,
 }
 
 pub struct Exporter {
@@ -56,7 +61,11 @@ impl Exporter {
         let procfs_root = settings.procfs_root.clone();
         let targets = Targets::new(procfs_root.clone(), settings.max_services);
         Self {
-            shared: Mutex::new(Shared { kernel, targets }),
+            shared: Mutex::new(Shared {
+                kernel,
+                targets,
+                windows: Windows::new(QUANTILE_WINDOW),
+            }),
             settings: RwLock::new(Arc::new(settings)),
             probes,
             series_dropped: AtomicU64::new(0),
@@ -105,7 +114,7 @@ impl Exporter {
         })?;
         let assignments = discovery::assign(&snapshot, &settings.targets, std::process::id());
         let mut shared = self.lock();
-        let Shared { kernel, targets } = &mut *shared;
+        let Shared { kernel, targets, .. } = &mut *shared;
         targets.apply(kernel, &snapshot, &assignments, started_ns);
         Ok(())
     }
@@ -115,7 +124,7 @@ impl Exporter {
     pub fn on_events(&self, events: &[ProcessEvent]) {
         let mut execs: Vec<u32> = {
             let mut shared = self.lock();
-            let Shared { kernel, targets } = &mut *shared;
+            let Shared { kernel, targets, .. } = &mut *shared;
             events
                 .iter()
                 .filter_map(|event| targets.on_event(kernel, event))
@@ -142,7 +151,7 @@ impl Exporter {
             return;
         }
         let mut shared = self.lock();
-        let Shared { kernel, targets } = &mut *shared;
+        let Shared { kernel, targets, .. } = &mut *shared;
         for assignment in &assignments {
             targets.add(kernel, assignment);
         }
@@ -155,8 +164,8 @@ impl Gatherer for Exporter {
         let mut collectors = Vec::new();
 
         let started = Instant::now();
-        let (services, kernel, owners, services_refused, watch_errors) = {
-            let shared = self.lock();
+        let (services, kernel, windows, owners, backend, targets_stats) = {
+            let mut shared = self.lock();
             let kernel = shared.kernel.read(&shared.targets.service_ids());
             if let Err(error) = &kernel {
                 tracing::warn!(%error, "reading kernel maps failed");
@@ -164,12 +173,26 @@ impl Gatherer for Exporter {
             let no_watch_table = BTreeMap::new();
             let watched = kernel.as_ref().map_or(&no_watch_table, |k| &k.watched);
             let services = shared.targets.services(watched);
+            let now = Instant::now();
+            let mut windows = BTreeMap::new();
+            if let Ok(kernel) = &kernel {
+                for (service, times) in &kernel.request_times {
+                    windows.insert(*service, shared.windows.delta(*service, now, times));
+                }
+                let live: Vec<u32> = kernel.request_times.keys().copied().collect();
+                shared.windows.retain(&live);
+            }
             (
                 services,
                 kernel.ok(),
+                windows,
                 shared.targets.listener_owners().clone(),
-                shared.targets.services_refused,
-                shared.targets.watch_errors,
+                shared.kernel.backend(),
+                (
+                    shared.targets.services_refused,
+                    shared.targets.watch_errors,
+                    shared.targets.listen_port_errors,
+                ),
             )
         };
         collectors.push(("kernel", started.elapsed().as_secs_f64(), kernel.is_some()));
@@ -199,19 +222,29 @@ impl Gatherer for Exporter {
             owners.get(&inode).cloned()
         });
 
-        let mut families = service_families(
-            &services,
-            kernel.as_ref().unwrap_or(&Default::default()),
-            &listeners,
-        );
+        let readout = kernel.clone().unwrap_or_default();
+        let no_counters = Default::default();
+        let no_times = Default::default();
+        let inputs: Vec<ServiceInput<'_>> = services
+            .iter()
+            .map(|view| ServiceInput {
+                view,
+                counters: readout.services.get(&view.id).unwrap_or(&no_counters),
+                times: readout.request_times.get(&view.id).unwrap_or(&no_times),
+                window: windows.get(&view.id).unwrap_or(&no_times),
+            })
+            .collect();
+        let mut families = service_families(backend, &inputs, &readout.syscalls, &listeners);
         let dropped = cap_series(&mut families, settings.max_series);
         let series_dropped = self.series_dropped.fetch_add(dropped, Ordering::Relaxed) + dropped;
+        let (services_refused, watch_errors, listen_port_errors) = targets_stats;
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
-            backend: "syscall",
+            backend: backend.name(),
             series_dropped,
             services_refused,
             watch_errors,
+            listen_port_errors,
             collectors,
         };
         families.extend(self_families(&stats, &self.probes, kernel.as_ref()));

@@ -10,8 +10,8 @@ use aya::{
     programs::{ProgramError, RawTracePoint, TracePoint},
 };
 use poolscope_shared::{
-    Conn, ConnKey, LossSource, PendingCall, ProcessEvent, ServiceCounters, SyscallSlot, Watched,
-    maps, syscall_counter_index,
+    Conn, LossSource, PendingCall, Phase, ProcessEvent, RequestTimes, ServiceCounters,
+    SyscallSlot, Watched, conn_key_tgid, maps, syscall_counter_index,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -48,38 +48,76 @@ struct Attachment {
     raw: bool,
 }
 
-const ATTACHMENTS: [Attachment; 5] = [
+const fn tracepoint(program: &'static str, category: &'static str, event: &'static str) -> Attachment {
     Attachment {
-        program: "process_fork",
-        category: "task",
-        event: "task_newtask",
+        program,
+        category,
+        event,
         raw: false,
-    },
+    }
+}
+
+const fn raw_tracepoint(program: &'static str, category: &'static str, event: &'static str) -> Attachment {
     Attachment {
-        program: "process_exec",
-        category: "sched",
-        event: "sched_process_exec",
-        raw: false,
-    },
-    Attachment {
-        program: "process_exit",
-        category: "sched",
-        event: "sched_process_exit",
-        raw: false,
-    },
-    Attachment {
-        program: "sys_enter",
-        category: "raw_syscalls",
-        event: "sys_enter",
+        program,
+        category,
+        event,
         raw: true,
-    },
-    Attachment {
-        program: "sys_exit",
-        category: "raw_syscalls",
-        event: "sys_exit",
-        raw: true,
-    },
+    }
+}
+
+/// Process lifecycle: attached with either backend.
+const PROCESS_ATTACHMENTS: [Attachment; 3] = [
+    tracepoint("process_fork", "task", "task_newtask"),
+    tracepoint("process_exec", "sched", "sched_process_exec"),
+    tracepoint("process_exit", "sched", "sched_process_exit"),
 ];
+
+const SOCKET_ATTACHMENTS: [Attachment; 4] = [
+    tracepoint("sock_state", "sock", "inet_sock_set_state"),
+    raw_tracepoint("sock_data_ready", "sock", "sk_data_ready"),
+    raw_tracepoint("sock_recv", "sock", "sock_recv_length"),
+    raw_tracepoint("sock_send", "sock", "sock_send_length"),
+];
+
+const SYSCALL_ATTACHMENTS: [Attachment; 2] = [
+    raw_tracepoint("sys_enter", "raw_syscalls", "sys_enter"),
+    raw_tracepoint("sys_exit", "raw_syscalls", "sys_exit"),
+];
+
+/// The request backend in use (DESIGN §2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Socket,
+    Syscall,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Socket => "socket",
+            Self::Syscall => "syscall",
+        }
+    }
+
+    fn attachments(self) -> &'static [Attachment] {
+        match self {
+            Self::Socket => &SOCKET_ATTACHMENTS,
+            Self::Syscall => &SYSCALL_ATTACHMENTS,
+        }
+    }
+
+    /// Whether this kernel has every tracepoint of the backend.
+    pub fn supported(self) -> bool {
+        self.attachments().iter().all(|attachment| {
+            Path::new("/sys/kernel/tracing/events")
+                .join(attachment.category)
+                .join(attachment.event)
+                .exists()
+                || attachment.category == "raw_syscalls"
+        })
+    }
+}
 
 /// This architecture's number of the syscall.
 fn syscall_number(slot: SyscallSlot) -> Option<libc::c_long> {
@@ -112,19 +150,24 @@ pub struct Probe {
 pub struct MapSizes {
     pub watched_processes: u32,
     pub connections: u32,
+    /// Entries of the per-service arrays (each CPU holds a `RequestTimes`, 5.4 kB, per service).
+    pub services: u32,
 }
 
 /// Loaded and attached kernel programs with their maps.
 pub struct Kernel {
     ebpf: Ebpf,
     watched: HashMap<MapData, u32, Watched>,
-    conns: HashMap<MapData, ConnKey, Conn>,
+    conns: HashMap<MapData, u64, Conn>,
+    listen_ports: HashMap<MapData, u32, u32>,
+    request_times: PerCpuArray<MapData, RequestTimes>,
     pending_calls: HashMap<MapData, u32, PendingCall>,
     syscall_counts: PerCpuArray<MapData, u64>,
     service_counters: PerCpuArray<MapData, ServiceCounters>,
     losses: PerCpuArray<MapData, u64>,
     probes: Vec<Probe>,
     sizes: MapSizes,
+    backend: Backend,
     /// Keeps `kernel.bpf_stats_enabled` on while we run.
     _stats: Option<OwnedFd>,
     cpus: usize,
@@ -141,6 +184,8 @@ pub struct Readout {
     /// The `WATCHED` map: pid → `since_ns`.
     pub watched: BTreeMap<u32, u64>,
     pub services: BTreeMap<u32, ServiceCounters>,
+    /// Durations of finished requests per service, since the service id was assigned.
+    pub request_times: BTreeMap<u32, RequestTimes>,
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
     pub losses: Vec<(LossSource, u64)>,
     pub maps: Vec<MapFill>,
@@ -218,7 +263,11 @@ where
 
 impl Kernel {
     /// Loads the programs, fills the syscall table and attaches every probe.
-    pub fn load(sizes: MapSizes, bpf_stats: bool) -> Result<(Self, ProcessEvents), KernelError> {
+    pub fn load(
+        sizes: MapSizes,
+        backend: Backend,
+        bpf_stats: bool,
+    ) -> Result<(Self, ProcessEvents), KernelError> {
         ensure_tracefs()?;
         let group_dead_offset = exit_group_dead_offset();
         if group_dead_offset == 0 {
@@ -228,6 +277,8 @@ impl Kernel {
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .map_max_entries(maps::WATCHED, sizes.watched_processes)
             .map_max_entries(maps::CONNS, sizes.connections)
+            .map_max_entries(maps::SERVICE_COUNTERS, sizes.services)
+            .map_max_entries(maps::REQUEST_TIMES, sizes.services)
             .load(aya::include_bytes_aligned!(concat!(
                 env!("OUT_DIR"),
                 "/poolscope"
@@ -258,7 +309,7 @@ impl Kernel {
         };
 
         let mut probes = Vec::new();
-        for attachment in &ATTACHMENTS {
+        for attachment in PROCESS_ATTACHMENTS.iter().chain(backend.attachments()) {
             let program = ebpf
                 .program_mut(attachment.program)
                 .ok_or(KernelError::MissingProgram(attachment.program))?;
@@ -295,6 +346,8 @@ impl Kernel {
         let kernel = Self {
             watched: take(&mut ebpf, maps::WATCHED)?,
             conns: take(&mut ebpf, maps::CONNS)?,
+            listen_ports: take(&mut ebpf, maps::LISTEN_PORTS)?,
+            request_times: take(&mut ebpf, maps::REQUEST_TIMES)?,
             pending_calls: take(&mut ebpf, maps::PENDING_CALLS)?,
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
             service_counters: take(&mut ebpf, maps::SERVICE_COUNTERS)?,
@@ -302,6 +355,7 @@ impl Kernel {
             ebpf,
             probes,
             sizes,
+            backend,
             _stats: stats,
             cpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
         };
@@ -310,6 +364,32 @@ impl Kernel {
 
     pub fn probes(&self) -> &[Probe] {
         &self.probes
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Makes `LISTEN_PORTS` equal to `ports` (local port → service id).
+    pub fn set_listen_ports(&mut self, ports: &BTreeMap<u16, u32>) -> Result<(), MapError> {
+        let stale: Vec<u32> = self
+            .listen_ports
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(port, service)| {
+                u16::try_from(*port).map_or(true, |port| ports.get(&port) != Some(service))
+            })
+            .map(|(port, _)| port)
+            .collect();
+        for port in stale {
+            self.listen_ports.remove(&port)?;
+        }
+        for (&port, &service) in ports {
+            if self.listen_ports.get(&u32::from(port), 0).ok() != Some(service) {
+                self.listen_ports.insert(u32::from(port), service, 0)?;
+            }
+        }
+        Ok(())
     }
 
     /// The watch entry of `pid`, if any.
@@ -335,20 +415,22 @@ impl Kernel {
     }
 
     /// Removes the connections of the process `(pid, since_ns)`, which exited without
-    /// closing them one by one. Returns how many were unserved, per service.
-    pub fn purge_connections(&mut self, pid: u32, since_ns: u64) -> Vec<u32> {
-        let stale: Vec<(ConnKey, Conn)> = self
+    /// closing them one by one (syscall backend; the socket backend sees the kernel
+    /// close them). Returns the service and phase of each.
+    pub fn purge_connections(&mut self, pid: u32, since_ns: u64) -> Vec<(u32, Phase)> {
+        if self.backend != Backend::Syscall {
+            return Vec::new();
+        }
+        let stale: Vec<(u64, Conn)> = self
             .conns
             .iter()
             .filter_map(Result::ok)
-            .filter(|(key, conn)| key.tgid == pid && conn.owner_since_ns == since_ns)
+            .filter(|(key, conn)| conn_key_tgid(*key) == pid && conn.owner_since_ns == since_ns)
             .collect();
         stale
             .into_iter()
-            .filter(|(key, conn)| {
-                self.conns.remove(key).is_ok() && conn.flags & poolscope_shared::CONN_UNSERVED != 0
-            })
-            .map(|(_, conn)| conn.service)
+            .filter(|(key, _)| self.conns.remove(key).is_ok())
+            .map(|(_, conn)| (conn.service, Phase::from_u32(conn.phase)))
             .collect()
     }
 
@@ -356,6 +438,8 @@ impl Kernel {
     pub fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
         let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;
         self.service_counters.set(service, zero_counters, 0)?;
+        let zero_times = PerCpuValues::try_from(vec![RequestTimes::default(); self.cpus])?;
+        self.request_times.set(service, zero_times, 0)?;
         for slot in SyscallSlot::ALL {
             let zeros = PerCpuValues::try_from(vec![0u64; self.cpus])?;
             self.syscall_counts
@@ -382,12 +466,22 @@ impl Kernel {
                 .map_err(map_error(maps::SERVICE_COUNTERS))?;
             let total = per_cpu
                 .iter()
-                .fold(ServiceCounters::default(), |sum, c| ServiceCounters {
-                    accepted: sum.accepted + c.accepted,
-                    unserved_entered: sum.unserved_entered + c.unserved_entered,
-                    unserved_left: sum.unserved_left + c.unserved_left,
-                });
+                .fold(ServiceCounters::default(), |sum, c| sum.plus(c));
             readout.services.insert(service, total);
+            let per_cpu = self
+                .request_times
+                .get(&service, 0)
+                .map_err(map_error(maps::REQUEST_TIMES))?;
+            let mut times = RequestTimes::default();
+            for cpu in per_cpu.iter() {
+                times.queue.add(&cpu.queue);
+                times.duration.add(&cpu.duration);
+                times.latency.add(&cpu.latency);
+            }
+            readout.request_times.insert(service, times);
+            if self.backend != Backend::Syscall {
+                continue;
+            }
             for slot in SyscallSlot::ALL {
                 let calls: u64 = self
                     .syscall_counts
@@ -422,6 +516,11 @@ impl Kernel {
                 name: maps::PENDING_CALLS,
                 entries: self.pending_calls.keys().filter(Result::is_ok).count() as u64,
                 capacity: poolscope_shared::PENDING_CALLS_CAPACITY,
+            },
+            MapFill {
+                name: maps::LISTEN_PORTS,
+                entries: self.listen_ports.keys().filter(Result::is_ok).count() as u64,
+                capacity: poolscope_shared::LISTEN_PORTS_CAPACITY,
             },
         ];
         for (name, program) in self.ebpf.programs() {

@@ -12,6 +12,7 @@ pub mod procfs;
 pub mod sockdiag;
 pub mod targets;
 pub mod web;
+pub mod window;
 
 use std::{sync::Arc, time::Duration};
 
@@ -49,6 +50,24 @@ fn init_logging(level: LevelFilter) -> LogHandle {
     handle
 }
 
+/// The request backend: the socket one where this kernel has its tracepoints, unless
+/// the config forces one. A forced backend the kernel lacks is refused rather than
+/// replaced: its numbers would mean something else than the operator asked for.
+fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
+    match wanted {
+        config::Backend::Auto if kernel::Backend::Socket.supported() => Ok(kernel::Backend::Socket),
+        config::Backend::Auto | config::Backend::Syscall => Ok(kernel::Backend::Syscall),
+        config::Backend::Socket if kernel::Backend::Socket.supported() => {
+            Ok(kernel::Backend::Socket)
+        }
+        config::Backend::Socket => anyhow::bail!(
+            "probes.backend = \"socket\" needs the sock:sock_recv_length, sock_send_length, \
+             sk_data_ready and inet_sock_set_state tracepoints (kernel >= 6.3); this kernel \
+             lacks them: use \"auto\" or \"syscall\""
+        ),
+    }
+}
+
 /// Runs the exporter until SIGTERM or SIGINT.
 pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     let settings = Settings::load(&overrides)?;
@@ -57,10 +76,12 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     let sizes = MapSizes {
         watched_processes: settings.watched_processes,
         connections: settings.connections,
+        services: settings.max_services,
     };
-    let (kernel, events) = Kernel::load(sizes, settings.bpf_stats)?;
+    let backend = choose_backend(settings.backend)?;
+    let (kernel, events) = Kernel::load(sizes, backend, settings.bpf_stats)?;
     let attached = kernel.probes().iter().filter(|p| p.attached).count();
-    tracing::info!(attached, "kernel probes attached");
+    tracing::info!(attached, backend = backend.name(), "kernel probes attached");
 
     let listener = tokio::net::TcpListener::bind(settings.listen_address)
         .await

@@ -9,7 +9,7 @@ use std::{
     path::PathBuf,
 };
 
-use poolscope_shared::{ProcessEvent, ProcessEventKind, Watched};
+use poolscope_shared::{Phase, ProcessEvent, ProcessEventKind, Watched};
 
 use crate::{
     discovery::Assignment,
@@ -70,15 +70,24 @@ pub struct ServiceView {
     pub id: u32,
     pub name: String,
     pub processes: u64,
-    /// Unserved connections removed when their process exited (user space's purge).
-    pub purged_unserved: u64,
+    /// Connections removed when their process exited (user space's purge).
+    pub purged: Purged,
+}
+
+/// Connections user space removed from the kernel's map because their process exited
+/// without closing them (syscall backend), by the gauge they were in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Purged {
+    pub unserved: u64,
+    pub waiting: u64,
+    pub serving: u64,
 }
 
 #[derive(Debug)]
 pub struct Targets {
     ids: ServiceIds,
     processes: HashMap<u32, Tracked>,
-    purged_unserved: HashMap<u32, u64>,
+    purged: HashMap<u32, Purged>,
     /// Listening socket inode → service name, from the last scan.
     listeners: HashMap<u64, String>,
     /// Every listening socket the last scan saw, watched or not.
@@ -88,6 +97,8 @@ pub struct Targets {
     pub services_refused: u64,
     /// Inserts into `WATCHED` that failed (map full).
     pub watch_errors: u64,
+    /// Updates of `LISTEN_PORTS` that failed (map full).
+    pub listen_port_errors: u64,
 }
 
 /// CLOCK_MONOTONIC in ns, the clock of `bpf_ktime_get_ns`.
@@ -107,12 +118,13 @@ impl Targets {
                 ..ServiceIds::default()
             },
             processes: HashMap::new(),
-            purged_unserved: HashMap::new(),
+            purged: HashMap::new(),
             listeners: HashMap::new(),
             known_listen_sockets: HashSet::new(),
             procfs_root,
             services_refused: 0,
             watch_errors: 0,
+            listen_port_errors: 0,
         }
     }
 
@@ -172,6 +184,24 @@ impl Targets {
         }
         // A stray just unwatched keeps its id busy until the next scan: harmless.
         self.free_idle_services(kernel, &in_kernel);
+        self.sync_listen_ports(kernel, snapshot);
+    }
+
+    /// Tells the kernel which local ports are the listeners of which service, so that
+    /// the socket backend can claim a connection when its handshake completes.
+    fn sync_listen_ports(&mut self, kernel: &mut Kernel, snapshot: &ProcSnapshot) {
+        let ports: BTreeMap<u16, u32> = self
+            .listeners
+            .iter()
+            .filter_map(|(inode, service)| {
+                let addr = snapshot.listen_sockets.get(inode)?;
+                Some((addr.port(), *self.ids.by_name.get(service)?))
+            })
+            .collect();
+        if let Err(error) = kernel.set_listen_ports(&ports) {
+            self.listen_port_errors += 1;
+            tracing::warn!(%error, "cannot update the listening ports of watched services");
+        }
     }
 
     /// Watches one assigned process (no-op if it is watched already).
@@ -227,8 +257,14 @@ impl Targets {
     }
 
     fn purge(&mut self, kernel: &mut Kernel, pid: u32, since_ns: u64) {
-        for service in kernel.purge_connections(pid, since_ns) {
-            *self.purged_unserved.entry(service).or_default() += 1;
+        for (service, phase) in kernel.purge_connections(pid, since_ns) {
+            let purged = self.purged.entry(service).or_default();
+            match phase {
+                Phase::Unserved => purged.unserved += 1,
+                Phase::Waiting => purged.waiting += 1,
+                Phase::Serving => purged.serving += 1,
+                Phase::Responded | Phase::Idle | Phase::Closing => {}
+            }
         }
     }
 
@@ -251,7 +287,7 @@ impl Targets {
             match kernel.reset_service(id) {
                 Ok(()) => {
                     self.ids.free(id);
-                    self.purged_unserved.remove(&id);
+                    self.purged.remove(&id);
                 }
                 Err(error) => tracing::warn!(id, %error, "cannot reset counters of a service"),
             }
@@ -326,7 +362,7 @@ impl Targets {
                     id,
                     name: self.ids.name(id)?.to_owned(),
                     processes,
-                    purged_unserved: self.purged_unserved.get(&id).copied().unwrap_or(0),
+                    purged: self.purged.get(&id).copied().unwrap_or_default(),
                 })
             })
             .collect();

@@ -7,10 +7,16 @@
 pub mod maps {
     /// tgid (u32) → [`crate::Watched`]: the processes whose events we keep.
     pub const WATCHED: &str = "WATCHED";
-    /// [`crate::ConnKey`] → [`crate::Conn`]: accepted connections of watched processes.
+    /// Connection key (u64, see [`crate::fd_conn_key`]) → [`crate::Conn`]: the open
+    /// connections of watched services and the phase of their current request.
     pub const CONNS: &str = "CONNS";
-    /// tid (u32) → [`crate::PendingCall`]: an accept, or a first read of a connection,
-    /// between syscall entry and exit.
+    /// Local TCP port (u32) → service id: the listeners of watched services, so that
+    /// the socket backend knows a handshake is one of ours (it runs in softirq).
+    pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
+    /// per-CPU array, index service id → [`crate::RequestTimes`].
+    pub const REQUEST_TIMES: &str = "REQUEST_TIMES";
+    /// tid (u32) → [`crate::PendingCall`]: an accept, or a read or write of a tracked
+    /// connection, between syscall entry and exit (syscall backend).
     pub const PENDING_CALLS: &str = "PENDING_CALLS";
     /// syscall number (index) → [`crate::SyscallSlot`] as u32, filled by user space.
     pub const SYSCALL_SLOTS: &str = "SYSCALL_SLOTS";
@@ -28,6 +34,8 @@ pub mod maps {
 pub const MAX_SERVICES: u32 = 1024;
 /// Capacity of [`maps::PENDING_CALLS`]: at most one entry per thread inside a syscall.
 pub const PENDING_CALLS_CAPACITY: u32 = 16384;
+/// Capacity of [`maps::LISTEN_PORTS`].
+pub const LISTEN_PORTS_CAPACITY: u32 = 4096;
 /// Size of the syscall-number → slot table (covers every x86_64 and aarch64 number).
 pub const SYSCALL_TABLE_SIZE: u32 = 512;
 
@@ -43,27 +51,69 @@ pub struct Watched {
     pub since_ns: u64,
 }
 
-/// Key of [`maps::CONNS`].
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ConnKey {
-    pub tgid: u32,
-    pub fd: u32,
+/// Key of [`maps::CONNS`] in the syscall backend. The socket backend keys by the
+/// kernel address of the socket, which is above 2^63 and so never collides.
+pub const fn fd_conn_key(tgid: u32, fd: u32) -> u64 {
+    ((tgid as u64) << 32) | fd as u64
 }
 
-/// Connection has been accepted but no request byte was read yet.
-pub const CONN_UNSERVED: u32 = 1;
+/// The tgid of a syscall-backend key.
+pub const fn conn_key_tgid(key: u64) -> u32 {
+    (key >> 32) as u32
+}
+
+/// Where a connection's current request is (DESIGN §3). Each phase but `Idle` and
+/// `Closing` is one of the gauges: a transition updates one `*_left` and one
+/// `*_entered` counter of [`ServiceCounters`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Connected (socket backend: handshake done; syscall backend: accepted), no
+    /// request byte read yet.
+    Unserved = 1,
+    /// Request bytes arrived on an open connection and were not read yet.
+    Waiting,
+    /// The request was read (at least in part) and no response byte written yet.
+    Serving,
+    /// Response bytes written; the request ends at the last write before the next
+    /// request or the close.
+    Responded,
+    /// Between requests, next arrival not seen.
+    Idle,
+    /// The peer closed its side after the last response.
+    Closing,
+}
+
+impl Phase {
+    pub const fn from_u32(value: u32) -> Self {
+        match value {
+            1 => Self::Unserved,
+            2 => Self::Waiting,
+            3 => Self::Serving,
+            4 => Self::Responded,
+            5 => Self::Idle,
+            _ => Self::Closing,
+        }
+    }
+}
 
 /// Value of [`maps::CONNS`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Conn {
     pub service: u32,
-    /// Bit set of `CONN_*` flags.
-    pub flags: u32,
-    /// [`Watched::since_ns`] of the owning process when the entry was made; an entry
-    /// whose owner no longer matches is stale (the process exited, its pid was reused).
+    /// [`Phase`] as u32.
+    pub phase: u32,
+    /// Syscall backend: [`Watched::since_ns`] of the owning process when the entry was
+    /// made; an entry whose owner no longer matches is stale. 0 in the socket backend.
     pub owner_since_ns: u64,
+    /// When the current request arrived (handshake, bytes queued, or first read when
+    /// the arrival is not seen).
+    pub arrive_ns: u64,
+    /// First read of the current request.
+    pub start_ns: u64,
+    /// Last write of the current request so far.
+    pub end_ns: u64,
 }
 
 /// Value of [`maps::PENDING_CALLS`].
@@ -72,20 +122,145 @@ pub struct Conn {
 pub struct PendingCall {
     /// [`SyscallSlot`] as u32.
     pub slot: u32,
-    /// The fd argument (reads); unused for accepts.
+    /// The fd argument (reads, writes); unused for accepts.
     pub fd: u32,
 }
 
-/// Per-service counters, summed over CPUs by user space.
+/// Per-service counters, summed over CPUs by user space. Each gauge of DESIGN §4 is
+/// an `entered − left` pair, so that per-CPU counters need no atomics.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ServiceCounters {
-    /// Connections returned by accept/accept4.
+    /// Connections that entered [`Phase::Unserved`]: accept/accept4 returned a socket
+    /// (syscall backend) or a handshake completed on a watched port (socket backend).
     pub accepted: u64,
-    /// Connections that became unserved (tracked after accept).
     pub unserved_entered: u64,
-    /// Connections that stopped being unserved: first read, close, fd reuse.
     pub unserved_left: u64,
+    pub waiting_entered: u64,
+    pub waiting_left: u64,
+    pub serving_entered: u64,
+    pub serving_left: u64,
+}
+
+impl ServiceCounters {
+    /// Field-wise sum (per-CPU values to one).
+    #[must_use]
+    pub const fn plus(self, other: &Self) -> Self {
+        Self {
+            accepted: self.accepted + other.accepted,
+            unserved_entered: self.unserved_entered + other.unserved_entered,
+            unserved_left: self.unserved_left + other.unserved_left,
+            waiting_entered: self.waiting_entered + other.waiting_entered,
+            waiting_left: self.waiting_left + other.waiting_left,
+            serving_entered: self.serving_entered + other.serving_entered,
+            serving_left: self.serving_left + other.serving_left,
+        }
+    }
+}
+
+/// Buckets of a [`Histogram`]: bucket 0 holds [0, 1024 ns); then 8 linear
+/// sub-buckets per power of two from 2^10 ns to 2^38 ns (~275 s), each at most
+/// 1/8 of its lower bound wide; the last bucket also takes everything longer.
+pub const HISTOGRAM_BUCKETS: usize = 1 + 28 * 8;
+const HISTOGRAM_FIRST_OCTAVE: u32 = 10;
+const SUB_BUCKET_BITS: u32 = 3;
+
+/// floor(log2(value)) for value > 0, without loops (the BPF verifier dislikes them).
+pub const fn log2_floor(mut value: u64) -> u32 {
+    let mut log = 0;
+    if value >= 1 << 32 {
+        value >>= 32;
+        log += 32;
+    }
+    if value >= 1 << 16 {
+        value >>= 16;
+        log += 16;
+    }
+    if value >= 1 << 8 {
+        value >>= 8;
+        log += 8;
+    }
+    if value >= 1 << 4 {
+        value >>= 4;
+        log += 4;
+    }
+    if value >= 1 << 2 {
+        value >>= 2;
+        log += 2;
+    }
+    if value >= 1 << 1 {
+        log += 1;
+    }
+    log
+}
+
+/// The bucket of a duration in ns.
+pub const fn histogram_bucket(ns: u64) -> usize {
+    if ns < 1 << HISTOGRAM_FIRST_OCTAVE {
+        return 0;
+    }
+    let octave = log2_floor(ns);
+    let sub = (ns >> (octave - SUB_BUCKET_BITS)) & 7;
+    let index = 1 + (octave - HISTOGRAM_FIRST_OCTAVE) as usize * 8 + sub as usize;
+    if index < HISTOGRAM_BUCKETS {
+        index
+    } else {
+        HISTOGRAM_BUCKETS - 1
+    }
+}
+
+/// Lower and upper bound in ns of a bucket (the last one's upper bound is nominal).
+pub const fn histogram_bucket_bounds(index: usize) -> (u64, u64) {
+    if index == 0 {
+        return (0, 1 << HISTOGRAM_FIRST_OCTAVE);
+    }
+    let octave = HISTOGRAM_FIRST_OCTAVE + ((index - 1) / 8) as u32;
+    let sub = ((index - 1) % 8) as u64;
+    let step = 1u64 << (octave - SUB_BUCKET_BITS);
+    ((8 + sub) * step, (9 + sub) * step)
+}
+
+/// A duration histogram in the kernel's fine buckets, with the exact sum.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Histogram {
+    pub buckets: [u64; HISTOGRAM_BUCKETS],
+    pub sum_ns: u64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self {
+            buckets: [0; HISTOGRAM_BUCKETS],
+            sum_ns: 0,
+        }
+    }
+}
+
+impl Histogram {
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().sum()
+    }
+
+    /// Bucket-wise sum.
+    pub fn add(&mut self, other: &Self) {
+        for (sum, value) in self.buckets.iter_mut().zip(other.buckets.iter()) {
+            *sum += value;
+        }
+        self.sum_ns += other.sum_ns;
+    }
+}
+
+/// Value of [`maps::REQUEST_TIMES`]: the three durations of every finished request.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestTimes {
+    /// start − arrive
+    pub queue: Histogram,
+    /// end − start
+    pub duration: Histogram,
+    /// end − arrive
+    pub latency: Histogram,
 }
 
 /// The correlated syscalls we count, as a dense index.
@@ -175,6 +350,14 @@ impl SyscallSlot {
             Self::Read | Self::Readv | Self::Recvfrom | Self::Recvmsg
         )
     }
+
+    /// Writes of response bytes (the socket is the first argument of each).
+    pub const fn is_write(self) -> bool {
+        matches!(
+            self,
+            Self::Write | Self::Writev | Self::Sendto | Self::Sendmsg | Self::Sendfile
+        )
+    }
 }
 
 /// Index into [`maps::SYSCALL_COUNTS`].
@@ -239,16 +422,51 @@ pub struct ProcessEvent {
 mod pod {
     // SAFETY: every type is repr(C), built only from integers, with explicit padding.
     unsafe impl aya::Pod for super::Watched {}
-    unsafe impl aya::Pod for super::ConnKey {}
     unsafe impl aya::Pod for super::Conn {}
     unsafe impl aya::Pod for super::PendingCall {}
     unsafe impl aya::Pod for super::ServiceCounters {}
     unsafe impl aya::Pod for super::ProcessEvent {}
+    unsafe impl aya::Pod for super::RequestTimes {}
 }
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
-const _: () = assert!(core::mem::size_of::<ConnKey>() == 8);
-const _: () = assert!(core::mem::size_of::<Conn>() == 16);
+const _: () = assert!(core::mem::size_of::<Conn>() == 40);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 8);
-const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 24);
+const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 56);
+const _: () = assert!(core::mem::size_of::<Histogram>() == (HISTOGRAM_BUCKETS + 1) * 8);
+const _: () = assert!(core::mem::size_of::<RequestTimes>() == 3 * (HISTOGRAM_BUCKETS + 1) * 8);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_the_range_without_gaps() {
+        let mut previous_upper = 0;
+        for index in 0..HISTOGRAM_BUCKETS {
+            let (lower, upper) = histogram_bucket_bounds(index);
+            assert_eq!(lower, previous_upper, "gap before bucket {index}");
+            assert_eq!(histogram_bucket(lower), index);
+            assert_eq!(histogram_bucket(upper - 1), index);
+            if index > 0 {
+                // 8 sub-buckets per octave: width at most 1/8 of the lower bound.
+                assert!((upper - lower) * 8 <= lower, "bucket {index} too wide");
+            }
+            previous_upper = upper;
+        }
+        assert_eq!(histogram_bucket(u64::MAX), HISTOGRAM_BUCKETS - 1);
+        assert!(histogram_bucket_bounds(HISTOGRAM_BUCKETS - 1).0 > 60_000_000_000);
+    }
+
+    #[test]
+    fn log2_of_powers_and_neighbours() {
+        for bit in 0..64 {
+            let value = 1u64 << bit;
+            assert_eq!(log2_floor(value), bit);
+            if bit > 1 {
+                assert_eq!(log2_floor(value - 1), bit - 1);
+            }
+        }
+    }
+}
 const _: () = assert!(core::mem::size_of::<ProcessEvent>() == 24);

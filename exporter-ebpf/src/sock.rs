@@ -1,0 +1,113 @@
+//! Socket backend (kernel ≥ 6.3): requests from the `sock:*` tracepoints, keyed by
+//! the socket's kernel address, so reads and writes by any thread, syscall or io_uring
+//! count alike. `inet_sock_set_state` tells when a connection to a watched port enters
+//! the accept queue and when it is gone; `sk_data_ready` when request bytes arrive.
+//!
+//! The three hot events (every receive, send and arrival on the host) are raw
+//! tracepoints: their arguments come as they are, with no record to build, and a
+//! socket that is not ours costs one failed lookup in `CONNS`.
+use aya_ebpf::{
+    macros::{raw_tracepoint, tracepoint},
+    programs::{RawTracePointContext, TracePointContext},
+};
+
+use crate::{
+    maps::{CONNS, LISTEN_PORTS},
+    requests::{self, Arrivals, now_ns},
+};
+
+/// Offsets in `inet_sock_set_state`'s record (/sys/kernel/tracing/events/sock/
+/// inet_sock_set_state/format, unchanged since the tracepoint came in 4.16).
+const STATE_SKADDR: usize = 8;
+const STATE_OLD: usize = 16;
+const STATE_NEW: usize = 20;
+const STATE_SPORT: usize = 24;
+const STATE_PROTOCOL: usize = 30;
+
+const IPPROTO_TCP: u16 = 6;
+const TCP_ESTABLISHED: i32 = 1;
+const TCP_SYN_RECV: i32 = 3;
+const TCP_CLOSE: i32 = 7;
+const TCP_CLOSE_WAIT: i32 = 8;
+
+#[tracepoint]
+pub fn sock_state(ctx: TracePointContext) -> u32 {
+    match try_sock_state(&ctx) {
+        Ok(()) | Err(_) => 0,
+    }
+}
+
+fn try_sock_state(ctx: &TracePointContext) -> Result<(), i64> {
+    // SAFETY (all reads): offsets match the tracepoint's format.
+    let protocol: u16 = unsafe { ctx.read_at(STATE_PROTOCOL)? };
+    if protocol != IPPROTO_TCP {
+        return Ok(());
+    }
+    let key: u64 = unsafe { ctx.read_at(STATE_SKADDR)? };
+    let new_state: i32 = unsafe { ctx.read_at(STATE_NEW)? };
+    match new_state {
+        TCP_ESTABLISHED => {
+            let old_state: i32 = unsafe { ctx.read_at(STATE_OLD)? };
+            // SYN_RECV → ESTABLISHED is the server side; clients come from SYN_SENT.
+            if old_state != TCP_SYN_RECV {
+                return Ok(());
+            }
+            let port: u16 = unsafe { ctx.read_at(STATE_SPORT)? };
+            // SAFETY: copied out at once.
+            if let Some(service) = unsafe { LISTEN_PORTS.get(u32::from(port)).copied() } {
+                requests::connected(key, service, 0, now_ns());
+            }
+        }
+        TCP_CLOSE_WAIT => {
+            if let Some(conn) = CONNS.get_ptr_mut(key) {
+                // SAFETY: a live entry; races with its own reader are tolerated (README).
+                requests::peer_closed(unsafe { &mut *conn });
+            }
+        }
+        TCP_CLOSE => requests::closed(key, now_ns()),
+        _ => {}
+    }
+    Ok(())
+}
+
+/// sk_data_ready(const struct sock *sk)
+#[raw_tracepoint(tracepoint = "sk_data_ready")]
+pub fn sock_data_ready(ctx: RawTracePointContext) -> i32 {
+    let key: u64 = ctx.arg(0);
+    if let Some(conn) = CONNS.get_ptr_mut(key) {
+        // SAFETY: as above.
+        requests::data_arrived(unsafe { &mut *conn }, now_ns());
+    }
+    0
+}
+
+/// sock_recv_length(struct sock *sk, int ret, int flags)
+#[raw_tracepoint(tracepoint = "sock_recv_length")]
+pub fn sock_recv(ctx: RawTracePointContext) -> i32 {
+    let ret: u64 = ctx.arg(1);
+    // EAGAIN (non-blocking sockets) and EOF carry no request bytes.
+    if ret as i32 <= 0 {
+        return 0;
+    }
+    let key: u64 = ctx.arg(0);
+    if let Some(conn) = CONNS.get_ptr_mut(key) {
+        // SAFETY: as above.
+        requests::read(unsafe { &mut *conn }, now_ns(), Arrivals::Seen);
+    }
+    0
+}
+
+/// sock_send_length(struct sock *sk, int ret, int flags)
+#[raw_tracepoint(tracepoint = "sock_send_length")]
+pub fn sock_send(ctx: RawTracePointContext) -> i32 {
+    let ret: u64 = ctx.arg(1);
+    if ret as i32 <= 0 {
+        return 0;
+    }
+    let key: u64 = ctx.arg(0);
+    if let Some(conn) = CONNS.get_ptr_mut(key) {
+        // SAFETY: as above.
+        requests::wrote(unsafe { &mut *conn }, now_ns());
+    }
+    0
+}

@@ -1,0 +1,201 @@
+//! The two views of the kernel's fine duration histograms (DESIGN §4): coarse
+//! Prometheus buckets (aggregatable across instances) and quantiles over a sliding
+//! window (exact to a few % per instance). The window keeps a few past readings of the
+//! kernel's cumulative buckets and subtracts; it never counts anything itself.
+use std::{
+    collections::{HashMap, VecDeque},
+    time::{Duration, Instant},
+};
+
+use poolscope_shared::{
+    HISTOGRAM_BUCKETS, Histogram, RequestTimes, histogram_bucket_bounds,
+};
+
+/// Quantiles exported by the `_window` summaries.
+pub const QUANTILES: [f64; 4] = [0.5, 0.9, 0.99, 0.999];
+
+/// Coarse Prometheus buckets: two per octave (2^k and 1.5·2^k ns), 8.2 µs to 103 s.
+/// Each bound is a bound of the kernel's fine buckets, so no count is split.
+fn coarse_bounds() -> impl Iterator<Item = usize> {
+    (13..=36).flat_map(|octave| [0, 4].map(|sub| 1 + (octave - 10) * 8 + sub))
+}
+
+/// (upper bound in seconds, cumulative count) for a Prometheus histogram.
+pub fn coarse_buckets(histogram: &Histogram) -> Vec<(f64, u64)> {
+    let mut cumulative = 0;
+    let mut next = 0;
+    coarse_bounds()
+        .map(|bound| {
+            cumulative += histogram.buckets[next..bound].iter().sum::<u64>();
+            next = bound;
+            let (lower_ns, _) = histogram_bucket_bounds(bound);
+            (lower_ns as f64 / 1e9, cumulative)
+        })
+        .collect()
+}
+
+/// The `q` quantile in seconds: the middle of the fine bucket it falls in, so at most
+/// half a bucket (6.25 %) off whatever the shape inside the bucket; `None` when empty.
+pub fn quantile(histogram: &Histogram, q: f64) -> Option<f64> {
+    let count = histogram.count();
+    if count == 0 {
+        return None;
+    }
+    let rank = (q * count as f64).max(1.0);
+    let mut below = 0u64;
+    for (index, &in_bucket) in histogram.buckets.iter().enumerate() {
+        if in_bucket == 0 {
+            continue;
+        }
+        if (below + in_bucket) as f64 >= rank {
+            let (lower, upper) = histogram_bucket_bounds(index);
+            return Some((lower + upper) as f64 / 2.0 / 1e9);
+        }
+        below += in_bucket;
+    }
+    let (lower, _) = histogram_bucket_bounds(HISTOGRAM_BUCKETS - 1);
+    Some(lower as f64 / 1e9)
+}
+
+fn minus(now: &Histogram, then: &Histogram) -> Histogram {
+    let mut delta = Histogram::default();
+    for (index, bucket) in delta.buckets.iter_mut().enumerate() {
+        *bucket = now.buckets[index].saturating_sub(then.buckets[index]);
+    }
+    delta.sum_ns = now.sum_ns.saturating_sub(then.sum_ns);
+    delta
+}
+
+/// Past readings of each service's cumulative request times.
+#[derive(Debug)]
+pub struct Windows {
+    length: Duration,
+    /// Readings closer together than this are not kept.
+    step: Duration,
+    history: HashMap<u32, VecDeque<(Instant, Box<RequestTimes>)>>,
+}
+
+impl Windows {
+    pub fn new(length: Duration) -> Self {
+        Self {
+            length,
+            step: length / 12,
+            history: HashMap::new(),
+        }
+    }
+
+    /// What `service` finished over about the last `length` (or since its first
+    /// reading), given its cumulative `times` read at `now`.
+    pub fn delta(&mut self, service: u32, now: Instant, times: &RequestTimes) -> RequestTimes {
+        let history = self.history.entry(service).or_default();
+        // Counters went back: the id was freed and reused; its past is not ours.
+        if history
+            .back()
+            .is_some_and(|(_, last)| last.duration.count() > times.duration.count())
+        {
+            history.clear();
+        }
+        // Keep one reading at least `length` old as the base, and nothing older.
+        while history.len() > 1
+            && history
+                .get(1)
+                .is_some_and(|(at, _)| now.duration_since(*at) >= self.length)
+        {
+            history.pop_front();
+        }
+        let delta = match history.front() {
+            Some((_, base)) => RequestTimes {
+                queue: minus(&times.queue, &base.queue),
+                duration: minus(&times.duration, &base.duration),
+                latency: minus(&times.latency, &base.latency),
+            },
+            None => *times,
+        };
+        if history
+            .back()
+            .is_none_or(|(at, _)| now.duration_since(*at) >= self.step)
+        {
+            history.push_back((now, Box::new(*times)));
+        }
+        delta
+    }
+
+    /// Drops the readings of services not in `live`.
+    pub fn retain(&mut self, live: &[u32]) {
+        self.history.retain(|service, _| live.contains(service));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use poolscope_shared::histogram_bucket;
+
+    use super::*;
+
+    fn histogram_of(durations_ns: &[u64]) -> Histogram {
+        let mut histogram = Histogram::default();
+        for &ns in durations_ns {
+            histogram.buckets[histogram_bucket(ns)] += 1;
+            histogram.sum_ns += ns;
+        }
+        histogram
+    }
+
+    #[test]
+    fn quantiles_within_ten_percent_from_10us_to_60s() {
+        let mut value = 10_000u64;
+        while value <= 60_000_000_000 {
+            // 1000 samples spread ±1% around the value.
+            let samples: Vec<u64> = (0..1000).map(|i| value - value / 100 + value * i / 50_000).collect();
+            let histogram = histogram_of(&samples);
+            for q in QUANTILES {
+                let mut sorted = samples.clone();
+                sorted.sort_unstable();
+                let truth = sorted[((q * 1000.0) as usize).min(999)] as f64 / 1e9;
+                let ours = quantile(&histogram, q).expect("non-empty");
+                assert!(
+                    (ours - truth).abs() <= truth * 0.10,
+                    "q{q} of ~{value} ns: ours {ours}, truth {truth}"
+                );
+            }
+            value = value * 13 / 10;
+        }
+        assert_eq!(quantile(&Histogram::default(), 0.5), None);
+    }
+
+    #[test]
+    fn coarse_buckets_are_cumulative_and_exact_at_bounds() {
+        let histogram = histogram_of(&[8_191, 8_192, 12_287, 12_288, 1_000_000_000]);
+        let buckets = coarse_buckets(&histogram);
+        assert_eq!(buckets.len(), 48);
+        assert_eq!(buckets[0], (8.192e-6, 1));
+        assert_eq!(buckets[1], (12.288e-6, 3));
+        assert_eq!(buckets[2].1, 4);
+        assert_eq!(buckets.last().map(|b| b.1), Some(5));
+        assert!(buckets.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1));
+    }
+
+    #[test]
+    fn window_subtracts_the_reading_a_window_ago() {
+        let mut windows = Windows::new(Duration::from_secs(60));
+        let start = Instant::now();
+        let mut times = RequestTimes::default();
+        times.duration = histogram_of(&[1_000_000; 10]);
+        // First reading: everything so far.
+        assert_eq!(windows.delta(1, start, &times).duration.count(), 10);
+        times.duration.add(&histogram_of(&[2_000_000; 5]));
+        let delta = windows.delta(1, start + Duration::from_secs(30), &times);
+        assert_eq!(delta.duration.count(), 5);
+        times.duration.add(&histogram_of(&[3_000_000; 7]));
+        // 70 s in: the 30 s reading is not 60 s old yet, so the first one stays the base.
+        let delta = windows.delta(1, start + Duration::from_secs(70), &times);
+        assert_eq!(delta.duration.count(), 12);
+        let delta = windows.delta(1, start + Duration::from_secs(95), &times);
+        assert_eq!(delta.duration.count(), 7, "base moved to the 30 s reading");
+        // A reset (id reused) starts over.
+        let fresh = RequestTimes::default();
+        assert_eq!(windows.delta(1, start + Duration::from_secs(100), &fresh).duration.count(), 0);
+        windows.retain(&[]);
+        assert!(windows.history.is_empty());
+    }
+}
