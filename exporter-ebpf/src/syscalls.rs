@@ -22,11 +22,15 @@ use crate::{
     requests::{self, Arrivals, now_ns},
 };
 
-/// Offset of the first syscall argument in `struct pt_regs`.
+/// Offsets in `struct pt_regs` of the first syscall argument and of the syscall number.
 #[cfg(bpf_target_arch = "x86_64")]
 const FIRST_ARG_OFFSET: usize = 112; // rdi
+#[cfg(bpf_target_arch = "x86_64")]
+const NUMBER_OFFSET: usize = 120; // orig_ax
 #[cfg(bpf_target_arch = "aarch64")]
 const FIRST_ARG_OFFSET: usize = 0; // regs[0]
+#[cfg(bpf_target_arch = "aarch64")]
+const NUMBER_OFFSET: usize = 280; // syscallno
 
 /// sys_enter(struct pt_regs *regs, long id)
 #[raw_tracepoint(tracepoint = "sys_enter")]
@@ -54,7 +58,7 @@ fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), i64> {
 
     let tid = pid_tgid as u32;
     if slot.is_accept() {
-        remember_call(tid, slot, 0);
+        remember_call(tid, slot, 0, number as u32);
         return Ok(());
     }
     let regs: *const u8 = ctx.arg(0);
@@ -73,16 +77,18 @@ fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), i64> {
     if slot == SyscallSlot::Close {
         requests::closed(key, now_ns());
     } else {
-        remember_call(tid, slot, fd);
+        remember_call(tid, slot, fd, number as u32);
     }
     Ok(())
 }
 
 #[inline(always)]
-fn remember_call(tid: u32, slot: SyscallSlot, fd: u32) {
+fn remember_call(tid: u32, slot: SyscallSlot, fd: u32, number: u32) {
     let call = PendingCall {
         slot: slot as u32,
         fd,
+        number,
+        _pad: 0,
     };
     if PENDING_CALLS.insert(tid, call, 0).is_err() {
         count_loss(LossSource::PendingCallsFull);
@@ -99,6 +105,12 @@ pub fn sys_exit(ctx: RawTracePointContext) -> i32 {
         return 0;
     };
     let _ = PENDING_CALLS.remove(tid);
+    let regs: *const u8 = ctx.arg(0);
+    // SAFETY: regs is the kernel's pt_regs of this syscall; the helper checks the read.
+    let number = unsafe { bpf_probe_read_kernel(regs.add(NUMBER_OFFSET).cast::<u64>()) };
+    if number != Ok(u64::from(call.number)) {
+        return 0;
+    }
     let ret: i64 = ctx.arg(1);
     // Errors (EAGAIN on a non-blocking socket) and EOF move no request bytes.
     if ret < 0 {

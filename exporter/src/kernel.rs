@@ -39,6 +39,9 @@ pub enum KernelError {
     Map { map: &'static str, source: MapError },
 }
 
+/// Map update flag of include/uapi/linux/bpf.h: insert only if the key is absent.
+const BPF_NOEXIST: u64 = 1;
+
 /// Where each program is attached; every probe must attach.
 struct Attachment {
     program: &'static str,
@@ -411,6 +414,32 @@ impl Kernel {
         if self.watched(pid).is_some_and(|w| w.since_ns == since_ns) {
             // A concurrent exit may have removed it first; either way it is gone.
             let _ = self.watched.remove(&pid);
+        }
+    }
+
+    /// Syscall backend: threads of a newly watched process that are already blocked in
+    /// accept (`blocked`: tid, syscall number) get the entry their syscall entry would
+    /// have made, so that the connection they return is followed. The exit checks the
+    /// number again, so a thread that left accept meanwhile is not misread.
+    pub fn adopt_blocked_accepts(&mut self, blocked: &[(u32, u64)]) {
+        if self.backend != Backend::Syscall {
+            return;
+        }
+        for &(tid, number) in blocked {
+            let slot = [SyscallSlot::Accept, SyscallSlot::Accept4]
+                .into_iter()
+                .find(|slot| syscall_number(*slot).and_then(|n| u64::try_from(n).ok()) == Some(number));
+            let Some(slot) = slot else {
+                continue;
+            };
+            let call = PendingCall {
+                slot: slot as u32,
+                fd: 0,
+                number: number as u32,
+                _pad: 0,
+            };
+            // BPF_NOEXIST: an entry made by the syscall itself is newer than our look.
+            let _ = self.pending_calls.insert(tid, call, BPF_NOEXIST);
         }
     }
 

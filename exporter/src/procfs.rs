@@ -180,6 +180,27 @@ pub fn start_time(root: &Path, pid: u32) -> Option<u64> {
     parse_stat(&content).map(|stat| stat.start_time)
 }
 
+/// The number of the syscall a thread is in, from `/proc/<pid>/task/<tid>/syscall`:
+/// `None` when it runs in user space ("running") or is not in a syscall ("-1 …").
+pub fn parse_syscall(content: &str) -> Option<u64> {
+    content.split_whitespace().next()?.parse().ok()
+}
+
+/// (tid, syscall number) of each thread of `pid` that is inside a syscall now.
+pub fn blocked_syscalls(root: &Path, pid: u32) -> Vec<(u32, u64)> {
+    let Ok(tasks) = fs::read_dir(root.join(pid.to_string()).join("task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|task| {
+            let tid = task.file_name().to_str()?.parse().ok()?;
+            let number = parse_syscall(&fs::read_to_string(task.path().join("syscall")).ok()?)?;
+            Some((tid, number))
+        })
+        .collect()
+}
+
 /// Scans every process under `root` with its listening sockets. Listening sockets are
 /// read once per network namespace, through a process inside it.
 pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
@@ -221,6 +242,17 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn syscall_of_a_thread() {
+        assert_eq!(
+            parse_syscall("288 0x3 0x7ffd 0x7ffd 0x80800 0x0 0x0 0x7ffd 0x7f3a\n"),
+            Some(288)
+        );
+        assert_eq!(parse_syscall("running\n"), None);
+        assert_eq!(parse_syscall("-1 0x7ffd 0x7f3a\n"), None);
+        assert_eq!(parse_syscall(""), None);
+    }
 
     #[test]
     fn stat_with_parentheses_and_spaces_in_comm() {

@@ -239,6 +239,7 @@ impl Targets {
             self.purge(kernel, pid, since_ns);
             return;
         }
+        kernel.adopt_blocked_accepts(&procfs::blocked_syscalls(&self.procfs_root, pid));
         self.processes.insert(
             pid,
             Tracked {

@@ -124,6 +124,11 @@ pub struct PendingCall {
     pub slot: u32,
     /// The fd argument (reads, writes); unused for accepts.
     pub fd: u32,
+    /// The syscall number, checked again at exit: user space adopts threads already
+    /// blocked in accept when they start being watched, and a thread may have left
+    /// that call by the time the entry is made.
+    pub number: u32,
+    pub _pad: u32,
 }
 
 /// Per-service counters, summed over CPUs by user space. Each gauge of DESIGN §4 is
@@ -431,7 +436,7 @@ mod pod {
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<Conn>() == 40);
-const _: () = assert!(core::mem::size_of::<PendingCall>() == 8);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 16);
 const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 56);
 const _: () = assert!(core::mem::size_of::<Histogram>() == (HISTOGRAM_BUCKETS + 1) * 8);
 const _: () = assert!(core::mem::size_of::<RequestTimes>() == 3 * (HISTOGRAM_BUCKETS + 1) * 8);

@@ -15,6 +15,12 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
+pub mod load;
+pub mod servers;
+
+/// The request backends, as `[probes] backend` names them.
+pub const BACKENDS: [&str; 2] = ["socket", "syscall"];
+
 /// True when the test can run; otherwise says why it skips (or fails under CI=true).
 pub fn privileged(test: &str) -> bool {
     // SAFETY: geteuid cannot fail.
@@ -328,4 +334,89 @@ pub fn pids_config(service: &str, pids: &[u32]) -> String {
         "[discovery]\nrescan_interval = \"500ms\"\n[[targets]]\nservice = \"{service}\"\npids = [{}]\n",
         pids.join(", ")
     )
+}
+
+/// [`pids_config`] with the request backend forced.
+pub fn backend_config(backend: &str, service: &str, pids: &[u32]) -> String {
+    format!(
+        "[probes]\nbackend = \"{backend}\"\n{}",
+        pids_config(service, pids)
+    )
+}
+
+/// A running `poolserver` (a pool of `workers` with a fixed service time); killed
+/// when dropped.
+pub struct PoolServer {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    pub port: u16,
+}
+
+/// What `poolserver` measured itself.
+#[derive(Clone, Copy, Debug)]
+pub struct Served {
+    pub count: u64,
+    pub mean: Duration,
+    pub p50: Duration,
+}
+
+impl PoolServer {
+    pub fn start(workers: u32, service: Duration) -> anyhow::Result<Self> {
+        let mut child = Command::new(bin_dir()?.join("poolserver"))
+            .arg(workers.to_string())
+            .arg(service.as_micros().to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting poolserver")?;
+        let stdin = child.stdin.take().context("no stdin")?;
+        let mut stdout = BufReader::new(child.stdout.take().context("no stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        let port = line
+            .trim()
+            .strip_prefix("port ")
+            .and_then(|p| p.parse().ok())
+            .with_context(|| format!("poolserver said {line:?}"))?;
+        Ok(Self {
+            child,
+            stdin: Some(stdin),
+            stdout,
+            port,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Stops serving and returns the server's own count and service times.
+    pub fn finish(mut self) -> anyhow::Result<Served> {
+        drop(self.stdin.take());
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        let numbers: Vec<u64> = line
+            .trim()
+            .strip_prefix("served ")
+            .with_context(|| format!("poolserver said {line:?}"))?
+            .split(' ')
+            .map(str::parse)
+            .collect::<Result<_, _>>()?;
+        let [count, mean, p50] = numbers[..] else {
+            bail!("poolserver said {line:?}");
+        };
+        Ok(Served {
+            count,
+            mean: Duration::from_nanos(mean),
+            p50: Duration::from_nanos(p50),
+        })
+    }
+}
+
+impl Drop for PoolServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -1,14 +1,19 @@
-//! `cargo xtask bench`: what poolscope costs a real server. nginx (one worker, pinned
-//! to CPU 0) serves a small static file to wrk (pinned to CPU 1) at saturation, in
-//! interleaved rounds with poolscope off and on. Prints per-round numbers, the
-//! min/median of each side, their ratios, and the kernel programs' ns per run.
-//! `BENCH_ROUNDS` (default 3 pairs) and `BENCH_SECONDS` (default 5) tune it.
+//! `cargo xtask bench`: what poolscope costs a real server, with each request backend.
+//! nginx (one worker, pinned to CPU 0) serves a small static file over keep-alive
+//! connections to wrk (pinned to CPU 1) at saturation, in rounds interleaved between
+//! poolscope off, on with the socket backend and on with the syscall backend. Prints the
+//! per-round numbers, the min/median of each mode and their ratios to off: throughput,
+//! nginx's CPU per request and the cost of one syscall of a process poolscope does not
+//! watch. One more round per backend, with kernel.bpf_stats_enabled, gives the kernel
+//! time of its request programs per request poolscope counted (its count is checked
+//! against wrk's). Results are printed beside their goals. `BENCH_ROUNDS` (default 3
+//! rounds of all modes) and `BENCH_SECONDS` (default 5) tune it.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs,
     io::{Read as _, Write as _},
-    net::TcpStream,
-    path::Path,
+    net::{TcpListener, TcpStream},
+    path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     thread::sleep,
     time::{Duration, Instant},
@@ -18,27 +23,142 @@ use anyhow::{Context as _, bail};
 
 pub const PACKAGES: &[&str] = &["nginx", "wrk"];
 
-const NGINX_PORT: u16 = 18080;
-const POOLSCOPE_ADDRESS: &str = "127.0.0.1:19435";
+/// Goal: kernel time of the request programs per request.
+const GOAL_BPF_NS_PER_REQUEST: f64 = 300.0;
+/// Goal: throughput at saturation with poolscope on, as a share of off (≤ 3% loss).
+const GOAL_THROUGHPUT_RATIO: f64 = 0.97;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Off,
-    On,
-    /// On, with kernel.bpf_stats_enabled so that per-program run time is counted.
-    WithStats,
+    Socket,
+    Syscall,
+}
+
+impl Mode {
+    const ALL: [Self; 3] = [Self::Off, Self::Socket, Self::Syscall];
+    const BACKENDS: [Self; 2] = [Self::Socket, Self::Syscall];
+
+    /// Also the value of poolscope's `[probes] backend`.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::Socket => "socket",
+            Self::Syscall => "syscall",
+        }
+    }
+
+    /// The backend's programs that follow requests: their run time is the cost of a
+    /// request (the process programs run on fork, exec and exit only).
+    fn request_programs(self) -> &'static [&'static str] {
+        match self {
+            Self::Off => &[],
+            Self::Socket => &["sock_state", "sock_data_ready", "sock_recv", "sock_send"],
+            Self::Syscall => &["sys_enter", "sys_exit"],
+        }
+    }
+}
+
+/// poolscope's counters, from /metrics.
+#[derive(Default)]
+struct Counters {
+    /// `poolscope_requests_total` of nginx.
+    requests: f64,
+    /// `poolscope_connections_accepted_total` of nginx.
+    connections: f64,
+    /// program → (runs, run ns)
+    programs: BTreeMap<String, (f64, f64)>,
+}
+
+impl Counters {
+    fn parse(body: &str) -> Self {
+        let mut counters = Self::default();
+        for line in body.lines() {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(value) = value.parse::<f64>() else {
+                continue;
+            };
+            let nginx = |metric| label(series, metric, "service") == Some("nginx");
+            if nginx("poolscope_requests_total") {
+                counters.requests = value;
+            } else if nginx("poolscope_connections_accepted_total") {
+                counters.connections = value;
+            } else if let Some(name) = label(series, "poolscope_bpf_runs_total", "program") {
+                counters.programs.entry(name.to_owned()).or_default().0 = value;
+            } else if let Some(name) = label(series, "poolscope_bpf_run_seconds_total", "program") {
+                counters.programs.entry(name.to_owned()).or_default().1 = value * 1e9;
+            }
+        }
+        counters
+    }
+
+    /// What was counted since `before`.
+    fn since(&self, before: &Self) -> Self {
+        let programs = self
+            .programs
+            .iter()
+            .map(|(name, (runs, ns))| {
+                let (runs_before, ns_before) =
+                    before.programs.get(name).copied().unwrap_or_default();
+                (name.clone(), (runs - runs_before, ns - ns_before))
+            })
+            .collect();
+        Self {
+            requests: self.requests - before.requests,
+            connections: self.connections - before.connections,
+            programs,
+        }
+    }
+
+    /// Run ns of the mode's request programs per request poolscope counted.
+    fn bpf_ns_per_request(&self, mode: Mode) -> f64 {
+        let ns: f64 = mode
+            .request_programs()
+            .iter()
+            .filter_map(|name| self.programs.get(*name))
+            .map(|(_, ns)| ns)
+            .sum();
+        ns / self.requests
+    }
+}
+
+/// The value of the only label of a `metric{label="value"}` series.
+fn label<'a>(series: &'a str, metric: &str, label: &str) -> Option<&'a str> {
+    series
+        .strip_prefix(metric)?
+        .strip_prefix('{')?
+        .strip_prefix(label)?
+        .strip_prefix("=\"")?
+        .strip_suffix("\"}")
 }
 
 struct Round {
-    poolscope: bool,
+    mode: Mode,
     requests_per_second: f64,
+    /// Requests wrk finished.
     requests: f64,
     cpu_us_per_request: f64,
     /// Cost of one syscall of a process poolscope does not watch (the hooks are
     /// system-wide): `dd bs=1` from /dev/zero to /dev/null, pinned to CPU 1.
     unwatched_syscall_ns: f64,
-    /// program → (runs, ns) during the round
-    programs: BTreeMap<String, (f64, f64)>,
+    /// What poolscope counted during the round (nothing when off).
+    counted: Counters,
+    /// Other poolscope processes seen during the round: their hooks are system-wide
+    /// too, so they skew it.
+    others: BTreeSet<u32>,
+}
+
+impl Round {
+    /// A note on the round's line when another poolscope skewed it.
+    fn note(&self) -> String {
+        if self.others.is_empty() {
+            return String::new();
+        }
+        let pids: Vec<String> = self.others.iter().map(u32::to_string).collect();
+        format!("  (skewed: another poolscope ran, pid {})", pids.join(", "))
+    }
 }
 
 /// Kills and reaps a child when dropped.
@@ -67,20 +187,27 @@ fn env_number(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// A port nothing listens on now (the machine may run other servers, other benches).
+fn free_port() -> anyhow::Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
 pub fn run(root: &Path) -> anyhow::Result<()> {
-    let pairs = env_number("BENCH_ROUNDS", 3).max(1);
+    let rounds = env_number("BENCH_ROUNDS", 3).max(1) as usize;
     let seconds = env_number("BENCH_SECONDS", 5).max(1);
     let dir = root.join("target/bench");
+    let nginx_port = free_port()?;
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(dir.join("www")).context("creating target/bench")?;
     fs::write(dir.join("www/index.html"), "x".repeat(612))?;
-    fs::write(dir.join("nginx.conf"), nginx_config(&dir))?;
+    fs::write(dir.join("nginx.conf"), nginx_config(&dir, nginx_port))?;
     fs::write(
         dir.join("poolscope.toml"),
         "[[targets]]\nservice = \"nginx\"\ncomm = \"^nginx$\"\n",
     )?;
 
-    let nginx = Guard(
+    let mut nginx = Guard(
         Command::new("taskset")
             .args(["-c", "0", "nginx", "-p"])
             .arg(&dir)
@@ -90,44 +217,57 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
             .spawn()
             .context("starting nginx")?,
     );
-    wait_for_port(NGINX_PORT)?;
+    wait_for_port(nginx_port)?;
+    if let Some(status) = nginx.0.try_wait()? {
+        bail!(
+            "nginx exited ({status}); see {}",
+            dir.join("error.log").display()
+        );
+    }
+    let bench = Bench {
+        root,
+        seconds,
+        nginx: nginx.0.id(),
+        nginx_port,
+        poolscope_address: format!("127.0.0.1:{}", free_port()?),
+        dir,
+    };
     // Warm up caches and the worker.
-    wrk(seconds)?;
+    bench.wrk()?;
 
-    let mut rounds = Vec::new();
-    for pair in 0..pairs {
-        // Alternate which side goes first so that drift hits both alike.
-        let order = if pair % 2 == 0 {
-            [false, true]
-        } else {
-            [true, false]
-        };
-        for poolscope in order {
-            let mode = if poolscope { Mode::On } else { Mode::Off };
-            let round = measure(root, &dir, nginx.0.id(), mode, seconds)?;
+    let mut measured = Vec::new();
+    for round in 0..rounds {
+        // Rotate the order so that each mode takes each place and drift hits all alike.
+        for &mode in Mode::ALL.iter().cycle().skip(round).take(Mode::ALL.len()) {
+            let result = bench.measure(mode, false)?;
             println!(
-                "round {:>2} poolscope {:<3} {:>10.0} req/s {:>8.2} µs CPU/req",
-                rounds.len() + 1,
-                if poolscope { "on" } else { "off" },
-                round.requests_per_second,
-                round.cpu_us_per_request
+                "round {:>2} {:<7} {:>10.0} req/s {:>8.2} µs CPU/req {:>6.1} ns/unwatched syscall{}",
+                round + 1,
+                mode.name(),
+                result.requests_per_second,
+                result.cpu_us_per_request,
+                result.unwatched_syscall_ns,
+                result.note()
             );
-            rounds.push(round);
+            measured.push(result);
         }
     }
     // Per-program cost needs kernel.bpf_stats_enabled, which itself slows every run:
-    // measured in one extra round, apart from the throughput rounds.
-    let stats_round = measure(root, &dir, nginx.0.id(), Mode::WithStats, seconds)?;
-    report(&rounds, &stats_round);
+    // measured in one extra round per backend, apart from the throughput rounds.
+    let stats_rounds = Mode::BACKENDS
+        .iter()
+        .map(|&mode| bench.measure(mode, true))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    report(&measured, &stats_rounds);
     Ok(())
 }
 
-fn nginx_config(dir: &Path) -> String {
+fn nginx_config(dir: &Path, port: u16) -> String {
     format!(
         "daemon off;\nmaster_process on;\nworker_processes 1;\npid {dir}/nginx.pid;\n\
          error_log {dir}/error.log warn;\nevents {{ worker_connections 1024; }}\n\
          http {{\n  access_log off;\n  sendfile on;\n  keepalive_requests 1000000;\n\
-         server {{ listen 127.0.0.1:{NGINX_PORT}; root {dir}/www; }}\n}}\n",
+         server {{ listen 127.0.0.1:{port}; root {dir}/www; }}\n}}\n",
         dir = dir.display()
     )
 }
@@ -141,30 +281,6 @@ fn wait_for_port(port: u16) -> anyhow::Result<()> {
         sleep(Duration::from_millis(50));
     }
     bail!("nothing listens on port {port} after 10 s")
-}
-
-/// (requests/s, total requests) from wrk's summary.
-fn wrk(seconds: u64) -> anyhow::Result<(f64, f64)> {
-    let output = Command::new("taskset")
-        .args(["-c", "1", "wrk", "-t1", "-c32"])
-        .arg(format!("-d{seconds}s"))
-        .arg(format!("http://127.0.0.1:{NGINX_PORT}/index.html"))
-        .output()
-        .context("running wrk")?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    let rate = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Requests/sec:"))
-        .and_then(|v| v.trim().parse().ok());
-    let total = text
-        .lines()
-        .find(|l| l.contains(" requests in "))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|v| v.parse().ok());
-    match (rate, total) {
-        (Some(rate), Some(total)) => Ok((rate, total)),
-        _ => bail!("cannot read wrk's output:\n{text}"),
-    }
 }
 
 fn unwatched_syscall_ns() -> anyhow::Result<f64> {
@@ -183,24 +299,28 @@ fn unwatched_syscall_ns() -> anyhow::Result<f64> {
     Ok(started.elapsed().as_nanos() as f64 / (2 * COPIES) as f64)
 }
 
+/// Every process: (pid, its /proc directory).
+fn processes() -> impl Iterator<Item = (u32, PathBuf)> {
+    fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| Some((entry.file_name().to_str()?.parse().ok()?, entry.path())))
+}
+
 /// CPU seconds (user + system) used so far by nginx's master and workers.
 fn nginx_cpu_seconds(master: u32) -> f64 {
     // SAFETY: sysconf cannot fail for _SC_CLK_TCK.
     let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let mut ticks = 0u64;
-    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+    for (pid, path) in processes() {
+        let Ok(stat) = fs::read_to_string(path.join("stat")) else {
             continue;
         };
         let Some(after_comm) = stat.rfind(')').and_then(|i| stat.get(i + 2..)) else {
             continue;
         };
         let fields: Vec<&str> = after_comm.split_whitespace().collect();
-        let pid: u32 = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
         let ppid: u32 = fields.get(1).and_then(|v| v.parse().ok()).unwrap_or(0);
         if pid == master || ppid == master {
             // utime and stime are fields 14 and 15, i.e. 11 and 12 after the comm.
@@ -217,90 +337,132 @@ fn nginx_cpu_seconds(master: u32) -> f64 {
     ticks as f64 / ticks_per_second
 }
 
-fn measure(root: &Path, dir: &Path, nginx: u32, mode: Mode, seconds: u64) -> anyhow::Result<Round> {
-    let exporter = if mode == Mode::Off {
-        None
-    } else {
-        let child = Command::new(root.join("target/release/poolscope"))
+/// poolscope processes other than ours.
+fn other_poolscopes(ours: Option<u32>) -> BTreeSet<u32> {
+    processes()
+        .filter(|(pid, path)| {
+            Some(*pid) != ours
+                && fs::read_to_string(path.join("comm"))
+                    .is_ok_and(|comm| comm.trim() == "poolscope")
+        })
+        .map(|(pid, _)| pid)
+        .collect()
+}
+
+/// What every round shares.
+struct Bench<'a> {
+    root: &'a Path,
+    /// target/bench: nginx's root and configuration, poolscope's configuration.
+    dir: PathBuf,
+    seconds: u64,
+    /// nginx's master process.
+    nginx: u32,
+    nginx_port: u16,
+    poolscope_address: String,
+}
+
+impl Bench<'_> {
+    /// (requests/s, total requests) from wrk's summary.
+    fn wrk(&self) -> anyhow::Result<(f64, f64)> {
+        let output = Command::new("taskset")
+            .args(["-c", "1", "wrk", "-t1", "-c32"])
+            .arg(format!("-d{}s", self.seconds))
+            .arg(format!("http://127.0.0.1:{}/index.html", self.nginx_port))
+            .output()
+            .context("running wrk")?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        let rate = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("Requests/sec:"))
+            .and_then(|v| v.trim().parse().ok());
+        let total = text
+            .lines()
+            .find(|l| l.contains(" requests in "))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|v| v.parse().ok());
+        match (rate, total) {
+            (Some(rate), Some(total)) => Ok((rate, total)),
+            _ => bail!("cannot read wrk's output:\n{text}"),
+        }
+    }
+
+    /// Starts poolscope with the mode's backend; `None` when off.
+    fn start_poolscope(&self, mode: Mode, bpf_stats: bool) -> anyhow::Result<Option<Guard>> {
+        if mode == Mode::Off {
+            return Ok(None);
+        }
+        let child = Command::new(self.root.join("target/release/poolscope"))
             .arg("--config.file")
-            .arg(dir.join("poolscope.toml"))
-            .args([
-                "--web.listen-address",
-                POOLSCOPE_ADDRESS,
-                "--log.level",
-                "warn",
-            ])
-            .env(
-                "POOLSCOPE_PROBES__BPF_STATS",
-                (mode == Mode::WithStats).to_string(),
-            )
+            .arg(self.dir.join("poolscope.toml"))
+            .args(["--web.listen-address", &self.poolscope_address])
+            .args(["--log.level", "warn"])
+            .env("POOLSCOPE_PROBES__BACKEND", mode.name())
+            .env("POOLSCOPE_PROBES__BPF_STATS", bpf_stats.to_string())
             .spawn()
             .context("starting poolscope")?;
         let guard = Guard(child);
-        wait_for_targets()?;
-        Some(guard)
-    };
-    let before = exporter.as_ref().map(|_| program_stats()).transpose()?;
-    let cpu_before = nginx_cpu_seconds(nginx);
-    let (rate, total) = wrk(seconds)?;
-    let cpu = nginx_cpu_seconds(nginx) - cpu_before;
-    let mut programs = BTreeMap::new();
-    if let Some(before) = before {
-        for (name, (runs, ns)) in program_stats()? {
-            let (runs_before, ns_before) = before.get(&name).copied().unwrap_or_default();
-            programs.insert(name, (runs - runs_before, ns - ns_before));
-        }
+        self.wait_for_targets(mode)?;
+        Ok(Some(guard))
     }
-    // After the program counters were read: dd's syscalls are not requests.
-    let unwatched_syscall_ns = unwatched_syscall_ns()?;
-    drop(exporter);
-    Ok(Round {
-        poolscope: mode != Mode::Off,
-        requests_per_second: rate,
-        requests: total,
-        unwatched_syscall_ns,
-        cpu_us_per_request: cpu * 1e6 / total.max(1.0),
-        programs,
-    })
-}
 
-fn scrape() -> anyhow::Result<String> {
-    let mut stream = TcpStream::connect(POOLSCOPE_ADDRESS)?;
-    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: poolscope\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    Ok(response)
-}
-
-/// Waits until poolscope serves and watches nginx.
-fn wait_for_targets() -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if scrape().is_ok_and(|body| body.contains("poolscope_targets{service=\"nginx\"} 2")) {
-            return Ok(());
-        }
-        sleep(Duration::from_millis(100));
-    }
-    bail!("poolscope did not watch nginx's two processes within 20 s")
-}
-
-/// program → (runs, run ns) from /metrics.
-fn program_stats() -> anyhow::Result<BTreeMap<String, (f64, f64)>> {
-    let body = scrape()?;
-    let mut stats: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-    for line in body.lines() {
-        let parse = |prefix: &str| -> Option<(String, f64)> {
-            let rest = line.strip_prefix(prefix)?;
-            let (name, value) = rest.split_once("\"} ")?;
-            Some((name.to_owned(), value.trim().parse().ok()?))
+    fn measure(&self, mode: Mode, bpf_stats: bool) -> anyhow::Result<Round> {
+        let exporter = self.start_poolscope(mode, bpf_stats)?;
+        let ours = exporter.as_ref().map(|guard| guard.0.id());
+        let mut others = other_poolscopes(ours);
+        let before = exporter.as_ref().map(|_| self.counters()).transpose()?;
+        let cpu_before = nginx_cpu_seconds(self.nginx);
+        let (rate, total) = self.wrk()?;
+        let cpu = nginx_cpu_seconds(self.nginx) - cpu_before;
+        // nginx closes the connections wrk left; poolscope ends their last request then.
+        sleep(Duration::from_millis(200));
+        let counted = match before {
+            Some(before) => self.counters()?.since(&before),
+            None => Counters::default(),
         };
-        if let Some((name, runs)) = parse("poolscope_bpf_runs_total{program=\"") {
-            stats.entry(name).or_default().0 = runs;
-        } else if let Some((name, seconds)) = parse("poolscope_bpf_run_seconds_total{program=\"") {
-            stats.entry(name).or_default().1 = seconds * 1e9;
-        }
+        // After the counters were read: dd's syscalls are not requests.
+        let unwatched_syscall_ns = unwatched_syscall_ns()?;
+        others.extend(other_poolscopes(ours));
+        drop(exporter);
+        Ok(Round {
+            mode,
+            requests_per_second: rate,
+            requests: total,
+            unwatched_syscall_ns,
+            cpu_us_per_request: cpu * 1e6 / total.max(1.0),
+            counted,
+            others,
+        })
     }
-    Ok(stats)
+
+    fn scrape(&self) -> anyhow::Result<String> {
+        let mut stream = TcpStream::connect(&self.poolscope_address)?;
+        stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: poolscope\r\n\r\n")?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        Ok(response)
+    }
+
+    fn counters(&self) -> anyhow::Result<Counters> {
+        Ok(Counters::parse(&self.scrape()?))
+    }
+
+    /// Waits until poolscope serves, with the mode's backend, and watches nginx.
+    fn wait_for_targets(&self, mode: Mode) -> anyhow::Result<()> {
+        let backend = format!("backend=\"{}\"", mode.name());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if self.scrape().is_ok_and(|body| {
+                body.contains("poolscope_targets{service=\"nginx\"} 2") && body.contains(&backend)
+            }) {
+                return Ok(());
+            }
+            sleep(Duration::from_millis(100));
+        }
+        bail!(
+            "poolscope ({} backend) did not watch nginx's two processes within 20 s",
+            mode.name()
+        )
+    }
 }
 
 fn min_median(values: &mut [f64]) -> (f64, f64) {
@@ -313,53 +475,103 @@ fn min_median(values: &mut [f64]) -> (f64, f64) {
     (values.first().copied().unwrap_or(f64::NAN), median)
 }
 
-fn report(rounds: &[Round], stats_round: &Round) {
-    let side = |on: bool, pick: fn(&Round) -> f64| -> (f64, f64) {
-        let mut values: Vec<f64> = rounds
-            .iter()
-            .filter(|r| r.poolscope == on)
-            .map(pick)
-            .collect();
-        min_median(&mut values)
-    };
-    let (rate_off_min, rate_off) = side(false, |r| r.requests_per_second);
-    let (rate_on_min, rate_on) = side(true, |r| r.requests_per_second);
-    let (cpu_off_min, cpu_off) = side(false, |r| r.cpu_us_per_request);
-    let (cpu_on_min, cpu_on) = side(true, |r| r.cpu_us_per_request);
-    let (sys_off_min, sys_off) = side(false, |r| r.unwatched_syscall_ns);
-    let (sys_on_min, sys_on) = side(true, |r| r.unwatched_syscall_ns);
+/// (min, median) of one quantity over the rounds of a mode.
+fn of_mode(rounds: &[Round], mode: Mode, pick: fn(&Round) -> f64) -> (f64, f64) {
+    let mut values: Vec<f64> = rounds.iter().filter(|r| r.mode == mode).map(pick).collect();
+    min_median(&mut values)
+}
+
+fn met(met: bool) -> &'static str {
+    if met { "met" } else { "NOT met" }
+}
+
+fn report(rounds: &[Round], stats_rounds: &[Round]) {
+    let rate = |mode| of_mode(rounds, mode, |r| r.requests_per_second);
+    let cpu = |mode| of_mode(rounds, mode, |r| r.cpu_us_per_request);
+    let syscall = |mode| of_mode(rounds, mode, |r| r.unwatched_syscall_ns);
+    let (rate_off_min, rate_off) = rate(Mode::Off);
+    let (_, cpu_off) = cpu(Mode::Off);
+    let (_, syscall_off) = syscall(Mode::Off);
     println!();
     println!(
-        "| nginx, 1 worker, wrk -t1 -c32 | off median (min) | on median (min) | on/off (median) |"
+        "| nginx, 1 worker, wrk -t1 -c32 | requests/s median (min) | /off median | /off min \
+         | nginx CPU µs/request median (min) | /off median | ns per unwatched syscall (dd bs=1) \
+         median (min) | minus off (median) |"
     );
-    println!("|---|---|---|---|");
-    println!(
-        "| requests/s | {rate_off:.0} ({rate_off_min:.0}) | {rate_on:.0} ({rate_on_min:.0}) | {:.4} |",
-        rate_on / rate_off
-    );
-    println!(
-        "| nginx CPU µs/request | {cpu_off:.2} ({cpu_off_min:.2}) | {cpu_on:.2} ({cpu_on_min:.2}) | {:.4} |",
-        cpu_on / cpu_off
-    );
-    println!(
-        "| ns per syscall, unwatched process (dd bs=1) | {sys_off:.0} ({sys_off_min:.0}) | {sys_on:.0} ({sys_on_min:.0}) | {:.4} |",
-        sys_on / sys_off
-    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for mode in Mode::ALL {
+        let (rate_min, rate_median) = rate(mode);
+        let (cpu_min, cpu_median) = cpu(mode);
+        let (syscall_min, syscall_median) = syscall(mode);
+        println!(
+            "| {} | {rate_median:.0} ({rate_min:.0}) | {:.4} | {:.4} | {cpu_median:.2} ({cpu_min:.2}) \
+             | {:.4} | {syscall_median:.1} ({syscall_min:.1}) | {:+.1} |",
+            mode.name(),
+            rate_median / rate_off,
+            rate_min / rate_off_min,
+            cpu_median / cpu_off,
+            syscall_median - syscall_off,
+        );
+    }
+    println!();
+    println!("Kernel programs, from one more round per backend with kernel.bpf_stats_enabled=1:");
     println!();
     println!(
-        "Kernel programs, from one more round with kernel.bpf_stats_enabled=1 ({:.0} req/s):",
-        stats_round.requests_per_second
+        "| backend | req/s | requests: wrk | requests: poolscope | poolscope/wrk \
+         | requests/connection | BPF ns/request |"
     );
+    println!("|---|---|---|---|---|---|---|");
+    for round in stats_rounds {
+        let counted = &round.counted;
+        println!(
+            "| {} | {:.0} | {:.0} | {:.0} | {:.4} | {:.0} | {:.0} |",
+            round.mode.name(),
+            round.requests_per_second,
+            round.requests,
+            counted.requests,
+            counted.requests / round.requests,
+            counted.requests / counted.connections,
+            counted.bpf_ns_per_request(round.mode),
+        );
+    }
+    for round in stats_rounds.iter().filter(|r| !r.others.is_empty()) {
+        println!("{} round{}", round.mode.name(), round.note());
+    }
     println!();
-    println!("| kernel program | runs/request | ns/run |");
-    println!("|---|---|---|");
-    for (name, (runs, ns)) in &stats_round.programs {
-        if *runs > 0.0 {
-            println!(
-                "| {name} | {:.2} | {:.0} |",
-                runs / stats_round.requests.max(1.0),
-                ns / runs
-            );
+    println!("| backend | kernel program | in ns/request | runs | runs/request | ns/run |");
+    println!("|---|---|---|---|---|---|");
+    for round in stats_rounds {
+        for (name, (runs, ns)) in &round.counted.programs {
+            if *runs > 0.0 {
+                let counts = round.mode.request_programs().contains(&name.as_str());
+                println!(
+                    "| {} | {name} | {} | {runs:.0} | {:.2} | {:.0} |",
+                    round.mode.name(),
+                    if counts { "yes" } else { "no" },
+                    runs / round.counted.requests,
+                    ns / runs
+                );
+            }
         }
+    }
+    println!();
+    println!(
+        "Goals: ≤ {GOAL_BPF_NS_PER_REQUEST:.0} ns BPF time per request; ≤ {:.0}% throughput loss \
+         at saturation (median of rounds).",
+        (1.0 - GOAL_THROUGHPUT_RATIO) * 100.0
+    );
+    for round in stats_rounds {
+        let mode = round.mode;
+        let bpf_ns = round.counted.bpf_ns_per_request(mode);
+        let (rate_min, rate_median) = rate(mode);
+        let ratio = rate_median / rate_off;
+        println!(
+            "{:<7}  BPF {bpf_ns:>5.0} ns/request: {:<7}  throughput {:.2}% of off (min {:.2}%): {}",
+            mode.name(),
+            met(bpf_ns <= GOAL_BPF_NS_PER_REQUEST),
+            ratio * 100.0,
+            rate_min / rate_off_min * 100.0,
+            met(ratio >= GOAL_THROUGHPUT_RATIO),
+        );
     }
 }

@@ -17,8 +17,17 @@ const USAGE: &str = "usage: cargo xtask <command>
   bench                     install what is missing, measure poolscope's cost on nginx
   setup                     only install what is missing";
 
-/// Debian packages the tests use: promtool (prometheus).
-const TEST_PACKAGES: &[&str] = &["prometheus"];
+/// Debian packages the tests use: promtool (prometheus); the real servers and wrk
+/// (same list as `poolscope_tests::servers::PACKAGES`).
+const TEST_PACKAGES: &[&str] = &[
+    "prometheus",
+    "nginx",
+    "wrk",
+    "tomcat10-common",
+    "gunicorn",
+    "nodejs",
+    "golang-go",
+];
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -1,0 +1,226 @@
+//! Ground truth for the request metrics, against the real kernel and both backends:
+//! `poolserver` serves at most N requests at once for a fixed time S, driven by C > N
+//! closed-loop clients. Then, in steady state, N requests are in flight, C − N wait,
+//! each waits C·S/N − S, and Little's law holds; the server and the clients count
+//! and time every request themselves.
+use std::{
+    sync::{Mutex, MutexGuard},
+    time::{Duration, Instant},
+};
+
+use poolscope_tests::{
+    Metrics, PoolServer, Poolscope, backend_config,
+    load::{ClosedLoop, Connections},
+    privileged, wait_until,
+};
+
+const WORKERS: u32 = 4;
+const CLIENTS: usize = 12;
+const SERVICE: Duration = Duration::from_millis(20);
+const WARM_UP: Duration = Duration::from_secs(1);
+const STEADY: Duration = Duration::from_secs(4);
+const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+
+/// One timing test at a time: they share two CPUs.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn scrape_until(
+    poolscope: &Poolscope,
+    mut check: impl FnMut(&Metrics) -> bool,
+) -> anyhow::Result<Metrics> {
+    let mut last = Metrics::default();
+    let ok = wait_until(Duration::from_secs(10), || match poolscope.scrape() {
+        Ok(metrics) => {
+            let done = check(&metrics);
+            last = metrics;
+            done
+        }
+        Err(_) => false,
+    });
+    anyhow::ensure!(ok, "condition not met; last scrape:\n{}", last.text);
+    Ok(last)
+}
+
+fn value(metrics: &Metrics, name: &str, service: &str) -> f64 {
+    metrics
+        .value(name, &[("service", service)])
+        .unwrap_or(f64::NAN)
+}
+
+fn assert_within(what: &str, ours: f64, truth: f64, tolerance: f64) {
+    let error = (ours - truth).abs() / truth;
+    eprintln!(
+        "{what}: ours {ours:.6}, truth {truth:.6}, error {:.1}%",
+        error * 100.0
+    );
+    assert!(
+        error <= tolerance,
+        "{what}: ours {ours}, truth {truth}: {:.1}% off, more than {:.0}%",
+        error * 100.0,
+        tolerance * 100.0
+    );
+}
+
+/// Steady-state means of the gauges and the deltas of the counters between two scrapes.
+struct Steady {
+    seconds: f64,
+    in_flight: f64,
+    queue_depth: f64,
+    requests: f64,
+    duration_sum: f64,
+    queue_sum: f64,
+}
+
+fn measure_steady_state(poolscope: &Poolscope, service: &str) -> anyhow::Result<Steady> {
+    let first = poolscope.scrape()?;
+    let started = Instant::now();
+    let (mut in_flight, mut depth, mut samples) = (0.0, 0.0, 0.0);
+    while started.elapsed() < STEADY {
+        let metrics = poolscope.scrape()?;
+        in_flight += value(&metrics, "poolscope_requests_in_flight", service);
+        depth += value(&metrics, "poolscope_queue_depth", service);
+        samples += 1.0;
+        std::thread::sleep(SAMPLE_EVERY);
+    }
+    let last = poolscope.scrape()?;
+    let seconds = started.elapsed().as_secs_f64();
+    let delta = |name| value(&last, name, service) - value(&first, name, service);
+    Ok(Steady {
+        seconds,
+        in_flight: in_flight / samples,
+        queue_depth: depth / samples,
+        requests: delta("poolscope_requests_total"),
+        duration_sum: delta("poolscope_request_duration_seconds_sum"),
+        queue_sum: delta("poolscope_request_queue_seconds_sum"),
+    })
+}
+
+fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()> {
+    let _serial = one_at_a_time();
+    let service = format!("pool-{backend}");
+    let server = PoolServer::start(WORKERS, SERVICE)?;
+    let poolscope = Poolscope::start(&backend_config(backend, &service, &[server.pid()]))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", &service)]) == Some(1.0)
+            && m.has_label("backend", backend)
+    })?;
+
+    let clients = ClosedLoop::start(server.port, CLIENTS, connections);
+    std::thread::sleep(WARM_UP);
+    let steady = measure_steady_state(&poolscope, &service)?;
+    let seen = clients.stop()?;
+    let metrics = scrape_until(&poolscope, |m| {
+        value(m, "poolscope_requests_total", &service) == seen.completed as f64
+    })?;
+    let served = server.finish()?;
+    eprintln!(
+        "{backend} {connections:?}: clients completed {}, server served {}",
+        seen.completed, served.count
+    );
+    assert_eq!(served.count, seen.completed);
+
+    // Service time: the server's own measure is the truth (S plus sleep overshoot).
+    let service_time = served.mean.as_secs_f64();
+    assert_within(
+        "mean duration",
+        steady.duration_sum / steady.requests,
+        service_time,
+        0.05,
+    );
+    let p50 = metrics
+        .value(
+            "poolscope_request_duration_window_seconds",
+            &[("service", &service), ("quantile", "0.5")],
+        )
+        .unwrap_or(f64::NAN);
+    assert_within("duration p50", p50, served.p50.as_secs_f64(), 0.05);
+    assert_within("mean in flight", steady.in_flight, f64::from(WORKERS), 0.05);
+    // Little's law on our own numbers: in flight = completion rate × mean duration.
+    assert_within(
+        "Little's law (in flight)",
+        steady.in_flight,
+        steady.duration_sum / steady.seconds,
+        0.05,
+    );
+
+    let clients = CLIENTS as f64;
+    let workers = f64::from(WORKERS);
+    let queue_time = steady.queue_sum / steady.requests;
+    let blind = backend == "syscall" && connections == Connections::KeepAlive;
+    if blind {
+        // Documented: without sk_data_ready a keep-alive request's arrival is its read.
+        assert_eq!(
+            queue_time, 0.0,
+            "the syscall backend cannot see keep-alive queueing"
+        );
+        return Ok(());
+    }
+    assert_within(
+        "mean queue depth",
+        steady.queue_depth,
+        clients - workers,
+        0.10,
+    );
+    assert_within(
+        "mean queue time",
+        queue_time,
+        clients * service_time / workers - service_time,
+        0.10,
+    );
+    assert_within(
+        "Little's law (queue)",
+        steady.queue_depth,
+        steady.queue_sum / steady.seconds,
+        0.10,
+    );
+    // Latency: the clients' own p50 bounds ours from above (they also count the
+    // handshake and the loopback); ours must not be far below it.
+    let ours = metrics
+        .value(
+            "poolscope_request_latency_window_seconds",
+            &[("service", &service), ("quantile", "0.5")],
+        )
+        .unwrap_or(f64::NAN);
+    let theirs = seen.quantile(0.5).as_secs_f64();
+    eprintln!("latency p50: ours {ours:.6}, clients {theirs:.6}");
+    assert!(
+        ours <= theirs * 1.05 && ours >= theirs * 0.75,
+        "latency p50 ours {ours}, clients {theirs}"
+    );
+    Ok(())
+}
+
+#[test]
+fn controlled_pool_keep_alive_socket_backend() -> anyhow::Result<()> {
+    if !privileged("controlled_pool_keep_alive_socket_backend") {
+        return Ok(());
+    }
+    controlled_pool("socket", Connections::KeepAlive)
+}
+
+#[test]
+fn controlled_pool_connection_per_request_socket_backend() -> anyhow::Result<()> {
+    if !privileged("controlled_pool_connection_per_request_socket_backend") {
+        return Ok(());
+    }
+    controlled_pool("socket", Connections::PerRequest)
+}
+
+#[test]
+fn controlled_pool_keep_alive_syscall_backend() -> anyhow::Result<()> {
+    if !privileged("controlled_pool_keep_alive_syscall_backend") {
+        return Ok(());
+    }
+    controlled_pool("syscall", Connections::KeepAlive)
+}
+
+#[test]
+fn controlled_pool_connection_per_request_syscall_backend() -> anyhow::Result<()> {
+    if !privileged("controlled_pool_connection_per_request_syscall_backend") {
+        return Ok(());
+    }
+    controlled_pool("syscall", Connections::PerRequest)
+}
