@@ -2,7 +2,9 @@
 //! backlog, accepts and reads the test controls, watched by a real poolscope.
 use std::{io::Write as _, net::TcpStream, time::Duration};
 
-use poolscope_tests::{Metrics, Poolscope, TestServer, pids_config, privileged, wait_until};
+use poolscope_tests::{
+    BACKENDS, Metrics, Poolscope, TestServer, backend_config, pids_config, privileged, wait_until,
+};
 
 const SETTLE: Duration = Duration::from_secs(10);
 
@@ -29,8 +31,13 @@ fn scrape_until(
 
 /// A testserver watched (by pid) as `service`, once poolscope reports it.
 fn watched_server(service: &str) -> anyhow::Result<(TestServer, Poolscope)> {
+    watched_server_on("auto", service)
+}
+
+/// Like [`watched_server`], with the request backend forced.
+fn watched_server_on(backend: &str, service: &str) -> anyhow::Result<(TestServer, Poolscope)> {
     let server = TestServer::start(64)?;
-    let poolscope = Poolscope::start(&pids_config(service, &[server.pid()]))?;
+    let poolscope = Poolscope::start(&backend_config(backend, service, &[server.pid()]))?;
     scrape_until(&poolscope, |m| {
         m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
     })?;
@@ -42,10 +49,17 @@ fn listen_queue_depth_counts_clients_waiting_for_accept() -> anyhow::Result<()> 
     if !privileged("listen_queue_depth_counts_clients_waiting_for_accept") {
         return Ok(());
     }
+    for backend in BACKENDS {
+        listen_queue_depth_on(backend)?;
+    }
+    Ok(())
+}
+
+fn listen_queue_depth_on(backend: &str) -> anyhow::Result<()> {
     const BACKLOG: u32 = 16;
     const CLIENTS: usize = 5;
     let server = TestServer::start(BACKLOG)?;
-    let poolscope = Poolscope::start(&pids_config("backlog", &[server.pid()]))?;
+    let poolscope = Poolscope::start(&backend_config(backend, "backlog", &[server.pid()]))?;
     let listener = format!("127.0.0.1:{}", server.port);
     let labels = [("service", "backlog"), ("listener", listener.as_str())];
 
@@ -68,12 +82,24 @@ fn listen_queue_depth_counts_clients_waiting_for_accept() -> anyhow::Result<()> 
         metrics.value("poolscope_listen_queue_limit", &labels),
         Some(f64::from(BACKLOG))
     );
+    let service = [("service", "backlog")];
     assert_eq!(
-        metrics.value(
-            "poolscope_connections_accepted_total",
-            &[("service", "backlog")]
-        ),
-        Some(0.0)
+        metrics.value("poolscope_queue_depth", &service),
+        Some(CLIENTS as f64),
+        "{backend}: the backlog is part of the queue"
+    );
+    assert_eq!(
+        metrics.value("poolscope_connections_unserved", &service),
+        Some(0.0),
+        "{backend}: not accepted yet"
+    );
+    // The socket backend counts a connection when the kernel completes its handshake
+    // (it sees no accept call); the syscall backend when accept returns it.
+    let accepted = if backend == "socket" { CLIENTS } else { 0 };
+    assert_eq!(
+        metrics.value("poolscope_connections_accepted_total", &service),
+        Some(accepted as f64),
+        "{backend}"
     );
     drop(clients);
     Ok(())
@@ -84,8 +110,15 @@ fn unserved_connections_until_the_server_reads() -> anyhow::Result<()> {
     if !privileged("unserved_connections_until_the_server_reads") {
         return Ok(());
     }
+    for backend in BACKENDS {
+        unserved_connections_on(backend)?;
+    }
+    Ok(())
+}
+
+fn unserved_connections_on(backend: &str) -> anyhow::Result<()> {
     const CLIENTS: usize = 4;
-    let (mut server, poolscope) = watched_server("unserved")?;
+    let (mut server, poolscope) = watched_server_on(backend, "unserved")?;
     let service = [("service", "unserved")];
 
     let mut clients: Vec<TcpStream> = (0..CLIENTS)
@@ -99,19 +132,25 @@ fn unserved_connections_until_the_server_reads() -> anyhow::Result<()> {
         metrics.value("poolscope_connections_accepted_total", &service),
         Some(CLIENTS as f64)
     );
-    let accepts = metrics
-        .value(
-            "poolscope_syscalls_total",
-            &[("service", "unserved"), ("syscall", "accept4")],
-        )
-        .unwrap_or(0.0)
-        + metrics
-            .value(
-                "poolscope_syscalls_total",
-                &[("service", "unserved"), ("syscall", "accept")],
-            )
-            .unwrap_or(0.0);
-    assert_eq!(accepts, CLIENTS as f64, "one accept call per connection");
+    assert_eq!(
+        metrics.value("poolscope_queue_depth", &service),
+        Some(CLIENTS as f64)
+    );
+    if backend == "syscall" {
+        let calls = |syscall| {
+            metrics
+                .value(
+                    "poolscope_syscalls_total",
+                    &[("service", "unserved"), ("syscall", syscall)],
+                )
+                .unwrap_or(0.0)
+        };
+        assert_eq!(
+            calls("accept4") + calls("accept"),
+            CLIENTS as f64,
+            "one accept call per connection"
+        );
+    }
 
     for client in &mut clients {
         client.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
@@ -124,6 +163,13 @@ fn unserved_connections_until_the_server_reads() -> anyhow::Result<()> {
         metrics.value("poolscope_connections_accepted_total", &service),
         Some(CLIENTS as f64)
     );
+    // Read and not answered: in flight, no longer queued.
+    assert_eq!(
+        metrics.value("poolscope_requests_in_flight", &service),
+        Some(CLIENTS as f64),
+        "{backend}"
+    );
+    assert_eq!(metrics.value("poolscope_queue_depth", &service), Some(0.0));
     Ok(())
 }
 
