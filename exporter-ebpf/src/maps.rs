@@ -5,8 +5,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
 use poolscope_shared::{
-    Conn, LISTEN_PORTS_CAPACITY, LossSource, MAX_SERVICES, PENDING_CALLS_CAPACITY, PendingCall, ProcessEvent,
-    RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, Watched,
+    Conn, LISTEN_PORTS_CAPACITY, LossSource, MAX_SERVICES, PENDING_CALLS_CAPACITY, PendingCall,
+    ProcessEvent, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, Watched,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -27,7 +27,8 @@ pub static SYSCALL_COUNTS: PerCpuArray<u64> = PerCpuArray::with_max_entries(SYSC
 pub static SERVICE_COUNTERS: PerCpuArray<ServiceCounters> =
     PerCpuArray::with_max_entries(MAX_SERVICES, 0);
 #[map]
-pub static REQUEST_TIMES: PerCpuArray<RequestTimes> = PerCpuArray::with_max_entries(MAX_SERVICES, 0);
+pub static REQUEST_TIMES: PerCpuArray<RequestTimes> =
+    PerCpuArray::with_max_entries(MAX_SERVICES, 0);
 #[map]
 pub static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LossSource::COUNT, 0);
 #[map]

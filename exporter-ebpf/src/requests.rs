@@ -4,9 +4,7 @@
 //! and its timestamps; every phase change moves one `*_entered`/`*_left` counter pair
 //! (the gauges) and a finished request goes into the service's histograms.
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use poolscope_shared::{
-    Conn, Histogram, LossSource, Phase, ServiceCounters, histogram_bucket,
-};
+use poolscope_shared::{Conn, Histogram, LossSource, Phase, ServiceCounters, histogram_bucket};
 
 use crate::maps::{CONNS, REQUEST_TIMES, count_loss, update_service};
 
@@ -143,7 +141,7 @@ pub fn closed(key: u64, now: u64) {
     };
     // SAFETY: copied out at once; only the remove below decides who accounts it.
     let mut conn = unsafe { *conn };
-    if CONNS.remove(&key).is_err() {
+    if CONNS.remove(key).is_err() {
         // Someone else removed it first and accounted for it.
         return;
     }
@@ -168,9 +166,18 @@ fn finish(conn: &Conn) {
     };
     // SAFETY: per-CPU slot, no other writer while we run on this CPU.
     let times = unsafe { &mut *times };
-    record(&mut times.queue, conn.start_ns.saturating_sub(conn.arrive_ns));
-    record(&mut times.duration, conn.end_ns.saturating_sub(conn.start_ns));
-    record(&mut times.latency, conn.end_ns.saturating_sub(conn.arrive_ns));
+    record(
+        &mut times.queue,
+        conn.start_ns.saturating_sub(conn.arrive_ns),
+    );
+    record(
+        &mut times.duration,
+        conn.end_ns.saturating_sub(conn.start_ns),
+    );
+    record(
+        &mut times.latency,
+        conn.end_ns.saturating_sub(conn.arrive_ns),
+    );
 }
 
 #[inline(always)]

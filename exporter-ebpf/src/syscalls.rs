@@ -67,7 +67,7 @@ fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), i64> {
     let fd = fd as u32;
     let key = fd_conn_key(tgid, fd);
     // SAFETY: copied out at once.
-    let Some(owner) = (unsafe { CONNS.get(&key).map(|conn| conn.owner_since_ns) }) else {
+    let Some(owner) = (unsafe { CONNS.get(key).map(|conn| conn.owner_since_ns) }) else {
         return Ok(());
     };
     if owner != watch.since_ns {

@@ -44,17 +44,24 @@ pub struct Gauges {
 }
 
 pub fn gauges(counters: &ServiceCounters, purged: &Purged) -> Gauges {
-    let open = |entered: u64, left: u64, purged: u64| {
-        entered.saturating_sub(left).saturating_sub(purged)
-    };
+    let open =
+        |entered: u64, left: u64, purged: u64| entered.saturating_sub(left).saturating_sub(purged);
     Gauges {
         unserved: open(
             counters.unserved_entered,
             counters.unserved_left,
             purged.unserved,
         ),
-        waiting: open(counters.waiting_entered, counters.waiting_left, purged.waiting),
-        in_flight: open(counters.serving_entered, counters.serving_left, purged.serving),
+        waiting: open(
+            counters.waiting_entered,
+            counters.waiting_left,
+            purged.waiting,
+        ),
+        in_flight: open(
+            counters.serving_entered,
+            counters.serving_left,
+            purged.serving,
+        ),
     }
 }
 
@@ -115,7 +122,12 @@ impl RequestFamilies {
         }
     }
 
-    fn push(&mut self, labels: &[(&'static str, &str)], times: &RequestTimes, window: &RequestTimes) {
+    fn push(
+        &mut self,
+        labels: &[(&'static str, &str)],
+        times: &RequestTimes,
+        window: &RequestTimes,
+    ) {
         let cumulative = [&times.queue, &times.duration, &times.latency];
         for (family, histogram) in self.histograms.iter_mut().zip(cumulative) {
             family.push_value(
@@ -513,10 +525,17 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }
-        assert!(!text.contains("} 9\n"), "another service's counter leaked: {text}");
+        assert!(
+            !text.contains("} 9\n"),
+            "another service's counter leaked: {text}"
+        );
         let median = text
             .lines()
-            .find(|l| l.starts_with("poolscope_request_duration_window_seconds{service=\"web\",quantile=\"0.5\"}"))
+            .find(|l| {
+                l.starts_with(
+                    "poolscope_request_duration_window_seconds{service=\"web\",quantile=\"0.5\"}",
+                )
+            })
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse::<f64>().ok())
             .expect("median line");

@@ -176,11 +176,7 @@ fn write_value(value: f64, out: &mut String) {
     }
 }
 
-fn write_labels(
-    labels: &[(&'static str, String)],
-    extra: Option<(&str, f64)>,
-    out: &mut String,
-) {
+fn write_labels(labels: &[(&'static str, String)], extra: Option<(&str, f64)>, out: &mut String) {
     if labels.is_empty() && extra.is_none() {
         return;
     }

@@ -15,7 +15,7 @@ use poolscope_shared::ProcessEvent;
 use tokio::sync::Notify;
 
 use crate::{
-    collect::{ServiceInput, SelfStats, self_families, service_families, service_listeners},
+    collect::{SelfStats, ServiceInput, self_families, service_families, service_listeners},
     config::Settings,
     discovery,
     encode::{Family, cap_series},
@@ -114,7 +114,9 @@ impl Exporter {
         })?;
         let assignments = discovery::assign(&snapshot, &settings.targets, std::process::id());
         let mut shared = self.lock();
-        let Shared { kernel, targets, .. } = &mut *shared;
+        let Shared {
+            kernel, targets, ..
+        } = &mut *shared;
         targets.apply(kernel, &snapshot, &assignments, started_ns);
         Ok(())
     }
@@ -124,7 +126,9 @@ impl Exporter {
     pub fn on_events(&self, events: &[ProcessEvent]) {
         let mut execs: Vec<u32> = {
             let mut shared = self.lock();
-            let Shared { kernel, targets, .. } = &mut *shared;
+            let Shared {
+                kernel, targets, ..
+            } = &mut *shared;
             events
                 .iter()
                 .filter_map(|event| targets.on_event(kernel, event))
@@ -151,7 +155,9 @@ impl Exporter {
             return;
         }
         let mut shared = self.lock();
-        let Shared { kernel, targets, .. } = &mut *shared;
+        let Shared {
+            kernel, targets, ..
+        } = &mut *shared;
         for assignment in &assignments {
             targets.add(kernel, assignment);
         }

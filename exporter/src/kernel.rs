@@ -10,8 +10,8 @@ use aya::{
     programs::{ProgramError, RawTracePoint, TracePoint},
 };
 use poolscope_shared::{
-    Conn, LossSource, PendingCall, Phase, ProcessEvent, RequestTimes, ServiceCounters,
-    SyscallSlot, Watched, conn_key_tgid, maps, syscall_counter_index,
+    Conn, LossSource, PendingCall, Phase, ProcessEvent, RequestTimes, ServiceCounters, SyscallSlot,
+    Watched, conn_key_tgid, maps, syscall_counter_index,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +51,11 @@ struct Attachment {
     raw: bool,
 }
 
-const fn tracepoint(program: &'static str, category: &'static str, event: &'static str) -> Attachment {
+const fn tracepoint(
+    program: &'static str,
+    category: &'static str,
+    event: &'static str,
+) -> Attachment {
     Attachment {
         program,
         category,
@@ -60,7 +64,11 @@ const fn tracepoint(program: &'static str, category: &'static str, event: &'stat
     }
 }
 
-const fn raw_tracepoint(program: &'static str, category: &'static str, event: &'static str) -> Attachment {
+const fn raw_tracepoint(
+    program: &'static str,
+    category: &'static str,
+    event: &'static str,
+) -> Attachment {
     Attachment {
         program,
         category,
@@ -428,7 +436,9 @@ impl Kernel {
         for &(tid, number) in blocked {
             let slot = [SyscallSlot::Accept, SyscallSlot::Accept4]
                 .into_iter()
-                .find(|slot| syscall_number(*slot).and_then(|n| u64::try_from(n).ok()) == Some(number));
+                .find(|slot| {
+                    syscall_number(*slot).and_then(|n| u64::try_from(n).ok()) == Some(number)
+                });
             let Some(slot) = slot else {
                 continue;
             };

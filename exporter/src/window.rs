@@ -7,9 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use poolscope_shared::{
-    HISTOGRAM_BUCKETS, Histogram, RequestTimes, histogram_bucket_bounds,
-};
+use poolscope_shared::{HISTOGRAM_BUCKETS, Histogram, RequestTimes, histogram_bucket_bounds};
 
 /// Quantiles exported by the `_window` summaries.
 pub const QUANTILES: [f64; 4] = [0.5, 0.9, 0.99, 0.999];
@@ -146,7 +144,9 @@ mod tests {
         let mut value = 10_000u64;
         while value <= 60_000_000_000 {
             // 1000 samples spread ±1% around the value.
-            let samples: Vec<u64> = (0..1000).map(|i| value - value / 100 + value * i / 50_000).collect();
+            let samples: Vec<u64> = (0..1000)
+                .map(|i| value - value / 100 + value * i / 50_000)
+                .collect();
             let histogram = histogram_of(&samples);
             for q in QUANTILES {
                 let mut sorted = samples.clone();
@@ -172,7 +172,11 @@ mod tests {
         assert_eq!(buckets[1], (12.288e-6, 3));
         assert_eq!(buckets[2].1, 4);
         assert_eq!(buckets.last().map(|b| b.1), Some(5));
-        assert!(buckets.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1));
+        assert!(
+            buckets
+                .windows(2)
+                .all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1)
+        );
     }
 
     #[test]
@@ -194,7 +198,13 @@ mod tests {
         assert_eq!(delta.duration.count(), 7, "base moved to the 30 s reading");
         // A reset (id reused) starts over.
         let fresh = RequestTimes::default();
-        assert_eq!(windows.delta(1, start + Duration::from_secs(100), &fresh).duration.count(), 0);
+        assert_eq!(
+            windows
+                .delta(1, start + Duration::from_secs(100), &fresh)
+                .duration
+                .count(),
+            0
+        );
         windows.retain(&[]);
         assert!(windows.history.is_empty());
     }

@@ -441,6 +441,8 @@ const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 56);
 const _: () = assert!(core::mem::size_of::<Histogram>() == (HISTOGRAM_BUCKETS + 1) * 8);
 const _: () = assert!(core::mem::size_of::<RequestTimes>() == 3 * (HISTOGRAM_BUCKETS + 1) * 8);
 
+const _: () = assert!(core::mem::size_of::<ProcessEvent>() == 24);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,4 +476,3 @@ mod tests {
         }
     }
 }
-const _: () = assert!(core::mem::size_of::<ProcessEvent>() == 24);

@@ -363,9 +363,15 @@ pub struct Served {
 
 impl PoolServer {
     pub fn start(workers: u32, service: Duration) -> anyhow::Result<Self> {
+        Self::start_styled(workers, service, "plain")
+    }
+
+    /// With one of the server's `style`s (see `poolserver.rs`).
+    pub fn start_styled(workers: u32, service: Duration, style: &str) -> anyhow::Result<Self> {
         let mut child = Command::new(bin_dir()?.join("poolserver"))
             .arg(workers.to_string())
             .arg(service.as_micros().to_string())
+            .arg(style)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

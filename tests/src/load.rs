@@ -22,6 +22,8 @@ pub enum Connections {
 #[derive(Debug, Default)]
 pub struct ClientStats {
     pub completed: u64,
+    /// Requests completed by each client (each keep-alive client is one connection).
+    pub per_client: Vec<u64>,
     /// Every request's latency, connect included for `PerRequest`.
     pub latencies: Vec<Duration>,
 }
@@ -98,6 +100,7 @@ impl ClosedLoop {
                 .join()
                 .map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
             total.completed += stats.completed;
+            total.per_client.push(stats.completed);
             total.latencies.extend(stats.latencies);
         }
         Ok(total)

@@ -4,14 +4,23 @@
 //! requests queue where a real pool's do: accepted and unread (one request per
 //! connection) or arrived and unread (keep-alive).
 //!
-//! Protocol: a request is a line; the response is `ok\n`. Usage:
-//! `poolserver <workers> <service_us>`; prints `port <n>`, then serves until stdin
-//! closes, then prints `served <count> <mean service ns> <p50 service ns>`: its own
-//! measure of each request from the read's return to the write's start.
+//! Protocol: a request is `req\n`; the response is `ok\n`. Usage:
+//! `poolserver <workers> <service_us> [style]`; prints `port <n>`, then serves until
+//! stdin closes, then prints `served <count> <mean service ns> <p50 service ns>`: its
+//! own measure of each request from its first read's return to its last write.
+//!
+//! `style` makes the server do what real servers do to a request-tracking tool:
+//! - `plain` (default): one read, one write;
+//! - `split`: the request in two reads, the response in two writes 1 ms apart;
+//! - `early`: reads part of the request, writes part of the response, reads the rest;
+//! - `nonblocking`: O_NONBLOCK socket, reads until EAGAIN;
+//! - `handoff`: one thread reads, another thread of the process answers;
+//! - `server-close`: the server closes the connection after each response.
 use std::{
     io::{BufRead as _, Read as _, Write as _},
+    mem::ManuallyDrop,
     net::{TcpListener, TcpStream},
-    os::fd::AsRawFd as _,
+    os::fd::{AsRawFd as _, FromRawFd as _, RawFd},
     sync::{Arc, Condvar, Mutex},
     time::{Duration, Instant},
 };
@@ -57,48 +66,184 @@ fn wait_readable(stream: &TcpStream) -> std::io::Result<()> {
     }
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Style {
+    Plain,
+    Split,
+    Early,
+    Nonblocking,
+    Handoff,
+    ServerClose,
+}
+
+impl Style {
+    fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "plain" => Self::Plain,
+            "split" => Self::Split,
+            "early" => Self::Early,
+            "nonblocking" => Self::Nonblocking,
+            "handoff" => Self::Handoff,
+            "server-close" => Self::ServerClose,
+            _ => return None,
+        })
+    }
+}
+
+/// Reads exactly `buffer.len()` bytes; `false` on EOF before the first byte. A
+/// non-blocking socket is polled on EAGAIN, as an event loop would.
+fn read_exact_or_eof(stream: &mut TcpStream, buffer: &mut [u8]) -> std::io::Result<bool> {
+    let mut done = 0;
+    while done < buffer.len() {
+        match stream.read(&mut buffer[done..]) {
+            Ok(0) if done == 0 => return Ok(false),
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(read) => done += read,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                wait_readable(stream)?;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(true)
+}
+
+/// Serves one request; `false` when the client closed instead.
+fn serve_one(
+    stream: &mut TcpStream,
+    style: Style,
+    service: Duration,
+    responder: Option<&Responder>,
+) -> std::io::Result<Option<Duration>> {
+    let mut request = [0u8; 4];
+    let started;
+    match style {
+        Style::Split | Style::Early => {
+            if !read_exact_or_eof(stream, &mut request[..2])? {
+                return Ok(None);
+            }
+            started = Instant::now();
+            if style == Style::Early {
+                stream.write_all(b"o")?;
+            }
+            read_exact_or_eof(stream, &mut request[2..])?;
+        }
+        _ => {
+            if !read_exact_or_eof(stream, &mut request)? {
+                return Ok(None);
+            }
+            started = Instant::now();
+            if style == Style::Nonblocking {
+                // The next read finds nothing: EAGAIN, which must not count as a read.
+                let mut more = [0u8; 1];
+                match stream.read(&mut more) {
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                    other => {
+                        return Err(std::io::Error::other(format!("expected EAGAIN: {other:?}")));
+                    }
+                }
+            }
+        }
+    }
+    std::thread::sleep(service.saturating_sub(started.elapsed()));
+    let took = match (style, responder) {
+        (Style::Handoff, Some(responder)) => responder.answer(stream, started)?,
+        (Style::Split, _) => {
+            stream.write_all(b"o")?;
+            std::thread::sleep(Duration::from_millis(1));
+            let took = started.elapsed();
+            stream.write_all(b"k\n")?;
+            took
+        }
+        (Style::Early, _) => {
+            let took = started.elapsed();
+            stream.write_all(b"k\n")?;
+            took
+        }
+        _ => {
+            let took = started.elapsed();
+            stream.write_all(b"ok\n")?;
+            took
+        }
+    };
+    Ok(Some(took))
+}
+
+/// Another thread that writes the responses of one connection (`handoff`), on the
+/// same fd, as a worker handed a connection by an I/O thread does.
+struct Responder {
+    requests: std::sync::mpsc::Sender<(RawFd, Instant)>,
+    done: std::sync::mpsc::Receiver<std::io::Result<Duration>>,
+}
+
+impl Responder {
+    fn start() -> Self {
+        let (requests, incoming) = std::sync::mpsc::channel::<(RawFd, Instant)>();
+        let (finished, done) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for (fd, started) in incoming {
+                let took = started.elapsed();
+                // SAFETY: the reading thread keeps the fd open until we answer, and
+                // ManuallyDrop keeps us from closing it.
+                let mut stream = ManuallyDrop::new(unsafe { TcpStream::from_raw_fd(fd) });
+                let _ = finished.send(stream.write_all(b"ok\n").map(|()| took));
+            }
+        });
+        Self { requests, done }
+    }
+
+    fn answer(&self, stream: &TcpStream, started: Instant) -> std::io::Result<Duration> {
+        self.requests
+            .send((stream.as_raw_fd(), started))
+            .map_err(|_| std::io::Error::other("responder gone"))?;
+        self.done
+            .recv()
+            .map_err(|_| std::io::Error::other("responder gone"))?
+    }
+}
+
 fn serve(
     mut stream: TcpStream,
     slots: &Slots,
     service: Duration,
+    style: Style,
     served: &Mutex<Vec<u64>>,
 ) -> std::io::Result<()> {
-    let mut buffer = [0u8; 256];
+    stream.set_nonblocking(style == Style::Nonblocking)?;
+    let responder = (style == Style::Handoff).then(Responder::start);
     loop {
         wait_readable(&stream)?;
         slots.acquire();
-        let result: std::io::Result<bool> = (|| {
-            let read = stream.read(&mut buffer)?;
-            if read == 0 {
-                return Ok(false);
-            }
-            let started = Instant::now();
-            std::thread::sleep(service.saturating_sub(started.elapsed()));
-            let took = started.elapsed();
-            stream.write_all(b"ok\n")?;
-            served
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(took.as_nanos() as u64);
-            Ok(true)
-        })();
+        let result = serve_one(&mut stream, style, service, responder.as_ref());
         slots.release();
-        if !result? {
+        let Some(took) = result? else {
+            return Ok(());
+        };
+        served
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(took.as_nanos() as u64);
+        if style == Style::ServerClose {
             return Ok(());
         }
     }
 }
 
 fn main() -> std::io::Result<()> {
-    let mut args = std::env::args().skip(1).map(|a| a.parse::<u64>().ok());
-    let (Some(Some(workers)), Some(Some(service_us))) = (args.next(), args.next()) else {
-        eprintln!("usage: poolserver <workers> <service_us>");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let workers = args.first().and_then(|a| a.parse::<usize>().ok());
+    let service_us = args.get(1).and_then(|a| a.parse::<u64>().ok());
+    let style = Style::parse(args.get(2).map_or("plain", String::as_str));
+    let (Some(workers), Some(service_us), Some(style)) = (workers, service_us, style) else {
+        eprintln!(
+            "usage: poolserver <workers> <service_us> [plain|split|early|nonblocking|handoff|server-close]"
+        );
         std::process::exit(2);
     };
     let listener = TcpListener::bind("127.0.0.1:0")?;
     println!("port {}", listener.local_addr()?.port());
     let slots = Arc::new(Slots {
-        free: Mutex::new(workers as usize),
+        free: Mutex::new(workers),
         freed: Condvar::new(),
     });
     let served = Arc::new(Mutex::new(Vec::new()));
@@ -109,7 +254,7 @@ fn main() -> std::io::Result<()> {
             for stream in listener.incoming().flatten() {
                 let (slots, served) = (slots.clone(), served.clone());
                 std::thread::spawn(move || {
-                    let _ = serve(stream, &slots, service, &served);
+                    let _ = serve(stream, &slots, service, style, &served);
                 });
             }
         });
