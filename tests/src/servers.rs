@@ -218,6 +218,8 @@ impl Drop for RealServer {
             sleep(Duration::from_millis(20));
         }
         if matches!(self.child.try_wait(), Ok(None)) {
+            // A stopped master could not reap its workers.
+            signal(root, libc::SIGCONT);
             for (pid, start) in descendants(root) {
                 if pid != root && start_time(pid) == Some(start) {
                     signal(pid, libc::SIGKILL);
