@@ -49,7 +49,7 @@ pub fn bin_dir() -> anyhow::Result<PathBuf> {
         .context("test executable has no target directory")
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

@@ -576,13 +576,32 @@ impl WrkResult {
 
 /// Runs `wrk --latency` against `http://127.0.0.1:port/` for `duration` (whole
 /// seconds, at least 1).
+/// Pins every thread of `pids` to CPU 0 (the load generator gets the last CPU).
+pub fn pin_to_first_cpu(pids: &[u32]) -> anyhow::Result<()> {
+    for pid in pids {
+        let status = Command::new("taskset")
+            .args(["-a", "-c", "-p", "0", &pid.to_string()])
+            .stdout(Stdio::null())
+            .status()
+            .context("running taskset")?;
+        anyhow::ensure!(status.success(), "taskset -a -c -p 0 {pid} failed");
+    }
+    Ok(())
+}
+
 pub fn wrk(
     port: u16,
     threads: u32,
     connections: u32,
     duration: Duration,
 ) -> anyhow::Result<WrkResult> {
-    let output = Command::new("wrk")
+    // wrk on the last CPU, away from the server (see `pin_to_first_cpu`): its own
+    // scheduling delays would otherwise count as latency on its side only.
+    let last_cpu = std::thread::available_parallelism().map_or(0, |n| n.get() - 1);
+    let output = Command::new("taskset")
+        .arg("-c")
+        .arg(last_cpu.to_string())
+        .arg("wrk")
         .arg("--latency")
         .arg(format!("-t{threads}"))
         .arg(format!("-c{connections}"))

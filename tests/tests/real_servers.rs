@@ -1,0 +1,174 @@
+//! Fidelity against real servers from Debian packages, driven by `wrk --latency`:
+//! poolscope's request count must match wrk's to 1 %, and its latency quantiles must
+//! not exceed wrk's by more than 5 % (wrk adds the client side on top of ours). The
+//! socket backend sees arrivals, so its median must also be at least half of wrk's;
+//! the syscall backend cannot see a keep-alive request wait (README), so its latency
+//! is its service time. The goal "within 25 % below wrk" is reported, not asserted:
+//! on two shared vCPUs wrk's own tail is mostly client-side (see the issue note).
+//! Each server runs on both backends; the table goes to stderr (`--nocapture`).
+use std::time::Duration;
+
+use poolscope_tests::{
+    BACKENDS, Metrics, Poolscope, backend_config, free_port, privileged,
+    servers::{Kind, RealServer, pin_to_first_cpu, wrk},
+    wait_until,
+};
+
+const LOAD: Duration = Duration::from_secs(5);
+const WRK_THREADS: u32 = 1;
+const WRK_CONNECTIONS: u32 = 8;
+
+struct Row {
+    counted: f64,
+    wrk_requests: u64,
+    ours: (f64, f64),
+    theirs: (f64, f64),
+}
+
+fn quantile(metrics: &Metrics, service: &str, q: &str) -> f64 {
+    metrics
+        .value(
+            "poolscope_request_latency_window_seconds",
+            &[("service", service), ("quantile", q)],
+        )
+        .unwrap_or(f64::NAN)
+}
+
+fn measure(kind: Kind, backend: &str) -> anyhow::Result<Row> {
+    let server = RealServer::start(kind, free_port()?)?;
+    let service = format!("{}-{backend}", kind.name());
+    let pids = server.pids();
+    let poolscope = Poolscope::start(&backend_config(backend, &service, &pids))?;
+    let watching = wait_until(Duration::from_secs(10), || {
+        poolscope.scrape().is_ok_and(|m| {
+            m.value("poolscope_targets", &[("service", &service)]) == Some(pids.len() as f64)
+        })
+    });
+    anyhow::ensure!(watching, "{service}: poolscope never watched {pids:?}");
+    pin_to_first_cpu(&pids)?;
+    let result = wrk(server.port(), WRK_THREADS, WRK_CONNECTIONS, LOAD)?;
+    anyhow::ensure!(
+        result.socket_errors == 0 && result.non_2xx == 0,
+        "{service}: wrk saw errors"
+    );
+    // wrk closes its connections when it stops; the last requests finish then.
+    let mut last = f64::NAN;
+    let mut metrics = Metrics::default();
+    wait_until(Duration::from_secs(5), || {
+        let Ok(now) = poolscope.scrape() else {
+            return false;
+        };
+        let counted = now
+            .value("poolscope_requests_total", &[("service", &service)])
+            .unwrap_or(f64::NAN);
+        let in_flight = now.value("poolscope_requests_in_flight", &[("service", &service)]);
+        let settled = counted == last && in_flight == Some(0.0);
+        last = counted;
+        metrics = now;
+        settled
+    });
+    Ok(Row {
+        counted: last,
+        wrk_requests: result.requests,
+        ours: (
+            quantile(&metrics, &service, "0.5"),
+            quantile(&metrics, &service, "0.99"),
+        ),
+        theirs: (result.p50.as_secs_f64(), result.p99.as_secs_f64()),
+    })
+}
+
+fn check(kind: Kind) -> anyhow::Result<()> {
+    let mut failures = Vec::new();
+    for backend in BACKENDS {
+        let row = measure(kind, backend)?;
+        let count_error = (row.counted - row.wrk_requests as f64).abs() / row.wrk_requests as f64;
+        let ratio = |ours: f64, theirs: f64| ours / theirs;
+        let (p50, p99) = (
+            ratio(row.ours.0, row.theirs.0),
+            ratio(row.ours.1, row.theirs.1),
+        );
+        eprintln!(
+            "| {} | {backend} | {} | {} | {:+.2}% | {:.0} µs / {:.0} µs ({p50:.2}) | {:.0} µs / {:.0} µs ({p99:.2}) |",
+            kind.name(),
+            row.wrk_requests,
+            row.counted,
+            count_error * 100.0,
+            row.ours.0 * 1e6,
+            row.theirs.0 * 1e6,
+            row.ours.1 * 1e6,
+            row.theirs.1 * 1e6,
+        );
+        if count_error > 0.01 {
+            failures.push(format!(
+                "{backend}: counted {} vs wrk {}",
+                row.counted, row.wrk_requests
+            ));
+        }
+        for (name, ratio) in [("p50", p50), ("p99", p99)] {
+            if !(ratio <= 1.05) {
+                failures.push(format!(
+                    "{backend}: latency {name} ours/wrk = {ratio:.2} > 1.05"
+                ));
+            }
+        }
+        if backend == "socket" && !(p50 >= 0.5) {
+            failures.push(format!("{backend}: latency p50 ours/wrk = {p50:.2} < 0.5"));
+        }
+    }
+    anyhow::ensure!(
+        failures.is_empty(),
+        "{}: {}",
+        kind.name(),
+        failures.join("; ")
+    );
+    Ok(())
+}
+
+#[test]
+fn nginx() -> anyhow::Result<()> {
+    if !privileged("nginx") {
+        return Ok(());
+    }
+    check(Kind::Nginx)
+}
+
+#[test]
+fn tomcat() -> anyhow::Result<()> {
+    if !privileged("tomcat") {
+        return Ok(());
+    }
+    check(Kind::Tomcat)
+}
+
+#[test]
+fn gunicorn_sync() -> anyhow::Result<()> {
+    if !privileged("gunicorn_sync") {
+        return Ok(());
+    }
+    check(Kind::GunicornSync)
+}
+
+#[test]
+fn gunicorn_gthread() -> anyhow::Result<()> {
+    if !privileged("gunicorn_gthread") {
+        return Ok(());
+    }
+    check(Kind::GunicornGthread)
+}
+
+#[test]
+fn node() -> anyhow::Result<()> {
+    if !privileged("node") {
+        return Ok(());
+    }
+    check(Kind::Node)
+}
+
+#[test]
+fn go() -> anyhow::Result<()> {
+    if !privileged("go") {
+        return Ok(());
+    }
+    check(Kind::Go)
+}
