@@ -183,8 +183,10 @@ mod tests {
     fn window_subtracts_the_reading_a_window_ago() {
         let mut windows = Windows::new(Duration::from_secs(60));
         let start = Instant::now();
-        let mut times = RequestTimes::default();
-        times.duration = histogram_of(&[1_000_000; 10]);
+        let mut times = RequestTimes {
+            duration: histogram_of(&[1_000_000; 10]),
+            ..RequestTimes::default()
+        };
         // First reading: everything so far.
         assert_eq!(windows.delta(1, start, &times).duration.count(), 10);
         times.duration.add(&histogram_of(&[2_000_000; 5]));
