@@ -3,11 +3,13 @@
 //! connections to wrk (pinned to CPU 1) at saturation, in rounds interleaved between
 //! poolscope off, on with the socket backend and on with the syscall backend. Prints the
 //! per-round numbers, the min/median of each mode and their ratios to off: throughput,
-//! nginx's CPU per request and the cost of one syscall of a process poolscope does not
-//! watch. One more round per backend, with kernel.bpf_stats_enabled, gives the kernel
-//! time of its request programs per request poolscope counted (its count is checked
-//! against wrk's). Results are printed beside their goals. `BENCH_ROUNDS` (default 3
-//! rounds of all modes) and `BENCH_SECONDS` (default 5) tune it.
+//! nginx's and poolscope's CPU per request and the cost of one syscall of a process
+//! poolscope does not watch. One more round per backend, with kernel.bpf_stats_enabled,
+//! gives the kernel time of its request programs per request poolscope counted (its
+//! count is checked against wrk's). Results are printed beside their goals. A round that
+//! another poolscope or other busy processes skewed is marked, and measured again once
+//! the machine is quiet. `BENCH_ROUNDS` (default 3 rounds of all modes) and
+//! `BENCH_SECONDS` (default 5) tune it.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
@@ -139,26 +141,17 @@ struct Round {
     requests_per_second: f64,
     /// Requests wrk finished.
     requests: f64,
+    /// nginx's CPU time (user + system, which includes the kernel programs).
     cpu_us_per_request: f64,
+    /// poolscope's own (user space) CPU time.
+    poolscope_cpu_us_per_request: f64,
     /// Cost of one syscall of a process poolscope does not watch (the hooks are
     /// system-wide): `dd bs=1` from /dev/zero to /dev/null, pinned to CPU 1.
     unwatched_syscall_ns: f64,
     /// What poolscope counted during the round (nothing when off).
     counted: Counters,
-    /// Other poolscope processes seen during the round: their hooks are system-wide
-    /// too, so they skew it.
-    others: BTreeSet<u32>,
-}
-
-impl Round {
-    /// A note on the round's line when another poolscope skewed it.
-    fn note(&self) -> String {
-        if self.others.is_empty() {
-            return String::new();
-        }
-        let pids: Vec<String> = self.others.iter().map(u32::to_string).collect();
-        format!("  (skewed: another poolscope ran, pid {})", pids.join(", "))
-    }
+    /// What else ran during the round.
+    disturbance: Disturbance,
 }
 
 /// Kills and reaps a child when dropped.
@@ -239,15 +232,17 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     for round in 0..rounds {
         // Rotate the order so that each mode takes each place and drift hits all alike.
         for &mode in Mode::ALL.iter().cycle().skip(round).take(Mode::ALL.len()) {
-            let result = bench.measure(mode, false)?;
+            let result = bench.measure_alone(mode, false)?;
             println!(
-                "round {:>2} {:<7} {:>10.0} req/s {:>8.2} µs CPU/req {:>6.1} ns/unwatched syscall{}",
+                "round {:>2} {:<7} {:>10.0} req/s {:>8.2} µs nginx CPU/req {:>6.2} µs poolscope CPU/req \
+                 {:>6.1} ns/unwatched syscall{}",
                 round + 1,
                 mode.name(),
                 result.requests_per_second,
                 result.cpu_us_per_request,
+                result.poolscope_cpu_us_per_request,
                 result.unwatched_syscall_ns,
-                result.note()
+                result.disturbance.note()
             );
             measured.push(result);
         }
@@ -256,7 +251,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     // measured in one extra round per backend, apart from the throughput rounds.
     let stats_rounds = Mode::BACKENDS
         .iter()
-        .map(|&mode| bench.measure(mode, true))
+        .map(|&mode| bench.measure_alone(mode, true))
         .collect::<anyhow::Result<Vec<_>>>()?;
     report(&measured, &stats_rounds);
     Ok(())
@@ -299,54 +294,126 @@ fn unwatched_syscall_ns() -> anyhow::Result<f64> {
     Ok(started.elapsed().as_nanos() as f64 / (2 * COPIES) as f64)
 }
 
-/// Every process: (pid, its /proc directory).
-fn processes() -> impl Iterator<Item = (u32, PathBuf)> {
-    fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| Some((entry.file_name().to_str()?.parse().ok()?, entry.path())))
+/// A process's parent, name and CPU time (user + system) so far.
+struct Process {
+    ppid: u32,
+    comm: String,
+    cpu_seconds: f64,
 }
 
-/// CPU seconds (user + system) used so far by nginx's master and workers.
-fn nginx_cpu_seconds(master: u32) -> f64 {
+/// Every process now, by pid.
+fn processes() -> BTreeMap<u32, Process> {
     // SAFETY: sysconf cannot fail for _SC_CLK_TCK.
     let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let mut ticks = 0u64;
-    for (pid, path) in processes() {
-        let Ok(stat) = fs::read_to_string(path.join("stat")) else {
+    let mut processes = BTreeMap::new();
+    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else {
             continue;
         };
-        let Some(after_comm) = stat.rfind(')').and_then(|i| stat.get(i + 2..)) else {
+        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
             continue;
         };
-        let fields: Vec<&str> = after_comm.split_whitespace().collect();
-        let ppid: u32 = fields.get(1).and_then(|v| v.parse().ok()).unwrap_or(0);
-        if pid == master || ppid == master {
-            // utime and stime are fields 14 and 15, i.e. 11 and 12 after the comm.
-            ticks += fields
-                .get(11)
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-            ticks += fields
-                .get(12)
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = stat.get(open + 1..close).unwrap_or_default().to_owned();
+        let fields: Vec<&str> = stat
+            .get(close + 2..)
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        let field = |i: usize| -> u64 { fields.get(i).and_then(|v| v.parse().ok()).unwrap_or(0) };
+        // ppid, utime and stime are fields 4, 14 and 15, i.e. 1, 11 and 12 after the comm.
+        let process = Process {
+            ppid: field(1) as u32,
+            comm,
+            cpu_seconds: (field(11) + field(12)) as f64 / ticks_per_second,
+        };
+        processes.insert(pid, process);
     }
-    ticks as f64 / ticks_per_second
+    processes
 }
 
-/// poolscope processes other than ours.
-fn other_poolscopes(ours: Option<u32>) -> BTreeSet<u32> {
-    processes()
-        .filter(|(pid, path)| {
-            Some(*pid) != ours
-                && fs::read_to_string(path.join("comm"))
-                    .is_ok_and(|comm| comm.trim() == "poolscope")
-        })
-        .map(|(pid, _)| pid)
-        .collect()
+/// CPU seconds each process used between two snapshots.
+fn cpu_used<'a>(
+    before: &'a BTreeMap<u32, Process>,
+    after: &'a BTreeMap<u32, Process>,
+) -> impl Iterator<Item = (u32, &'a Process, f64)> {
+    after.iter().map(|(pid, process)| {
+        let earlier = before.get(pid).map_or(0.0, |p| p.cpu_seconds);
+        (*pid, process, process.cpu_seconds - earlier)
+    })
+}
+
+/// Share of one CPU above which other processes skew a round.
+const OTHERS_CPU_SHARE: f64 = 0.05;
+
+/// What else ran while we measured: other poolscopes (their hooks are system-wide too)
+/// and other processes using CPU, which nginx and wrk need whole. Either skews a round.
+#[derive(Default)]
+struct Disturbance {
+    poolscopes: BTreeSet<u32>,
+    /// Their CPU time over the wall time.
+    cpu_share: f64,
+    /// The name of the process that used the most.
+    busiest: String,
+}
+
+impl Disturbance {
+    /// Between two snapshots `elapsed` apart; `ours` tells our processes (nginx, wrk,
+    /// our poolscope) from the others.
+    fn between(
+        before: &BTreeMap<u32, Process>,
+        after: &BTreeMap<u32, Process>,
+        elapsed: Duration,
+        ours: impl Fn(u32, &Process) -> bool,
+    ) -> Self {
+        let mut disturbance = Self::default();
+        let mut busiest = 0.0;
+        let mut cpu_seconds = 0.0;
+        for snapshot in [before, after] {
+            disturbance.poolscopes.extend(
+                snapshot
+                    .iter()
+                    .filter(|(pid, p)| p.comm == "poolscope" && !ours(**pid, p))
+                    .map(|(pid, _)| *pid),
+            );
+        }
+        // Kernel threads (children of kthreadd, pid 2) do the network's work too.
+        let others = cpu_used(before, after)
+            .filter(|(pid, p, _)| *pid != 2 && p.ppid != 2 && *pid != std::process::id())
+            .filter(|(pid, p, _)| !ours(*pid, p));
+        for (_, process, used) in others {
+            cpu_seconds += used;
+            if used > busiest {
+                busiest = used;
+                disturbance.busiest.clone_from(&process.comm);
+            }
+        }
+        disturbance.cpu_share = cpu_seconds / elapsed.as_secs_f64();
+        disturbance
+    }
+
+    fn skews(&self) -> bool {
+        !self.poolscopes.is_empty() || self.cpu_share > OTHERS_CPU_SHARE
+    }
+
+    /// A note for the round's line when it was skewed.
+    fn note(&self) -> String {
+        let mut note = String::new();
+        if !self.poolscopes.is_empty() {
+            let pids: Vec<String> = self.poolscopes.iter().map(u32::to_string).collect();
+            note += &format!("  (skewed: another poolscope ran, pid {})", pids.join(", "));
+        }
+        if self.cpu_share > OTHERS_CPU_SHARE {
+            note += &format!(
+                "  (skewed: other processes used {:.0}% of a CPU, most {})",
+                self.cpu_share * 100.0,
+                self.busiest
+            );
+        }
+        note
+    }
 }
 
 /// What every round shares.
@@ -405,14 +472,68 @@ impl Bench<'_> {
         Ok(Some(guard))
     }
 
+    /// Measures a round again (up to 3 times in all) when something else skewed it,
+    /// unless the machine did not get quiet before it.
+    fn measure_alone(&self, mode: Mode, bpf_stats: bool) -> anyhow::Result<Round> {
+        const ATTEMPTS: usize = 3;
+        let mut attempt = 1;
+        loop {
+            let quiet = self.wait_for_quiet();
+            let round = self.measure(mode, bpf_stats)?;
+            if attempt == ATTEMPTS || !quiet || !round.disturbance.skews() {
+                return Ok(round);
+            }
+            println!(
+                "         {:<7} skewed{}; again",
+                mode.name(),
+                round.disturbance.note()
+            );
+            attempt += 1;
+        }
+    }
+
+    fn is_nginx(&self, pid: u32, process: &Process) -> bool {
+        pid == self.nginx || process.ppid == self.nginx
+    }
+
+    /// Waits up to 2 minutes until nothing else runs, so that rounds are not skewed;
+    /// false when something still does.
+    fn wait_for_quiet(&self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut said = false;
+        while Instant::now() < deadline {
+            let before = processes();
+            let started = Instant::now();
+            sleep(Duration::from_secs(1));
+            let disturbance =
+                Disturbance::between(&before, &processes(), started.elapsed(), |pid, p| {
+                    self.is_nginx(pid, p)
+                });
+            if !disturbance.skews() {
+                return true;
+            }
+            if !said {
+                println!(
+                    "         waiting for other work to end{}",
+                    disturbance.note()
+                );
+                said = true;
+            }
+        }
+        false
+    }
+
     fn measure(&self, mode: Mode, bpf_stats: bool) -> anyhow::Result<Round> {
         let exporter = self.start_poolscope(mode, bpf_stats)?;
-        let ours = exporter.as_ref().map(|guard| guard.0.id());
-        let mut others = other_poolscopes(ours);
+        let exporter_pid = exporter.as_ref().map(|guard| guard.0.id());
+        let ours = |pid: u32, p: &Process| {
+            self.is_nginx(pid, p) || Some(pid) == exporter_pid || p.comm == "wrk" || p.comm == "dd"
+        };
         let before = exporter.as_ref().map(|_| self.counters()).transpose()?;
-        let cpu_before = nginx_cpu_seconds(self.nginx);
+        let started = Instant::now();
+        let at_start = processes();
         let (rate, total) = self.wrk()?;
-        let cpu = nginx_cpu_seconds(self.nginx) - cpu_before;
+        let after_wrk = processes();
         // nginx closes the connections wrk left; poolscope ends their last request then.
         sleep(Duration::from_millis(200));
         let counted = match before {
@@ -421,16 +542,24 @@ impl Bench<'_> {
         };
         // After the counters were read: dd's syscalls are not requests.
         let unwatched_syscall_ns = unwatched_syscall_ns()?;
-        others.extend(other_poolscopes(ours));
+        let disturbance = Disturbance::between(&at_start, &processes(), started.elapsed(), ours);
         drop(exporter);
+        let cpu_us_per_request = |which: &dyn Fn(u32, &Process) -> bool| {
+            // fold from +0.0: an empty sum() is -0.0, printed "-0.00".
+            let seconds = cpu_used(&at_start, &after_wrk)
+                .filter(|(pid, p, _)| which(*pid, p))
+                .fold(0.0, |sum, (_, _, used)| sum + used);
+            seconds * 1e6 / total.max(1.0)
+        };
         Ok(Round {
             mode,
             requests_per_second: rate,
             requests: total,
             unwatched_syscall_ns,
-            cpu_us_per_request: cpu * 1e6 / total.max(1.0),
+            cpu_us_per_request: cpu_us_per_request(&|pid, p| self.is_nginx(pid, p)),
+            poolscope_cpu_us_per_request: cpu_us_per_request(&|pid, _| Some(pid) == exporter_pid),
             counted,
-            others,
+            disturbance,
         })
     }
 
@@ -488,6 +617,7 @@ fn met(met: bool) -> &'static str {
 fn report(rounds: &[Round], stats_rounds: &[Round]) {
     let rate = |mode| of_mode(rounds, mode, |r| r.requests_per_second);
     let cpu = |mode| of_mode(rounds, mode, |r| r.cpu_us_per_request);
+    let poolscope_cpu = |mode| of_mode(rounds, mode, |r| r.poolscope_cpu_us_per_request);
     let syscall = |mode| of_mode(rounds, mode, |r| r.unwatched_syscall_ns);
     let (rate_off_min, rate_off) = rate(Mode::Off);
     let (_, cpu_off) = cpu(Mode::Off);
@@ -495,17 +625,19 @@ fn report(rounds: &[Round], stats_rounds: &[Round]) {
     println!();
     println!(
         "| nginx, 1 worker, wrk -t1 -c32 | requests/s median (min) | /off median | /off min \
-         | nginx CPU µs/request median (min) | /off median | ns per unwatched syscall (dd bs=1) \
-         median (min) | minus off (median) |"
+         | nginx CPU µs/request median (min) | /off median | poolscope CPU µs/request median \
+         (min) | ns per unwatched syscall (dd bs=1) median (min) | minus off (median) |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for mode in Mode::ALL {
         let (rate_min, rate_median) = rate(mode);
         let (cpu_min, cpu_median) = cpu(mode);
         let (syscall_min, syscall_median) = syscall(mode);
+        let (own_min, own_median) = poolscope_cpu(mode);
         println!(
             "| {} | {rate_median:.0} ({rate_min:.0}) | {:.4} | {:.4} | {cpu_median:.2} ({cpu_min:.2}) \
-             | {:.4} | {syscall_median:.1} ({syscall_min:.1}) | {:+.1} |",
+             | {:.4} | {own_median:.2} ({own_min:.2}) | {syscall_median:.1} ({syscall_min:.1}) \
+             | {:+.1} |",
             mode.name(),
             rate_median / rate_off,
             rate_min / rate_off_min,
@@ -534,8 +666,8 @@ fn report(rounds: &[Round], stats_rounds: &[Round]) {
             counted.bpf_ns_per_request(round.mode),
         );
     }
-    for round in stats_rounds.iter().filter(|r| !r.others.is_empty()) {
-        println!("{} round{}", round.mode.name(), round.note());
+    for round in stats_rounds.iter().filter(|r| r.disturbance.skews()) {
+        println!("{} round{}", round.mode.name(), round.disturbance.note());
     }
     println!();
     println!("| backend | kernel program | in ns/request | runs | runs/request | ns/run |");
