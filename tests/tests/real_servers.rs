@@ -1,12 +1,16 @@
 //! Fidelity against real servers from Debian packages, driven by `wrk --latency`:
 //! poolscope's request count must match wrk's to 1 %, and its latency quantiles must
 //! not exceed wrk's by more than 5 % (wrk adds the client side on top of ours). The
-//! socket backend sees arrivals, so its median must also be at least half of wrk's;
+//! socket backend sees arrivals, so its median must also be at least 0.3 of wrk's
+//! (0.44–0.91 measured; without arrivals it would be ~0.05–0.09, the syscall case);
 //! the syscall backend cannot see a keep-alive request wait (README), so its latency
 //! is its service time. The goal "within 25 % below wrk" is reported, not asserted:
 //! on two shared vCPUs wrk's own tail is mostly client-side (see the issue note).
 //! Each server runs on both backends; the table goes to stderr (`--nocapture`).
-use std::time::Duration;
+use std::{
+    sync::{Mutex, MutexGuard},
+    time::Duration,
+};
 
 use poolscope_tests::{
     BACKENDS, Metrics, Poolscope, backend_config, free_port, privileged,
@@ -78,7 +82,14 @@ fn measure(kind: Kind, backend: &str) -> anyhow::Result<Row> {
     })
 }
 
+/// One server at a time: each takes both CPUs (and wrk the last one).
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn check(kind: Kind) -> anyhow::Result<()> {
+    let _serial = one_at_a_time();
     let mut failures = Vec::new();
     for backend in BACKENDS {
         let row = measure(kind, backend)?;
@@ -112,8 +123,8 @@ fn check(kind: Kind) -> anyhow::Result<()> {
                 ));
             }
         }
-        if backend == "socket" && (p50.is_nan() || p50 < 0.5) {
-            failures.push(format!("{backend}: latency p50 ours/wrk = {p50:.2} < 0.5"));
+        if backend == "socket" && (p50.is_nan() || p50 < 0.3) {
+            failures.push(format!("{backend}: latency p50 ours/wrk = {p50:.2} < 0.3"));
         }
     }
     anyhow::ensure!(
