@@ -34,6 +34,7 @@ pub fn connected(key: u64, service: u32, owner_since_ns: u64, now: u64) {
         arrive_ns: now,
         start_ns: 0,
         end_ns: 0,
+        next_arrive_ns: 0,
     };
     if CONNS.insert(key, conn, 0).is_err() {
         count_loss(LossSource::ConnsFull);
@@ -55,6 +56,8 @@ pub fn data_arrived(conn: &mut Conn, now: u64) {
             wait(conn, now);
         }
         Phase::Idle => wait(conn, now),
+        // Bytes for the next request, or more of this one: the next read tells.
+        Phase::Serving if conn.next_arrive_ns == 0 => conn.next_arrive_ns = now,
         _ => {}
     }
 }
@@ -62,6 +65,7 @@ pub fn data_arrived(conn: &mut Conn, now: u64) {
 fn wait(conn: &mut Conn, now: u64) {
     conn.phase = Phase::Waiting as u32;
     conn.arrive_ns = now;
+    conn.next_arrive_ns = 0;
     update_service(conn.service, |c| c.waiting_entered += 1);
 }
 
@@ -76,6 +80,13 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
             start(conn, now, |_| {});
         }
         Phase::Responded => match arrivals {
+            // Bytes arrived while the request was served and nothing read them: the
+            // client sent its next request before our write's tracepoint ran.
+            Arrivals::Seen if conn.next_arrive_ns != 0 => {
+                finish(conn);
+                conn.arrive_ns = conn.next_arrive_ns;
+                start(conn, now, |_| {});
+            }
             // No bytes arrived since the response began: these were queued before it,
             // so the same request goes on (a server that answers before reading all).
             Arrivals::Seen => {
@@ -89,7 +100,9 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
                 start(conn, now, |_| {});
             }
         },
-        Phase::Serving | Phase::Closing => {}
+        // The bytes that arrived meanwhile belong to this request.
+        Phase::Serving => conn.next_arrive_ns = 0,
+        Phase::Closing => {}
     }
 }
 
@@ -97,6 +110,7 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
 fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
     conn.phase = Phase::Serving as u32;
     conn.start_ns = now;
+    conn.next_arrive_ns = 0;
     update_service(conn.service, |c| {
         leave(c);
         c.serving_entered += 1;

@@ -114,6 +114,10 @@ pub struct Conn {
     pub start_ns: u64,
     /// Last write of the current request so far.
     pub end_ns: u64,
+    /// Socket backend: when bytes arrived while the request was being served and
+    /// were not read yet (0 if none): on loopback the next request can arrive before
+    /// the tracepoint of the write that answered this one has run.
+    pub next_arrive_ns: u64,
 }
 
 /// Value of [`maps::PENDING_CALLS`].
@@ -435,7 +439,7 @@ mod pod {
 }
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
-const _: () = assert!(core::mem::size_of::<Conn>() == 40);
+const _: () = assert!(core::mem::size_of::<Conn>() == 48);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 16);
 const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 56);
 const _: () = assert!(core::mem::size_of::<Histogram>() == (HISTOGRAM_BUCKETS + 1) * 8);
