@@ -55,7 +55,6 @@ pub fn data_arrived(conn: &mut Conn, now: u64) {
             finish(conn);
             wait(conn, now);
         }
-        Phase::Idle => wait(conn, now),
         // Bytes for the next request, or more of this one: the next read tells.
         Phase::Serving if conn.next_arrive_ns == 0 => conn.next_arrive_ns = now,
         _ => {}
@@ -75,10 +74,6 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
     match Phase::from_u32(conn.phase) {
         Phase::Unserved => start(conn, now, |c| c.unserved_left += 1),
         Phase::Waiting => start(conn, now, |c| c.waiting_left += 1),
-        Phase::Idle => {
-            conn.arrive_ns = now;
-            start(conn, now, |_| {});
-        }
         Phase::Responded => match arrivals {
             // Bytes arrived while the request was served and nothing read them: the
             // client sent its next request before our write's tracepoint ran.
@@ -141,7 +136,6 @@ pub fn peer_closed(conn: &mut Conn) {
             finish(conn);
             conn.phase = Phase::Closing as u32;
         }
-        Phase::Idle => conn.phase = Phase::Closing as u32,
         _ => {}
     }
 }
@@ -168,7 +162,7 @@ pub fn closed(key: u64, now: u64) {
             finish(&conn);
         }
         Phase::Responded => finish(&conn),
-        Phase::Idle | Phase::Closing => {}
+        Phase::Closing => {}
     }
 }
 

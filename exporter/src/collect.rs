@@ -139,8 +139,10 @@ impl RequestFamilies {
                 },
             );
         }
+        // Quantiles over the window; `_sum` and `_count` are counters to Prometheus,
+        // so they stay cumulative (a window's would go down).
         let windowed = [&window.queue, &window.duration, &window.latency];
-        for (family, histogram) in self.windows.iter_mut().zip(windowed) {
+        for ((family, histogram), total) in self.windows.iter_mut().zip(windowed).zip(cumulative) {
             let quantiles = QUANTILES
                 .iter()
                 .map(|&q| (q, quantile(histogram, q).unwrap_or(f64::NAN)))
@@ -149,8 +151,8 @@ impl RequestFamilies {
                 labels,
                 Value::Summary {
                     quantiles,
-                    sum: histogram.sum_ns as f64 / 1e9,
-                    count: histogram.count(),
+                    sum: total.sum_ns as f64 / 1e9,
+                    count: total.count(),
                 },
             );
         }

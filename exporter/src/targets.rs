@@ -264,7 +264,7 @@ impl Targets {
                 Phase::Unserved => purged.unserved += 1,
                 Phase::Waiting => purged.waiting += 1,
                 Phase::Serving => purged.serving += 1,
-                Phase::Responded | Phase::Idle | Phase::Closing => {}
+                Phase::Responded | Phase::Closing => {}
             }
         }
     }

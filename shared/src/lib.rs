@@ -62,7 +62,7 @@ pub const fn conn_key_tgid(key: u64) -> u32 {
     (key >> 32) as u32
 }
 
-/// Where a connection's current request is (DESIGN §3). Each phase but `Idle` and
+/// Where a connection's current request is (DESIGN §3). Each phase but `Responded` and
 /// `Closing` is one of the gauges: a transition updates one `*_left` and one
 /// `*_entered` counter of [`ServiceCounters`].
 #[repr(u32)]
@@ -78,8 +78,6 @@ pub enum Phase {
     /// Response bytes written; the request ends at the last write before the next
     /// request or the close.
     Responded,
-    /// Between requests, next arrival not seen.
-    Idle,
     /// The peer closed its side after the last response.
     Closing,
 }
@@ -91,7 +89,6 @@ impl Phase {
             2 => Self::Waiting,
             3 => Self::Serving,
             4 => Self::Responded,
-            5 => Self::Idle,
             _ => Self::Closing,
         }
     }
