@@ -131,12 +131,9 @@ pub fn wrote(conn: &mut Conn, now: u64) {
 /// bytes that announce the close are no request.
 #[inline(always)]
 pub fn peer_closed(conn: &mut Conn) {
-    match Phase::from_u32(conn.phase) {
-        Phase::Responded => {
-            finish(conn);
-            conn.phase = Phase::Closing as u32;
-        }
-        _ => {}
+    if Phase::from_u32(conn.phase) == Phase::Responded {
+        finish(conn);
+        conn.phase = Phase::Closing as u32;
     }
 }
 
