@@ -26,17 +26,8 @@ use anyhow::{Context as _, bail};
 
 use crate::{bin_dir, wait_until};
 
-/// Debian packages the servers and the load generator come from. `tomcat10-common`
-/// (catalina.sh and the jars, run with our own CATALINA_BASE) rather than `tomcat10`,
-/// which only adds the system instance: a systemd unit on port 8080, a user, /etc.
-pub const PACKAGES: &[&str] = &[
-    "nginx",
-    "wrk",
-    "tomcat10-common",
-    "gunicorn",
-    "nodejs",
-    "golang-go",
-];
+// The Debian packages these servers come from are installed by `cargo xtask test`
+// (`TEST_PACKAGES` in xtask/src/main.rs, the one list).
 
 /// What every server answers to `GET /`: 100 bytes.
 pub const BODY: &str = "real server body: 0123456789abcdefghijklmnopqrstuvwxyz \

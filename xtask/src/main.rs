@@ -17,8 +17,10 @@ const USAGE: &str = "usage: cargo xtask <command>
   bench                     install what is missing, measure poolscope's cost on nginx
   setup                     only install what is missing";
 
-/// Debian packages the tests use: promtool (prometheus); the real servers and wrk
-/// (same list as `poolscope_tests::servers::PACKAGES`).
+/// Debian packages the tests use: promtool (prometheus); the real servers of
+/// tests/src/servers.rs and wrk. `tomcat10-common` (catalina.sh and the jars, run
+/// with the tests' own CATALINA_BASE) rather than `tomcat10`, which only adds the
+/// system instance: a systemd unit on port 8080, a user, /etc.
 const TEST_PACKAGES: &[&str] = &[
     "prometheus",
     "nginx",
