@@ -67,6 +67,35 @@ pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Scrapes until `check` holds (10 s at most); the last scrape, or an error with it.
+pub fn scrape_until(
+    poolscope: &Poolscope,
+    mut check: impl FnMut(&Metrics) -> bool,
+) -> anyhow::Result<Metrics> {
+    const SETTLE: Duration = Duration::from_secs(10);
+    let mut last = Metrics::default();
+    let ok = wait_until(SETTLE, || match poolscope.scrape() {
+        Ok(metrics) => {
+            let done = check(&metrics);
+            last = metrics;
+            done
+        }
+        Err(_) => false,
+    });
+    anyhow::ensure!(
+        ok,
+        "condition not met within {SETTLE:?}; last scrape:\n{}",
+        last.text
+    );
+    Ok(last)
+}
+
+/// Serializes the timing tests of one test binary: they share two CPUs.
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A running `poolscope` process; killed when dropped.
 pub struct Poolscope {
     child: Child,

@@ -3,31 +3,8 @@
 use std::{io::Write as _, net::TcpStream, time::Duration};
 
 use poolscope_tests::{
-    BACKENDS, Metrics, Poolscope, TestServer, backend_config, pids_config, privileged, wait_until,
+    BACKENDS, Poolscope, TestServer, backend_config, pids_config, privileged, scrape_until,
 };
-
-const SETTLE: Duration = Duration::from_secs(10);
-
-fn scrape_until(
-    poolscope: &Poolscope,
-    mut check: impl FnMut(&Metrics) -> bool,
-) -> anyhow::Result<Metrics> {
-    let mut last = Metrics::default();
-    let ok = wait_until(SETTLE, || match poolscope.scrape() {
-        Ok(metrics) => {
-            let done = check(&metrics);
-            last = metrics;
-            done
-        }
-        Err(_) => false,
-    });
-    anyhow::ensure!(
-        ok,
-        "condition not met within {SETTLE:?}; last scrape:\n{}",
-        last.text
-    );
-    Ok(last)
-}
 
 /// A testserver watched (by pid) as `service`, once poolscope reports it.
 fn watched_server(service: &str) -> anyhow::Result<(TestServer, Poolscope)> {

@@ -7,13 +7,10 @@
 //! is its service time. The goal "within 25 % below wrk" is reported, not asserted:
 //! on two shared vCPUs wrk's own tail is mostly client-side (see the issue note).
 //! Each server runs on both backends; the table goes to stderr (`--nocapture`).
-use std::{
-    sync::{Mutex, MutexGuard},
-    time::Duration,
-};
+use std::time::Duration;
 
 use poolscope_tests::{
-    BACKENDS, Metrics, Poolscope, backend_config, free_port, privileged,
+    BACKENDS, Metrics, Poolscope, backend_config, free_port, one_at_a_time, privileged,
     servers::{Kind, RealServer, pin_to_first_cpu, wrk},
     wait_until,
 };
@@ -80,12 +77,6 @@ fn measure(kind: Kind, backend: &str) -> anyhow::Result<Row> {
         ),
         theirs: (result.p50.as_secs_f64(), result.p99.as_secs_f64()),
     })
-}
-
-/// One server at a time: each takes both CPUs (and wrk the last one).
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn check(kind: Kind) -> anyhow::Result<()> {

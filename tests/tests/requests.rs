@@ -3,15 +3,12 @@
 //! closed-loop clients. Then, in steady state, N requests are in flight, C − N wait,
 //! each waits C·S/N − S, and Little's law holds; the server and the clients count
 //! and time every request themselves.
-use std::{
-    sync::{Mutex, MutexGuard},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, backend_config,
     load::{ClosedLoop, Connections},
-    privileged, wait_until,
+    one_at_a_time, privileged, scrape_until,
 };
 
 const WORKERS: u32 = 4;
@@ -20,29 +17,6 @@ const SERVICE: Duration = Duration::from_millis(20);
 const WARM_UP: Duration = Duration::from_secs(1);
 const STEADY: Duration = Duration::from_secs(4);
 const SAMPLE_EVERY: Duration = Duration::from_millis(100);
-
-/// One timing test at a time: they share two CPUs.
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn scrape_until(
-    poolscope: &Poolscope,
-    mut check: impl FnMut(&Metrics) -> bool,
-) -> anyhow::Result<Metrics> {
-    let mut last = Metrics::default();
-    let ok = wait_until(Duration::from_secs(10), || match poolscope.scrape() {
-        Ok(metrics) => {
-            let done = check(&metrics);
-            last = metrics;
-            done
-        }
-        Err(_) => false,
-    });
-    anyhow::ensure!(ok, "condition not met; last scrape:\n{}", last.text);
-    Ok(last)
-}
 
 fn value(metrics: &Metrics, name: &str, service: &str) -> f64 {
     metrics
