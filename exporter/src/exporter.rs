@@ -19,7 +19,7 @@ use crate::{
     config::Settings,
     discovery,
     encode::{Family, cap_series},
-    kernel::{Kernel, Probe},
+    kernel::{Kernel, Probe, Readout},
     procfs, sockdiag,
     targets::{Targets, monotonic_ns},
     web::Gatherer,
@@ -228,7 +228,9 @@ impl Gatherer for Exporter {
             owners.get(&inode).cloned()
         });
 
-        let readout = kernel.clone().unwrap_or_default();
+        // A failed read still yields the per-service families, at zero.
+        let no_readout = Readout::default();
+        let readout = kernel.as_ref().unwrap_or(&no_readout);
         let no_counters = Default::default();
         let no_times = Default::default();
         let inputs: Vec<ServiceInput<'_>> = services
