@@ -1,15 +1,18 @@
 //! poolscope's kernel programs. Thin by design: each program classifies one event,
 //! updates state or a per-CPU counter in a map, and returns. User space reads the
 //! maps at scrape time. One module per kernel subsystem; `requests.rs` is the state
-//! machine that the two request backends (`sock.rs`, `syscalls.rs`) share.
+//! machine that the two request backends (`sock.rs`, `syscalls.rs`) share, and
+//! `threads.rs` the thread state machine that `sched.rs` and the requests feed.
 #![no_std]
 #![no_main]
 
 mod maps;
 mod process;
 mod requests;
+mod sched;
 mod sock;
 mod syscalls;
+mod threads;
 
 #[cfg(not(test))]
 #[panic_handler]

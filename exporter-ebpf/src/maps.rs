@@ -5,8 +5,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
 use poolscope_shared::{
-    Conn, LISTEN_PORTS_CAPACITY, LossSource, MAX_SERVICES, PENDING_CALLS_CAPACITY, PendingCall,
-    ProcessEvent, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, Watched,
+    Conn, LISTEN_PORTS_CAPACITY, LossSource, MAX_POOLS, MAX_SERVICES, MAX_THREADS,
+    PENDING_CALLS_CAPACITY, PendingCall, PoolStats, ProcessEvent, RequestTimes,
+    SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, Thread, Watched,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -31,6 +32,14 @@ pub static REQUEST_TIMES: PerCpuArray<RequestTimes> =
     PerCpuArray::with_max_entries(MAX_SERVICES, 0);
 #[map]
 pub static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LossSource::COUNT, 0);
+#[map]
+pub static THREADS: HashMap<u32, Thread> = HashMap::with_max_entries(MAX_THREADS, 0);
+#[map]
+pub static THREAD_POOLS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_THREADS, 0);
+#[map]
+pub static POOL_STATS: PerCpuArray<PoolStats> = PerCpuArray::with_max_entries(MAX_POOLS, 0);
+#[map]
+pub static WAIT_CLASSES: Array<u32> = Array::with_max_entries(SYSCALL_TABLE_SIZE, 0);
 #[map]
 pub static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 

@@ -1,7 +1,10 @@
-//! Process lifecycle (`task:task_newtask`, `sched:sched_process_exec`,
-//! `sched:sched_process_exit`): children of a watched process are watched from their
-//! first instruction, and an exited process leaves `WATCHED` at once, so a reused pid
-//! never inherits its numbers. User space hears of each change through a ring buffer.
+//! Process and thread lifecycle (`task:task_newtask`, `task:task_rename`,
+//! `sched:sched_process_exec`, `sched:sched_process_exit`): children of a watched
+//! process are watched from their first instruction, and so are its new threads (in
+//! their creator's pool until user space reads their name); an exited process leaves
+//! `WATCHED` at once, so a reused pid never inherits its numbers, and an exited thread
+//! leaves `THREADS` with its last interval accounted. User space hears of each change
+//! through a ring buffer.
 //!
 //! Forks come from `task_newtask` rather than `sched_process_fork` because only the
 //! former carries the clone flags that tell a new process from a new thread.
@@ -10,13 +13,21 @@ use aya_ebpf::{
     macros::tracepoint,
     programs::TracePointContext,
 };
-use poolscope_shared::{LossSource, ProcessEvent, ProcessEventKind, Watched};
+use poolscope_shared::{Activity, LossSource, ProcessEvent, ProcessEventKind, Thread, Watched};
 
-use crate::maps::{PENDING_CALLS, WATCHED, Wakeup, count_loss, send_process_event, watched};
+use crate::{
+    maps::{
+        PENDING_CALLS, THREAD_POOLS, THREADS, WATCHED, Wakeup, count_loss, send_process_event,
+        watched,
+    },
+    requests::now_ns,
+    threads::{self, thread},
+};
 
 /// Offsets from /sys/kernel/tracing/events/{task,sched}/*/format.
 const NEWTASK_PID: usize = 8;
 const NEWTASK_CLONE_FLAGS: usize = 32;
+const RENAME_PID: usize = 8;
 const EXEC_PID: usize = 12;
 
 /// Offset of `group_dead` in sched_process_exit's record, which newer kernels have
@@ -35,18 +46,20 @@ pub fn process_fork(ctx: TracePointContext) -> u32 {
 }
 
 fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
-    // SAFETY: offsets match the tracepoint's format.
-    let clone_flags: u64 = unsafe { ctx.read_at(NEWTASK_CLONE_FLAGS)? };
-    if clone_flags & CLONE_THREAD != 0 {
-        return Ok(());
-    }
-    // task_newtask runs in the parent.
-    let parent = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // task_newtask runs in the creator.
+    let creator = bpf_get_current_pid_tgid();
+    let parent = (creator >> 32) as u32;
     let Some(parent_watch) = watched(parent) else {
         return Ok(());
     };
-    // SAFETY: as above.
+    // SAFETY: offsets match the tracepoint's format.
     let child: u32 = unsafe { ctx.read_at(NEWTASK_PID)? };
+    // SAFETY: as above.
+    let clone_flags: u64 = unsafe { ctx.read_at(NEWTASK_CLONE_FLAGS)? };
+    follow_thread(child, creator as u32, parent_watch.service);
+    if clone_flags & CLONE_THREAD != 0 {
+        return Ok(());
+    }
     // SAFETY: helper without preconditions.
     let since_ns = unsafe { bpf_ktime_get_ns() };
     let child_watch = Watched {
@@ -65,6 +78,57 @@ fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
             parent,
             service: parent_watch.service,
             since_ns,
+        },
+        Wakeup::Now,
+    );
+    Ok(())
+}
+
+/// A new thread (or a new process's first) of a watched process: runnable from now,
+/// in its creator's pool.
+#[inline(always)]
+fn follow_thread(tid: u32, creator_tid: u32, service: u32) {
+    let thread = Thread {
+        service,
+        activity: Activity::Runnable as u32,
+        serving: 0,
+        _pad: 0,
+        since_ns: now_ns(),
+        running_ns: 0,
+        runnable_ns: 0,
+    };
+    if THREADS.insert(tid, thread, 0).is_err() {
+        count_loss(LossSource::ThreadsFull);
+        return;
+    }
+    // SAFETY: copied out at once.
+    if let Some(pool) = unsafe { THREAD_POOLS.get(creator_tid).copied() }
+        && THREAD_POOLS.insert(tid, pool, 0).is_err()
+    {
+        count_loss(LossSource::ThreadsFull);
+    }
+}
+
+#[tracepoint]
+pub fn process_rename(ctx: TracePointContext) -> u32 {
+    match try_process_rename(&ctx) {
+        Ok(()) | Err(_) => 0,
+    }
+}
+
+fn try_process_rename(ctx: &TracePointContext) -> Result<(), i32> {
+    // SAFETY: offset matches the tracepoint's format.
+    let tid: u32 = unsafe { ctx.read_at(RENAME_PID)? };
+    let Some(thread) = thread(tid) else {
+        return Ok(());
+    };
+    send_process_event(
+        ProcessEvent {
+            kind: ProcessEventKind::ThreadRenamed as u32,
+            pid: tid,
+            parent: 0,
+            service: thread.service,
+            since_ns: 0,
         },
         Wakeup::Now,
     );
@@ -111,6 +175,12 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
     };
     // A thread killed inside a syscall leaves its pending entry behind otherwise.
     let _ = PENDING_CALLS.remove(tid);
+    if let Some(thread) = thread(tid) {
+        // It runs its exit: its last interval is on CPU.
+        threads::change(tid, thread, Activity::Running, now_ns());
+        let _ = THREADS.remove(tid);
+    }
+    let _ = THREAD_POOLS.remove(tid);
     // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
     let group_dead_offset = unsafe { core::ptr::read_volatile(&EXIT_GROUP_DEAD_OFFSET) };
     let process_gone = if group_dead_offset == 0 {

@@ -6,7 +6,10 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use poolscope_shared::{Conn, Histogram, LossSource, Phase, ServiceCounters, histogram_bucket};
 
-use crate::maps::{CONNS, REQUEST_TIMES, count_loss, update_service};
+use crate::{
+    maps::{CONNS, REQUEST_TIMES, count_loss, update_service},
+    threads,
+};
 
 /// Whether the backend sees request bytes arrive (`sock:sk_data_ready`).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -35,6 +38,8 @@ pub fn connected(key: u64, service: u32, owner_since_ns: u64, now: u64) {
         start_ns: 0,
         end_ns: 0,
         next_arrive_ns: 0,
+        server_tid: 0,
+        _pad: 0,
     };
     if CONNS.insert(key, conn, 0).is_err() {
         count_loss(LossSource::ConnsFull);
@@ -86,6 +91,7 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
             // so the same request goes on (a server that answers before reading all).
             Arrivals::Seen => {
                 conn.phase = Phase::Serving as u32;
+                conn.server_tid = threads::request_started(now);
                 update_service(conn.service, |c| c.serving_entered += 1);
             }
             // The next request; its arrival is not seen, so it did not wait.
@@ -106,6 +112,7 @@ fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
     conn.phase = Phase::Serving as u32;
     conn.start_ns = now;
     conn.next_arrive_ns = 0;
+    conn.server_tid = threads::request_started(now);
     update_service(conn.service, |c| {
         leave(c);
         c.serving_entered += 1;
@@ -119,6 +126,8 @@ pub fn wrote(conn: &mut Conn, now: u64) {
         Phase::Serving => {
             conn.phase = Phase::Responded as u32;
             conn.end_ns = now;
+            threads::request_ended(conn.server_tid, now);
+            conn.server_tid = 0;
             update_service(conn.service, |c| c.serving_left += 1);
         }
         Phase::Responded => conn.end_ns = now,
@@ -155,6 +164,7 @@ pub fn closed(key: u64, now: u64) {
         Phase::Waiting => update_service(conn.service, |c| c.waiting_left += 1),
         Phase::Serving => {
             update_service(conn.service, |c| c.serving_left += 1);
+            threads::request_ended(conn.server_tid, now);
             conn.end_ns = now;
             finish(&conn);
         }

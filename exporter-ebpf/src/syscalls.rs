@@ -26,11 +26,11 @@ use crate::{
 #[cfg(bpf_target_arch = "x86_64")]
 const FIRST_ARG_OFFSET: usize = 112; // rdi
 #[cfg(bpf_target_arch = "x86_64")]
-const NUMBER_OFFSET: usize = 120; // orig_ax
+pub const NUMBER_OFFSET: usize = 120; // orig_ax
 #[cfg(bpf_target_arch = "aarch64")]
 const FIRST_ARG_OFFSET: usize = 0; // regs[0]
 #[cfg(bpf_target_arch = "aarch64")]
-const NUMBER_OFFSET: usize = 280; // syscallno
+pub const NUMBER_OFFSET: usize = 280; // syscallno
 
 /// sys_enter(struct pt_regs *regs, long id)
 #[raw_tracepoint(tracepoint = "sys_enter")]

@@ -11,6 +11,7 @@ use poolscope_shared::{LossSource, RequestTimes, ServiceCounters};
 use crate::{
     encode::{Family, Kind, Value},
     kernel::{Backend, Probe, Readout},
+    pools::{COMPONENTS, PoolTotals, REASONS, STATES, sum_of},
     sockdiag::ListenQueue,
     targets::{Purged, ServiceView},
     window::{QUANTILES, coarse_buckets, quantile},
@@ -31,6 +32,17 @@ pub struct ServiceInput<'a> {
     pub times: &'a RequestTimes,
     /// Request times over the quantile window.
     pub window: &'a RequestTimes,
+    /// Request time by what the serving thread did, ns per [`COMPONENTS`] entry.
+    pub components: [u64; COMPONENTS.len()],
+}
+
+/// One pool at scrape time.
+pub struct PoolInput<'a> {
+    pub service: &'a str,
+    pub pool: &'a str,
+    pub totals: &'a PoolTotals,
+    /// Busy share over the utilization window; `None` before there is a window.
+    pub utilization: Option<f64>,
 }
 
 /// The three request gauges of a service; see DESIGN §3.
@@ -232,6 +244,12 @@ pub fn service_families(
             &[("service", service.name.as_str()), ("component", "queue")],
             input.times.queue.sum_ns as f64 / 1e9,
         );
+        for ((component, _), ns) in COMPONENTS.iter().zip(input.components) {
+            time.push(
+                &[("service", service.name.as_str()), ("component", component)],
+                ns as f64 / 1e9,
+            );
+        }
         request_families.push(&labels, input.times, input.window);
         for ((id, syscall), calls) in syscalls.range((service.id, "")..) {
             if *id != service.id {
@@ -280,6 +298,81 @@ pub fn service_families(
     families.extend(request_families.windows);
     families.extend(request_families.histograms);
     families
+}
+
+/// Per-pool families (DESIGN §4).
+pub fn pool_families(pools: &[PoolInput<'_>]) -> Vec<Family> {
+    let mut threads = Family::new(
+        "pool_threads",
+        Kind::Gauge,
+        "Threads alive in the pool (same normalized thread name within a service).",
+    );
+    let mut busy = Family::new(
+        "pool_threads_busy",
+        Kind::Gauge,
+        "Threads of the pool busy now: running, runnable, or blocked on a lock or I/O \
+         (everything but waiting for work).",
+    );
+    let mut utilization = Family::new(
+        "pool_utilization_ratio",
+        Kind::Gauge,
+        "Busy thread-seconds over thread-seconds of the pool, over the utilization window \
+         (pools.utilization_window). For a one-thread event loop: the share of time not \
+         waiting in epoll.",
+    );
+    let mut state_seconds = Family::new(
+        "thread_seconds",
+        Kind::Counter,
+        "Thread time of the pool by state.",
+    );
+    let mut offcpu = Family::new(
+        "offcpu_seconds",
+        Kind::Counter,
+        "Time the pool's threads spent blocked, by what they waited for.",
+    );
+    let mut runqueue = Family::new(
+        "runqueue_wait_seconds",
+        Kind::Histogram,
+        "Run-queue waits of the pool's threads: woken or preempted until back on a CPU.",
+    );
+    for input in pools {
+        let labels = [("service", input.service), ("pool", input.pool)];
+        let totals = input.totals;
+        threads.push(&labels, totals.threads as f64);
+        busy.push(&labels, totals.threads_busy as f64);
+        if let Some(ratio) = input.utilization {
+            utilization.push(&labels, ratio);
+        }
+        for (state, activities) in STATES {
+            state_seconds.push(
+                &[
+                    ("service", input.service),
+                    ("pool", input.pool),
+                    ("state", state),
+                ],
+                sum_of(&totals.time_ns, activities) as f64 / 1e9,
+            );
+        }
+        for (reason, activity) in REASONS {
+            offcpu.push(
+                &[
+                    ("service", input.service),
+                    ("pool", input.pool),
+                    ("reason", reason),
+                ],
+                totals.time_ns[activity as usize] as f64 / 1e9,
+            );
+        }
+        runqueue.push_value(
+            &labels,
+            Value::Histogram {
+                buckets: coarse_buckets(&totals.runqueue),
+                sum: totals.runqueue.sum_ns as f64 / 1e9,
+                count: totals.runqueue.count(),
+            },
+        );
+    }
+    vec![threads, busy, utilization, state_seconds, offcpu, runqueue]
 }
 
 /// Joins listen queues to the services that own their sockets. Sockets of unwatched
@@ -380,6 +473,7 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
                     *map_errors.entry("PENDING_CALLS").or_default() += lost;
                 }
                 LossSource::WatchedFull => *map_errors.entry("WATCHED").or_default() += lost,
+                LossSource::ThreadsFull => *map_errors.entry("THREADS").or_default() += lost,
                 LossSource::ProcessEvents => {
                     events_lost.push(&[("source", "process_events")], *lost as f64);
                 }
@@ -506,6 +600,7 @@ mod tests {
             counters: &counters,
             times: &times,
             window: &times,
+            components: [0; COMPONENTS.len()],
         }];
         let mut syscalls = BTreeMap::new();
         syscalls.insert((3, "read"), 7);

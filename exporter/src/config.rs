@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 /// Environment variable prefix; nested keys use `__`, e.g. `POOLSCOPE_WEB__LISTEN_ADDRESS`.
 pub const ENV_PREFIX: &str = "POOLSCOPE_";
 /// Top-level tables of the file, the only names taken from the environment.
-const SECTIONS: [&str; 5] = ["web", "log", "discovery", "probes", "limits"];
+const SECTIONS: [&str; 6] = ["web", "log", "discovery", "probes", "pools", "limits"];
 /// Default address: localhost only, the port of no other well-known exporter.
 pub const DEFAULT_LISTEN_ADDRESS: &str = "127.0.0.1:9435";
 
@@ -25,6 +25,7 @@ pub struct RawConfig {
     pub log: RawLog,
     pub discovery: RawDiscovery,
     pub probes: RawProbes,
+    pub pools: RawPools,
     pub limits: RawLimits,
     pub targets: Vec<RawTarget>,
 }
@@ -46,10 +47,15 @@ impl Default for RawConfig {
                 backend: Backend::Auto,
                 bpf_stats: false,
             },
+            pools: RawPools {
+                utilization_window: Duration::from_secs(10),
+            },
             limits: RawLimits {
                 max_series: 20_000,
                 max_services: 256,
+                max_pools: 512,
                 watched_processes: 16_384,
+                threads: 65_536,
                 connections: 65_536,
             },
             targets: Vec::new(),
@@ -99,10 +105,22 @@ pub struct RawProbes {
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
+pub struct RawPools {
+    /// The window of `pool_utilization_ratio`.
+    #[serde(with = "humantime_serde")]
+    pub utilization_window: Duration,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct RawLimits {
     pub max_series: usize,
     pub max_services: u32,
+    /// Thread pools over all services (each holds ~2 kB per CPU in the kernel).
+    pub max_pools: u32,
     pub watched_processes: u32,
+    /// Threads of watched processes followed at once.
+    pub threads: u32,
     pub connections: u32,
 }
 
@@ -166,8 +184,11 @@ pub struct Settings {
     pub bpf_stats: bool,
     pub max_series: usize,
     pub max_services: u32,
+    pub max_pools: u32,
     pub watched_processes: u32,
+    pub threads: u32,
     pub connections: u32,
+    pub utilization_window: Duration,
     /// Empty: auto-discover every process with a listening TCP socket.
     pub targets: Vec<TargetRule>,
 }
@@ -294,6 +315,15 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
     )?;
     positive("limits.connections", raw.limits.connections.into())?;
     positive("limits.max_services", raw.limits.max_services.into())?;
+    positive("limits.max_pools", raw.limits.max_pools.into())?;
+    positive("limits.threads", raw.limits.threads.into())?;
+    if raw.pools.utilization_window < Duration::from_secs(1) {
+        return Err(invalid(
+            figment,
+            "pools.utilization_window",
+            "must be at least 1s (pools are sampled every second)",
+        ));
+    }
     if raw.limits.max_services > poolscope_shared::MAX_SERVICES {
         return Err(invalid(
             figment,
@@ -316,8 +346,11 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         bpf_stats: raw.probes.bpf_stats,
         max_series: raw.limits.max_series,
         max_services: raw.limits.max_services,
+        max_pools: raw.limits.max_pools,
         watched_processes: raw.limits.watched_processes,
+        threads: raw.limits.threads,
         connections: raw.limits.connections,
+        utilization_window: raw.pools.utilization_window,
         targets,
     })
 }

@@ -11,17 +11,21 @@ use std::{
     time::{Duration, Instant},
 };
 
-use poolscope_shared::ProcessEvent;
+use poolscope_shared::{ProcessEvent, ProcessEventKind};
 use tokio::sync::Notify;
 
 use crate::{
-    collect::{SelfStats, ServiceInput, self_families, service_families, service_listeners},
+    collect::{
+        PoolInput, SelfStats, ServiceInput, pool_families, self_families, service_families,
+        service_listeners,
+    },
     config::Settings,
     discovery,
     encode::{Family, cap_series},
     kernel::{Kernel, Probe, Readout},
+    pools::{self, COMPONENTS, Pools, sum_of},
     procfs, sockdiag,
-    targets::{Targets, monotonic_ns},
+    targets::{Targets, WatchChange, monotonic_ns},
     web::Gatherer,
     window::Windows,
 };
@@ -32,7 +36,24 @@ const QUANTILE_WINDOW: Duration = Duration::from_secs(60);
 struct Shared {
     kernel: Kernel,
     targets: Targets,
+    pools: Pools,
     windows: Windows,
+}
+
+impl Shared {
+    /// Brings the thread pools in step with the watched set.
+    fn follow_watch_changes(&mut self) {
+        for change in self.targets.take_changes() {
+            match change {
+                WatchChange::Watched { pid, service } => {
+                    self.pools.follow_process(&mut self.kernel, pid, service);
+                }
+                WatchChange::Forgotten { pid } => {
+                    self.pools.forget_process(&mut self.kernel, pid);
+                }
+            }
+        }
+    }
 }
 
 pub struct Exporter {
@@ -60,10 +81,16 @@ impl Exporter {
         let probes = kernel.probes().to_vec();
         let procfs_root = settings.procfs_root.clone();
         let targets = Targets::new(procfs_root.clone(), settings.max_services);
+        let pools = Pools::new(
+            procfs_root.clone(),
+            settings.max_pools,
+            settings.utilization_window,
+        );
         Self {
             shared: Mutex::new(Shared {
                 kernel,
                 targets,
+                pools,
                 windows: Windows::new(QUANTILE_WINDOW),
             }),
             settings: RwLock::new(Arc::new(settings)),
@@ -100,6 +127,7 @@ impl Exporter {
 
     /// Takes new settings (SIGHUP); the next rescan applies the new targets.
     pub fn replace_settings(&self, settings: Settings) {
+        self.lock().pools.set_window(settings.utilization_window);
         let mut current = self.settings.write().unwrap_or_else(|p| p.into_inner());
         *current = Arc::new(settings);
     }
@@ -118,7 +146,33 @@ impl Exporter {
             kernel, targets, ..
         } = &mut *shared;
         targets.apply(kernel, &snapshot, &assignments, started_ns);
+        shared.follow_watch_changes();
+        let Shared {
+            kernel,
+            targets,
+            pools,
+            ..
+        } = &mut *shared;
+        pools.sync(kernel, &targets.service_ids());
         Ok(())
+    }
+
+    /// Samples every pool's totals for the utilization window, and names threads the
+    /// kernel started following since the last sample.
+    pub fn sample_pools(&self) {
+        let mut shared = self.lock();
+        let Shared {
+            kernel,
+            targets,
+            pools,
+            ..
+        } = &mut *shared;
+        pools.sync(kernel, &targets.service_ids());
+        let mut readout = Readout::default();
+        match kernel.read_pools(&pools.ids(), &mut readout) {
+            Ok(()) => pools.sample(Instant::now(), &pools::totals(&readout)),
+            Err(error) => tracing::warn!(%error, "reading pool stats failed"),
+        }
     }
 
     /// Applies process events. An unwatched process that exec'd is checked against the
@@ -127,11 +181,20 @@ impl Exporter {
         let mut execs: Vec<u32> = {
             let mut shared = self.lock();
             let Shared {
-                kernel, targets, ..
+                kernel,
+                targets,
+                pools,
+                ..
             } = &mut *shared;
             events
                 .iter()
-                .filter_map(|event| targets.on_event(kernel, event))
+                .filter_map(|event| {
+                    if event.kind == ProcessEventKind::ThreadRenamed as u32 {
+                        pools.renamed(kernel, event.pid, event.service);
+                        return None;
+                    }
+                    targets.on_event(kernel, event)
+                })
                 .collect()
         };
         let settings = self.settings();
@@ -161,6 +224,7 @@ impl Exporter {
         for assignment in &assignments {
             targets.add(kernel, assignment);
         }
+        shared.follow_watch_changes();
     }
 }
 
@@ -170,9 +234,11 @@ impl Gatherer for Exporter {
         let mut collectors = Vec::new();
 
         let started = Instant::now();
-        let (services, kernel, windows, owners, backend, targets_stats) = {
+        let (services, kernel, windows, owners, backend, targets_stats, pool_rows) = {
             let mut shared = self.lock();
-            let kernel = shared.kernel.read(&shared.targets.service_ids());
+            let kernel = shared
+                .kernel
+                .read(&shared.targets.service_ids(), &shared.pools.ids());
             if let Err(error) = &kernel {
                 tracing::warn!(%error, "reading kernel maps failed");
             }
@@ -188,6 +254,17 @@ impl Gatherer for Exporter {
                 let live: Vec<u32> = kernel.request_times.keys().copied().collect();
                 shared.windows.retain(&live);
             }
+            let mut pool_totals = kernel.as_ref().map(pools::totals).unwrap_or_default();
+            let pool_rows: Vec<_> = shared
+                .pools
+                .views()
+                .into_iter()
+                .filter_map(|view| {
+                    let totals = pool_totals.remove(&view.id)?;
+                    let utilization = shared.pools.utilization(view.id, &totals);
+                    Some((view, totals, utilization))
+                })
+                .collect();
             (
                 services,
                 kernel.ok(),
@@ -199,6 +276,7 @@ impl Gatherer for Exporter {
                     shared.targets.watch_errors,
                     shared.targets.listen_port_errors,
                 ),
+                pool_rows,
             )
         };
         collectors.push(("kernel", started.elapsed().as_secs_f64(), kernel.is_some()));
@@ -233,6 +311,13 @@ impl Gatherer for Exporter {
         let readout = kernel.as_ref().unwrap_or(&no_readout);
         let no_counters = Default::default();
         let no_times = Default::default();
+        let mut components: BTreeMap<u32, [u64; COMPONENTS.len()]> = BTreeMap::new();
+        for (view, totals, _) in &pool_rows {
+            let sums = components.entry(view.service).or_default();
+            for (sum, (_, activities)) in sums.iter_mut().zip(COMPONENTS) {
+                *sum += sum_of(&totals.request_ns, activities);
+            }
+        }
         let inputs: Vec<ServiceInput<'_>> = services
             .iter()
             .map(|view| ServiceInput {
@@ -240,9 +325,26 @@ impl Gatherer for Exporter {
                 counters: readout.services.get(&view.id).unwrap_or(&no_counters),
                 times: readout.request_times.get(&view.id).unwrap_or(&no_times),
                 window: windows.get(&view.id).unwrap_or(&no_times),
+                components: components.get(&view.id).copied().unwrap_or_default(),
             })
             .collect();
         let mut families = service_families(backend, &inputs, &readout.syscalls, &listeners);
+        let service_names: BTreeMap<u32, &str> = services
+            .iter()
+            .map(|view| (view.id, view.name.as_str()))
+            .collect();
+        let pool_inputs: Vec<PoolInput<'_>> = pool_rows
+            .iter()
+            .filter_map(|(view, totals, utilization)| {
+                Some(PoolInput {
+                    service: service_names.get(&view.service)?,
+                    pool: &view.name,
+                    totals,
+                    utilization: *utilization,
+                })
+            })
+            .collect();
+        families.extend(pool_families(&pool_inputs));
         let dropped = cap_series(&mut families, settings.max_series);
         let series_dropped = self.series_dropped.fetch_add(dropped, Ordering::Relaxed) + dropped;
         let (services_refused, watch_errors, listen_port_errors) = targets_stats;

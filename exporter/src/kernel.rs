@@ -10,9 +10,11 @@ use aya::{
     programs::{ProgramError, RawTracePoint, TracePoint},
 };
 use poolscope_shared::{
-    Conn, LossSource, PendingCall, Phase, ProcessEvent, RequestTimes, ServiceCounters, SyscallSlot,
-    Watched, conn_key_tgid, maps, syscall_counter_index,
+    Conn, LossSource, PendingCall, Phase, PoolStats, ProcessEvent, RequestTimes, ServiceCounters,
+    SyscallSlot, Thread, WaitClass, Watched, conn_key_tgid, maps, syscall_counter_index,
 };
+
+use crate::btf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -37,6 +39,10 @@ pub enum KernelError {
     },
     #[error("map {map}: {source}")]
     Map { map: &'static str, source: MapError },
+    #[error("reading the kernel's BTF (/sys/kernel/btf/vmlinux): {0}")]
+    BtfFile(std::io::Error),
+    #[error("the kernel's BTF: {0}")]
+    Btf(#[from] btf::BtfError),
 }
 
 /// Map update flag of include/uapi/linux/bpf.h: insert only if the key is absent.
@@ -82,6 +88,13 @@ const PROCESS_ATTACHMENTS: [Attachment; 3] = [
     tracepoint("process_fork", "task", "task_newtask"),
     tracepoint("process_exec", "sched", "sched_process_exec"),
     tracepoint("process_exit", "sched", "sched_process_exit"),
+];
+
+/// Thread states: attached with either backend.
+const THREAD_ATTACHMENTS: [Attachment; 3] = [
+    raw_tracepoint("sched_switch", "sched", "sched_switch"),
+    raw_tracepoint("sched_wakeup", "sched", "sched_wakeup"),
+    tracepoint("process_rename", "task", "task_rename"),
 ];
 
 const SOCKET_ATTACHMENTS: [Attachment; 4] = [
@@ -149,6 +162,53 @@ fn syscall_number(slot: SyscallSlot) -> Option<libc::c_long> {
     }
 }
 
+/// futex_wait(2), 455 on every architecture since 6.7; libc has no name for it yet.
+const SYS_FUTEX_WAIT: libc::c_long = 455;
+
+/// What a thread blocked in each syscall waits for (DESIGN §3).
+fn wait_classes() -> Vec<(libc::c_long, WaitClass)> {
+    let mut classes = vec![
+        (libc::SYS_epoll_pwait, WaitClass::Idle),
+        (libc::SYS_epoll_pwait2, WaitClass::Idle),
+        (libc::SYS_ppoll, WaitClass::Idle),
+        (libc::SYS_pselect6, WaitClass::Idle),
+        (libc::SYS_accept4, WaitClass::Idle),
+        (libc::SYS_io_uring_enter, WaitClass::Idle),
+        (libc::SYS_futex, WaitClass::Futex),
+        (libc::SYS_futex_waitv, WaitClass::Futex),
+        (SYS_FUTEX_WAIT, WaitClass::Futex),
+        (libc::SYS_nanosleep, WaitClass::Sleep),
+        (libc::SYS_clock_nanosleep, WaitClass::Sleep),
+    ];
+    classes.extend(
+        [
+            libc::SYS_read,
+            libc::SYS_readv,
+            libc::SYS_recvfrom,
+            libc::SYS_recvmsg,
+            libc::SYS_recvmmsg,
+            libc::SYS_write,
+            libc::SYS_writev,
+            libc::SYS_sendto,
+            libc::SYS_sendmsg,
+            libc::SYS_sendmmsg,
+            libc::SYS_sendfile,
+            libc::SYS_splice,
+            libc::SYS_connect,
+        ]
+        .map(|number| (number, WaitClass::Network)),
+    );
+    // The older calls that newer architectures only have in their p/2 forms.
+    #[cfg(target_arch = "x86_64")]
+    classes.extend([
+        (libc::SYS_epoll_wait, WaitClass::Idle),
+        (libc::SYS_poll, WaitClass::Idle),
+        (libc::SYS_select, WaitClass::Idle),
+        (libc::SYS_accept, WaitClass::Idle),
+    ]);
+    classes
+}
+
 /// One probe (program on one tracepoint) and whether it is attached.
 #[derive(Clone, Debug)]
 pub struct Probe {
@@ -163,6 +223,9 @@ pub struct MapSizes {
     pub connections: u32,
     /// Entries of the per-service arrays (each CPU holds a `RequestTimes`, 5.4 kB, per service).
     pub services: u32,
+    /// Entries of the per-pool array (each CPU holds a `PoolStats`, 1.9 kB, per pool).
+    pub pools: u32,
+    pub threads: u32,
 }
 
 /// Loaded and attached kernel programs with their maps.
@@ -176,6 +239,9 @@ pub struct Kernel {
     syscall_counts: PerCpuArray<MapData, u64>,
     service_counters: PerCpuArray<MapData, ServiceCounters>,
     losses: PerCpuArray<MapData, u64>,
+    threads: HashMap<MapData, u32, Thread>,
+    thread_pools: HashMap<MapData, u32, u32>,
+    pool_stats: PerCpuArray<MapData, PoolStats>,
     probes: Vec<Probe>,
     sizes: MapSizes,
     backend: Backend,
@@ -198,6 +264,13 @@ pub struct Readout {
     /// Durations of finished requests per service, since the service id was assigned.
     pub request_times: BTreeMap<u32, RequestTimes>,
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
+    /// Closed intervals of each pool's threads, read before `threads`.
+    pub pools: BTreeMap<u32, PoolStats>,
+    /// CLOCK_MONOTONIC ns between reading `pools` and `threads`: the end of each
+    /// thread's open interval.
+    pub threads_read_ns: u64,
+    /// The watched threads: tid, state, pool (if named).
+    pub threads: Vec<(u32, Thread, Option<u32>)>,
     pub losses: Vec<(LossSource, u64)>,
     pub maps: Vec<MapFill>,
     pub programs: Vec<ProgramStats>,
@@ -281,15 +354,21 @@ impl Kernel {
     ) -> Result<(Self, ProcessEvents), KernelError> {
         ensure_tracefs()?;
         let group_dead_offset = exit_group_dead_offset();
+        let vmlinux = std::fs::read("/sys/kernel/btf/vmlinux").map_err(KernelError::BtfFile)?;
+        let task_pid_offset = btf::member_offset(&vmlinux, "task_struct", "pid")?;
         if group_dead_offset == 0 {
             tracing::info!("sched_process_exit has no group_dead: a process ends with its leader");
         }
         let mut ebpf = EbpfLoader::new()
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
+            .override_global("TASK_PID_OFFSET", &task_pid_offset, true)
             .map_max_entries(maps::WATCHED, sizes.watched_processes)
             .map_max_entries(maps::CONNS, sizes.connections)
             .map_max_entries(maps::SERVICE_COUNTERS, sizes.services)
             .map_max_entries(maps::REQUEST_TIMES, sizes.services)
+            .map_max_entries(maps::POOL_STATS, sizes.pools)
+            .map_max_entries(maps::THREADS, sizes.threads)
+            .map_max_entries(maps::THREAD_POOLS, sizes.threads)
             .load(aya::include_bytes_aligned!(concat!(
                 env!("OUT_DIR"),
                 "/poolscope"
@@ -307,6 +386,16 @@ impl Kernel {
             }
         }
 
+        let mut classes: Array<_, u32> = take(&mut ebpf, maps::WAIT_CLASSES)?;
+        for (number, class) in wait_classes() {
+            classes
+                .set(number as u32, class as u32, 0)
+                .map_err(|source| KernelError::Map {
+                    map: maps::WAIT_CLASSES,
+                    source,
+                })?;
+        }
+
         let stats = if bpf_stats {
             match aya::sys::enable_stats(aya::sys::Stats::RunTime) {
                 Ok(fd) => Some(fd),
@@ -320,7 +409,11 @@ impl Kernel {
         };
 
         let mut probes = Vec::new();
-        for attachment in PROCESS_ATTACHMENTS.iter().chain(backend.attachments()) {
+        let attachments = PROCESS_ATTACHMENTS
+            .iter()
+            .chain(&THREAD_ATTACHMENTS)
+            .chain(backend.attachments());
+        for attachment in attachments {
             let program = ebpf
                 .program_mut(attachment.program)
                 .ok_or(KernelError::MissingProgram(attachment.program))?;
@@ -363,6 +456,9 @@ impl Kernel {
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
             service_counters: take(&mut ebpf, maps::SERVICE_COUNTERS)?,
             losses: take(&mut ebpf, maps::LOSSES)?,
+            threads: take(&mut ebpf, maps::THREADS)?,
+            thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
+            pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
             ebpf,
             probes,
             sizes,
@@ -473,6 +569,69 @@ impl Kernel {
             .collect()
     }
 
+    /// Follows a thread found running (not created while watched): its first entry,
+    /// unless its creation or an earlier look made one already.
+    pub fn follow_thread(&mut self, tid: u32, thread: Thread) -> Result<(), MapError> {
+        match self.threads.insert(tid, thread, BPF_NOEXIST) {
+            Err(MapError::SyscallError(error))
+                if error.io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// Puts thread `tid` in pool `pool` from now on.
+    pub fn set_thread_pool(&mut self, tid: u32, pool: u32) -> Result<(), MapError> {
+        self.thread_pools.insert(tid, pool, 0)
+    }
+
+    /// Stops following a thread of a process no longer watched.
+    pub fn forget_thread(&mut self, tid: u32) {
+        // Either may be gone already (the thread exited).
+        let _ = self.threads.remove(&tid);
+        let _ = self.thread_pools.remove(&tid);
+    }
+
+    /// Every followed thread.
+    pub fn thread_entries(&self) -> Vec<(u32, Thread)> {
+        self.threads.iter().filter_map(Result::ok).collect()
+    }
+
+    /// Zeroes the stats of a pool id before it is reused for another pool.
+    pub fn reset_pool(&mut self, pool: u32) -> Result<(), MapError> {
+        let zeros = PerCpuValues::try_from(vec![PoolStats::default(); self.cpus])?;
+        self.pool_stats.set(pool, zeros, 0)
+    }
+
+    /// Reads the stats of `pools` and then every followed thread (in that order:
+    /// the kernel updates a thread before its pool, so a transition between the two
+    /// reads is missed once, never counted twice).
+    pub fn read_pools(&self, pools: &[u32], readout: &mut Readout) -> Result<(), KernelError> {
+        for &pool in pools {
+            let per_cpu = self
+                .pool_stats
+                .get(&pool, 0)
+                .map_err(|source| KernelError::Map {
+                    map: maps::POOL_STATS,
+                    source,
+                })?;
+            let mut total = PoolStats::default();
+            for cpu in per_cpu.iter() {
+                total.add(cpu);
+            }
+            readout.pools.insert(pool, total);
+        }
+        readout.threads_read_ns = crate::targets::monotonic_ns();
+        readout.threads = self
+            .thread_entries()
+            .into_iter()
+            .map(|(tid, thread)| (tid, thread, self.thread_pools.get(&tid, 0).ok()))
+            .collect();
+        Ok(())
+    }
+
     /// Zeroes the counters of a service id before it is reused for another service.
     pub fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
         let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;
@@ -487,8 +646,9 @@ impl Kernel {
         Ok(())
     }
 
-    /// Reads the counters of `services` and the exporter's own kernel-side health.
-    pub fn read(&self, services: &[u32]) -> Result<Readout, KernelError> {
+    /// Reads the counters of `services` and `pools` and the exporter's own
+    /// kernel-side health.
+    pub fn read(&self, services: &[u32], pools: &[u32]) -> Result<Readout, KernelError> {
         let map_error = |map| move |source| KernelError::Map { map, source };
         let mut readout = Readout {
             watched: self
@@ -531,6 +691,7 @@ impl Kernel {
                 readout.syscalls.insert((service, slot.name()), calls);
             }
         }
+        self.read_pools(pools, &mut readout)?;
         for source in LossSource::ALL {
             let lost: u64 = self
                 .losses
@@ -555,6 +716,11 @@ impl Kernel {
                 name: maps::PENDING_CALLS,
                 entries: self.pending_calls.keys().filter(Result::is_ok).count() as u64,
                 capacity: poolscope_shared::PENDING_CALLS_CAPACITY,
+            },
+            MapFill {
+                name: maps::THREADS,
+                entries: readout.threads.len() as u64,
+                capacity: self.sizes.threads,
             },
             MapFill {
                 name: maps::LISTEN_PORTS,

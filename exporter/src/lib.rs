@@ -2,12 +2,14 @@
 //! of every network service on a Linux host, from eBPF. `run` wires the pieces:
 //! config → kernel programs → discovery → HTTP, plus signals (SIGHUP reloads,
 //! SIGTERM/SIGINT stop and detach every probe).
+pub mod btf;
 pub mod collect;
 pub mod config;
 pub mod discovery;
 pub mod encode;
 pub mod exporter;
 pub mod kernel;
+pub mod pools;
 pub mod procfs;
 pub mod sockdiag;
 pub mod targets;
@@ -77,6 +79,8 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
         watched_processes: settings.watched_processes,
         connections: settings.connections,
         services: settings.max_services,
+        pools: settings.max_pools,
+        threads: settings.threads,
     };
     let backend = choose_backend(settings.backend)?;
     let (kernel, events) = Kernel::load(sizes, backend, settings.bpf_stats)?;
@@ -94,6 +98,7 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     let rescan_now = exporter.rescan_trigger();
     tokio::spawn(rescan_loop(exporter.clone(), rescan_now.clone()));
     tokio::spawn(event_loop(exporter.clone(), events));
+    tokio::spawn(pool_sample_loop(exporter.clone()));
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     spawn_signal_thread(exporter.clone(), overrides, log, rescan_now, shutdown_tx)?;
@@ -111,6 +116,19 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     drop(exporter);
     tracing::info!(probes, "stopped; probes detached");
     Ok(())
+}
+
+/// Samples pool totals for the utilization window.
+async fn pool_sample_loop(exporter: Arc<Exporter>) {
+    let mut ticks = tokio::time::interval(pools::SAMPLE_INTERVAL);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let worker = exporter.clone();
+        if let Err(error) = tokio::task::spawn_blocking(move || worker.sample_pools()).await {
+            tracing::error!(%error, "pool sampling panicked");
+        }
+    }
 }
 
 async fn rescan_loop(exporter: Arc<Exporter>, trigger: Arc<Notify>) {
@@ -223,6 +241,8 @@ fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) {
                     "limits.watched_processes",
                     settings.watched_processes != current.watched_processes,
                 ),
+                ("limits.max_pools", settings.max_pools != current.max_pools),
+                ("limits.threads", settings.threads != current.threads),
                 (
                     "limits.connections",
                     settings.connections != current.connections,

@@ -36,6 +36,8 @@ pub struct ProcSnapshot {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stat {
     pub comm: String,
+    /// Field 3: R (running or runnable), S (interruptible sleep), D (uninterruptible), …
+    pub state: char,
     pub ppid: u32,
     pub start_time: u64,
 }
@@ -48,10 +50,12 @@ pub fn parse_stat(content: &str) -> Option<Stat> {
     let comm = content.get(open + 1..close)?.to_owned();
     // After ") " come field 3 (state), 4 (ppid), ... 22 (starttime).
     let mut fields = content.get(close + 1..)?.split_ascii_whitespace();
-    let ppid = fields.nth(1)?.parse().ok()?;
+    let state = fields.next()?.chars().next()?;
+    let ppid = fields.next()?.parse().ok()?;
     let start_time = fields.nth(17)?.parse().ok()?;
     Some(Stat {
         comm,
+        state,
         ppid,
         start_time,
     })
@@ -201,6 +205,39 @@ pub fn blocked_syscalls(root: &Path, pid: u32) -> Vec<(u32, u64)> {
         .collect()
 }
 
+/// A thread of a process as `/proc/<pid>/task/<tid>/stat` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Task {
+    pub tid: u32,
+    pub comm: String,
+    pub state: char,
+}
+
+/// The threads of `pid` (empty if it vanished; threads that exit mid-read are skipped).
+pub fn tasks(root: &Path, pid: u32) -> Vec<Task> {
+    let Ok(entries) = fs::read_dir(root.join(pid.to_string()).join("task")) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|entry| {
+            let tid = entry.file_name().to_str()?.parse().ok()?;
+            let stat = parse_stat(&fs::read_to_string(entry.path().join("stat")).ok()?)?;
+            Some(Task {
+                tid,
+                comm: stat.comm,
+                state: stat.state,
+            })
+        })
+        .collect()
+}
+
+/// The name of thread `tid` of any process (`/proc/<tid>` resolves for every tid).
+pub fn thread_comm(root: &Path, tid: u32) -> Option<String> {
+    let comm = fs::read_to_string(root.join(tid.to_string()).join("comm")).ok()?;
+    Some(comm.trim_end_matches('\n').to_owned())
+}
+
 /// Scans every process under `root` with its listening sockets. Listening sockets are
 /// read once per network namespace, through a process inside it.
 pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
@@ -261,6 +298,7 @@ mod tests {
             parse_stat(content),
             Some(Stat {
                 comm: "my (odd) name".into(),
+                state: 'S',
                 ppid: 17,
                 start_time: 987654
             })

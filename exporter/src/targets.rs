@@ -83,9 +83,19 @@ pub struct Purged {
     pub serving: u64,
 }
 
+/// A change of the watched set that the thread pools follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WatchChange {
+    /// User space started watching `pid` (its existing threads need following).
+    Watched { pid: u32, service: u32 },
+    /// User space stopped watching `pid`, which may still run.
+    Forgotten { pid: u32 },
+}
+
 #[derive(Debug)]
 pub struct Targets {
     ids: ServiceIds,
+    changes: Vec<WatchChange>,
     processes: HashMap<u32, Tracked>,
     purged: HashMap<u32, Purged>,
     /// Listening socket inode → service name, from the last scan.
@@ -117,6 +127,7 @@ impl Targets {
                 max: max_services,
                 ..ServiceIds::default()
             },
+            changes: Vec::new(),
             processes: HashMap::new(),
             purged: HashMap::new(),
             listeners: HashMap::new(),
@@ -240,6 +251,7 @@ impl Targets {
             return;
         }
         kernel.adopt_blocked_accepts(&procfs::blocked_syscalls(&self.procfs_root, pid));
+        self.changes.push(WatchChange::Watched { pid, service });
         self.processes.insert(
             pid,
             Tracked {
@@ -254,7 +266,13 @@ impl Targets {
         if let Some(tracked) = self.processes.remove(&pid) {
             kernel.unwatch(pid, tracked.since_ns);
             self.purge(kernel, pid, tracked.since_ns);
+            self.changes.push(WatchChange::Forgotten { pid });
         }
+    }
+
+    /// The changes since the last call, oldest first.
+    pub fn take_changes(&mut self) -> Vec<WatchChange> {
+        std::mem::take(&mut self.changes)
     }
 
     fn purge(&mut self, kernel: &mut Kernel, pid: u32, since_ns: u64) {

@@ -28,10 +28,25 @@ pub mod maps {
     pub const LOSSES: &str = "LOSSES";
     /// ring buffer of [`crate::ProcessEvent`].
     pub const PROCESS_EVENTS: &str = "PROCESS_EVENTS";
+    /// tid (u32) → [`crate::Thread`]: the threads of watched processes and what each
+    /// is doing since when. Written by the kernel only (user space inserts a thread
+    /// it finds already running, once).
+    pub const THREADS: &str = "THREADS";
+    /// tid (u32) → pool id: user space names pools; a new thread starts in its
+    /// creator's pool until user space reads its name.
+    pub const THREAD_POOLS: &str = "THREAD_POOLS";
+    /// per-CPU array, index pool id → [`crate::PoolStats`].
+    pub const POOL_STATS: &str = "POOL_STATS";
+    /// syscall number (index) → [`crate::WaitClass`] as u32, filled by user space.
+    pub const WAIT_CLASSES: &str = "WAIT_CLASSES";
 }
 
 /// Capacity of the per-service arrays; service ids are `0..MAX_SERVICES`.
 pub const MAX_SERVICES: u32 = 1024;
+/// Default capacity of the per-pool array; pool ids are `0..` its size.
+pub const MAX_POOLS: u32 = 1024;
+/// Default capacity of [`maps::THREADS`] and [`maps::THREAD_POOLS`].
+pub const MAX_THREADS: u32 = 65536;
 /// Capacity of [`maps::PENDING_CALLS`]: at most one entry per thread inside a syscall.
 pub const PENDING_CALLS_CAPACITY: u32 = 16384;
 /// Capacity of [`maps::LISTEN_PORTS`].
@@ -115,6 +130,10 @@ pub struct Conn {
     /// were not read yet (0 if none): on loopback the next request can arrive before
     /// the tracepoint of the write that answered this one has run.
     pub next_arrive_ns: u64,
+    /// The watched thread whose read started the current request (0 if none): it is
+    /// serving until the response begins (see [`Thread::serving`]).
+    pub server_tid: u32,
+    pub _pad: u32,
 }
 
 /// Value of [`maps::PENDING_CALLS`].
@@ -269,6 +288,166 @@ pub struct RequestTimes {
     pub latency: Histogram,
 }
 
+/// What a thread is doing (DESIGN §3), as an index into [`PoolStats::time_ns`]. The
+/// off-CPU activities are the `offcpu_seconds_total` reasons; the thread states are
+/// their sums: `blocked_lock` = `OffLock`, `idle` = `OffIdle`, `blocked_io` = the rest.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activity {
+    Running = 0,
+    /// Woken or preempted, waiting for a CPU.
+    Runnable,
+    /// A futex wait while serving a request.
+    OffLock,
+    /// Uninterruptible sleep (disk, page faults).
+    OffDisk,
+    /// Waiting in a socket or pipe read or write while serving.
+    OffNetwork,
+    /// nanosleep / clock_nanosleep while serving.
+    OffSleep,
+    /// Waiting for work: epoll, poll, select, accept, io_uring, or any wait while
+    /// holding no request.
+    OffIdle,
+    /// Any other wait while serving.
+    OffOther,
+}
+
+impl Activity {
+    pub const COUNT: usize = 8;
+    pub const ALL: [Activity; 8] = [
+        Self::Running,
+        Self::Runnable,
+        Self::OffLock,
+        Self::OffDisk,
+        Self::OffNetwork,
+        Self::OffSleep,
+        Self::OffIdle,
+        Self::OffOther,
+    ];
+
+    pub const fn from_u32(value: u32) -> Self {
+        match value {
+            0 => Self::Running,
+            1 => Self::Runnable,
+            2 => Self::OffLock,
+            3 => Self::OffDisk,
+            4 => Self::OffNetwork,
+            5 => Self::OffSleep,
+            6 => Self::OffIdle,
+            _ => Self::OffOther,
+        }
+    }
+
+    /// Off CPU (blocked, not waiting for a CPU).
+    pub const fn is_off_cpu(self) -> bool {
+        !matches!(self, Self::Running | Self::Runnable)
+    }
+
+    /// Busy = everything but waiting for work.
+    pub const fn is_busy(self) -> bool {
+        !matches!(self, Self::OffIdle)
+    }
+
+    /// The activity of a thread that blocks in a syscall of class `wait`.
+    pub const fn blocked(wait: WaitClass, serving: bool, uninterruptible: bool) -> Self {
+        if uninterruptible {
+            return Self::OffDisk;
+        }
+        match wait {
+            WaitClass::Idle => Self::OffIdle,
+            _ if !serving => Self::OffIdle,
+            WaitClass::Futex => Self::OffLock,
+            WaitClass::Network => Self::OffNetwork,
+            WaitClass::Sleep => Self::OffSleep,
+            WaitClass::Other => Self::OffOther,
+        }
+    }
+}
+
+/// What a thread waits for in a syscall, by syscall number ([`maps::WAIT_CLASSES`]).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitClass {
+    /// Not classified (table default).
+    Other = 0,
+    /// Waiting for work whatever the thread holds: epoll, poll, select, accept,
+    /// io_uring_enter.
+    Idle,
+    /// futex, futex_wait, futex_waitv: a lock when serving, the pool's queue otherwise.
+    Futex,
+    /// Socket and pipe reads and writes.
+    Network,
+    /// nanosleep, clock_nanosleep.
+    Sleep,
+}
+
+impl WaitClass {
+    pub const fn from_u32(value: u32) -> Self {
+        match value {
+            1 => Self::Idle,
+            2 => Self::Futex,
+            3 => Self::Network,
+            4 => Self::Sleep,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// Value of [`maps::THREADS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Thread {
+    pub service: u32,
+    /// [`Activity`] as u32, since `since_ns`.
+    pub activity: u32,
+    /// Requests this thread started (read) whose response has not begun: while it is
+    /// above 0 the thread is serving, and its time also goes to the requests'
+    /// components, once per request it holds.
+    pub serving: u32,
+    pub _pad: u32,
+    pub since_ns: u64,
+    /// This thread's time on CPU and in the run queue, closed intervals only
+    /// (`/debug/threads`, comparable with /proc/<pid>/task/<tid>/schedstat).
+    pub running_ns: u64,
+    pub runnable_ns: u64,
+}
+
+/// Value of [`maps::POOL_STATS`]: closed intervals of the pool's threads. User space
+/// adds each live thread's open interval at read time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Thread time per [`Activity`].
+    pub time_ns: [u64; Activity::COUNT],
+    /// Request time per [`Activity`] of the thread serving it, once per request held.
+    pub request_ns: [u64; Activity::COUNT],
+    /// Run-queue waits (runnable → on CPU).
+    pub runqueue: Histogram,
+}
+
+impl Default for PoolStats {
+    fn default() -> Self {
+        Self {
+            time_ns: [0; Activity::COUNT],
+            request_ns: [0; Activity::COUNT],
+            runqueue: Histogram::default(),
+        }
+    }
+}
+
+impl PoolStats {
+    /// Element-wise sum (per-CPU values to one).
+    pub fn add(&mut self, other: &Self) {
+        for (sum, value) in self.time_ns.iter_mut().zip(other.time_ns) {
+            *sum += value;
+        }
+        for (sum, value) in self.request_ns.iter_mut().zip(other.request_ns) {
+            *sum += value;
+        }
+        self.runqueue.add(&other.runqueue);
+    }
+}
+
 /// The correlated syscalls we count, as a dense index.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -386,15 +565,18 @@ pub enum LossSource {
     WatchedFull,
     /// The process-event ring buffer was full.
     ProcessEvents,
+    /// A [`maps::THREADS`] or [`maps::THREAD_POOLS`] insert for a new thread failed.
+    ThreadsFull,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 4;
-    pub const ALL: [LossSource; 4] = [
+    pub const COUNT: u32 = 5;
+    pub const ALL: [LossSource; 5] = [
         Self::ConnsFull,
         Self::PendingCallsFull,
         Self::WatchedFull,
         Self::ProcessEvents,
+        Self::ThreadsFull,
     ];
 }
 
@@ -408,6 +590,8 @@ pub enum ProcessEventKind {
     Exec = 2,
     /// The last thread of a watched process exited; it is already out of [`maps::WATCHED`].
     Exit = 3,
+    /// A watched thread changed its name (`pid` is its tid): its pool may change.
+    ThreadRenamed = 4,
 }
 
 /// Sent through [`maps::PROCESS_EVENTS`]; rare (process lifecycle only).
@@ -433,10 +617,16 @@ mod pod {
     unsafe impl aya::Pod for super::ServiceCounters {}
     unsafe impl aya::Pod for super::ProcessEvent {}
     unsafe impl aya::Pod for super::RequestTimes {}
+    unsafe impl aya::Pod for super::Thread {}
+    unsafe impl aya::Pod for super::PoolStats {}
 }
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
-const _: () = assert!(core::mem::size_of::<Conn>() == 48);
+const _: () = assert!(core::mem::size_of::<Conn>() == 56);
+const _: () = assert!(core::mem::size_of::<Thread>() == 40);
+const _: () = assert!(
+    core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + (HISTOGRAM_BUCKETS + 1) * 8
+);
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 16);
 const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 56);
 const _: () = assert!(core::mem::size_of::<Histogram>() == (HISTOGRAM_BUCKETS + 1) * 8);
@@ -464,6 +654,28 @@ mod tests {
         }
         assert_eq!(histogram_bucket(u64::MAX), HISTOGRAM_BUCKETS - 1);
         assert!(histogram_bucket_bounds(HISTOGRAM_BUCKETS - 1).0 > 60_000_000_000);
+    }
+
+    #[test]
+    fn blocked_threads_are_classified_by_wait_and_request() {
+        use Activity::*;
+        // Waiting for work whatever the thread holds.
+        assert_eq!(Activity::blocked(WaitClass::Idle, true, false), OffIdle);
+        // A futex is the pool's queue when idle, a lock when serving.
+        assert_eq!(Activity::blocked(WaitClass::Futex, false, false), OffIdle);
+        assert_eq!(Activity::blocked(WaitClass::Futex, true, false), OffLock);
+        assert_eq!(
+            Activity::blocked(WaitClass::Network, true, false),
+            OffNetwork
+        );
+        assert_eq!(Activity::blocked(WaitClass::Network, false, false), OffIdle);
+        assert_eq!(Activity::blocked(WaitClass::Sleep, true, false), OffSleep);
+        assert_eq!(Activity::blocked(WaitClass::Other, true, false), OffOther);
+        // Uninterruptible sleep is disk whether serving or not.
+        assert_eq!(Activity::blocked(WaitClass::Idle, false, true), OffDisk);
+        for activity in Activity::ALL {
+            assert_eq!(Activity::from_u32(activity as u32), activity);
+        }
     }
 
     #[test]

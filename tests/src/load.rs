@@ -1,12 +1,18 @@
-//! A closed-loop load generator for `poolserver`: each client sends a request, waits
-//! for the response, and sends the next at once, on one connection (keep-alive) or a
-//! new one per request. Counts what completed and how long each took, client side.
+//! Load generators for the test servers (`req\n` answered by `ok\n`).
+//!
+//! [`ClosedLoop`], for `poolserver`: each client sends a request, waits for the
+//! response, and sends the next at once, on one connection (keep-alive) or a new one
+//! per request. Counts what completed and how long each took, client side.
+//!
+//! [`OpenLoop`], for `threadpool`: requests arrive at a fixed rate whether or not the
+//! server keeps up, one connection each, so a slow pool builds a queue as it would in
+//! production instead of slowing its clients down.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::TcpStream,
     sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
+        Arc, Barrier, OnceLock,
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -102,6 +108,151 @@ impl ClosedLoop {
             total.completed += stats.completed;
             total.per_client.push(stats.completed);
             total.latencies.extend(stats.latencies);
+        }
+        Ok(total)
+    }
+}
+
+/// What an [`OpenLoop`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpenLoopStats {
+    /// Requests whose connection was attempted (`answered + errors`).
+    pub sent: u64,
+    /// Requests answered `ok\n`.
+    pub answered: u64,
+    /// Requests that failed: refused, reset, timed out or answered otherwise.
+    pub errors: u64,
+    /// From the first scheduled arrival to `stop`: `sent` is about rate × elapsed.
+    pub elapsed: Duration,
+    /// Requests sent more than [`OpenLoop::LATE`] after their scheduled time, because
+    /// every sender was still busy with an earlier request: the arrivals were not the
+    /// rate asked for.
+    pub late: u64,
+}
+
+/// Paced arrivals: request k is due at start + k / rate, whoever sends it. Each
+/// sender thread claims the next k, sleeps until it is due, and sends it on a new
+/// connection; `senders` bounds the requests in flight.
+pub struct OpenLoop {
+    stop: Arc<AtomicBool>,
+    start: Arc<OnceLock<Instant>>,
+    senders: Vec<JoinHandle<OpenLoopStats>>,
+    /// Why nothing was started, reported by `stop`.
+    invalid: Option<String>,
+}
+
+/// How long a sender waits for a response; a stuck server must not hang `stop`.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest single sleep of a sender, so that `stop` is not kept waiting for a
+/// request due far in the future.
+const STOP_CHECK: Duration = Duration::from_millis(20);
+
+fn open_loop_request(port: u16) -> anyhow::Result<()> {
+    let stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(RESPONSE_TIMEOUT))?;
+    stream.set_write_timeout(Some(RESPONSE_TIMEOUT))?;
+    one_request(&mut BufReader::new(stream), &mut String::new())
+}
+
+fn sender(
+    port: u16,
+    rate_per_second: f64,
+    next: &AtomicU64,
+    stop: &AtomicBool,
+    start: Instant,
+) -> OpenLoopStats {
+    let mut stats = OpenLoopStats::default();
+    while !stop.load(Ordering::Relaxed) {
+        let k = next.fetch_add(1, Ordering::Relaxed);
+        let due = start + Duration::from_secs_f64(k as f64 / rate_per_second);
+        loop {
+            let now = Instant::now();
+            if now >= due || stop.load(Ordering::Relaxed) {
+                break;
+            }
+            std::thread::sleep((due - now).min(STOP_CHECK));
+        }
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        if Instant::now().saturating_duration_since(due) > OpenLoop::LATE {
+            stats.late += 1;
+        }
+        stats.sent += 1;
+        match open_loop_request(port) {
+            Ok(()) => stats.answered += 1,
+            Err(_) => stats.errors += 1,
+        }
+    }
+    stats
+}
+
+impl OpenLoop {
+    /// How far behind schedule a request may be sent before it counts as late.
+    pub const LATE: Duration = Duration::from_millis(5);
+
+    /// Starts sending `rate_per_second` requests a second to 127.0.0.1:`port` from
+    /// `senders` threads. A rate that is not positive and finite, or no senders, sends
+    /// nothing, and `stop` says so.
+    pub fn start(port: u16, rate_per_second: f64, senders: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let start = Arc::new(OnceLock::new());
+        if !(rate_per_second.is_finite() && rate_per_second > 0.0) || senders == 0 {
+            return Self {
+                stop,
+                start,
+                senders: Vec::new(),
+                invalid: Some(format!(
+                    "OpenLoop needs a positive rate and senders, got {rate_per_second}/s and {senders}"
+                )),
+            };
+        }
+        let next = Arc::new(AtomicU64::new(0));
+        // The schedule starts once every sender runs, so that spawning them does not
+        // make the first requests late.
+        let ready = Arc::new(Barrier::new(senders + 1));
+        let handles = (0..senders)
+            .map(|_| {
+                let (next, stop, start, ready) =
+                    (next.clone(), stop.clone(), start.clone(), ready.clone());
+                std::thread::spawn(move || {
+                    ready.wait();
+                    let start = *start.get_or_init(Instant::now);
+                    sender(port, rate_per_second, &next, &stop, start)
+                })
+            })
+            .collect();
+        start.get_or_init(Instant::now);
+        ready.wait();
+        Self {
+            stop,
+            start,
+            senders: handles,
+            invalid: None,
+        }
+    }
+
+    /// Stops scheduling, lets each request in flight finish, and sums what was done.
+    pub fn stop(self) -> anyhow::Result<OpenLoopStats> {
+        self.stop.store(true, Ordering::Relaxed);
+        let elapsed = self.start.get().map(Instant::elapsed).unwrap_or_default();
+        if let Some(invalid) = self.invalid {
+            anyhow::bail!(invalid);
+        }
+        let mut total = OpenLoopStats {
+            elapsed,
+            ..OpenLoopStats::default()
+        };
+        for sender in self.senders {
+            let stats = sender
+                .join()
+                .map_err(|_| anyhow::anyhow!("a sender thread panicked"))?;
+            total.sent += stats.sent;
+            total.answered += stats.answered;
+            total.errors += stats.errors;
+            total.late += stats.late;
         }
         Ok(total)
     }

@@ -1,0 +1,105 @@
+//! Scheduler events (raw tracepoints `sched_switch`, `sched_wakeup`): the on-CPU,
+//! run-queue and off-CPU intervals of watched threads, with what each waits for.
+//!
+//! Raw tracepoints because these run on every context switch of the host: no record
+//! is built, and a thread we do not watch costs a failed lookup in `THREADS` (two per
+//! switch, one per wakeup). A task's tid is read from its `task_struct` at the offset
+//! user space found in the kernel's BTF. What a blocking thread waits for comes from
+//! the syscall it is in (its saved registers) and from whether it holds a request.
+use aya_ebpf::{
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_probe_read_kernel, bpf_task_pt_regs,
+    },
+    macros::raw_tracepoint,
+    programs::RawTracePointContext,
+};
+use poolscope_shared::{Activity, WaitClass};
+
+use crate::{
+    maps::WAIT_CLASSES,
+    requests::now_ns,
+    syscalls::NUMBER_OFFSET,
+    threads::{self, thread},
+};
+
+/// Offset of `pid` (the tid) in `struct task_struct`, from /sys/kernel/btf/vmlinux.
+#[unsafe(no_mangle)]
+static TASK_PID_OFFSET: u32 = 0;
+
+/// `prev_state` bit of a task in uninterruptible sleep (include/linux/sched.h).
+const TASK_UNINTERRUPTIBLE: u32 = 0x2;
+/// The state bits that say how a task sleeps; the rest are modifiers.
+const TASK_STATE_MASK: u32 = 0xff;
+
+#[inline(always)]
+fn task_tid(task: *const u8) -> Result<u32, i64> {
+    // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
+    let offset = unsafe { core::ptr::read_volatile(&TASK_PID_OFFSET) };
+    // SAFETY: `task` is the kernel's task_struct of this event; the helper checks the read.
+    let pid: i32 = unsafe { bpf_probe_read_kernel(task.add(offset as usize).cast::<i32>())? };
+    Ok(pid as u32)
+}
+
+/// sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next,
+/// unsigned int prev_state); runs on the CPU, in the context of `prev`.
+#[raw_tracepoint(tracepoint = "sched_switch")]
+pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
+    match try_sched_switch(&ctx) {
+        Ok(()) | Err(_) => 0,
+    }
+}
+
+fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
+    let now = now_ns();
+    let prev_tid = bpf_get_current_pid_tgid() as u32;
+    if let Some(prev) = thread(prev_tid) {
+        let preempt: u64 = ctx.arg(0);
+        let prev_state: u64 = ctx.arg(3);
+        let state = prev_state as u32 & TASK_STATE_MASK;
+        let next = if preempt & 1 != 0 || state == 0 {
+            Activity::Runnable
+        } else {
+            Activity::blocked(
+                current_wait_class(),
+                prev.serving > 0,
+                state & TASK_UNINTERRUPTIBLE != 0,
+            )
+        };
+        threads::switched_out(prev_tid, prev, next, now);
+    }
+    let next: *const u8 = ctx.arg(2);
+    threads::switched_in(task_tid(next)?, now);
+    Ok(())
+}
+
+/// What the current thread waits for: the class of the syscall it is in.
+#[inline(always)]
+fn current_wait_class() -> WaitClass {
+    // SAFETY: the current task is valid while its program runs; the helper returns
+    // its saved user registers (0 if none).
+    let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const u8;
+    if regs.is_null() {
+        return WaitClass::Other;
+    }
+    // SAFETY: the helper checks the read.
+    let Ok(number) = (unsafe { bpf_probe_read_kernel(regs.add(NUMBER_OFFSET).cast::<u64>()) })
+    else {
+        return WaitClass::Other;
+    };
+    // Outside a syscall (a fault) the number is -1 or an error code; the table's
+    // default for those is Other.
+    match WAIT_CLASSES.get(number as u32) {
+        Some(class) => WaitClass::from_u32(*class),
+        None => WaitClass::Other,
+    }
+}
+
+/// sched_wakeup(struct task_struct *p)
+#[raw_tracepoint(tracepoint = "sched_wakeup")]
+pub fn sched_wakeup(ctx: RawTracePointContext) -> i32 {
+    let task: *const u8 = ctx.arg(0);
+    if let Ok(tid) = task_tid(task) {
+        threads::woken(tid, now_ns());
+    }
+    0
+}

@@ -1,0 +1,134 @@
+//! The thread state machine of DESIGN §3, fed by `sched.rs` (switches and wakeups)
+//! and by the request state machine (a thread starts or stops serving). Each watched
+//! thread's entry in `THREADS` holds its [`Activity`] since when; leaving an activity
+//! closes the interval into the per-CPU stats of the thread's pool, and, while the
+//! thread holds requests, into their components too.
+use aya_ebpf::helpers::bpf_get_current_pid_tgid;
+use poolscope_shared::{Activity, PoolStats, Thread, histogram_bucket};
+
+use crate::maps::{POOL_STATS, THREAD_POOLS, THREADS};
+
+/// A thread holding more requests than this is miscounted (a lost end); the cap
+/// keeps one such thread from multiplying its time without bound.
+const MAX_SERVING: u32 = 4096;
+
+/// The entry of a watched thread.
+#[inline(always)]
+pub fn thread(tid: u32) -> Option<&'static mut Thread> {
+    // SAFETY: entries are updated by the events of their own thread, which do not
+    // run concurrently, and by cross-CPU events (wakeups, a request ended by another
+    // thread) whose rare races cost one interval at most.
+    THREADS
+        .get_ptr_mut(tid)
+        .map(|thread| unsafe { &mut *thread })
+}
+
+/// Ends the current interval of `thread` at `now` and starts `next`. Returns the
+/// length of the interval that ended.
+#[inline(always)]
+pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) -> u64 {
+    let elapsed = now.saturating_sub(thread.since_ns);
+    let activity = Activity::from_u32(thread.activity);
+    // The entry first: user space reads the pool stats before the entries, so a
+    // reader between the two updates undercounts by one interval, never overcounts.
+    thread.since_ns = now;
+    thread.activity = next as u32;
+    match activity {
+        Activity::Running => thread.running_ns += elapsed,
+        Activity::Runnable => thread.runnable_ns += elapsed,
+        _ => {}
+    }
+    if let Some(stats) = pool_stats(tid) {
+        let index = activity as usize % Activity::COUNT;
+        stats.time_ns[index] += elapsed;
+        if thread.serving > 0 {
+            stats.request_ns[index] += elapsed * u64::from(thread.serving);
+        }
+    }
+    elapsed
+}
+
+/// This CPU's stats of the pool of `tid`.
+#[inline(always)]
+fn pool_stats(tid: u32) -> Option<&'static mut PoolStats> {
+    // SAFETY: copied out at once.
+    let pool = unsafe { *THREAD_POOLS.get(tid)? };
+    // SAFETY: per-CPU slot, no other writer while we run on this CPU.
+    POOL_STATS
+        .get_ptr_mut(pool)
+        .map(|stats| unsafe { &mut *stats })
+}
+
+/// `tid` goes on CPU: a run-queue wait ends.
+#[inline(always)]
+pub fn switched_in(tid: u32, now: u64) {
+    let Some(thread) = thread(tid) else {
+        return;
+    };
+    let was = Activity::from_u32(thread.activity);
+    if was == Activity::Running {
+        return;
+    }
+    let waited = change(tid, thread, Activity::Running, now);
+    if was != Activity::Runnable {
+        // Woken without a wakeup we saw (entry made while it slept): no wait to time.
+        return;
+    }
+    if let Some(stats) = pool_stats(tid)
+        && let Some(bucket) = stats.runqueue.buckets.get_mut(histogram_bucket(waited))
+    {
+        *bucket += 1;
+        stats.runqueue.sum_ns += waited;
+    }
+}
+
+/// `tid` (the current thread) goes off CPU, into `next`.
+#[inline(always)]
+pub fn switched_out(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
+    change(tid, thread, next, now);
+}
+
+/// `tid` was woken: it waits for a CPU from now.
+#[inline(always)]
+pub fn woken(tid: u32, now: u64) {
+    let Some(thread) = thread(tid) else {
+        return;
+    };
+    // A wakeup of a thread on CPU or already queued (it was woken before it slept,
+    // or preempted) changes nothing.
+    if Activity::from_u32(thread.activity).is_off_cpu() {
+        change(tid, thread, Activity::Runnable, now);
+    }
+}
+
+/// The current thread read the first bytes of a request: it serves it until the
+/// response begins. Returns its tid if it is watched, else 0.
+#[inline(always)]
+pub fn request_started(now: u64) -> u32 {
+    let tid = bpf_get_current_pid_tgid() as u32;
+    let Some(thread) = thread(tid) else {
+        return 0;
+    };
+    let activity = Activity::from_u32(thread.activity);
+    // Cut the interval so that only its part from now on is the request's.
+    change(tid, thread, activity, now);
+    if thread.serving < MAX_SERVING {
+        thread.serving += 1;
+    }
+    tid
+}
+
+/// The response of a request that `server_tid` started began (from any thread), or
+/// its connection closed.
+#[inline(always)]
+pub fn request_ended(server_tid: u32, now: u64) {
+    if server_tid == 0 {
+        return;
+    }
+    let Some(thread) = thread(server_tid) else {
+        return;
+    };
+    let activity = Activity::from_u32(thread.activity);
+    change(server_tid, thread, activity, now);
+    thread.serving = thread.serving.saturating_sub(1);
+}

@@ -1,0 +1,211 @@
+//! Struct member offsets from the kernel's BTF (/sys/kernel/btf/vmlinux): the kernel
+//! programs read a few `task_struct` fields through raw pointers, and aya-ebpf has no
+//! CO-RE, so user space finds each offset here and passes it in at load time. Only
+//! what that needs is parsed: the type section's records, to skip them, and struct
+//! members by name.
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BtfError {
+    #[error("not BTF data (bad magic or truncated header)")]
+    Header,
+    #[error("truncated type record at byte {0}")]
+    Truncated(usize),
+    #[error("unknown BTF type kind {kind} at byte {at}")]
+    UnknownKind { kind: u32, at: usize },
+    #[error("struct {0} not found")]
+    NoStruct(String),
+    #[error("struct {strukt} has no member {member}")]
+    NoMember { strukt: String, member: String },
+    #[error("member {0} is a bitfield")]
+    Bitfield(String),
+}
+
+const MAGIC: u16 = 0xeb9f;
+const KIND_STRUCT: u32 = 4;
+
+fn u32_at(data: &[u8], at: usize) -> Option<u32> {
+    let bytes = data.get(at..at + 4)?;
+    Some(u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
+}
+
+fn name_at(strings: &[u8], offset: u32) -> &[u8] {
+    let rest = strings.get(offset as usize..).unwrap_or_default();
+    let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+    &rest[..end]
+}
+
+/// Bytes that follow a type record's 12-byte head, by kind (include/uapi/linux/btf.h).
+fn trailer_len(kind: u32, vlen: usize) -> Option<usize> {
+    Some(match kind {
+        // int: one u32 of encoding; var, decl_tag: one u32.
+        1 | 14 | 17 => 4,
+        // ptr, fwd, typedef, volatile, const, restrict, func, float, type_tag
+        2 | 7 | 8 | 9 | 10 | 11 | 12 | 16 | 18 => 0,
+        // array: element type, index type, count
+        3 => 12,
+        // struct, union: members of (name, type, offset); datasec: (type, offset, size);
+        // enum64: (name, lo32, hi32)
+        4 | 5 | 15 | 19 => 12 * vlen,
+        // enum: (name, value); func_proto: (name, type)
+        6 | 13 => 8 * vlen,
+        _ => return None,
+    })
+}
+
+/// The byte offset of `member` in `struct strukt`, from raw little-endian BTF.
+pub fn member_offset(btf: &[u8], strukt: &str, member: &str) -> Result<u32, BtfError> {
+    if btf.len() < 24 || u16::from_le_bytes([btf[0], btf[1]]) != MAGIC {
+        return Err(BtfError::Header);
+    }
+    let header = |at| u32_at(btf, at).ok_or(BtfError::Header);
+    let header_len = header(4)? as usize;
+    let (type_off, type_len) = (header(8)? as usize, header(12)? as usize);
+    let (str_off, str_len) = (header(16)? as usize, header(20)? as usize);
+    let types = btf
+        .get(header_len + type_off..header_len + type_off + type_len)
+        .ok_or(BtfError::Header)?;
+    let strings = btf
+        .get(header_len + str_off..header_len + str_off + str_len)
+        .ok_or(BtfError::Header)?;
+
+    let mut at = 0;
+    while at < types.len() {
+        let (Some(name), Some(info)) = (u32_at(types, at), u32_at(types, at + 4)) else {
+            return Err(BtfError::Truncated(at));
+        };
+        let kind = (info >> 24) & 0x1f;
+        let vlen = (info & 0xffff) as usize;
+        let bitfield_offsets = info >> 31 == 1;
+        let trailer = trailer_len(kind, vlen).ok_or(BtfError::UnknownKind { kind, at })?;
+        let members = at + 12;
+        if kind == KIND_STRUCT && name_at(strings, name) == strukt.as_bytes() {
+            for index in 0..vlen {
+                let record = members + 12 * index;
+                let (Some(member_name), Some(offset)) =
+                    (u32_at(types, record), u32_at(types, record + 8))
+                else {
+                    return Err(BtfError::Truncated(record));
+                };
+                if name_at(strings, member_name) != member.as_bytes() {
+                    continue;
+                }
+                // With the kind flag, the top 8 bits are a bitfield size.
+                let (bits, bitfield_size) = if bitfield_offsets {
+                    (offset & 0x00ff_ffff, offset >> 24)
+                } else {
+                    (offset, 0)
+                };
+                if bitfield_size != 0 || bits % 8 != 0 {
+                    return Err(BtfError::Bitfield(member.to_owned()));
+                }
+                return Ok(bits / 8);
+            }
+            return Err(BtfError::NoMember {
+                strukt: strukt.to_owned(),
+                member: member.to_owned(),
+            });
+        }
+        at = members + trailer;
+    }
+    Err(BtfError::NoStruct(strukt.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A BTF blob with `int` and `struct task { int a; int pid; }` (plus a union and
+    /// an enum to skip), built as the kernel lays it out.
+    fn fixture() -> Vec<u8> {
+        let strings = b"\0int\0task\0a\0pid\0u\0e\0x\0";
+        let name = |s: &str| {
+            let needle = format!("\0{s}\0");
+            strings
+                .windows(needle.len())
+                .position(|w| w == needle.as_bytes())
+                .map_or(0, |p| p as u32 + 1)
+        };
+        let mut types = Vec::new();
+        let mut push = |values: &[u32]| {
+            for value in values {
+                types.extend_from_slice(&value.to_le_bytes());
+            }
+        };
+        // [1] int: name, info (kind 1), size, encoding
+        push(&[name("int"), 1 << 24, 4, 32]);
+        // [2] union u { int x; }
+        push(&[name("u"), (5 << 24) | 1, 4, name("x"), 1, 0]);
+        // [3] enum e { x = 0 }
+        push(&[name("e"), (6 << 24) | 1, 4, name("x"), 0]);
+        // [4] struct task { int a; int pid; }: offsets in bits
+        push(&[
+            name("task"),
+            (4 << 24) | 2,
+            8,
+            name("a"),
+            1,
+            0,
+            name("pid"),
+            1,
+            32,
+        ]);
+        let mut blob = Vec::new();
+        blob.extend_from_slice(&MAGIC.to_le_bytes());
+        blob.extend_from_slice(&[1, 0]);
+        for value in [
+            24,
+            0,
+            types.len() as u32,
+            types.len() as u32,
+            strings.len() as u32,
+        ] {
+            blob.extend_from_slice(&value.to_le_bytes());
+        }
+        blob.extend_from_slice(&types);
+        blob.extend_from_slice(strings);
+        blob
+    }
+
+    #[test]
+    fn finds_a_member_after_skipping_other_kinds() {
+        let blob = fixture();
+        assert_eq!(member_offset(&blob, "task", "pid"), Ok(4));
+        assert_eq!(member_offset(&blob, "task", "a"), Ok(0));
+        assert_eq!(
+            member_offset(&blob, "task", "tgid"),
+            Err(BtfError::NoMember {
+                strukt: "task".into(),
+                member: "tgid".into()
+            })
+        );
+        assert_eq!(
+            member_offset(&blob, "mm", "pid"),
+            Err(BtfError::NoStruct("mm".into()))
+        );
+    }
+
+    #[test]
+    fn refuses_garbage_and_truncation() {
+        assert_eq!(
+            member_offset(b"not btf at all, no", "a", "b"),
+            Err(BtfError::Header)
+        );
+        let mut blob = fixture();
+        // Cut the string section short: the header now points past the end.
+        blob.truncate(blob.len() - 3);
+        assert_eq!(member_offset(&blob, "task", "pid"), Err(BtfError::Header));
+    }
+
+    #[test]
+    fn this_kernels_task_struct_when_readable() {
+        // Ground truth is the kernel's own BTF; skipped where it is not exposed.
+        let Ok(vmlinux) = std::fs::read("/sys/kernel/btf/vmlinux") else {
+            eprintln!("skipped: /sys/kernel/btf/vmlinux not readable");
+            return;
+        };
+        let pid = member_offset(&vmlinux, "task_struct", "pid");
+        let tgid = member_offset(&vmlinux, "task_struct", "tgid");
+        // pid_t pid; pid_t tgid; are adjacent in every kernel since 2.6.
+        assert!(matches!((pid, tgid), (Ok(p), Ok(t)) if t == p + 4));
+    }
+}

@@ -1,0 +1,481 @@
+//! Thread pools (DESIGN §3): the pool of each followed thread, named by its
+//! normalized thread name within its service, and the dense pool ids the kernel
+//! counts by; the reduction of the kernel's per-pool stats plus each live thread's
+//! open interval into pool totals; and the sliding window of `pool_utilization_ratio`.
+//! The kernel follows threads by itself once a process is watched; user space only
+//! names them (when first seen and when renamed) and follows the threads a process
+//! already had when it started being watched.
+use std::{
+    collections::{BTreeMap, HashMap, HashSet, VecDeque},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use poolscope_shared::{Activity, Histogram, PoolStats, Thread};
+
+use crate::{
+    kernel::{Kernel, Readout},
+    procfs,
+    targets::monotonic_ns,
+};
+
+/// `thread_seconds_total{state}`: the thread states of DESIGN §3 as sums of activities.
+pub const STATES: [(&str, &[Activity]); 5] = [
+    ("running", &[Activity::Running]),
+    ("runnable", &[Activity::Runnable]),
+    ("blocked_lock", &[Activity::OffLock]),
+    (
+        "blocked_io",
+        &[
+            Activity::OffDisk,
+            Activity::OffNetwork,
+            Activity::OffSleep,
+            Activity::OffOther,
+        ],
+    ),
+    ("idle", &[Activity::OffIdle]),
+];
+
+/// `offcpu_seconds_total{reason}`.
+pub const REASONS: [(&str, Activity); 6] = [
+    ("lock", Activity::OffLock),
+    ("disk", Activity::OffDisk),
+    ("network", Activity::OffNetwork),
+    ("sleep", Activity::OffSleep),
+    ("idle", Activity::OffIdle),
+    ("other", Activity::OffOther),
+];
+
+/// `request_time_seconds_total{component}` besides `queue`: what the serving thread
+/// did. `other` is time it waited for no reason of the request's own (an event loop
+/// in epoll with the request in hand, or an unclassified wait).
+pub const COMPONENTS: [(&str, &[Activity]); 5] = [
+    ("running", &[Activity::Running]),
+    ("runnable", &[Activity::Runnable]),
+    ("lock", &[Activity::OffLock]),
+    (
+        "io",
+        &[Activity::OffDisk, Activity::OffNetwork, Activity::OffSleep],
+    ),
+    ("other", &[Activity::OffIdle, Activity::OffOther]),
+];
+
+/// The sum of `values` over `activities`.
+pub fn sum_of(values: &[u64; Activity::COUNT], activities: &[Activity]) -> u64 {
+    activities.iter().map(|a| values[*a as usize]).sum()
+}
+
+/// How often pool totals are sampled for the utilization window.
+pub const SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The pool name of a thread: its name without trailing digits and separators
+/// (`http-nio-8080-exec-12` → `http-nio-8080-exec`); a name that is all digits and
+/// separators stays as it is.
+pub fn normalize_thread_name(comm: &str) -> String {
+    let trimmed = comm.trim_end_matches(|c: char| {
+        c.is_ascii_digit() || matches!(c, '-' | '_' | '.' | ':' | '#' | '/' | ' ')
+    });
+    if trimmed.is_empty() {
+        comm.to_owned()
+    } else {
+        trimmed.to_owned()
+    }
+}
+
+/// What a thread found already running is doing, from its /proc state letter. It
+/// holds no request we saw start, so any wait but uninterruptible sleep is idle.
+pub fn initial_activity(state: char) -> Activity {
+    match state {
+        'R' => Activity::Runnable,
+        'D' => Activity::OffDisk,
+        _ => Activity::OffIdle,
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct PoolKey {
+    service: u32,
+    name: String,
+}
+
+/// A pool as the scrape sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolView {
+    pub id: u32,
+    pub service: u32,
+    pub name: String,
+}
+
+/// One pool's numbers at one instant: closed intervals plus the live threads' open ones.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PoolTotals {
+    /// Thread time per [`Activity`].
+    pub time_ns: [u64; Activity::COUNT],
+    /// Request time per [`Activity`] of the serving thread.
+    pub request_ns: [u64; Activity::COUNT],
+    pub runqueue: Histogram,
+    pub threads: u64,
+    pub threads_busy: u64,
+}
+
+impl PoolTotals {
+    pub fn busy_ns(&self) -> u64 {
+        self.total_ns() - self.time_ns[Activity::OffIdle as usize]
+    }
+
+    pub fn total_ns(&self) -> u64 {
+        self.time_ns.iter().sum()
+    }
+}
+
+/// Per-pool totals of a readout: the kernel's closed intervals, plus for each live
+/// thread the interval it is in, up to when the threads were read.
+pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
+    let mut totals: BTreeMap<u32, PoolTotals> = readout
+        .pools
+        .iter()
+        .map(|(pool, stats)| (*pool, from_stats(stats)))
+        .collect();
+    for (_, thread, pool) in &readout.threads {
+        let Some(pool_totals) = pool.and_then(|pool| totals.get_mut(&pool)) else {
+            continue;
+        };
+        let activity = Activity::from_u32(thread.activity);
+        let open = readout.threads_read_ns.saturating_sub(thread.since_ns);
+        pool_totals.time_ns[activity as usize] += open;
+        pool_totals.request_ns[activity as usize] += open * u64::from(thread.serving);
+        pool_totals.threads += 1;
+        if activity.is_busy() {
+            pool_totals.threads_busy += 1;
+        }
+    }
+    totals
+}
+
+fn from_stats(stats: &PoolStats) -> PoolTotals {
+    PoolTotals {
+        time_ns: stats.time_ns,
+        request_ns: stats.request_ns,
+        runqueue: stats.runqueue,
+        threads: 0,
+        threads_busy: 0,
+    }
+}
+
+/// A thread's time on CPU and in the run queue up to `now_ns`, open interval included
+/// (comparable with schedstat fields 1 and 2).
+pub fn thread_times(thread: &Thread, now_ns: u64) -> (u64, u64) {
+    let open = now_ns.saturating_sub(thread.since_ns);
+    match Activity::from_u32(thread.activity) {
+        Activity::Running => (thread.running_ns + open, thread.runnable_ns),
+        Activity::Runnable => (thread.running_ns, thread.runnable_ns + open),
+        _ => (thread.running_ns, thread.runnable_ns),
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Sample {
+    at: Instant,
+    busy_ns: u64,
+    total_ns: u64,
+}
+
+#[derive(Debug)]
+pub struct Pools {
+    names: Vec<Option<PoolKey>>,
+    by_key: HashMap<PoolKey, u32>,
+    max: u32,
+    /// tid → the pool we put it in; threads not here are named at the next sync.
+    named: HashMap<u32, u32>,
+    history: HashMap<u32, VecDeque<Sample>>,
+    window: Duration,
+    procfs_root: PathBuf,
+    /// Threads left in their creator's pool because `limits.max_pools` was reached.
+    pub pools_refused: u64,
+    /// Inserts into `THREADS`/`THREAD_POOLS` that failed (map full).
+    pub thread_errors: u64,
+}
+
+impl Pools {
+    pub fn new(procfs_root: PathBuf, max_pools: u32, window: Duration) -> Self {
+        Self {
+            names: Vec::new(),
+            by_key: HashMap::new(),
+            max: max_pools,
+            named: HashMap::new(),
+            history: HashMap::new(),
+            window,
+            procfs_root,
+            pools_refused: 0,
+            thread_errors: 0,
+        }
+    }
+
+    pub fn set_window(&mut self, window: Duration) {
+        self.window = window;
+    }
+
+    fn get_or_allocate(&mut self, kernel: &mut Kernel, key: PoolKey) -> Option<u32> {
+        if let Some(&id) = self.by_key.get(&key) {
+            return Some(id);
+        }
+        let id = match self.names.iter().position(Option::is_none) {
+            Some(free) => free as u32,
+            None if (self.names.len() as u32) < self.max => {
+                self.names.push(None);
+                self.names.len() as u32 - 1
+            }
+            None => return None,
+        };
+        // A reused id starts from zero.
+        if let Err(error) = kernel.reset_pool(id) {
+            tracing::warn!(id, %error, "cannot reset the stats of a pool");
+            return None;
+        }
+        self.names[id as usize] = Some(key.clone());
+        self.by_key.insert(key, id);
+        Some(id)
+    }
+
+    /// Puts `tid` of `service` in the pool its name says.
+    fn name_thread(&mut self, kernel: &mut Kernel, tid: u32, service: u32, comm: &str) {
+        let key = PoolKey {
+            service,
+            name: normalize_thread_name(comm),
+        };
+        let Some(pool) = self.get_or_allocate(kernel, key) else {
+            self.pools_refused += 1;
+            tracing::warn!(
+                tid,
+                comm,
+                "limits.max_pools reached; thread left in its creator's pool"
+            );
+            // Do not try again at every sync.
+            self.named.insert(tid, u32::MAX);
+            return;
+        };
+        if self.named.get(&tid) == Some(&pool) {
+            return;
+        }
+        match kernel.set_thread_pool(tid, pool) {
+            Ok(()) => {
+                self.named.insert(tid, pool);
+            }
+            Err(error) => {
+                self.thread_errors += 1;
+                tracing::warn!(tid, %error, "cannot set the pool of a thread");
+            }
+        }
+    }
+
+    /// Follows the threads `pid` already has when it starts being watched.
+    pub fn follow_process(&mut self, kernel: &mut Kernel, pid: u32, service: u32) {
+        let now = monotonic_ns();
+        for task in procfs::tasks(&self.procfs_root, pid) {
+            let thread = Thread {
+                service,
+                activity: initial_activity(task.state) as u32,
+                serving: 0,
+                _pad: 0,
+                since_ns: now,
+                running_ns: 0,
+                runnable_ns: 0,
+            };
+            if let Err(error) = kernel.follow_thread(task.tid, thread) {
+                self.thread_errors += 1;
+                tracing::warn!(tid = task.tid, %error, "cannot follow thread");
+                continue;
+            }
+            self.name_thread(kernel, task.tid, service, &task.comm);
+        }
+    }
+
+    /// Stops following the threads of `pid`, which is no longer watched.
+    pub fn forget_process(&mut self, kernel: &mut Kernel, pid: u32) {
+        for task in procfs::tasks(&self.procfs_root, pid) {
+            kernel.forget_thread(task.tid);
+            self.named.remove(&task.tid);
+        }
+    }
+
+    /// A followed thread changed its name.
+    pub fn renamed(&mut self, kernel: &mut Kernel, tid: u32, service: u32) {
+        if let Some(comm) = procfs::thread_comm(&self.procfs_root, tid) {
+            self.name_thread(kernel, tid, service, &comm);
+        }
+    }
+
+    /// Names the threads the kernel started following by itself, forgets the ones it
+    /// dropped, and drops threads of services that are gone.
+    pub fn sync(&mut self, kernel: &mut Kernel, live_services: &[u32]) {
+        let live: HashSet<u32> = live_services.iter().copied().collect();
+        let threads = kernel.thread_entries();
+        let present: HashSet<u32> = threads.iter().map(|(tid, _)| *tid).collect();
+        self.named.retain(|tid, _| present.contains(tid));
+        for (tid, thread) in threads {
+            if !live.contains(&thread.service) {
+                kernel.forget_thread(tid);
+                continue;
+            }
+            if self.named.contains_key(&tid) {
+                continue;
+            }
+            if let Some(comm) = procfs::thread_comm(&self.procfs_root, tid) {
+                self.name_thread(kernel, tid, thread.service, &comm);
+            }
+        }
+        // Pools of services that are gone free their ids.
+        for (id, slot) in self.names.iter_mut().enumerate() {
+            if let Some(key) = slot
+                && !live.contains(&key.service)
+            {
+                self.by_key.remove(key);
+                self.history.remove(&(id as u32));
+                *slot = None;
+            }
+        }
+    }
+
+    /// Ids of every pool.
+    pub fn ids(&self) -> Vec<u32> {
+        (0..self.names.len() as u32)
+            .filter(|id| self.names[*id as usize].is_some())
+            .collect()
+    }
+
+    pub fn views(&self) -> Vec<PoolView> {
+        self.names
+            .iter()
+            .enumerate()
+            .filter_map(|(id, key)| {
+                let key = key.as_ref()?;
+                Some(PoolView {
+                    id: id as u32,
+                    service: key.service,
+                    name: key.name.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// Records the pools' busy and total thread time at `at`.
+    pub fn sample(&mut self, at: Instant, totals: &BTreeMap<u32, PoolTotals>) {
+        for (pool, totals) in totals {
+            let history = self.history.entry(*pool).or_default();
+            history.push_back(Sample {
+                at,
+                busy_ns: totals.busy_ns(),
+                total_ns: totals.total_ns(),
+            });
+            // Keep one sample at least a window old: the base of the ratio.
+            while history
+                .get(1)
+                .is_some_and(|next| at.duration_since(next.at) >= self.window)
+            {
+                history.pop_front();
+            }
+        }
+    }
+
+    /// Busy share of the pool's thread time over the last window (or since the first
+    /// sample, when younger), given its totals now.
+    pub fn utilization(&self, pool: u32, now: &PoolTotals) -> Option<f64> {
+        let base = self.history.get(&pool)?.front()?;
+        let total = now.total_ns().checked_sub(base.total_ns)?;
+        let busy = now.busy_ns().saturating_sub(base.busy_ns);
+        (total > 0).then(|| busy as f64 / total as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_names_lose_trailing_numbers_and_separators() {
+        assert_eq!(
+            normalize_thread_name("http-nio-8080-exec-12"),
+            "http-nio-8080-exec"
+        );
+        assert_eq!(normalize_thread_name("worker-3"), "worker");
+        assert_eq!(normalize_thread_name("pool-1-thread-2"), "pool-1-thread");
+        assert_eq!(normalize_thread_name("gunicorn"), "gunicorn");
+        assert_eq!(normalize_thread_name("V8Worker"), "V8Worker");
+        assert_eq!(normalize_thread_name("tokio-rt-w#7"), "tokio-rt-w");
+        assert_eq!(normalize_thread_name("1234"), "1234");
+    }
+
+    fn thread(activity: Activity, since_ns: u64, serving: u32) -> Thread {
+        Thread {
+            service: 0,
+            activity: activity as u32,
+            serving,
+            _pad: 0,
+            since_ns,
+            running_ns: 0,
+            runnable_ns: 0,
+        }
+    }
+
+    #[test]
+    fn totals_add_open_intervals_to_closed_ones() {
+        let mut stats = PoolStats::default();
+        stats.time_ns[Activity::Running as usize] = 100;
+        stats.time_ns[Activity::OffIdle as usize] = 50;
+        stats.request_ns[Activity::Running as usize] = 80;
+        let readout = Readout {
+            pools: BTreeMap::from([(7, stats)]),
+            threads_read_ns: 1_000,
+            threads: vec![
+                (1, thread(Activity::Running, 900, 2), Some(7)),
+                (2, thread(Activity::OffIdle, 400, 0), Some(7)),
+                // Not named yet: not in any pool.
+                (3, thread(Activity::Running, 0, 0), None),
+            ],
+            ..Readout::default()
+        };
+        let pool = &totals(&readout)[&7];
+        assert_eq!(pool.time_ns[Activity::Running as usize], 200);
+        assert_eq!(pool.time_ns[Activity::OffIdle as usize], 650);
+        // Serving two requests: the open 100 ns count for each.
+        assert_eq!(pool.request_ns[Activity::Running as usize], 280);
+        assert_eq!((pool.threads, pool.threads_busy), (2, 1));
+        assert_eq!((pool.busy_ns(), pool.total_ns()), (200, 850));
+    }
+
+    #[test]
+    fn utilization_over_the_window_only() {
+        let mut pools = Pools::new(PathBuf::from("/proc"), 4, Duration::from_secs(10));
+        let start = Instant::now();
+        // One thread: busy for 20 s, then idle, sampled every second.
+        let at_second = |second: u64| {
+            let mut totals = PoolTotals::default();
+            totals.time_ns[Activity::Running as usize] = second.min(20) * 1_000;
+            totals.time_ns[Activity::OffIdle as usize] = second.saturating_sub(20) * 1_000;
+            totals
+        };
+        for second in 0..=15 {
+            pools.sample(
+                start + Duration::from_secs(second),
+                &BTreeMap::from([(0, at_second(second))]),
+            );
+        }
+        assert_eq!(pools.utilization(0, &at_second(15)), Some(1.0));
+        for second in 16..=25 {
+            pools.sample(
+                start + Duration::from_secs(second),
+                &BTreeMap::from([(0, at_second(second))]),
+            );
+        }
+        // The window is 15..25 s: 5 s busy, 5 s idle.
+        assert_eq!(pools.utilization(0, &at_second(25)), Some(0.5));
+        for second in 26..=30 {
+            pools.sample(
+                start + Duration::from_secs(second),
+                &BTreeMap::from([(0, at_second(second))]),
+            );
+        }
+        assert_eq!(pools.utilization(0, &at_second(30)), Some(0.0));
+        assert_eq!(pools.utilization(1, &at_second(30)), None);
+    }
+}
