@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use poolscope_shared::{ProcessEvent, ProcessEventKind};
+use poolscope_shared::{Activity, ProcessEvent, ProcessEventKind};
 use tokio::sync::Notify;
 
 use crate::{
@@ -23,7 +23,7 @@ use crate::{
     discovery,
     encode::{Family, cap_series},
     kernel::{Kernel, Probe, Readout},
-    pools::{self, COMPONENTS, Pools, sum_of},
+    pools::{self, COMPONENTS, PoolView, Pools, sum_of},
     procfs, sockdiag,
     targets::{Targets, WatchChange, monotonic_ns},
     web::Gatherer,
@@ -229,6 +229,37 @@ impl Exporter {
 }
 
 impl Gatherer for Exporter {
+    fn debug_threads(&self) -> String {
+        let shared = self.lock();
+        let mut readout = Readout::default();
+        if let Err(error) = shared.kernel.read_pools(&[], &mut readout) {
+            return format!("reading threads failed: {error}\n");
+        }
+        let pools: BTreeMap<u32, PoolView> = shared
+            .pools
+            .views()
+            .into_iter()
+            .map(|view| (view.id, view))
+            .collect();
+        let mut text = String::from(
+            "tid\tservice\tpool\tactivity\tserving\trunning_seconds\trunnable_seconds\n",
+        );
+        for (tid, thread, pool) in &readout.threads {
+            let (running_ns, runnable_ns) = pools::thread_times(thread, readout.threads_read_ns);
+            let pool = pool.and_then(|id| pools.get(&id));
+            let service = shared.targets.service_name(thread.service).unwrap_or("-");
+            text.push_str(&format!(
+                "{tid}\t{service}\t{}\t{:?}\t{}\t{:.9}\t{:.9}\n",
+                pool.map_or("-", |p| p.name.as_str()),
+                Activity::from_u32(thread.activity),
+                thread.serving,
+                running_ns as f64 / 1e9,
+                runnable_ns as f64 / 1e9,
+            ));
+        }
+        text
+    }
+
     fn gather(&self) -> Vec<Family> {
         let settings = self.settings();
         let mut collectors = Vec::new();

@@ -356,7 +356,11 @@ impl Targets {
         }
     }
 
-    /// Live services with their process counts.
+    /// The name of a service id in use.
+    pub fn service_name(&self, id: u32) -> Option<&str> {
+        self.ids.name(id)
+    }
+
     /// Ids of every service that has an id now (some may have no live process).
     pub fn service_ids(&self) -> Vec<u32> {
         (0..self.ids.names.len() as u32)

@@ -1,4 +1,5 @@
-//! HTTP endpoints: `/metrics` (text or OpenMetrics by Accept header) and `/healthz`.
+//! HTTP endpoints: `/metrics` (text or OpenMetrics by Accept header), `/healthz` and
+//! `/debug/threads` (every followed thread, tab-separated).
 //! `app` builds the router so that tests can call it without a socket.
 use std::sync::Arc;
 
@@ -16,12 +17,16 @@ use crate::encode::{Family, Format, render};
 pub trait Gatherer: Send + Sync + 'static {
     /// Blocking: reads kernel maps and netlink.
     fn gather(&self) -> Vec<Family>;
+
+    /// Blocking: one line per followed thread, with a header line.
+    fn debug_threads(&self) -> String;
 }
 
 pub fn app(gatherer: Arc<dyn Gatherer>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/debug/threads", get(debug_threads))
         .route("/", get(|| async { "poolscope: see /metrics\n" }))
         .with_state(gatherer)
 }
@@ -50,6 +55,17 @@ async fn metrics(State(gatherer): State<Arc<dyn Gatherer>>, headers: HeaderMap) 
     }
 }
 
+async fn debug_threads(State(gatherer): State<Arc<dyn Gatherer>>) -> Response {
+    match tokio::task::spawn_blocking(move || gatherer.debug_threads()).await {
+        Ok(body) => body.into_response(),
+        Err(error) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading threads failed: {error}\n"),
+        )
+            .into_response(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use axum::body::Body;
@@ -63,6 +79,10 @@ mod tests {
     impl Gatherer for Fixed {
         fn gather(&self) -> Vec<Family> {
             vec![Family::new("queue_depth", Kind::Gauge, "Depth.").with(&[("service", "a")], 2.0)]
+        }
+
+        fn debug_threads(&self) -> String {
+            "tid\n1\n".to_owned()
         }
     }
 
@@ -114,6 +134,7 @@ mod tests {
     #[tokio::test]
     async fn healthz_and_unknown_paths() {
         assert_eq!(get("/healthz", None).await.0, StatusCode::OK);
+        assert_eq!(get("/debug/threads", None).await.2, "tid\n1\n");
         assert_eq!(get("/nope", None).await.0, StatusCode::NOT_FOUND);
     }
 }

@@ -455,3 +455,108 @@ impl Drop for PoolServer {
         let _ = self.child.wait();
     }
 }
+
+/// A test program of this crate (`threadpool`, `spinners`) that reports on stdout and
+/// runs until its stdin closes; killed when dropped.
+pub struct Program {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Program {
+    pub fn start(name: &str, args: &[String]) -> anyhow::Result<Self> {
+        let mut child = Command::new(bin_dir()?.join(name))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        let stdin = child.stdin.take().context("no stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("no stdout")?);
+        Ok(Self {
+            child,
+            stdin: Some(stdin),
+            stdout,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The rest of the next output line that starts with `prefix` and a space.
+    pub fn line(&mut self, prefix: &str) -> anyhow::Result<String> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if self.stdout.read_line(&mut line)? == 0 {
+                bail!("program ended before printing {prefix:?}");
+            }
+            if let Some(rest) = line.trim_end().strip_prefix(prefix) {
+                return Ok(rest.trim_start().to_owned());
+            }
+        }
+    }
+
+    /// Closes its stdin (the program stops) and returns the line that starts with `prefix`.
+    pub fn finish(&mut self, prefix: &str) -> anyhow::Result<String> {
+        drop(self.stdin.take());
+        self.line(prefix)
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Parses a comma-separated list of tids.
+pub fn parse_tids(list: &str) -> anyhow::Result<Vec<u32>> {
+    list.split(',')
+        .map(|tid| tid.trim().parse().with_context(|| format!("tid {tid:?}")))
+        .collect()
+}
+
+/// /proc/<pid>/task/<tid>/schedstat: (ns on CPU, ns waiting in the run queue).
+pub fn schedstat(pid: u32, tid: u32) -> anyhow::Result<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat"))?;
+    let mut fields = text.split_whitespace().map(str::parse::<u64>);
+    match (fields.next(), fields.next()) {
+        (Some(Ok(running)), Some(Ok(runnable))) => Ok((running, runnable)),
+        _ => bail!("schedstat of {tid}: {text:?}"),
+    }
+}
+
+/// One line of poolscope's `/debug/threads`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ThreadRow {
+    pub tid: u32,
+    pub service: String,
+    pub pool: String,
+    pub activity: String,
+    pub running: f64,
+    pub runnable: f64,
+}
+
+pub fn parse_debug_threads(text: &str) -> anyhow::Result<Vec<ThreadRow>> {
+    text.lines()
+        .skip(1)
+        .map(|line| {
+            let fields: Vec<&str> = line.split('\t').collect();
+            let [tid, service, pool, activity, _serving, running, runnable] = fields[..] else {
+                bail!("/debug/threads line {line:?}");
+            };
+            Ok(ThreadRow {
+                tid: tid.parse()?,
+                service: service.to_owned(),
+                pool: pool.to_owned(),
+                activity: activity.to_owned(),
+                running: running.parse()?,
+                runnable: runnable.parse()?,
+            })
+        })
+        .collect()
+}

@@ -93,6 +93,26 @@ impl Kind {
     }
 }
 
+/// Variants of the servers for the thread-pool tests; `Options::default()` is what
+/// [`RealServer::start`] runs.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// The threads that serve requests: Tomcat's `maxThreads`, gunicorn gthread's
+    /// `--threads` (default 200 and 4).
+    pub threads: Option<u32>,
+    /// Also serve the slow paths besides `GET /`: `/sleep?ms=N` (Tomcat, gunicorn,
+    /// Go) sleeps N ms before answering; `/spin?us=N` (Node.js, Go) runs on CPU for
+    /// N µs; Node.js also answers `/elu` with its cumulative event-loop idle and
+    /// active milliseconds (`performance.eventLoopUtilization()`: "IDLE ACTIVE\n")
+    /// and `/title?name=X` by setting `process.title` (which renames its main thread).
+    pub work: bool,
+    /// Tomcat: listen on all interfaces instead of 127.0.0.1. Tomcat names its threads
+    /// after the connector, `http-nio-[ADDRESS-]PORT-exec-N`, and the kernel keeps 15
+    /// characters: only without an address and with a 4-digit port do the exec
+    /// threads keep a name (`http-nio-8080-e`) apart from the poller's and acceptor's.
+    pub any_address: bool,
+}
+
 /// A running real server; stopped with all its processes when dropped.
 pub struct RealServer {
     kind: Kind,
@@ -105,6 +125,11 @@ impl RealServer {
     /// Starts `kind` on 127.0.0.1:`port` and waits until it answers `GET /` with
     /// [`BODY`] and all its workers run.
     pub fn start(kind: Kind, port: u16) -> anyhow::Result<Self> {
+        Self::start_with(kind, port, &Options::default())
+    }
+
+    /// [`RealServer::start`] with [`Options`].
+    pub fn start_with(kind: Kind, port: u16, options: &Options) -> anyhow::Result<Self> {
         // A server already there would answer the readiness check in our place.
         TcpListener::bind(("127.0.0.1", port))
             .with_context(|| format!("port {port} is in use, cannot start {}", kind.name()))?;
@@ -113,8 +138,8 @@ impl RealServer {
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755))?;
         let mut command = match kind {
             Kind::Nginx => nginx(dir.path(), port)?,
-            Kind::Tomcat => tomcat(dir.path(), port)?,
-            Kind::GunicornSync => gunicorn(dir.path(), port, &["--workers", "2"])?,
+            Kind::Tomcat => tomcat(dir.path(), port, options)?,
+            Kind::GunicornSync => gunicorn(dir.path(), port, &["--workers", "2"], options.work)?,
             Kind::GunicornGthread => gunicorn(
                 dir.path(),
                 port,
@@ -124,11 +149,12 @@ impl RealServer {
                     "--worker-class",
                     "gthread",
                     "--threads",
-                    "4",
+                    &options.threads.unwrap_or(4).to_string(),
                 ],
+                options.work,
             )?,
-            Kind::Node => node(dir.path(), port)?,
-            Kind::Go => go(dir.path(), port)?,
+            Kind::Node => node(dir.path(), port, options.work)?,
+            Kind::Go => go(dir.path(), port, options.work)?,
         };
         let log = fs::File::create(dir.path().join("server.log"))?;
         let child = command
@@ -273,11 +299,17 @@ fn descendants(root: u32) -> Vec<(u32, u64)> {
 
 /// `GET /` over a fresh HTTP/1.1 connection; the body of a 200 response.
 fn get_body(port: u16) -> anyhow::Result<String> {
+    get(port, "/")
+}
+
+/// `GET path` from 127.0.0.1:`port` over a fresh HTTP/1.1 connection; the body of a
+/// 200 response.
+pub fn get(port: u16, path: &str) -> anyhow::Result<String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
     write!(
         stream,
-        "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     )?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
@@ -285,7 +317,7 @@ fn get_body(port: u16) -> anyhow::Result<String> {
         .split_once("\r\n\r\n")
         .context("no HTTP header end")?;
     if !head.starts_with("HTTP/1.1 200") {
-        bail!("GET /: {}", head.lines().next().unwrap_or_default());
+        bail!("GET {path}: {}", head.lines().next().unwrap_or_default());
     }
     Ok(body.to_owned())
 }
@@ -347,7 +379,16 @@ http {{
     Ok(command)
 }
 
-fn tomcat(dir: &Path, port: u16) -> anyhow::Result<Command> {
+fn tomcat(dir: &Path, port: u16, options: &Options) -> anyhow::Result<Command> {
+    let address = if options.any_address {
+        ""
+    } else {
+        r#"address="127.0.0.1" "#
+    };
+    let mut connector = format!(r#"{address}port="{port}""#);
+    if let Some(threads) = options.threads {
+        connector.push_str(&format!(r#" maxThreads="{threads}""#));
+    }
     write(
         dir,
         "conf/server.xml",
@@ -355,7 +396,7 @@ fn tomcat(dir: &Path, port: u16) -> anyhow::Result<Command> {
             r#"<?xml version="1.0" encoding="UTF-8"?>
 <Server port="-1" shutdown="SHUTDOWN">
   <Service name="Catalina">
-    <Connector address="127.0.0.1" port="{port}" protocol="HTTP/1.1" connectionTimeout="20000"/>
+    <Connector {connector} protocol="HTTP/1.1" connectionTimeout="20000"/>
     <Engine name="Catalina" defaultHost="localhost">
       <Host name="localhost" appBase="webapps" unpackWARs="false" autoDeploy="false"/>
     </Engine>
@@ -365,10 +406,7 @@ fn tomcat(dir: &Path, port: u16) -> anyhow::Result<Command> {
         ),
     )?;
     // The global web.xml declares the default servlet that serves static files.
-    write(
-        dir,
-        "conf/web.xml",
-        r#"<?xml version="1.0" encoding="UTF-8"?>
+    let web_xml = r#"<?xml version="1.0" encoding="UTF-8"?>
 <web-app xmlns="https://jakarta.ee/xml/ns/jakartaee"
          xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance"
          xsi:schemaLocation="https://jakarta.ee/xml/ns/jakartaee https://jakarta.ee/xml/ns/jakartaee/web-app_6_0.xsd"
@@ -394,8 +432,43 @@ fn tomcat(dir: &Path, port: u16) -> anyhow::Result<Command> {
     <welcome-file>index.txt</welcome-file>
   </welcome-file-list>
 </web-app>
-"#,
-    )?;
+"#;
+    if options.work {
+        // /sleep is a JSP (Jasper compiles it with the JDT compiler that
+        // libtomcat10-java depends on, on the first request).
+        let sleep_servlet = r#"  <servlet>
+    <servlet-name>jsp</servlet-name>
+    <servlet-class>org.apache.jasper.servlet.JspServlet</servlet-class>
+    <init-param>
+      <param-name>development</param-name>
+      <param-value>false</param-value>
+    </init-param>
+  </servlet>
+  <servlet>
+    <servlet-name>sleep</servlet-name>
+    <jsp-file>/sleep.jsp</jsp-file>
+  </servlet>
+  <servlet-mapping>
+    <servlet-name>sleep</servlet-name>
+    <url-pattern>/sleep</url-pattern>
+  </servlet-mapping>
+  <mime-mapping>"#;
+        write(
+            dir,
+            "conf/web.xml",
+            &web_xml.replacen("  <mime-mapping>", sleep_servlet, 1),
+        )?;
+        write(
+            dir,
+            "webapps/ROOT/sleep.jsp",
+            r#"<%@ page contentType="text/plain" session="false" trimDirectiveWhitespaces="true" %><%
+Thread.sleep(Long.parseLong(request.getParameter("ms")));
+out.print("slept\n");
+%>"#,
+        )?;
+    } else {
+        write(dir, "conf/web.xml", web_xml)?;
+    }
     write(dir, "webapps/ROOT/index.txt", BODY)?;
     for sub in ["logs", "temp", "work"] {
         fs::create_dir_all(dir.join(sub))?;
@@ -413,21 +486,27 @@ fn tomcat(dir: &Path, port: u16) -> anyhow::Result<Command> {
     Ok(command)
 }
 
-fn gunicorn(dir: &Path, port: u16, workers: &[&str]) -> anyhow::Result<Command> {
-    write(
-        dir,
-        "app.py",
-        &format!(
-            "BODY = {BODY:?}.encode()
+fn gunicorn(dir: &Path, port: u16, workers: &[&str], work: bool) -> anyhow::Result<Command> {
+    let (imports, sleep) = if work {
+        (
+            "import time\nfrom urllib.parse import parse_qs\n\n",
+            "    if environ[\"PATH_INFO\"] == \"/sleep\":\n        \
+             time.sleep(int(parse_qs(environ[\"QUERY_STRING\"])[\"ms\"][0]) / 1000)\n",
+        )
+    } else {
+        ("", "")
+    };
+    let app = format!(
+        "{imports}BODY = {BODY:?}.encode()
 HEADERS = [(\"Content-Type\", \"text/plain\"), (\"Content-Length\", str(len(BODY)))]
 
 
 def application(environ, start_response):
-    start_response(\"200 OK\", HEADERS)
+{sleep}    start_response(\"200 OK\", HEADERS)
     return [BODY]
 "
-        ),
-    )?;
+    );
+    write(dir, "app.py", &app)?;
     let mut command = Command::new("gunicorn");
     command
         .arg("--bind")
@@ -444,7 +523,13 @@ def application(environ, start_response):
     Ok(command)
 }
 
-fn node(dir: &Path, port: u16) -> anyhow::Result<Command> {
+fn node(dir: &Path, port: u16, work: bool) -> anyhow::Result<Command> {
+    if work {
+        let script = write(dir, "server.js", &node_work_source(port))?;
+        let mut command = Command::new("node");
+        command.arg(script);
+        return Ok(command);
+    }
     let script = write(
         dir,
         "server.js",
@@ -465,13 +550,56 @@ server.listen({port}, '127.0.0.1');
     Ok(command)
 }
 
-fn go(_dir: &Path, port: u16) -> anyhow::Result<Command> {
-    let mut command = Command::new(go_binary()?);
+/// The Node.js server with the work paths of [`Options::work`].
+fn node_work_source(port: u16) -> String {
+    format!(
+        "const http = require('http');
+const {{ performance }} = require('perf_hooks');
+const body = Buffer.from({BODY:?});
+function answer(res, text) {{
+  const data = Buffer.from(text);
+  res.writeHead(200, {{ 'Content-Type': 'text/plain', 'Content-Length': data.length }});
+  res.end(data);
+}}
+const server = http.createServer((req, res) => {{
+  const url = new URL(req.url, 'http://localhost');
+  switch (url.pathname) {{
+    case '/spin': {{
+      const end = process.hrtime.bigint() + BigInt(url.searchParams.get('us')) * 1000n;
+      while (process.hrtime.bigint() < end) {{}}
+      answer(res, 'spun\\n');
+      break;
+    }}
+    case '/elu': {{
+      const elu = performance.eventLoopUtilization();
+      answer(res, `${{elu.idle}} ${{elu.active}}\\n`);
+      break;
+    }}
+    case '/title':
+      process.title = url.searchParams.get('name');
+      answer(res, 'renamed\\n');
+      break;
+    default:
+      res.writeHead(200, {{ 'Content-Type': 'text/plain', 'Content-Length': body.length }});
+      res.end(body);
+  }}
+}});
+process.on('SIGTERM', () => process.exit(0));
+server.listen({port}, '127.0.0.1');
+"
+    )
+}
+
+fn go(_dir: &Path, port: u16, work: bool) -> anyhow::Result<Command> {
+    let mut command = Command::new(go_binary(work)?);
     command.arg(port.to_string());
     Ok(command)
 }
 
-fn go_source() -> String {
+fn go_source(work: bool) -> String {
+    if work {
+        return go_work_source();
+    }
     format!(
         "package main
 
@@ -498,11 +626,59 @@ func main() {{
     )
 }
 
+/// The Go server with the work paths of [`Options::work`].
+fn go_work_source() -> String {
+    format!(
+        "package main
+
+import (
+\t\"net/http\"
+\t\"os\"
+\t\"strconv\"
+\t\"time\"
+)
+
+const body = {BODY:?}
+
+func answer(w http.ResponseWriter, text string) {{
+\tw.Header().Set(\"Content-Type\", \"text/plain\")
+\tw.Header().Set(\"Content-Length\", strconv.Itoa(len(text)))
+\tw.Write([]byte(text))
+}}
+
+func number(r *http.Request, name string) time.Duration {{
+\tn, _ := strconv.Atoi(r.URL.Query().Get(name))
+\treturn time.Duration(n)
+}}
+
+func main() {{
+\thttp.HandleFunc(\"/\", func(w http.ResponseWriter, r *http.Request) {{
+\t\tanswer(w, body)
+\t}})
+\thttp.HandleFunc(\"/sleep\", func(w http.ResponseWriter, r *http.Request) {{
+\t\ttime.Sleep(number(r, \"ms\") * time.Millisecond)
+\t\tanswer(w, \"slept\\n\")
+\t}})
+\thttp.HandleFunc(\"/spin\", func(w http.ResponseWriter, r *http.Request) {{
+\t\tend := time.Now().Add(number(r, \"us\") * time.Microsecond)
+\t\tfor time.Now().Before(end) {{
+\t\t}}
+\t\tanswer(w, \"spun\\n\")
+\t}})
+\tif err := http.ListenAndServe(\"127.0.0.1:\"+os.Args[1], nil); err != nil {{
+\t\tos.Stderr.WriteString(err.Error() + \"\\n\")
+\t\tos.Exit(1)
+\t}}
+}}
+"
+    )
+}
+
 /// The Go server, built once per source text under target/<profile>/real-servers/go
 /// (std only: no network). Concurrent builds each build in their own dir and rename.
-fn go_binary() -> anyhow::Result<PathBuf> {
+fn go_binary(work: bool) -> anyhow::Result<PathBuf> {
     use std::hash::{DefaultHasher, Hash as _, Hasher as _};
-    let source = go_source();
+    let source = go_source(work);
     let mut hasher = DefaultHasher::new();
     source.hash(&mut hasher);
     let cache = bin_dir()?.join("real-servers/go");
@@ -565,8 +741,6 @@ impl WrkResult {
     }
 }
 
-/// Runs `wrk --latency` against `http://127.0.0.1:port/` for `duration` (whole
-/// seconds, at least 1).
 /// Pins every thread of `pids` to CPU 0 (the load generator gets the last CPU).
 pub fn pin_to_first_cpu(pids: &[u32]) -> anyhow::Result<()> {
     for pid in pids {
@@ -580,8 +754,21 @@ pub fn pin_to_first_cpu(pids: &[u32]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs `wrk --latency` against `http://127.0.0.1:port/` for `duration` (whole
+/// seconds, at least 1).
 pub fn wrk(
     port: u16,
+    threads: u32,
+    connections: u32,
+    duration: Duration,
+) -> anyhow::Result<WrkResult> {
+    wrk_path(port, "/", threads, connections, duration)
+}
+
+/// [`wrk`] against `http://127.0.0.1:port` + `path`.
+pub fn wrk_path(
+    port: u16,
+    path: &str,
     threads: u32,
     connections: u32,
     duration: Duration,
@@ -597,7 +784,7 @@ pub fn wrk(
         .arg(format!("-t{threads}"))
         .arg(format!("-c{connections}"))
         .arg(format!("-d{}s", duration.as_secs().max(1)))
-        .arg(format!("http://127.0.0.1:{port}/"))
+        .arg(format!("http://127.0.0.1:{port}{path}"))
         .stdin(Stdio::null())
         .output()
         .context("running wrk (is it installed?)")?;

@@ -1,0 +1,652 @@
+//! Pool metrics on real runtimes, against what each runtime or the clock says:
+//! - Tomcat with `maxThreads` = N under 4N connections to a 15 ms JSP: its exec pool
+//!   has N threads and `pool_utilization_ratio` ≥ 0.95 (every exec thread always has
+//!   a request).
+//! - Node.js: the event loop's busy share matches `performance.eventLoopUtilization()`
+//!   of the same process over the same window within 5 points, at a paced load that
+//!   keeps the loop 40–70 % busy. Every Node.js thread is named `node`, so the `node`
+//!   pool (main thread + V8 and libuv helpers) is not the loop: the main thread's busy
+//!   share is read from `/debug/threads` (running + runnable), then, after the script
+//!   sets `process.title` (which renames the main thread), from the pool the main
+//!   thread alone forms: `pool_utilization_ratio` and the `thread_seconds_total` deltas.
+//! - gunicorn gthread with T threads: every thread of the arbiter and the worker is
+//!   named `gunicorn`, so the pool holds T + 2 threads (arbiter, worker main thread,
+//!   T request threads). Its utilization is < 0.2 at 5 requests/s and, saturated
+//!   (4T connections to a 20 ms handler), ≥ 0.9 · T / (T + 2): the T request threads
+//!   are busy, the two others wait for work.
+//! - Go: every thread is in a pool and each pool's time adds up: over a window with
+//!   a stable thread count, the `thread_seconds_total` deltas summed over states equal
+//!   `pool_threads` × the wall time within 5 %.
+//!
+//! The numbers go to stderr (`--nocapture`).
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    net::{TcpListener, TcpStream},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::{JoinHandle, sleep},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use poolscope_tests::{
+    Metrics, Poolscope, one_at_a_time, parse_debug_threads, pids_config, privileged, scrape_until,
+    servers::{Kind, Options, RealServer, WrkResult, get, pin_to_first_cpu, wrk_path},
+};
+
+/// `[pools] utilization_window` in these tests.
+const WINDOW: Duration = Duration::from_secs(5);
+/// The gauge's window is WINDOW to WINDOW + 2 s long (pools are sampled every second
+/// and the base sample is the newest one at least WINDOW old): a load must run this
+/// long before the gauge sees only it.
+const WINDOW_FILLED: Duration = Duration::from_secs(WINDOW.as_secs() + 2);
+
+const STATES: [&str; 5] = ["running", "runnable", "blocked_lock", "blocked_io", "idle"];
+
+fn config(service: &str, pids: &[u32]) -> String {
+    format!(
+        "[pools]\nutilization_window = \"{}s\"\n{}",
+        WINDOW.as_secs(),
+        pids_config(service, pids)
+    )
+}
+
+/// Starts poolscope on `pids` and waits until it watches all of them.
+fn watch(service: &str, pids: &[u32]) -> anyhow::Result<Poolscope> {
+    let poolscope = Poolscope::start(&config(service, pids))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", service)]) == Some(pids.len() as f64)
+    })?;
+    Ok(poolscope)
+}
+
+/// Thread names (/proc/PID/task/TID/comm) of `pids` and how many threads carry each.
+fn thread_names(pids: &[u32]) -> anyhow::Result<BTreeMap<String, usize>> {
+    let mut names = BTreeMap::new();
+    for pid in pids {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .with_context(|| format!("listing the threads of {pid}"))?;
+        for task in tasks.flatten() {
+            // A thread may exit between the listing and the read.
+            if let Ok(comm) = std::fs::read_to_string(task.path().join("comm")) {
+                *names.entry(comm.trim_end().to_owned()).or_default() += 1;
+            }
+        }
+    }
+    Ok(names)
+}
+
+fn thread_count(pids: &[u32]) -> anyhow::Result<usize> {
+    Ok(thread_names(pids)?.values().sum())
+}
+
+/// One pool as a scrape shows it.
+#[derive(Debug)]
+struct Pool {
+    name: String,
+    threads: f64,
+    busy: f64,
+    utilization: f64,
+    /// `thread_seconds_total` per state, in [`STATES`] order.
+    seconds: [f64; 5],
+}
+
+impl Pool {
+    fn total(&self) -> f64 {
+        self.seconds.iter().sum()
+    }
+
+    fn busy_seconds(&self) -> f64 {
+        self.total() - self.seconds[4]
+    }
+}
+
+/// Every pool of `service`, by name.
+fn pools(metrics: &Metrics, service: &str) -> BTreeMap<String, Pool> {
+    let mut pools = BTreeMap::new();
+    for sample in &metrics.samples {
+        if sample.name != "poolscope_pool_threads"
+            || !sample
+                .labels
+                .iter()
+                .any(|(k, v)| k == "service" && v == service)
+        {
+            continue;
+        }
+        let Some((_, name)) = sample.labels.iter().find(|(k, _)| k == "pool") else {
+            continue;
+        };
+        let labels = [("service", service), ("pool", name.as_str())];
+        let value = |metric: &str| metrics.value(metric, &labels).unwrap_or(f64::NAN);
+        let seconds = STATES.map(|state| {
+            metrics
+                .value(
+                    "poolscope_thread_seconds_total",
+                    &[("service", service), ("pool", name), ("state", state)],
+                )
+                .unwrap_or(f64::NAN)
+        });
+        pools.insert(
+            name.clone(),
+            Pool {
+                name: name.clone(),
+                threads: sample.value,
+                busy: value("poolscope_pool_threads_busy"),
+                utilization: value("poolscope_pool_utilization_ratio"),
+                seconds,
+            },
+        );
+    }
+    pools
+}
+
+fn print_pools(what: &str, pools: &BTreeMap<String, Pool>) {
+    eprintln!("{what}: | pool | threads | busy now | utilization |");
+    for pool in pools.values() {
+        eprintln!(
+            "{what}: | {} | {} | {} | {:.3} |",
+            pool.name, pool.threads, pool.busy, pool.utilization
+        );
+    }
+}
+
+/// The share of each state in the thread time of `pool` between two scrapes.
+fn state_shares(before: &Pool, after: &Pool) -> String {
+    let total = after.total() - before.total();
+    STATES
+        .iter()
+        .zip(before.seconds.iter().zip(after.seconds))
+        .map(|(state, (b, a))| format!("{state} {:.3}", (a - b) / total))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn pool_of<'a>(pools: &'a BTreeMap<String, Pool>, name: &str) -> anyhow::Result<&'a Pool> {
+    pools
+        .get(name)
+        .with_context(|| format!("no pool {name:?}; pools: {:?}", pools.keys()))
+}
+
+/// A free port below 10000 on all interfaces (see [`Options::any_address`]).
+fn free_short_port() -> anyhow::Result<u16> {
+    // Spread over the range so that concurrent runs rarely try the same ports.
+    let start = 2000 + (std::process::id() % 7000) as u16;
+    (start..10_000)
+        .chain(2000..start)
+        .find(|port| {
+            TcpListener::bind(("0.0.0.0", *port)).is_ok()
+                && TcpListener::bind(("127.0.0.1", *port)).is_ok()
+        })
+        .context("no free port below 10000")
+}
+
+/// `wrk` on `path` in the background.
+fn wrk_in_background(
+    port: u16,
+    path: &str,
+    connections: u32,
+    duration: Duration,
+) -> JoinHandle<anyhow::Result<WrkResult>> {
+    let path = path.to_owned();
+    std::thread::spawn(move || wrk_path(port, &path, 1, connections, duration))
+}
+
+fn join_wrk(wrk: JoinHandle<anyhow::Result<WrkResult>>) -> anyhow::Result<WrkResult> {
+    let result = wrk
+        .join()
+        .map_err(|_| anyhow::anyhow!("the wrk thread panicked"))??;
+    anyhow::ensure!(
+        result.socket_errors == 0 && result.non_2xx == 0,
+        "wrk saw errors: {result:?}"
+    );
+    Ok(result)
+}
+
+/// Paced HTTP/1.1 requests on one keep-alive connection: request k is sent at
+/// start + k / rate, or at once when the previous response came later.
+struct Paced {
+    stop: Arc<AtomicBool>,
+    client: JoinHandle<anyhow::Result<u64>>,
+}
+
+impl Paced {
+    fn start(port: u16, path: &str, rate_per_second: f64) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+        let flag = stop.clone();
+        let client = std::thread::spawn(move || -> anyhow::Result<u64> {
+            let stream = TcpStream::connect(("127.0.0.1", port))?;
+            stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+            let mut stream = BufReader::new(stream);
+            let start = Instant::now();
+            let mut sent = 0u64;
+            while !flag.load(Ordering::Relaxed) {
+                let due = start + Duration::from_secs_f64(sent as f64 / rate_per_second);
+                if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                    sleep(wait);
+                }
+                stream.get_mut().write_all(request.as_bytes())?;
+                read_response(&mut stream)?;
+                sent += 1;
+            }
+            Ok(sent)
+        });
+        Self { stop, client }
+    }
+
+    /// Stops and returns how many requests were answered.
+    fn stop(self) -> anyhow::Result<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.client
+            .join()
+            .map_err(|_| anyhow::anyhow!("the paced client panicked"))?
+    }
+}
+
+/// Reads one HTTP/1.1 response with a Content-Length.
+fn read_response(stream: &mut BufReader<TcpStream>) -> anyhow::Result<()> {
+    let mut line = String::new();
+    stream.read_line(&mut line)?;
+    anyhow::ensure!(line.starts_with("HTTP/1.1 200"), "response {line:?}");
+    let mut length = None;
+    loop {
+        line.clear();
+        anyhow::ensure!(stream.read_line(&mut line)? > 0, "connection closed");
+        let header = line.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = header.split_once(':')
+            && name.eq_ignore_ascii_case("content-length")
+        {
+            length = Some(value.trim().parse::<usize>()?);
+        }
+    }
+    let mut body = vec![0; length.context("no Content-Length")?];
+    stream.read_exact(&mut body)?;
+    Ok(())
+}
+
+#[test]
+fn tomcat_exec_pool_is_saturated_at_max_threads() -> anyhow::Result<()> {
+    if !privileged("tomcat_exec_pool_is_saturated_at_max_threads") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    const MAX_THREADS: u32 = 4;
+    const CONNECTIONS: u32 = 4 * MAX_THREADS;
+    const SLEEP: &str = "/sleep?ms=15";
+    let service = "tomcat-pool";
+    let port = free_short_port()?;
+    let options = Options {
+        threads: Some(MAX_THREADS),
+        work: true,
+        any_address: true,
+    };
+    let server = RealServer::start_with(Kind::Tomcat, port, &options)?;
+    // The first request compiles the JSP.
+    get(port, SLEEP)?;
+    let pids = server.pids();
+    eprintln!("tomcat threads on port {port}: {:?}", thread_names(&pids)?);
+    let poolscope = watch(service, &pids)?;
+    // 15 characters of "http-nio-PORT-exec-N".
+    let exec = format!("http-nio-{port}-e");
+
+    let started = poolscope.scrape()?;
+    let wrk = wrk_in_background(port, SLEEP, CONNECTIONS, WINDOW_FILLED + 3 * WINDOW / 5);
+    sleep(WINDOW_FILLED + WINDOW / 5);
+    let loaded = poolscope.scrape()?;
+    let result = join_wrk(wrk)?;
+
+    let before = pools(&started, service);
+    let after = pools(&loaded, service);
+    print_pools("tomcat", &after);
+    let (before, pool) = (pool_of(&before, &exec)?, pool_of(&after, &exec)?);
+    eprintln!(
+        "tomcat: wrk {:.0} requests/s (at most {:.0} with {MAX_THREADS} threads of 15 ms), p50 {:?}",
+        result.requests_per_second(),
+        f64::from(MAX_THREADS) / 0.015,
+        result.p50
+    );
+    eprintln!("tomcat: {exec} under load: {}", state_shares(before, pool));
+    eprintln!(
+        "tomcat: {exec}: threads {} (truth {MAX_THREADS}), utilization {:.3} (truth 1, at least 0.95)",
+        pool.threads, pool.utilization
+    );
+    assert_eq!(
+        pool.threads,
+        f64::from(MAX_THREADS),
+        "{exec}: pool_threads is not maxThreads"
+    );
+    assert!(
+        pool.utilization >= 0.95,
+        "{exec}: utilization {:.3} < 0.95 with {CONNECTIONS} connections on {MAX_THREADS} threads",
+        pool.utilization
+    );
+    Ok(())
+}
+
+/// Node.js's own cumulative event-loop idle and active milliseconds.
+fn elu(port: u16) -> anyhow::Result<(f64, f64)> {
+    let text = get(port, "/elu")?;
+    let (idle, active) = text
+        .trim()
+        .split_once(' ')
+        .with_context(|| format!("/elu said {text:?}"))?;
+    Ok((idle.parse()?, active.parse()?))
+}
+
+/// running + runnable seconds of thread `tid` in `/debug/threads`.
+fn on_cpu_or_queued(poolscope: &Poolscope, tid: u32) -> anyhow::Result<f64> {
+    let rows = parse_debug_threads(&poolscope.get("/debug/threads")?)?;
+    let row = rows
+        .iter()
+        .find(|row| row.tid == tid)
+        .with_context(|| format!("thread {tid} not in /debug/threads"))?;
+    Ok(row.running + row.runnable)
+}
+
+/// What one window of the Node.js test saw.
+struct LoopWindow {
+    seconds: f64,
+    /// performance.eventLoopUtilization() over the window.
+    elu: f64,
+    /// The main thread's (running + runnable) / wall time, from /debug/threads.
+    main_thread: f64,
+    before: Metrics,
+    after: Metrics,
+}
+
+fn loop_window(poolscope: &Poolscope, port: u16, pid: u32) -> anyhow::Result<LoopWindow> {
+    let (idle0, active0) = elu(port)?;
+    let started = Instant::now();
+    let main0 = on_cpu_or_queued(poolscope, pid)?;
+    let before = poolscope.scrape()?;
+    sleep(WINDOW);
+    let (idle1, active1) = elu(port)?;
+    let seconds = started.elapsed().as_secs_f64();
+    let main1 = on_cpu_or_queued(poolscope, pid)?;
+    let after = poolscope.scrape()?;
+    let active = active1 - active0;
+    Ok(LoopWindow {
+        seconds,
+        elu: active / (active + idle1 - idle0),
+        main_thread: (main1 - main0) / seconds,
+        before,
+        after,
+    })
+}
+
+#[test]
+fn node_event_loop_utilization_matches_the_runtime() -> anyhow::Result<()> {
+    if !privileged("node_event_loop_utilization_matches_the_runtime") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    // 250 requests/s of 2 ms on CPU: the loop is ~50 % busy plus parsing and writing.
+    const RATE: f64 = 250.0;
+    const SPIN: &str = "/spin?us=2000";
+    let service = "node-loop";
+    let port = poolscope_tests::free_port()?;
+    let options = Options {
+        work: true,
+        ..Options::default()
+    };
+    let server = RealServer::start_with(Kind::Node, port, &options)?;
+    let pids = server.pids();
+    let [pid] = pids[..] else {
+        anyhow::bail!("node runs {pids:?}, expected one process");
+    };
+    eprintln!("node threads: {:?}", thread_names(&pids)?);
+    let poolscope = watch(service, &pids)?;
+    pin_to_first_cpu(&pids)?;
+
+    let load = Paced::start(port, SPIN, RATE);
+    sleep(WINDOW_FILLED);
+    // 1. Every thread is "node": the loop is one thread of the pool.
+    let diluted = loop_window(&poolscope, port, pid)?;
+    let node_pools = pools(&diluted.after, service);
+    print_pools("node", &node_pools);
+    let node = pool_of(&node_pools, "node")?;
+    let before = pools(&diluted.before, service);
+    let node_before = pool_of(&before, "node")?;
+    let node_busy =
+        (node.busy_seconds() - node_before.busy_seconds()) / (node.total() - node_before.total());
+    eprintln!(
+        "node: window {:.2} s, ELU {:.3}; main thread running+runnable {:.3}; pool \"node\" ({} threads) utilization {:.3}, busy share from thread_seconds {:.3}",
+        diluted.seconds,
+        diluted.elu,
+        diluted.main_thread,
+        node.threads,
+        node.utilization,
+        node_busy
+    );
+
+    // 2. process.title renames the main thread: the loop becomes a pool of its own.
+    get(port, "/title?name=eventloop")?;
+    scrape_until(&poolscope, |m| {
+        m.value(
+            "poolscope_pool_threads",
+            &[("service", service), ("pool", "eventloop")],
+        ) == Some(1.0)
+    })?;
+    sleep(WINDOW_FILLED);
+    let alone = loop_window(&poolscope, port, pid)?;
+    let answered = load.stop()?;
+    let after = pools(&alone.after, service);
+    let before = pools(&alone.before, service);
+    print_pools("node renamed", &after);
+    let (before, eventloop) = (
+        pool_of(&before, "eventloop")?,
+        pool_of(&after, "eventloop")?,
+    );
+    let counted =
+        (eventloop.busy_seconds() - before.busy_seconds()) / (eventloop.total() - before.total());
+    eprintln!(
+        "node renamed: window {:.2} s, ELU {:.3}; main thread running+runnable {:.3}; pool \"eventloop\" utilization {:.3}, busy share from thread_seconds {:.3} ({})",
+        alone.seconds,
+        alone.elu,
+        alone.main_thread,
+        eventloop.utilization,
+        counted,
+        state_shares(before, eventloop)
+    );
+    eprintln!("node: {answered} requests answered in all (paced at {RATE}/s)");
+
+    for (window, elu) in [("default", diluted.elu), ("renamed", alone.elu)] {
+        assert!(
+            (0.4..=0.7).contains(&elu),
+            "{window}: ELU {elu:.3} outside 0.4–0.7: the load is not what the test needs"
+        );
+    }
+    let close = |what: &str, ours: f64, elu: f64| {
+        assert!(
+            (ours - elu).abs() <= 0.05,
+            "{what} {ours:.3} vs ELU {elu:.3}: more than 5 points apart"
+        );
+    };
+    close(
+        "main thread (/debug/threads, default name)",
+        diluted.main_thread,
+        diluted.elu,
+    );
+    close(
+        "pool_utilization_ratio{pool=\"eventloop\"}",
+        eventloop.utilization,
+        alone.elu,
+    );
+    close(
+        "thread_seconds_total busy share of \"eventloop\"",
+        counted,
+        alone.elu,
+    );
+    Ok(())
+}
+
+#[test]
+fn gunicorn_gthread_utilization_rises_with_load() -> anyhow::Result<()> {
+    if !privileged("gunicorn_gthread_utilization_rises_with_load") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    const THREADS: u32 = 4;
+    const SLEEP: &str = "/sleep?ms=20";
+    let service = "gunicorn-pool";
+    let port = poolscope_tests::free_port()?;
+    let options = Options {
+        threads: Some(THREADS),
+        work: true,
+        ..Options::default()
+    };
+    let server = RealServer::start_with(Kind::GunicornGthread, port, &options)?;
+    let pids = server.pids();
+    let poolscope = watch(service, &pids)?;
+    // The executor starts its threads on demand: start them all.
+    join_wrk(wrk_in_background(
+        port,
+        SLEEP,
+        4 * THREADS,
+        Duration::from_secs(1),
+    ))?;
+    eprintln!("gunicorn threads: {:?}", thread_names(&pids)?);
+    let expected_threads = f64::from(THREADS + 2);
+
+    // Near idle: 5 requests/s of 20 ms, 0.1 thread busy of 6.
+    let light = Paced::start(port, SLEEP, 5.0);
+    sleep(WINDOW_FILLED);
+    let quiet = poolscope.scrape()?;
+    let answered = light.stop()?;
+    let quiet_pools = pools(&quiet, service);
+    print_pools("gunicorn 5/s", &quiet_pools);
+    let quiet_pool = pool_of(&quiet_pools, "gunicorn")?;
+
+    // Saturated: 4T connections on T threads.
+    let started = poolscope.scrape()?;
+    let wrk = wrk_in_background(port, SLEEP, 4 * THREADS, WINDOW_FILLED + 3 * WINDOW / 5);
+    sleep(WINDOW_FILLED + WINDOW / 5);
+    let loaded = poolscope.scrape()?;
+    let result = join_wrk(wrk)?;
+    let busy_pools = pools(&loaded, service);
+    print_pools("gunicorn saturated", &busy_pools);
+    let busy_pool = pool_of(&busy_pools, "gunicorn")?;
+    let bound = 0.9 * f64::from(THREADS) / expected_threads;
+    eprintln!(
+        "gunicorn saturated: {}",
+        state_shares(pool_of(&pools(&started, service), "gunicorn")?, busy_pool)
+    );
+    eprintln!(
+        "gunicorn: threads {} / {} (truth {expected_threads}: arbiter + worker + {THREADS}); utilization at 5/s {:.3} ({answered} requests, truth ≈ {:.3}), saturated {:.3} (wrk {:.0}/s, at most {:.0}/s; bound {bound:.3})",
+        quiet_pool.threads,
+        busy_pool.threads,
+        5.0 * 0.02 / expected_threads,
+        quiet_pool.utilization,
+        busy_pool.utilization,
+        result.requests_per_second(),
+        f64::from(THREADS) / 0.02,
+    );
+    for pool in [quiet_pool, busy_pool] {
+        assert_eq!(
+            pool.threads, expected_threads,
+            "the gunicorn pool is not arbiter + worker + {THREADS} threads"
+        );
+    }
+    assert!(
+        quiet_pool.utilization < 0.2,
+        "utilization {:.3} at 5 requests/s",
+        quiet_pool.utilization
+    );
+    assert!(
+        busy_pool.utilization >= bound,
+        "saturated utilization {:.3} < {bound:.3}",
+        busy_pool.utilization
+    );
+    Ok(())
+}
+
+#[test]
+fn go_thread_time_adds_up() -> anyhow::Result<()> {
+    if !privileged("go_thread_time_adds_up") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    const CONNECTIONS: u32 = 8;
+    const ATTEMPTS: usize = 3;
+    let service = "go-pool";
+    let port = poolscope_tests::free_port()?;
+    let options = Options {
+        work: true,
+        ..Options::default()
+    };
+    let server = RealServer::start_with(Kind::Go, port, &options)?;
+    let pids = server.pids();
+    let poolscope = watch(service, &pids)?;
+    // Go starts threads when it needs them and keeps them: a window under load with
+    // the same count at both ends is one where none started.
+    let mut windows = Vec::new();
+    for _ in 0..ATTEMPTS {
+        let wrk = wrk_in_background(
+            port,
+            "/spin?us=200",
+            CONNECTIONS,
+            WINDOW + Duration::from_secs(3),
+        );
+        sleep(Duration::from_millis(1500));
+        let threads0 = thread_count(&pids)?;
+        let t0 = Instant::now();
+        let before = poolscope.scrape()?;
+        let t0 = t0 + t0.elapsed() / 2;
+        sleep(WINDOW);
+        let t1 = Instant::now();
+        let after = poolscope.scrape()?;
+        let t1 = t1 + t1.elapsed() / 2;
+        let threads1 = thread_count(&pids)?;
+        let result = join_wrk(wrk)?;
+        eprintln!(
+            "go: wrk {:.0} requests/s; threads {threads0} → {threads1} ({:?})",
+            result.requests_per_second(),
+            thread_names(&pids)?
+        );
+        let stable = threads0 == threads1;
+        windows.push((t1 - t0, before, after, threads1));
+        if stable {
+            break;
+        }
+    }
+    let Some((wall, before, after, threads)) = windows.pop() else {
+        anyhow::bail!("no window measured");
+    };
+    let (before, after) = (pools(&before, service), pools(&after, service));
+    print_pools("go", &after);
+    let wall = wall.as_secs_f64();
+    let in_pools: f64 = after.values().map(|pool| pool.threads).sum();
+    assert_eq!(
+        in_pools, threads as f64,
+        "the pools do not hold every thread of the service"
+    );
+    for (name, pool) in &after {
+        let base = pool_of(&before, name)?;
+        let counted = pool.total() - base.total();
+        let truth = pool.threads * wall;
+        eprintln!(
+            "go: pool {name}: {} threads × {wall:.3} s = {truth:.3} thread-s, counted {counted:.3} ({:+.2} %); {}",
+            pool.threads,
+            (counted - truth) / truth * 100.0,
+            state_shares(base, pool)
+        );
+        anyhow::ensure!(
+            base.threads == pool.threads,
+            "pool {name}: thread count changed in every window ({} → {})",
+            base.threads,
+            pool.threads
+        );
+        assert!(
+            (counted - truth).abs() <= 0.05 * truth,
+            "pool {name}: thread time {counted:.3} s is not threads × wall time {truth:.3} s within 5 %"
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,400 @@
+//! Ground truth for thread states and pools, against the real kernel:
+//! - each watched thread's time on CPU and in the run queue against the kernel's own
+//!   accounting (/proc/<pid>/task/<tid>/schedstat fields 1 and 2);
+//! - `threadpool` (N named workers, service time S) under open-loop arrivals at rate
+//!   λ: pool utilization = λ·S/N, and the busy time is the state the work puts the
+//!   worker in (spinning → running, sleeping → blocked_io, waiting on a mutex another
+//!   thread holds → blocked_lock), while idle workers waiting on the pool's queue are
+//!   idle, never blocked_lock;
+//! - two spinning threads pinned to one CPU: each is runnable half the time.
+use std::time::{Duration, Instant};
+
+use poolscope_tests::{
+    BACKENDS, Metrics, Poolscope, Program, ThreadRow, load::OpenLoop, one_at_a_time,
+    parse_debug_threads, parse_tids, privileged, schedstat, scrape_until,
+};
+
+const WORKER_POOL: &str = "worker";
+/// Clients of the open-loop load: enough that arrivals keep their schedule up to
+/// overload.
+const SENDERS: usize = 64;
+
+/// Watches each (service, pid) with the given request backend and utilization window.
+fn config(backend: &str, window: Duration, targets: &[(&str, u32)]) -> String {
+    let mut text = format!(
+        "[probes]\nbackend = \"{backend}\"\n[pools]\nutilization_window = \"{}s\"\n\
+         [discovery]\nrescan_interval = \"500ms\"\n",
+        window.as_secs()
+    );
+    for (service, pid) in targets {
+        text.push_str(&format!(
+            "[[targets]]\nservice = \"{service}\"\npids = [{pid}]\n"
+        ));
+    }
+    text
+}
+
+struct ThreadPool {
+    program: Program,
+    port: u16,
+    workers: Vec<u32>,
+}
+
+impl ThreadPool {
+    fn start(workers: u32, service: Duration, work: &str) -> anyhow::Result<Self> {
+        let mut program = Program::start(
+            "threadpool",
+            &[
+                workers.to_string(),
+                service.as_micros().to_string(),
+                work.to_owned(),
+            ],
+        )?;
+        let port = program.line("port")?.parse()?;
+        let workers = parse_tids(&program.line("workers")?)?;
+        Ok(Self {
+            program,
+            port,
+            workers,
+        })
+    }
+}
+
+/// Waits until every thread in `tids` is in a named pool.
+fn wait_for_pools(poolscope: &Poolscope, tids: &[u32]) -> anyhow::Result<Vec<ThreadRow>> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rows = parse_debug_threads(&poolscope.get("/debug/threads")?)?;
+        let named = tids
+            .iter()
+            .all(|tid| rows.iter().any(|row| row.tid == *tid && row.pool != "-"));
+        if named {
+            return Ok(rows);
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "threads {tids:?} not all in pools: {rows:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn pool_value(metrics: &Metrics, name: &str, service: &str, extra: &[(&str, &str)]) -> f64 {
+    let mut labels = vec![("service", service), ("pool", WORKER_POOL)];
+    labels.extend_from_slice(extra);
+    metrics.value(name, &labels).unwrap_or(f64::NAN)
+}
+
+const STATES: [&str; 5] = ["running", "runnable", "blocked_lock", "blocked_io", "idle"];
+
+/// Thread seconds per state of the worker pool between two scrapes.
+fn state_deltas(before: &Metrics, after: &Metrics, service: &str) -> [f64; 5] {
+    STATES.map(|state| {
+        let value = |m: &Metrics| {
+            pool_value(
+                m,
+                "poolscope_thread_seconds_total",
+                service,
+                &[("state", state)],
+            )
+        };
+        value(after) - value(before)
+    })
+}
+
+#[test]
+fn thread_times_match_schedstat() -> anyhow::Result<()> {
+    if !privileged("thread_times_match_schedstat") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    // Three spinning workers at 1.2 CPUs of work on two CPUs: time on CPU and in the
+    // run queue both.
+    let mut server = ThreadPool::start(3, Duration::from_millis(4), "spin")?;
+    let pid = server.program.pid();
+    let poolscope = Poolscope::start(&config("socket", Duration::from_secs(10), &[("spin", pid)]))?;
+    wait_for_pools(&poolscope, &server.workers)?;
+    let load = OpenLoop::start(server.port, 300.0, SENDERS);
+    std::thread::sleep(Duration::from_secs(1));
+
+    let read = |poolscope: &Poolscope| -> anyhow::Result<Vec<(ThreadRow, (u64, u64))>> {
+        let rows = parse_debug_threads(&poolscope.get("/debug/threads")?)?;
+        rows.into_iter()
+            .filter(|row| row.service == "spin")
+            .map(|row| Ok((row.clone(), schedstat(pid, row.tid)?)))
+            .collect()
+    };
+    let before = read(&poolscope)?;
+    std::thread::sleep(Duration::from_secs(10));
+    let after = read(&poolscope)?;
+    let stats = load.stop()?;
+    eprintln!("load: {stats:?}");
+
+    eprintln!("tid      pool        running ours/kernel (s)   runnable ours/kernel (s)");
+    let mut checked = 0;
+    for (row, (running, runnable)) in &after {
+        let Some((first, (first_running, first_runnable))) =
+            before.iter().find(|(r, _)| r.tid == row.tid)
+        else {
+            continue;
+        };
+        let ours = (row.running - first.running, row.runnable - first.runnable);
+        let kernel = (
+            (running - first_running) as f64 / 1e9,
+            (runnable - first_runnable) as f64 / 1e9,
+        );
+        eprintln!(
+            "{:<8} {:<11} {:>9.4} / {:<9.4}       {:>9.4} / {:<9.4}",
+            row.tid, row.pool, ours.0, kernel.0, ours.1, kernel.1
+        );
+        // Threads that work (≥ 1% of the window on CPU) are held to the issue's
+        // bounds. A thread that only wakes for a few µs at a time (the acceptor) is
+        // off by a few µs per wakeup (see the issue note); it is held to 25%.
+        let (running_bound, runnable_bound) = if kernel.0 >= 0.1 {
+            (0.02, 0.05)
+        } else {
+            (0.25, 0.25)
+        };
+        assert!(
+            (ours.0 - kernel.0).abs() <= (running_bound * kernel.0).max(0.001),
+            "thread {}: running {:.4} s, schedstat {:.4} s: more than {}% off",
+            row.tid,
+            ours.0,
+            kernel.0,
+            running_bound * 100.0
+        );
+        assert!(
+            (ours.1 - kernel.1).abs() <= (runnable_bound * kernel.1).max(0.001),
+            "thread {}: runnable {:.4} s, schedstat {:.4} s: more than {}% off",
+            row.tid,
+            ours.1,
+            kernel.1,
+            runnable_bound * 100.0
+        );
+        checked += 1;
+    }
+    let workers_busy = after
+        .iter()
+        .filter(|(row, _)| server.workers.contains(&row.tid))
+        .count();
+    assert_eq!(workers_busy, server.workers.len(), "every worker compared");
+    assert!(checked >= server.workers.len());
+    server.program.finish("served")?;
+    Ok(())
+}
+
+/// Utilization of the worker pool at offered load `load` (λ·S/N), measured over the
+/// last window of a run at that load.
+fn utilization_at(
+    poolscope: &Poolscope,
+    server: &ThreadPool,
+    service: &str,
+    load: f64,
+    window: Duration,
+) -> anyhow::Result<(f64, [f64; 5], f64)> {
+    let workers = server.workers.len() as f64;
+    let rate = load * workers / SERVICE_TIME.as_secs_f64();
+    let clients = OpenLoop::start(server.port, rate, SENDERS);
+    let before = poolscope.scrape()?;
+    let started = Instant::now();
+    std::thread::sleep(window + Duration::from_secs(2));
+    let after = poolscope.scrape()?;
+    let wall = started.elapsed().as_secs_f64();
+    let stats = clients.stop()?;
+    eprintln!("load {load:.2}: rate {rate:.0}/s, {stats:?}");
+    let utilization = pool_value(&after, "poolscope_pool_utilization_ratio", service, &[]);
+    Ok((utilization, state_deltas(&before, &after, service), wall))
+}
+
+const SERVICE_TIME: Duration = Duration::from_millis(20);
+
+#[test]
+fn pool_utilization_matches_offered_load() -> anyhow::Result<()> {
+    if !privileged("pool_utilization_matches_offered_load") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    const WORKERS: u32 = 4;
+    const WINDOW: Duration = Duration::from_secs(5);
+    let mut server = ThreadPool::start(WORKERS, SERVICE_TIME, "sleep")?;
+    let service = "sleepy";
+    let poolscope = Poolscope::start(&config(
+        "socket",
+        WINDOW,
+        &[(service, server.program.pid())],
+    ))?;
+    wait_for_pools(&poolscope, &server.workers)?;
+    scrape_until(&poolscope, |m| {
+        pool_value(m, "poolscope_pool_threads", service, &[]) == f64::from(WORKERS)
+    })?;
+
+    eprintln!("offered   utilization   blocked_lock (s)   thread-seconds / wall");
+    // 1.1: overload, so that the pool is saturated the whole window.
+    for (offered, expected) in [(0.25, 0.25), (0.5, 0.5), (0.9, 0.9), (1.1, 1.0)] {
+        let (utilization, states, wall) =
+            utilization_at(&poolscope, &server, service, offered, WINDOW)?;
+        let thread_seconds: f64 = states.iter().sum();
+        eprintln!(
+            "{offered:>7.2}   {utilization:>11.3}   {:>16.4}   {:.3}",
+            states[2],
+            thread_seconds / wall
+        );
+        assert!(
+            (utilization - expected).abs() <= 0.03,
+            "offered {offered}: utilization {utilization:.3}, want {expected} ± 0.03"
+        );
+        // Idle workers wait on the pool's queue (a futex): idle, not blocked_lock.
+        assert_eq!(
+            states[2], 0.0,
+            "blocked_lock with no lock in the service path"
+        );
+        // Every thread is in exactly one state at every instant.
+        let want = f64::from(WORKERS) * wall;
+        assert!(
+            (thread_seconds - want).abs() <= 0.02 * want,
+            "thread-seconds {thread_seconds:.3} over {wall:.3} s of {WORKERS} threads"
+        );
+    }
+    server.program.finish("served")?;
+    Ok(())
+}
+
+/// Busy time of the worker pool is the state its work puts it in.
+fn work_kind(backend: &str, work: &str, state: &str, component: &str) -> anyhow::Result<()> {
+    let (workers, service_time, rate) = match work {
+        // Half a CPU of spinning on two CPUs: little run-queue wait.
+        "spin" => (2, Duration::from_millis(5), 100.0),
+        _ => (4, Duration::from_millis(10), 200.0),
+    };
+    let mut server = ThreadPool::start(workers, service_time, work)?;
+    let service = format!("{work}-{backend}");
+    let poolscope = Poolscope::start(&config(
+        backend,
+        Duration::from_secs(5),
+        &[(&service, server.program.pid())],
+    ))?;
+    wait_for_pools(&poolscope, &server.workers)?;
+    let clients = OpenLoop::start(server.port, rate, SENDERS);
+    std::thread::sleep(Duration::from_secs(1));
+    let before = poolscope.scrape()?;
+    std::thread::sleep(Duration::from_secs(5));
+    let after = poolscope.scrape()?;
+    let stats = clients.stop()?;
+    let states = state_deltas(&before, &after, &service);
+    let busy: f64 = states[..4].iter().sum();
+    let index = STATES
+        .iter()
+        .position(|s| *s == state)
+        .ok_or_else(|| anyhow::anyhow!("state {state}"))?;
+    let component_delta = |name: &str| {
+        let value = |m: &Metrics| {
+            m.value(
+                "poolscope_request_time_seconds_total",
+                &[("service", &service), ("component", name)],
+            )
+            .unwrap_or(f64::NAN)
+        };
+        value(&after) - value(&before)
+    };
+    let components = ["running", "runnable", "lock", "io", "other"];
+    let component_total: f64 = components.iter().map(|c| component_delta(c)).sum();
+    let share = states[index] / busy;
+    let component_share = component_delta(component) / component_total;
+    eprintln!(
+        "{backend} {work}: {stats:?}\n  busy {busy:.3} s: {:?}\n  {state} share {share:.3}, \
+         request time in {component} {component_share:.3} of {component_total:.3} s",
+        STATES.iter().zip(states).collect::<Vec<_>>()
+    );
+    assert!(share >= 0.9, "{work}: {state} is {share:.3} of busy time");
+    assert!(
+        component_share >= 0.9,
+        "{work}: request time in {component} is {component_share:.3}"
+    );
+    if state != "blocked_lock" {
+        assert_eq!(
+            states[2], 0.0,
+            "{work}: idle workers counted as blocked_lock"
+        );
+    }
+    server.program.finish("served")?;
+    Ok(())
+}
+
+#[test]
+fn busy_time_is_what_the_work_does() -> anyhow::Result<()> {
+    if !privileged("busy_time_is_what_the_work_does") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    for backend in BACKENDS {
+        work_kind(backend, "spin", "running", "running")?;
+        work_kind(backend, "sleep", "blocked_io", "io")?;
+        work_kind(backend, "lock", "blocked_lock", "lock")?;
+    }
+    Ok(())
+}
+
+#[test]
+fn two_spinners_on_one_cpu_wait_half_the_time() -> anyhow::Result<()> {
+    if !privileged("two_spinners_on_one_cpu_wait_half_the_time") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let mut spinners = Program::start("spinners", &["2".into(), "0".into(), "30".into()])?;
+    let tids = parse_tids(&spinners.line("spinners")?)?;
+    let pid = spinners.pid();
+    let poolscope = Poolscope::start(&config(
+        "socket",
+        Duration::from_secs(5),
+        &[("spinners", pid)],
+    ))?;
+    wait_for_pools(&poolscope, &tids)?;
+    let read = || -> anyhow::Result<(Instant, Vec<(ThreadRow, (u64, u64))>)> {
+        let rows = parse_debug_threads(&poolscope.get("/debug/threads")?)?;
+        let at = Instant::now();
+        let rows = rows
+            .into_iter()
+            .filter(|row| tids.contains(&row.tid))
+            .map(|row| Ok((row.clone(), schedstat(pid, row.tid)?)))
+            .collect::<anyhow::Result<_>>()?;
+        Ok((at, rows))
+    };
+    let before_metrics = poolscope.scrape()?;
+    let (start, before) = read()?;
+    std::thread::sleep(Duration::from_secs(5));
+    let (end, after) = read()?;
+    let after_metrics = poolscope.scrape()?;
+    let wall = end.duration_since(start).as_secs_f64();
+    for ((row, (_, runnable)), (first, (_, first_runnable))) in after.iter().zip(&before) {
+        let ours = row.runnable - first.runnable;
+        let kernel = (runnable - first_runnable) as f64 / 1e9;
+        eprintln!(
+            "spinner {}: runnable {ours:.3} s of {wall:.3} s ({:.1}%), schedstat {kernel:.3} s",
+            row.tid,
+            100.0 * ours / wall
+        );
+        assert!(
+            (ours / wall - 0.5).abs() <= 0.05,
+            "runnable share {:.3}",
+            ours / wall
+        );
+        assert!((ours - kernel).abs() <= 0.05 * kernel, "against schedstat");
+    }
+    let waits = |m: &Metrics| {
+        m.value(
+            "poolscope_runqueue_wait_seconds_sum",
+            &[("service", "spinners"), ("pool", "spin")],
+        )
+        .unwrap_or(f64::NAN)
+    };
+    let runqueue_sum = waits(&after_metrics) - waits(&before_metrics);
+    eprintln!("runqueue_wait_seconds_sum grew {runqueue_sum:.3} s over {wall:.3} s");
+    // Both threads wait about half the time: ~1 s of waits per second, less the
+    // wait in progress at the end.
+    assert!(
+        runqueue_sum >= 0.8 * wall && runqueue_sum <= 1.1 * wall,
+        "run-queue waits {runqueue_sum:.3} s"
+    );
+    drop(spinners.finish(""));
+    Ok(())
+}
