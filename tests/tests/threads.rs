@@ -15,6 +15,9 @@ use poolscope_tests::{
 };
 
 const WORKER_POOL: &str = "worker";
+
+/// Each thread's row of `/debug/threads` with its schedstat (ns on CPU, ns runnable).
+type Reading = Vec<(ThreadRow, (u64, u64))>;
 /// Clients of the open-loop load: enough that arrivals keep their schedule up to
 /// overload.
 const SENDERS: usize = 64;
@@ -117,7 +120,7 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
     let load = OpenLoop::start(server.port, 300.0, SENDERS);
     std::thread::sleep(Duration::from_secs(1));
 
-    let read = |poolscope: &Poolscope| -> anyhow::Result<Vec<(ThreadRow, (u64, u64))>> {
+    let read = |poolscope: &Poolscope| -> anyhow::Result<Reading> {
         let rows = parse_debug_threads(&poolscope.get("/debug/threads")?)?;
         rows.into_iter()
             .filter(|row| row.service == "spin")
@@ -349,7 +352,7 @@ fn two_spinners_on_one_cpu_wait_half_the_time() -> anyhow::Result<()> {
         &[("spinners", pid)],
     ))?;
     wait_for_pools(&poolscope, &tids)?;
-    let read = || -> anyhow::Result<(Instant, Vec<(ThreadRow, (u64, u64))>)> {
+    let read = || -> anyhow::Result<(Instant, Reading)> {
         let rows = parse_debug_threads(&poolscope.get("/debug/threads")?)?;
         let at = Instant::now();
         let rows = rows
