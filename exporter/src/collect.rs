@@ -411,6 +411,9 @@ pub struct SelfStats {
     pub services_refused: u64,
     pub watch_errors: u64,
     pub listen_port_errors: u64,
+    pub pools_refused: u64,
+    /// Updates of `THREADS`/`THREAD_POOLS` from user space that failed.
+    pub thread_errors: u64,
     /// (collector, seconds, success)
     pub collectors: Vec<(&'static str, f64, bool)>,
 }
@@ -444,6 +447,7 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
     let mut map_errors = HashMap::from([
         ("WATCHED", stats.watch_errors),
         ("LISTEN_PORTS", stats.listen_port_errors),
+        ("THREADS", stats.thread_errors),
     ]);
     let mut events_lost = Family::new(
         "events_lost",
@@ -514,6 +518,14 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
             "Processes the last scan left unwatched because limits.max_services was reached.",
         )
         .with(&[], stats.services_refused as f64),
+    );
+    families.push(
+        Family::new(
+            "pools_refused",
+            Kind::Counter,
+            "Threads left in their creator's pool because limits.max_pools was reached.",
+        )
+        .with(&[], stats.pools_refused as f64),
     );
     let mut duration = Family::new(
         "scrape_duration_seconds",

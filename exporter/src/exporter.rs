@@ -306,6 +306,8 @@ impl Gatherer for Exporter {
                     shared.targets.services_refused,
                     shared.targets.watch_errors,
                     shared.targets.listen_port_errors,
+                    shared.pools.pools_refused,
+                    shared.pools.thread_errors,
                 ),
                 pool_rows,
             )
@@ -378,7 +380,8 @@ impl Gatherer for Exporter {
         families.extend(pool_families(&pool_inputs));
         let dropped = cap_series(&mut families, settings.max_series);
         let series_dropped = self.series_dropped.fetch_add(dropped, Ordering::Relaxed) + dropped;
-        let (services_refused, watch_errors, listen_port_errors) = targets_stats;
+        let (services_refused, watch_errors, listen_port_errors, pools_refused, thread_errors) =
+            targets_stats;
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
             backend: backend.name(),
@@ -386,6 +389,8 @@ impl Gatherer for Exporter {
             services_refused,
             watch_errors,
             listen_port_errors,
+            pools_refused,
+            thread_errors,
             collectors,
         };
         families.extend(self_families(&stats, &self.probes, kernel.as_ref()));
