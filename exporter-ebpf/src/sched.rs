@@ -50,7 +50,7 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
 }
 
 fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
-    let now = now_ns();
+    // The clock is read only for watched threads: most switches are not theirs.
     let prev_tid = bpf_get_current_pid_tgid() as u32;
     if let Some(prev) = thread(prev_tid) {
         let preempt: u64 = ctx.arg(0);
@@ -65,10 +65,10 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
                 state & TASK_UNINTERRUPTIBLE != 0,
             )
         };
-        threads::switched_out(prev_tid, prev, next, now);
+        threads::switched_out(prev_tid, prev, next, now_ns());
     }
     let next: *const u8 = ctx.arg(2);
-    threads::switched_in(task_tid(next)?, now);
+    threads::switched_in(task_tid(next)?);
     Ok(())
 }
 
@@ -99,7 +99,7 @@ fn current_wait_class() -> WaitClass {
 pub fn sched_wakeup(ctx: RawTracePointContext) -> i32 {
     let task: *const u8 = ctx.arg(0);
     if let Ok(tid) = task_tid(task) {
-        threads::woken(tid, now_ns());
+        threads::woken(tid);
     }
     0
 }

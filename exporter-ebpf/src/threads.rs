@@ -6,7 +6,10 @@
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use poolscope_shared::{Activity, PoolStats, Thread, histogram_bucket};
 
-use crate::maps::{POOL_STATS, THREAD_POOLS, THREADS};
+use crate::{
+    maps::{POOL_STATS, THREAD_POOLS, THREADS},
+    requests::now_ns,
+};
 
 /// A thread holding more requests than this is miscounted (a lost end); the cap
 /// keeps one such thread from multiplying its time without bound.
@@ -61,7 +64,7 @@ fn pool_stats(tid: u32) -> Option<&'static mut PoolStats> {
 
 /// `tid` goes on CPU: a run-queue wait ends.
 #[inline(always)]
-pub fn switched_in(tid: u32, now: u64) {
+pub fn switched_in(tid: u32) {
     let Some(thread) = thread(tid) else {
         return;
     };
@@ -69,7 +72,7 @@ pub fn switched_in(tid: u32, now: u64) {
     if was == Activity::Running {
         return;
     }
-    let waited = change(tid, thread, Activity::Running, now);
+    let waited = change(tid, thread, Activity::Running, now_ns());
     if was != Activity::Runnable {
         // Woken without a wakeup we saw (entry made while it slept): no wait to time.
         return;
@@ -90,14 +93,14 @@ pub fn switched_out(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
 
 /// `tid` was woken: it waits for a CPU from now.
 #[inline(always)]
-pub fn woken(tid: u32, now: u64) {
+pub fn woken(tid: u32) {
     let Some(thread) = thread(tid) else {
         return;
     };
     // A wakeup of a thread on CPU or already queued (it was woken before it slept,
     // or preempted) changes nothing.
     if Activity::from_u32(thread.activity).is_off_cpu() {
-        change(tid, thread, Activity::Runnable, now);
+        change(tid, thread, Activity::Runnable, now_ns());
     }
 }
 
