@@ -92,7 +92,7 @@ fn follow_thread(tid: u32, creator_tid: u32, service: u32) {
         service,
         activity: Activity::Runnable as u32,
         serving: 0,
-        _pad: 0,
+        hands_off: 0,
         since_ns: now_ns(),
         running_ns: 0,
         runnable_ns: 0,

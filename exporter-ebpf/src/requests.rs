@@ -8,7 +8,7 @@ use poolscope_shared::{Conn, Histogram, LossSource, Phase, ServiceCounters, hist
 
 use crate::{
     maps::{CONNS, REQUEST_TIMES, count_loss, update_service},
-    threads,
+    threads::{self, End},
 };
 
 /// Whether the backend sees request bytes arrive (`sock:sk_data_ready`).
@@ -126,7 +126,7 @@ pub fn wrote(conn: &mut Conn, now: u64) {
         Phase::Serving => {
             conn.phase = Phase::Responded as u32;
             conn.end_ns = now;
-            threads::request_ended(conn.server_tid, now);
+            threads::request_ended(conn.server_tid, now, End::Response);
             conn.server_tid = 0;
             update_service(conn.service, |c| c.serving_left += 1);
         }
@@ -164,7 +164,7 @@ pub fn closed(key: u64, now: u64) {
         Phase::Waiting => update_service(conn.service, |c| c.waiting_left += 1),
         Phase::Serving => {
             update_service(conn.service, |c| c.serving_left += 1);
-            threads::request_ended(conn.server_tid, now);
+            threads::request_ended(conn.server_tid, now, End::Close);
             conn.end_ns = now;
             finish(&conn);
         }

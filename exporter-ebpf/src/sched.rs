@@ -61,7 +61,7 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
         } else {
             Activity::blocked(
                 current_wait_class(),
-                prev.serving > 0,
+                threads::waits_for_request(prev),
                 state & TASK_UNINTERRUPTIBLE != 0,
             )
         };

@@ -121,10 +121,18 @@ pub fn request_started(now: u64) -> u32 {
     tid
 }
 
-/// The response of a request that `server_tid` started began (from any thread), or
-/// its connection closed.
+/// How a request stopped being served.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    /// The current thread wrote the first bytes of the response.
+    Response,
+    /// The connection closed (possibly in softirq, on any CPU).
+    Close,
+}
+
+/// The request that `server_tid` started stopped being served.
 #[inline(always)]
-pub fn request_ended(server_tid: u32, now: u64) {
+pub fn request_ended(server_tid: u32, now: u64, end: End) {
     if server_tid == 0 {
         return;
     }
@@ -134,4 +142,13 @@ pub fn request_ended(server_tid: u32, now: u64) {
     let activity = Activity::from_u32(thread.activity);
     change(server_tid, thread, activity, now);
     thread.serving = thread.serving.saturating_sub(1);
+    if end == End::Response && bpf_get_current_pid_tgid() as u32 != server_tid {
+        thread.hands_off = 1;
+    }
+}
+
+/// Whether a blocking wait of `thread` is on behalf of a request it holds.
+#[inline(always)]
+pub fn waits_for_request(thread: &Thread) -> bool {
+    thread.serving > 0 && thread.hands_off == 0
 }

@@ -68,9 +68,21 @@ pub fn sum_of(values: &[u64; Activity::COUNT], activities: &[Activity]) -> u64 {
 /// How often pool totals are sampled for the utilization window.
 pub const SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
 
-/// The pool name of a thread: its name without trailing digits and separators
-/// (`http-nio-8080-exec-12` → `http-nio-8080-exec`); a name that is all digits and
-/// separators stays as it is.
+/// The pool of a thread: its normalized name, except that threads which kept their
+/// process's name (never named by the runtime: Node.js and libuv helpers, Python
+/// threads, Go's Ms) are a pool apart from the main thread, `<name>-threads`, so that
+/// an event loop or a worker process's main thread is not averaged with its helpers.
+pub fn pool_name(comm: &str, is_main: bool, main_comm: Option<&str>) -> String {
+    let name = normalize_thread_name(comm);
+    if !is_main && main_comm == Some(comm) {
+        format!("{name}-threads")
+    } else {
+        name
+    }
+}
+
+/// A thread name without trailing digits and separators (`http-nio-8080-exec-12` →
+/// `http-nio-8080-exec`); a name that is all digits and separators stays as it is.
 pub fn normalize_thread_name(comm: &str) -> String {
     let trimmed = comm.trim_end_matches(|c: char| {
         c.is_ascii_digit() || matches!(c, '-' | '_' | '.' | ':' | '#' | '/' | ' ')
@@ -237,11 +249,13 @@ impl Pools {
         Some(id)
     }
 
-    /// Puts `tid` of `service` in the pool its name says.
+    /// Puts `tid` of `service` in the pool its name (and its process's) says.
     fn name_thread(&mut self, kernel: &mut Kernel, tid: u32, service: u32, comm: &str) {
+        let tgid = procfs::thread_group(&self.procfs_root, tid);
+        let main_comm = tgid.and_then(|tgid| procfs::thread_comm(&self.procfs_root, tgid));
         let key = PoolKey {
             service,
-            name: normalize_thread_name(comm),
+            name: pool_name(comm, tgid == Some(tid), main_comm.as_deref()),
         };
         let Some(pool) = self.get_or_allocate(kernel, key) else {
             self.pools_refused += 1;
@@ -276,7 +290,7 @@ impl Pools {
                 service,
                 activity: initial_activity(task.state) as u32,
                 serving: 0,
-                _pad: 0,
+                hands_off: 0,
                 since_ns: now,
                 running_ns: 0,
                 runnable_ns: 0,
@@ -405,12 +419,25 @@ mod tests {
         assert_eq!(normalize_thread_name("1234"), "1234");
     }
 
+    #[test]
+    fn threads_that_kept_the_process_name_are_apart_from_the_main_thread() {
+        // Node.js: the loop is the main thread; its helpers inherited "node".
+        assert_eq!(pool_name("node", true, Some("node")), "node");
+        assert_eq!(pool_name("node", false, Some("node")), "node-threads");
+        // Named threads go by their name.
+        assert_eq!(pool_name("worker-2", false, Some("threadpool")), "worker");
+        // A single-threaded worker process (nginx, gunicorn sync) is its main thread.
+        assert_eq!(pool_name("nginx", true, Some("nginx")), "nginx");
+        // Process gone: by name only.
+        assert_eq!(pool_name("worker-2", false, None), "worker");
+    }
+
     fn thread(activity: Activity, since_ns: u64, serving: u32) -> Thread {
         Thread {
             service: 0,
             activity: activity as u32,
             serving,
-            _pad: 0,
+            hands_off: 0,
             since_ns,
             running_ns: 0,
             runnable_ns: 0,

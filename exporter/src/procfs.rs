@@ -232,6 +232,21 @@ pub fn tasks(root: &Path, pid: u32) -> Vec<Task> {
         .collect()
 }
 
+/// The thread group (process) id in `/proc/<tid>/status`.
+pub fn parse_tgid(status: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Tgid:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The process of thread `tid` (`None` if it exited).
+pub fn thread_group(root: &Path, tid: u32) -> Option<u32> {
+    parse_tgid(&fs::read_to_string(root.join(tid.to_string()).join("status")).ok()?)
+}
+
 /// The name of thread `tid` of any process (`/proc/<tid>` resolves for every tid).
 pub fn thread_comm(root: &Path, tid: u32) -> Option<String> {
     let comm = fs::read_to_string(root.join(tid.to_string()).join("comm")).ok()?;
@@ -303,6 +318,13 @@ mod tests {
                 start_time: 987654
             })
         );
+    }
+
+    #[test]
+    fn tgid_from_status() {
+        let status = "Name:\tworker-1\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t4242\nNgid:\t0\nPid:\t4250\n";
+        assert_eq!(parse_tgid(status), Some(4242));
+        assert_eq!(parse_tgid("Name:\tx\n"), None);
     }
 
     #[test]

@@ -404,7 +404,10 @@ pub struct Thread {
     /// above 0 the thread is serving, and its time also goes to the requests'
     /// components, once per request it holds.
     pub serving: u32,
-    pub _pad: u32,
+    /// 1 once a request this thread read was answered by another thread (an M:N
+    /// runtime such as Go, or a hand-off): its waits then do not count as the
+    /// request's, since the request may be served elsewhere meanwhile.
+    pub hands_off: u32,
     pub since_ns: u64,
     /// This thread's time on CPU and in the run queue, closed intervals only
     /// (`/debug/threads`, comparable with /proc/<pid>/task/<tid>/schedstat).
