@@ -50,7 +50,9 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
 }
 
 fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
-    // The clock is read only for watched threads: most switches are not theirs.
+    // The clock is read only for watched threads (most switches are not theirs),
+    // once per switch.
+    let mut now = 0;
     let prev_tid = bpf_get_current_pid_tgid() as u32;
     if let Some(prev) = thread(prev_tid) {
         let preempt: u64 = ctx.arg(0);
@@ -65,10 +67,11 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
                 state & TASK_UNINTERRUPTIBLE != 0,
             )
         };
-        threads::switched_out(prev_tid, prev, next, now_ns());
+        now = now_ns();
+        threads::switched_out(prev_tid, prev, next, now);
     }
     let next: *const u8 = ctx.arg(2);
-    threads::switched_in(task_tid(next)?);
+    threads::switched_in(task_tid(next)?, now);
     Ok(())
 }
 

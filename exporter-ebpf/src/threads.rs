@@ -26,10 +26,10 @@ pub fn thread(tid: u32) -> Option<&'static mut Thread> {
         .map(|thread| unsafe { &mut *thread })
 }
 
-/// Ends the current interval of `thread` at `now` and starts `next`. Returns the
-/// length of the interval that ended.
+/// Ends the current interval of `thread` at `now` and starts `next`. A run-queue
+/// wait that ends (runnable → running) also goes into the pool's histogram.
 #[inline(always)]
-pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) -> u64 {
+pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
     let elapsed = now.saturating_sub(thread.since_ns);
     let activity = Activity::from_u32(thread.activity);
     // The entry first: user space reads the pool stats before the entries, so a
@@ -41,14 +41,21 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) -> u64 {
         Activity::Runnable => thread.runnable_ns += elapsed,
         _ => {}
     }
-    if let Some(stats) = pool_stats(tid) {
-        let index = activity as usize % Activity::COUNT;
-        stats.time_ns[index] += elapsed;
-        if thread.serving > 0 {
-            stats.request_ns[index] += elapsed * u64::from(thread.serving);
-        }
+    let Some(stats) = pool_stats(tid) else {
+        return;
+    };
+    let index = activity as usize % Activity::COUNT;
+    stats.time_ns[index] += elapsed;
+    if thread.serving > 0 {
+        stats.request_ns[index] += elapsed * u64::from(thread.serving);
     }
-    elapsed
+    if activity == Activity::Runnable
+        && next == Activity::Running
+        && let Some(bucket) = stats.runqueue.buckets.get_mut(histogram_bucket(elapsed))
+    {
+        *bucket += 1;
+        stats.runqueue.sum_ns += elapsed;
+    }
 }
 
 /// This CPU's stats of the pool of `tid`.
@@ -62,27 +69,21 @@ fn pool_stats(tid: u32) -> Option<&'static mut PoolStats> {
         .map(|stats| unsafe { &mut *stats })
 }
 
-/// `tid` goes on CPU: a run-queue wait ends.
+/// `tid` goes on CPU at `now` (0: not read yet): a run-queue wait ends.
 #[inline(always)]
-pub fn switched_in(tid: u32) {
+pub fn switched_in(tid: u32, now: u64) {
     let Some(thread) = thread(tid) else {
         return;
     };
-    let was = Activity::from_u32(thread.activity);
-    if was == Activity::Running {
+    // Already running: the switch that put it off CPU was not seen (its entry was
+    // made meanwhile).
+    if Activity::from_u32(thread.activity) == Activity::Running {
         return;
     }
-    let waited = change(tid, thread, Activity::Running, now_ns());
-    if was != Activity::Runnable {
-        // Woken without a wakeup we saw (entry made while it slept): no wait to time.
-        return;
-    }
-    if let Some(stats) = pool_stats(tid)
-        && let Some(bucket) = stats.runqueue.buckets.get_mut(histogram_bucket(waited))
-    {
-        *bucket += 1;
-        stats.runqueue.sum_ns += waited;
-    }
+    let now = if now == 0 { now_ns() } else { now };
+    // From a wait whose wakeup we did not see (entry made while it slept), the
+    // interval closes as that wait and no run-queue wait is timed.
+    change(tid, thread, Activity::Running, now);
 }
 
 /// `tid` (the current thread) goes off CPU, into `next`.

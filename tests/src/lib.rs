@@ -520,12 +520,15 @@ pub fn parse_tids(list: &str) -> anyhow::Result<Vec<u32>> {
         .collect()
 }
 
-/// /proc/<pid>/task/<tid>/schedstat: (ns on CPU, ns waiting in the run queue).
-pub fn schedstat(pid: u32, tid: u32) -> anyhow::Result<(u64, u64)> {
+/// /proc/<pid>/task/<tid>/schedstat: ns on CPU, ns waiting in the run queue, and
+/// the number of times it went on a CPU.
+pub fn schedstat(pid: u32, tid: u32) -> anyhow::Result<(u64, u64, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat"))?;
     let mut fields = text.split_whitespace().map(str::parse::<u64>);
-    match (fields.next(), fields.next()) {
-        (Some(Ok(running)), Some(Ok(runnable))) => Ok((running, runnable)),
+    match (fields.next(), fields.next(), fields.next()) {
+        (Some(Ok(running)), Some(Ok(runnable)), Some(Ok(slices))) => {
+            Ok((running, runnable, slices))
+        }
         _ => bail!("schedstat of {tid}: {text:?}"),
     }
 }
