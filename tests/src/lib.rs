@@ -563,3 +563,26 @@ pub fn parse_debug_threads(text: &str) -> anyhow::Result<Vec<ThreadRow>> {
         })
         .collect()
 }
+
+/// The calling thread's kernel tid.
+pub fn gettid() -> i64 {
+    // SAFETY: gettid takes no arguments and cannot fail.
+    unsafe { libc::syscall(libc::SYS_gettid) }
+}
+
+/// Restricts the calling thread to `cpu`.
+pub fn pin_to(cpu: usize) -> std::io::Result<()> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(std::io::Error::other(format!("no CPU {cpu}")));
+    }
+    // SAFETY: an all-zero cpu_set_t is the empty set; `cpu` was checked against
+    // CPU_SETSIZE, and sched_setaffinity(0, ...) applies to the calling thread only.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}

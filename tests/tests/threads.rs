@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use poolscope_tests::{
     BACKENDS, Metrics, Poolscope, Program, ThreadRow, load::OpenLoop, one_at_a_time,
     parse_debug_threads, parse_tids, privileged, schedstat, scrape_until,
+    servers::pin_to_first_cpu,
 };
 
 const WORKER_POOL: &str = "worker";
@@ -117,7 +118,7 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
     // 5% only when the run-queue time is large.)
     let mut server = ThreadPool::start(3, Duration::from_millis(4), "spin")?;
     let pid = server.program.pid();
-    pin_process(pid, 0)?;
+    pin_to_first_cpu(&[pid])?;
     let poolscope = Poolscope::start(&config("socket", Duration::from_secs(10), &[("spin", pid)]))?;
     wait_for_pools(&poolscope, &server.workers)?;
     let load = OpenLoop::start(server.port, 300.0, SENDERS);
@@ -196,25 +197,6 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
     assert_eq!(workers_busy, server.workers.len(), "every worker compared");
     assert!(checked >= server.workers.len());
     server.program.finish("served")?;
-    Ok(())
-}
-
-/// Pins every thread of `pid` to `cpu`.
-fn pin_process(pid: u32, cpu: usize) -> anyhow::Result<()> {
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let tid: i32 = task?.file_name().to_string_lossy().parse()?;
-        // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: cpu < CPU_SETSIZE.
-        unsafe { libc::CPU_SET(cpu, &mut set) };
-        // SAFETY: valid set of the size given.
-        let rc = unsafe { libc::sched_setaffinity(tid, size_of::<libc::cpu_set_t>(), &set) };
-        anyhow::ensure!(
-            rc == 0,
-            "pinning {tid}: {}",
-            std::io::Error::last_os_error()
-        );
-    }
     Ok(())
 }
 

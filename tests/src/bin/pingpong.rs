@@ -21,6 +21,7 @@
 //! `threads <ping tid>,<pong tid>`, then runs once per line read on stdin, printing
 //! the line above after each run, and exits when stdin closes (so that an observer
 //! can start watching the process before it runs).
+use poolscope_tests::{gettid, pin_to};
 use std::{
     io::{BufRead as _, PipeReader, PipeWriter, Read as _, Write as _},
     sync::mpsc::{Receiver, Sender, channel},
@@ -30,25 +31,6 @@ use std::{
 
 /// Round trips between two looks at the clock.
 const BATCH: u64 = 64;
-
-fn gettid() -> i64 {
-    // SAFETY: gettid takes no arguments and cannot fail.
-    unsafe { libc::syscall(libc::SYS_gettid) }
-}
-
-/// Restricts the calling thread to `cpu`.
-fn pin_to(cpu: usize) -> std::io::Result<()> {
-    // SAFETY: an all-zero cpu_set_t is the empty set; `cpu` was checked against
-    // CPU_SETSIZE, and sched_setaffinity(0, ...) applies to the calling thread only.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
 
 /// What a thread says once it started: its name and its tid, or why it could not pin.
 type Started = (&'static str, std::io::Result<i64>);

@@ -5,6 +5,7 @@
 //! Usage: `spinners <threads> <cpu> <seconds>`. Prints `spinners <tid>,<tid>,...`
 //! (kernel tids, in thread order) once every thread has pinned itself, then spins
 //! until the seconds have passed or stdin closes, whichever comes first, and exits 0.
+use poolscope_tests::{gettid, pin_to};
 use std::{
     io::{BufRead as _, Write as _},
     sync::{
@@ -15,25 +16,6 @@ use std::{
     thread::Builder,
     time::{Duration, Instant},
 };
-
-fn gettid() -> i64 {
-    // SAFETY: gettid takes no arguments and cannot fail.
-    unsafe { libc::syscall(libc::SYS_gettid) }
-}
-
-/// Restricts the calling thread to `cpu`.
-fn pin_to(cpu: usize) -> std::io::Result<()> {
-    // SAFETY: an all-zero cpu_set_t is the empty set; `cpu` was checked against
-    // CPU_SETSIZE, and sched_setaffinity(0, ...) applies to the calling thread only.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
 
 fn main() -> std::io::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
