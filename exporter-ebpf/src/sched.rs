@@ -68,7 +68,7 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
             )
         };
         now = now_ns();
-        threads::switched_out(prev_tid, prev, next, now);
+        threads::change(prev_tid, prev, next, now);
     }
     let next: *const u8 = ctx.arg(2);
     threads::switched_in(task_tid(next)?, now);

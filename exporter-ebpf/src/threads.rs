@@ -86,12 +86,6 @@ pub fn switched_in(tid: u32, now: u64) {
     change(tid, thread, Activity::Running, now);
 }
 
-/// `tid` (the current thread) goes off CPU, into `next`.
-#[inline(always)]
-pub fn switched_out(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
-    change(tid, thread, next, now);
-}
-
 /// `tid` was woken: it waits for a CPU from now.
 #[inline(always)]
 pub fn woken(tid: u32) {

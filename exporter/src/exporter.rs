@@ -146,14 +146,8 @@ impl Exporter {
             kernel, targets, ..
         } = &mut *shared;
         targets.apply(kernel, &snapshot, &assignments, started_ns);
+        // Pools of services gone go at the next sample, a second at most.
         shared.follow_watch_changes();
-        let Shared {
-            kernel,
-            targets,
-            pools,
-            ..
-        } = &mut *shared;
-        pools.sync(kernel, &targets.service_ids());
         Ok(())
     }
 
@@ -167,10 +161,12 @@ impl Exporter {
             pools,
             ..
         } = &mut *shared;
-        pools.sync(kernel, &targets.service_ids());
         let mut readout = Readout::default();
         match kernel.read_pools(&pools.ids(), &mut readout) {
-            Ok(()) => pools.sample(Instant::now(), &pools::totals(&readout)),
+            Ok(()) => {
+                pools.sample(Instant::now(), &pools::totals(&readout));
+                pools.sync(kernel, &targets.service_ids(), &readout.threads);
+            }
             Err(error) => tracing::warn!(%error, "reading pool stats failed"),
         }
     }

@@ -8,6 +8,7 @@ pub mod config;
 pub mod discovery;
 pub mod encode;
 pub mod exporter;
+pub mod ids;
 pub mod kernel;
 pub mod pools;
 pub mod procfs;

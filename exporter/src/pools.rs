@@ -14,6 +14,7 @@ use std::{
 use poolscope_shared::{Activity, Histogram, PoolStats, Thread};
 
 use crate::{
+    ids::DenseIds,
     kernel::{Kernel, Readout},
     procfs,
     targets::monotonic_ns,
@@ -194,9 +195,7 @@ struct Sample {
 
 #[derive(Debug)]
 pub struct Pools {
-    names: Vec<Option<PoolKey>>,
-    by_key: HashMap<PoolKey, u32>,
-    max: u32,
+    ids: DenseIds<PoolKey>,
     /// tid → the pool we put it in; threads not here are named at the next sync.
     named: HashMap<u32, u32>,
     history: HashMap<u32, VecDeque<Sample>>,
@@ -208,12 +207,13 @@ pub struct Pools {
     pub thread_errors: u64,
 }
 
+/// A thread's process: its tgid and its main thread's name.
+type ProcessOf<'a> = Option<(u32, &'a str)>;
+
 impl Pools {
     pub fn new(procfs_root: PathBuf, max_pools: u32, window: Duration) -> Self {
         Self {
-            names: Vec::new(),
-            by_key: HashMap::new(),
-            max: max_pools,
+            ids: DenseIds::new(max_pools),
             named: HashMap::new(),
             history: HashMap::new(),
             window,
@@ -227,37 +227,41 @@ impl Pools {
         self.window = window;
     }
 
-    fn get_or_allocate(&mut self, kernel: &mut Kernel, key: PoolKey) -> Option<u32> {
-        if let Some(&id) = self.by_key.get(&key) {
-            return Some(id);
-        }
-        let id = match self.names.iter().position(Option::is_none) {
-            Some(free) => free as u32,
-            None if (self.names.len() as u32) < self.max => {
-                self.names.push(None);
-                self.names.len() as u32 - 1
-            }
-            None => return None,
-        };
+    fn get_or_allocate(&mut self, kernel: &mut Kernel, key: &PoolKey) -> Option<u32> {
+        let (id, new) = self.ids.get_or_allocate(key)?;
         // A reused id starts from zero.
-        if let Err(error) = kernel.reset_pool(id) {
+        if new && let Err(error) = kernel.reset_pool(id) {
             tracing::warn!(id, %error, "cannot reset the stats of a pool");
+            self.ids.free(id);
             return None;
         }
-        self.names[id as usize] = Some(key.clone());
-        self.by_key.insert(key, id);
         Some(id)
     }
 
+    /// The process of a thread the kernel reported, from procfs.
+    fn process_of(&self, tid: u32) -> Option<(u32, String)> {
+        let tgid = procfs::thread_group(&self.procfs_root, tid)?;
+        Some((tgid, procfs::thread_comm(&self.procfs_root, tgid)?))
+    }
+
     /// Puts `tid` of `service` in the pool its name (and its process's) says.
-    fn name_thread(&mut self, kernel: &mut Kernel, tid: u32, service: u32, comm: &str) {
-        let tgid = procfs::thread_group(&self.procfs_root, tid);
-        let main_comm = tgid.and_then(|tgid| procfs::thread_comm(&self.procfs_root, tgid));
+    fn name_thread(
+        &mut self,
+        kernel: &mut Kernel,
+        tid: u32,
+        service: u32,
+        comm: &str,
+        process: ProcessOf<'_>,
+    ) {
         let key = PoolKey {
             service,
-            name: pool_name(comm, tgid == Some(tid), main_comm.as_deref()),
+            name: pool_name(
+                comm,
+                process.is_some_and(|(tgid, _)| tgid == tid),
+                process.map(|(_, main_comm)| main_comm),
+            ),
         };
-        let Some(pool) = self.get_or_allocate(kernel, key) else {
+        let Some(pool) = self.get_or_allocate(kernel, &key) else {
             self.pools_refused += 1;
             tracing::warn!(
                 tid,
@@ -285,7 +289,12 @@ impl Pools {
     /// Follows the threads `pid` already has when it starts being watched.
     pub fn follow_process(&mut self, kernel: &mut Kernel, pid: u32, service: u32) {
         let now = monotonic_ns();
-        for task in procfs::tasks(&self.procfs_root, pid) {
+        let tasks = procfs::tasks(&self.procfs_root, pid);
+        let main_comm = tasks
+            .iter()
+            .find(|task| task.tid == pid)
+            .map(|task| task.comm.clone());
+        for task in &tasks {
             let thread = Thread {
                 service,
                 activity: initial_activity(task.state) as u32,
@@ -300,7 +309,8 @@ impl Pools {
                 tracing::warn!(tid = task.tid, %error, "cannot follow thread");
                 continue;
             }
-            self.name_thread(kernel, task.tid, service, &task.comm);
+            let process = main_comm.as_deref().map(|main_comm| (pid, main_comm));
+            self.name_thread(kernel, task.tid, service, &task.comm, process);
         }
     }
 
@@ -315,59 +325,55 @@ impl Pools {
     /// A followed thread changed its name.
     pub fn renamed(&mut self, kernel: &mut Kernel, tid: u32, service: u32) {
         if let Some(comm) = procfs::thread_comm(&self.procfs_root, tid) {
-            self.name_thread(kernel, tid, service, &comm);
+            let process = self.process_of(tid);
+            let process = process.as_ref().map(|(tgid, main)| (*tgid, main.as_str()));
+            self.name_thread(kernel, tid, service, &comm, process);
         }
     }
 
-    /// Names the threads the kernel started following by itself, forgets the ones it
-    /// dropped, and drops threads of services that are gone.
-    pub fn sync(&mut self, kernel: &mut Kernel, live_services: &[u32]) {
+    /// Given the threads the kernel follows now (`threads` of a [`Readout`]): names
+    /// the ones it started following by itself, forgets the ones it dropped, and
+    /// drops the threads and pools of services that are gone.
+    pub fn sync(
+        &mut self,
+        kernel: &mut Kernel,
+        live_services: &[u32],
+        threads: &[(u32, Thread, Option<u32>)],
+    ) {
         let live: HashSet<u32> = live_services.iter().copied().collect();
-        let threads = kernel.thread_entries();
-        let present: HashSet<u32> = threads.iter().map(|(tid, _)| *tid).collect();
+        let present: HashSet<u32> = threads.iter().map(|(tid, ..)| *tid).collect();
         self.named.retain(|tid, _| present.contains(tid));
-        for (tid, thread) in threads {
+        for (tid, thread, _) in threads {
             if !live.contains(&thread.service) {
-                kernel.forget_thread(tid);
+                kernel.forget_thread(*tid);
                 continue;
             }
-            if self.named.contains_key(&tid) {
+            if self.named.contains_key(tid) {
                 continue;
             }
-            if let Some(comm) = procfs::thread_comm(&self.procfs_root, tid) {
-                self.name_thread(kernel, tid, thread.service, &comm);
+            if let Some(comm) = procfs::thread_comm(&self.procfs_root, *tid) {
+                let process = self.process_of(*tid);
+                let process = process.as_ref().map(|(tgid, main)| (*tgid, main.as_str()));
+                self.name_thread(kernel, *tid, thread.service, &comm, process);
             }
         }
-        // Pools of services that are gone free their ids.
-        for (id, slot) in self.names.iter_mut().enumerate() {
-            if let Some(key) = slot
-                && !live.contains(&key.service)
-            {
-                self.by_key.remove(key);
-                self.history.remove(&(id as u32));
-                *slot = None;
-            }
-        }
+        self.ids.retain(|key| live.contains(&key.service));
+        let ids = self.ids();
+        self.history.retain(|id, _| ids.contains(id));
     }
 
     /// Ids of every pool.
     pub fn ids(&self) -> Vec<u32> {
-        (0..self.names.len() as u32)
-            .filter(|id| self.names[*id as usize].is_some())
-            .collect()
+        self.ids.iter().map(|(id, _)| id).collect()
     }
 
     pub fn views(&self) -> Vec<PoolView> {
-        self.names
+        self.ids
             .iter()
-            .enumerate()
-            .filter_map(|(id, key)| {
-                let key = key.as_ref()?;
-                Some(PoolView {
-                    id: id as u32,
-                    service: key.service,
-                    name: key.name.clone(),
-                })
+            .map(|(id, key)| PoolView {
+                id,
+                service: key.service,
+                name: key.name.clone(),
             })
             .collect()
     }

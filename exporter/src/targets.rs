@@ -13,6 +13,7 @@ use poolscope_shared::{Phase, ProcessEvent, ProcessEventKind, Watched};
 
 use crate::{
     discovery::Assignment,
+    ids::DenseIds,
     kernel::Kernel,
     procfs::{self, ProcSnapshot},
 };
@@ -23,45 +24,6 @@ struct Tracked {
     start_time: u64,
     service: u32,
     since_ns: u64,
-}
-
-/// Service names ↔ dense ids `0..max`; an id is reused only after its counters are zeroed.
-#[derive(Debug, Default)]
-struct ServiceIds {
-    names: Vec<Option<String>>,
-    by_name: HashMap<String, u32>,
-    max: u32,
-}
-
-impl ServiceIds {
-    fn get_or_allocate(&mut self, name: &str) -> Option<u32> {
-        if let Some(&id) = self.by_name.get(name) {
-            return Some(id);
-        }
-        let id = match self.names.iter().position(Option::is_none) {
-            Some(free) => free as u32,
-            None if (self.names.len() as u32) < self.max => {
-                self.names.push(None);
-                self.names.len() as u32 - 1
-            }
-            None => return None,
-        };
-        self.names[id as usize] = Some(name.to_owned());
-        self.by_name.insert(name.to_owned(), id);
-        Some(id)
-    }
-
-    fn name(&self, id: u32) -> Option<&str> {
-        self.names.get(id as usize)?.as_deref()
-    }
-
-    fn free(&mut self, id: u32) {
-        if let Some(slot) = self.names.get_mut(id as usize)
-            && let Some(name) = slot.take()
-        {
-            self.by_name.remove(&name);
-        }
-    }
 }
 
 /// A live service as the scrape sees it.
@@ -94,7 +56,8 @@ pub enum WatchChange {
 
 #[derive(Debug)]
 pub struct Targets {
-    ids: ServiceIds,
+    /// Service names ↔ dense ids.
+    ids: DenseIds<String>,
     changes: Vec<WatchChange>,
     processes: HashMap<u32, Tracked>,
     purged: HashMap<u32, Purged>,
@@ -123,10 +86,7 @@ pub fn monotonic_ns() -> u64 {
 impl Targets {
     pub fn new(procfs_root: PathBuf, max_services: u32) -> Self {
         Self {
-            ids: ServiceIds {
-                max: max_services,
-                ..ServiceIds::default()
-            },
+            ids: DenseIds::new(max_services),
             changes: Vec::new(),
             processes: HashMap::new(),
             purged: HashMap::new(),
@@ -173,7 +133,8 @@ impl Targets {
             .filter(|(pid, tracked)| {
                 desired.get(pid).is_none_or(|a| {
                     a.start_time != tracked.start_time
-                        || self.ids.name(tracked.service) != Some(a.service.as_str())
+                        || self.ids.key(tracked.service).map(String::as_str)
+                            != Some(a.service.as_str())
                 })
             })
             .map(|(pid, _)| *pid)
@@ -206,7 +167,7 @@ impl Targets {
             .iter()
             .filter_map(|(inode, service)| {
                 let addr = snapshot.listen_sockets.get(inode)?;
-                Some((addr.port(), *self.ids.by_name.get(service)?))
+                Some((addr.port(), self.ids.get(service)?))
             })
             .collect();
         if let Err(error) = kernel.set_listen_ports(&ports) {
@@ -220,7 +181,7 @@ impl Targets {
         if self.processes.contains_key(&assignment.pid) {
             return;
         }
-        let Some(service) = self.ids.get_or_allocate(&assignment.service) else {
+        let Some((service, _)) = self.ids.get_or_allocate(&assignment.service) else {
             self.services_refused += 1;
             tracing::warn!(service = %assignment.service, "limits.max_services reached; not watched");
             return;
@@ -318,7 +279,7 @@ impl Targets {
     pub fn on_event(&mut self, kernel: &mut Kernel, event: &ProcessEvent) -> Option<u32> {
         match event.kind {
             k if k == ProcessEventKind::Fork as u32 => {
-                if self.ids.name(event.service).is_none() {
+                if self.ids.key(event.service).is_none() {
                     kernel.unwatch(event.pid, event.since_ns);
                     return None;
                 }
@@ -358,14 +319,12 @@ impl Targets {
 
     /// The name of a service id in use.
     pub fn service_name(&self, id: u32) -> Option<&str> {
-        self.ids.name(id)
+        self.ids.key(id).map(String::as_str)
     }
 
     /// Ids of every service that has an id now (some may have no live process).
     pub fn service_ids(&self) -> Vec<u32> {
-        (0..self.ids.names.len() as u32)
-            .filter(|id| self.ids.name(*id).is_some())
-            .collect()
+        self.ids.iter().map(|(id, _)| id).collect()
     }
 
     /// Live services with their process counts. `watched` is the kernel's `WATCHED`
@@ -383,7 +342,7 @@ impl Targets {
             .filter_map(|(id, processes)| {
                 Some(ServiceView {
                     id,
-                    name: self.ids.name(id)?.to_owned(),
+                    name: self.ids.key(id)?.clone(),
                     processes,
                     purged: self.purged.get(&id).copied().unwrap_or_default(),
                 })
