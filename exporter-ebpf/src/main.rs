@@ -2,10 +2,15 @@
 //! updates state or a per-CPU counter in a map, and returns. User space reads the
 //! maps at scrape time. One module per kernel subsystem; `requests.rs` is the state
 //! machine that the two request backends (`sock.rs`, `syscalls.rs`) share, and
-//! `threads.rs` the thread state machine that `sched.rs` and the requests feed.
+//! `threads.rs` the thread state machine that `sched.rs` and the requests feed;
+//! `locks.rs` times the lock waits that machine sees begin.
 #![no_std]
 #![no_main]
+// The BPF target has no `AtomicU64`; the intrinsic compiles to BPF's atomic add.
+#![feature(core_intrinsics)]
+#![allow(internal_features, reason = "core_intrinsics, see above")]
 
+mod locks;
 mod maps;
 mod process;
 mod requests;

@@ -2,12 +2,13 @@
 //! value types come from `poolscope_shared` so that user space agrees on them.
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
 };
 use poolscope_shared::{
-    Conn, LISTEN_PORTS_CAPACITY, LossSource, MAX_POOLS, MAX_SERVICES, MAX_THREADS,
-    PENDING_CALLS_CAPACITY, PendingCall, PoolStats, ProcessEvent, RequestTimes,
-    SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, Thread, Watched,
+    Conn, Histogram, LISTEN_PORTS_CAPACITY, LockKey, LockPrimitive, LossSource, MAX_LOCK_STACKS,
+    MAX_LOCKS, MAX_POOLS, MAX_SERVICES, MAX_THREADS, MUTEX_CALLS_CAPACITY, PENDING_CALLS_CAPACITY,
+    PendingCall, PoolStats, ProcessEvent, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE,
+    ServiceCounters, Thread, Watched,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -41,6 +42,17 @@ pub static POOL_STATS: PerCpuArray<PoolStats> = PerCpuArray::with_max_entries(MA
 #[map]
 pub static WAIT_CLASSES: Array<u32> = Array::with_max_entries(SYSCALL_TABLE_SIZE, 0);
 #[map]
+pub static LOCK_WAITS: Array<Histogram> =
+    Array::with_max_entries(MAX_POOLS * LockPrimitive::COUNT, 0);
+#[map]
+pub static LOCKS: HashMap<LockKey, Histogram> = HashMap::with_max_entries(MAX_LOCKS, 0);
+#[map]
+pub static LOCK_STACKS: StackTrace = StackTrace::with_max_entries(MAX_LOCK_STACKS, 0);
+#[map]
+pub static MUTEX_CALLS: HashMap<u32, u64> = HashMap::with_max_entries(MUTEX_CALLS_CAPACITY, 0);
+#[map]
+pub static ZERO_HISTOGRAM: Array<Histogram> = Array::with_max_entries(1, 0);
+#[map]
 pub static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 
 /// The watch entry of `tgid`, if user space (or a fork) put one there.
@@ -56,6 +68,30 @@ pub fn count_loss(source: LossSource) {
     if let Some(counter) = LOSSES.get_ptr_mut(source as u32) {
         // SAFETY: per-CPU slot, no other writer while we run on this CPU.
         unsafe { *counter += 1 };
+    }
+}
+
+/// Adds `value` to a counter that other CPUs may update at the same time.
+#[inline(always)]
+pub fn atomic_add(counter: &mut u64, value: u64) {
+    // SAFETY: `counter` is a valid, aligned u64 in a map value; the intrinsic is one
+    // BPF atomic add instruction.
+    unsafe {
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            counter, value,
+        );
+    }
+}
+
+/// Adds one duration to a histogram shared by all CPUs.
+#[inline(always)]
+pub fn add_to_shared_histogram(histogram: &mut Histogram, ns: u64) {
+    if let Some(bucket) = histogram
+        .buckets
+        .get_mut(poolscope_shared::histogram_bucket(ns))
+    {
+        atomic_add(bucket, 1);
+        atomic_add(&mut histogram.sum_ns, ns);
     }
 }
 

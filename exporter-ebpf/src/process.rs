@@ -17,8 +17,8 @@ use poolscope_shared::{Activity, LossSource, ProcessEvent, ProcessEventKind, Thr
 
 use crate::{
     maps::{
-        PENDING_CALLS, THREAD_POOLS, THREADS, WATCHED, Wakeup, count_loss, send_process_event,
-        watched,
+        MUTEX_CALLS, PENDING_CALLS, THREAD_POOLS, THREADS, WATCHED, Wakeup, count_loss,
+        send_process_event, watched,
     },
     requests::now_ns,
     threads::{self, thread},
@@ -88,15 +88,7 @@ fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
 /// in its creator's pool.
 #[inline(always)]
 fn follow_thread(tid: u32, creator_tid: u32, service: u32) {
-    let thread = Thread {
-        service,
-        activity: Activity::Runnable as u32,
-        serving: 0,
-        hands_off: 0,
-        since_ns: now_ns(),
-        running_ns: 0,
-        runnable_ns: 0,
-    };
+    let thread = Thread::new(service, Activity::Runnable, now_ns());
     if THREADS.insert(tid, thread, 0).is_err() {
         count_loss(LossSource::ThreadsFull);
         return;
@@ -173,8 +165,10 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
     let Some(watch) = watched(tgid) else {
         return Ok(());
     };
-    // A thread killed inside a syscall leaves its pending entry behind otherwise.
+    // A thread killed inside a syscall or pthread_mutex_lock leaves its entry
+    // behind otherwise (a futex wait in progress lives in its THREADS entry).
     let _ = PENDING_CALLS.remove(tid);
+    let _ = MUTEX_CALLS.remove(tid);
     if let Some(thread) = thread(tid) {
         // It runs its exit: its last interval is on CPU.
         threads::change(tid, thread, Activity::Running, now_ns());

@@ -5,7 +5,8 @@
 //! is built, and a thread we do not watch costs a failed lookup in `THREADS` (two per
 //! switch, one per wakeup). A task's tid is read from its `task_struct` at the offset
 //! user space found in the kernel's BTF. What a blocking thread waits for comes from
-//! the syscall it is in (its saved registers) and from whether it holds a request.
+//! the syscall it is in (its saved registers) and from whether it holds a request;
+//! a futex wait while serving is also a lock wait (`locks.rs`).
 use aya_ebpf::{
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_probe_read_kernel, bpf_task_pt_regs,
@@ -16,6 +17,7 @@ use aya_ebpf::{
 use poolscope_shared::{Activity, WaitClass};
 
 use crate::{
+    locks,
     maps::WAIT_CLASSES,
     requests::now_ns,
     syscalls::NUMBER_OFFSET,
@@ -58,43 +60,48 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
         let preempt: u64 = ctx.arg(0);
         let prev_state: u64 = ctx.arg(3);
         let state = prev_state as u32 & TASK_STATE_MASK;
-        let next = if preempt & 1 != 0 || state == 0 {
-            Activity::Runnable
+        now = now_ns();
+        if preempt & 1 != 0 || state == 0 {
+            threads::change(prev_tid, prev, Activity::Runnable, now);
         } else {
-            Activity::blocked(
-                current_wait_class(),
+            let call = current_syscall();
+            let next = Activity::blocked(
+                call.map_or(WaitClass::Other, |(_, class, _)| class),
                 threads::waits_for_request(prev),
                 state & TASK_UNINTERRUPTIBLE != 0,
-            )
-        };
-        now = now_ns();
-        threads::change(prev_tid, prev, next, now);
+            );
+            threads::change(prev_tid, prev, next, now);
+            if next == Activity::OffLock
+                && let Some((regs, _, number)) = call
+            {
+                locks::futex_wait_begins(ctx, prev, regs, number, now);
+            }
+        }
     }
     let next: *const u8 = ctx.arg(2);
     threads::switched_in(task_tid(next)?, now);
     Ok(())
 }
 
-/// What the current thread waits for: the class of the syscall it is in.
+/// The syscall the current thread is in: its saved user registers, what it waits
+/// for, and its number. `None` if the registers cannot be read.
 #[inline(always)]
-fn current_wait_class() -> WaitClass {
+fn current_syscall() -> Option<(*const u8, WaitClass, u64)> {
     // SAFETY: the current task is valid while its program runs; the helper returns
     // its saved user registers (0 if none).
     let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const u8;
     if regs.is_null() {
-        return WaitClass::Other;
+        return None;
     }
     // SAFETY: the helper checks the read.
-    let Ok(number) = (unsafe { bpf_probe_read_kernel(regs.add(NUMBER_OFFSET).cast::<u64>()) })
-    else {
-        return WaitClass::Other;
-    };
+    let number = unsafe { bpf_probe_read_kernel(regs.add(NUMBER_OFFSET).cast::<u64>()) }.ok()?;
     // Outside a syscall (a fault) the number is -1 or an error code; the table's
     // default for those is Other.
-    match WAIT_CLASSES.get(number as u32) {
+    let class = match WAIT_CLASSES.get(number as u32) {
         Some(class) => WaitClass::from_u32(*class),
         None => WaitClass::Other,
-    }
+    };
+    Some((regs, class, number))
 }
 
 /// sched_wakeup(struct task_struct *p)

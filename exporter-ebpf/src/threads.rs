@@ -7,6 +7,7 @@ use aya_ebpf::helpers::bpf_get_current_pid_tgid;
 use poolscope_shared::{Activity, PoolStats, Thread, histogram_bucket};
 
 use crate::{
+    locks,
     maps::{POOL_STATS, THREAD_POOLS, THREADS},
     requests::now_ns,
 };
@@ -84,6 +85,7 @@ pub fn switched_in(tid: u32, now: u64) {
     // From a wait whose wakeup we did not see (entry made while it slept), the
     // interval closes as that wait and no run-queue wait is timed.
     change(tid, thread, Activity::Running, now);
+    locks::futex_wait_ends(tid, thread, now);
 }
 
 /// `tid` was woken: it waits for a CPU from now.

@@ -6,7 +6,7 @@ use std::{
     net::SocketAddr,
 };
 
-use poolscope_shared::{LossSource, RequestTimes, ServiceCounters};
+use poolscope_shared::{LockPrimitive, LossSource, RequestTimes, ServiceCounters};
 
 use crate::{
     encode::{Family, Kind, Value},
@@ -335,6 +335,13 @@ pub fn pool_families(pools: &[PoolInput<'_>]) -> Vec<Family> {
         Kind::Histogram,
         "Run-queue waits of the pool's threads: woken or preempted until back on a CPU.",
     );
+    let mut lock_waits = Family::new(
+        "lock_wait_seconds",
+        Kind::Histogram,
+        "Lock waits of the pool's threads while serving. futex: blocked in a futex wait \
+         until back on CPU; pthread_mutex (opt-in probes.lock_uprobes): time inside \
+         pthread_mutex_lock, contended or not.",
+    );
     for input in pools {
         let labels = [("service", input.service), ("pool", input.pool)];
         let totals = input.totals;
@@ -371,8 +378,30 @@ pub fn pool_families(pools: &[PoolInput<'_>]) -> Vec<Family> {
                 count: totals.runqueue.count(),
             },
         );
+        for (primitive, histogram) in LockPrimitive::ALL.iter().zip(&totals.lock_waits) {
+            lock_waits.push_value(
+                &[
+                    ("service", input.service),
+                    ("pool", input.pool),
+                    ("primitive", primitive.name()),
+                ],
+                Value::Histogram {
+                    buckets: coarse_buckets(histogram),
+                    sum: histogram.sum_ns as f64 / 1e9,
+                    count: histogram.count(),
+                },
+            );
+        }
     }
-    vec![threads, busy, utilization, state_seconds, offcpu, runqueue]
+    vec![
+        threads,
+        busy,
+        utilization,
+        state_seconds,
+        offcpu,
+        runqueue,
+        lock_waits,
+    ]
 }
 
 /// Joins listen queues to the services that own their sockets. Sockets of unwatched
@@ -414,6 +443,10 @@ pub struct SelfStats {
     pub pools_refused: u64,
     /// Updates of `THREADS`/`THREAD_POOLS` from user space that failed.
     pub thread_errors: u64,
+    /// Processes with the `pthread_mutex_lock` probes attached, and those whose
+    /// probes could not be attached.
+    pub lock_probe_processes: usize,
+    pub lock_probe_errors: u64,
     /// (collector, seconds, success)
     pub collectors: Vec<(&'static str, f64, bool)>,
 }
@@ -478,6 +511,13 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
                 }
                 LossSource::WatchedFull => *map_errors.entry("WATCHED").or_default() += lost,
                 LossSource::ThreadsFull => *map_errors.entry("THREADS").or_default() += lost,
+                LossSource::LocksFull => *map_errors.entry("LOCKS").or_default() += lost,
+                LossSource::LockStacksFull => {
+                    *map_errors.entry("LOCK_STACKS").or_default() += lost;
+                }
+                LossSource::MutexCallsFull => {
+                    *map_errors.entry("MUTEX_CALLS").or_default() += lost;
+                }
                 LossSource::ProcessEvents => {
                     events_lost.push(&[("source", "process_events")], *lost as f64);
                 }
@@ -510,6 +550,23 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
             "Series left out of scrapes because limits.max_series was reached.",
         )
         .with(&[], stats.series_dropped as f64),
+    );
+    families.push(
+        Family::new(
+            "lock_uprobe_processes",
+            Kind::Gauge,
+            "Watched processes with the pthread_mutex_lock probes attached (probes.lock_uprobes).",
+        )
+        .with(&[], stats.lock_probe_processes as f64),
+    );
+    families.push(
+        Family::new(
+            "lock_uprobe_errors",
+            Kind::Counter,
+            "Processes whose pthread_mutex_lock probes could not be attached (no libc mapped, \
+             or the kernel refused); the log says which.",
+        )
+        .with(&[], stats.lock_probe_errors as f64),
     );
     families.push(
         Family::new(

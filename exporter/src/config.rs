@@ -46,6 +46,7 @@ impl Default for RawConfig {
             probes: RawProbes {
                 backend: Backend::Auto,
                 bpf_stats: false,
+                lock_uprobes: Vec::new(),
             },
             pools: RawPools {
                 utilization_window: Duration::from_secs(10),
@@ -57,6 +58,8 @@ impl Default for RawConfig {
                 watched_processes: 16_384,
                 threads: 65_536,
                 connections: 65_536,
+                locks: poolscope_shared::MAX_LOCKS,
+                lock_stacks: poolscope_shared::MAX_LOCK_STACKS,
             },
             targets: Vec::new(),
         }
@@ -101,6 +104,10 @@ pub struct RawProbes {
     /// then times every program run, which cost ~75 ns per run on our test VMs
     /// (`cargo xtask bench`). `bpf_run_*` also count when an operator enables it.
     pub bpf_stats: bool,
+    /// Services (by name; `"*"` for all) whose processes get uprobes on
+    /// `pthread_mutex_lock`. Off by default: each call then traps into the kernel,
+    /// contended or not (README, "Lock waits").
+    pub lock_uprobes: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -122,6 +129,10 @@ pub struct RawLimits {
     /// Threads of watched processes followed at once.
     pub threads: u32,
     pub connections: u32,
+    /// Locks (process, futex address, stack) with wait statistics for
+    /// `/debug/locks`, 1.8 kB each; and the distinct stacks they began at, 1 kB each.
+    pub locks: u32,
+    pub lock_stacks: u32,
 }
 
 /// One `[[targets]]` entry; every selector given must match.
@@ -182,12 +193,15 @@ pub struct Settings {
     pub procfs_root: PathBuf,
     pub backend: Backend,
     pub bpf_stats: bool,
+    pub lock_uprobes: Vec<String>,
     pub max_series: usize,
     pub max_services: u32,
     pub max_pools: u32,
     pub watched_processes: u32,
     pub threads: u32,
     pub connections: u32,
+    pub locks: u32,
+    pub lock_stacks: u32,
     pub utilization_window: Duration,
     /// Empty: auto-discover every process with a listening TCP socket.
     pub targets: Vec<TargetRule>,
@@ -317,6 +331,15 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
     positive("limits.max_services", raw.limits.max_services.into())?;
     positive("limits.max_pools", raw.limits.max_pools.into())?;
     positive("limits.threads", raw.limits.threads.into())?;
+    positive("limits.locks", raw.limits.locks.into())?;
+    positive("limits.lock_stacks", raw.limits.lock_stacks.into())?;
+    if raw.probes.lock_uprobes.iter().any(String::is_empty) {
+        return Err(invalid(
+            figment,
+            "probes.lock_uprobes",
+            "service names must not be empty (\"*\" selects every service)",
+        ));
+    }
     if raw.pools.utilization_window < Duration::from_secs(1) {
         return Err(invalid(
             figment,
@@ -344,12 +367,15 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         procfs_root: raw.discovery.procfs_root.clone(),
         backend: raw.probes.backend,
         bpf_stats: raw.probes.bpf_stats,
+        lock_uprobes: raw.probes.lock_uprobes.clone(),
         max_series: raw.limits.max_series,
         max_services: raw.limits.max_services,
         max_pools: raw.limits.max_pools,
         watched_processes: raw.limits.watched_processes,
         threads: raw.limits.threads,
         connections: raw.limits.connections,
+        locks: raw.limits.locks,
+        lock_stacks: raw.limits.lock_stacks,
         utilization_window: raw.pools.utilization_window,
         targets,
     })

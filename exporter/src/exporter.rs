@@ -2,8 +2,8 @@
 //! one lock, with the three things that touch them: a rescan, a process event, and a
 //! scrape (`Gatherer`). Scans and netlink reads happen outside the lock.
 use std::{
-    collections::BTreeMap,
-    path::PathBuf,
+    collections::{BTreeMap, HashSet},
+    path::{Path, PathBuf},
     sync::{
         Arc, Mutex, MutexGuard, RwLock,
         atomic::{AtomicU64, Ordering},
@@ -23,10 +23,11 @@ use crate::{
     discovery,
     encode::{Family, cap_series},
     kernel::{Kernel, Probe, Readout},
+    locks::{self, LockProbes, top_locks},
     pools::{self, COMPONENTS, PoolView, Pools, sum_of},
     procfs, sockdiag,
     targets::{Targets, WatchChange, monotonic_ns},
-    web::Gatherer,
+    web::{DebugError, Gatherer, LocksFormat, LocksQuery},
     window::Windows,
 };
 
@@ -38,18 +39,25 @@ struct Shared {
     targets: Targets,
     pools: Pools,
     windows: Windows,
+    lock_probes: LockProbes,
 }
 
 impl Shared {
-    /// Brings the thread pools in step with the watched set.
-    fn follow_watch_changes(&mut self) {
+    /// Brings the thread pools and lock probes in step with the watched set.
+    fn follow_watch_changes(&mut self, procfs_root: &Path) {
         for change in self.targets.take_changes() {
             match change {
                 WatchChange::Watched { pid, service } => {
                     self.pools.follow_process(&mut self.kernel, pid, service);
+                    if let Some(name) = self.targets.service_name(service) {
+                        self.lock_probes
+                            .follow(&mut self.kernel, procfs_root, pid, name);
+                    }
                 }
                 WatchChange::Forgotten { pid } => {
                     self.pools.forget_process(&mut self.kernel, pid);
+                    self.lock_probes.forget(&mut self.kernel, pid);
+                    self.kernel.forget_locks(pid);
                 }
             }
         }
@@ -92,6 +100,7 @@ impl Exporter {
                 targets,
                 pools,
                 windows: Windows::new(QUANTILE_WINDOW),
+                lock_probes: LockProbes::new(&settings.lock_uprobes),
             }),
             settings: RwLock::new(Arc::new(settings)),
             probes,
@@ -127,7 +136,12 @@ impl Exporter {
 
     /// Takes new settings (SIGHUP); the next rescan applies the new targets.
     pub fn replace_settings(&self, settings: Settings) {
-        self.lock().pools.set_window(settings.utilization_window);
+        {
+            let mut shared = self.lock();
+            shared.pools.set_window(settings.utilization_window);
+            // Processes watched from now on; those probed already keep their probes.
+            shared.lock_probes.set_services(&settings.lock_uprobes);
+        }
         let mut current = self.settings.write().unwrap_or_else(|p| p.into_inner());
         *current = Arc::new(settings);
     }
@@ -147,7 +161,7 @@ impl Exporter {
         } = &mut *shared;
         targets.apply(kernel, &snapshot, &assignments, started_ns);
         // Pools of services gone go at the next sample, a second at most.
-        shared.follow_watch_changes();
+        shared.follow_watch_changes(&self.procfs_root);
         Ok(())
     }
 
@@ -220,7 +234,7 @@ impl Exporter {
         for assignment in &assignments {
             targets.add(kernel, assignment);
         }
-        shared.follow_watch_changes();
+        shared.follow_watch_changes(&self.procfs_root);
     }
 }
 
@@ -254,6 +268,36 @@ impl Gatherer for Exporter {
             ));
         }
         text
+    }
+
+    fn debug_locks(&self, query: &LocksQuery) -> Result<String, DebugError> {
+        let mut locks = {
+            let shared = self.lock();
+            let service = shared
+                .targets
+                .service_id(&query.service)
+                .ok_or_else(|| DebugError::UnknownService(query.service.clone()))?;
+            let pids: HashSet<u32> = shared
+                .kernel
+                .watched_pids()
+                .into_iter()
+                .filter(|(_, watch)| watch.service == service)
+                .map(|(pid, _)| pid)
+                .collect();
+            let mut locks = top_locks(
+                &shared.kernel.locks(),
+                |pid| pids.contains(&pid),
+                query.limit,
+            );
+            locks::read_stacks(&shared.kernel, &mut locks);
+            locks
+        };
+        // Outside the lock: symbolization reads binaries and their debug info.
+        locks::symbolize(&self.procfs_root, &mut locks);
+        Ok(match query.format {
+            LocksFormat::Text => locks::render_text(&query.service, &locks),
+            LocksFormat::Json => locks::render_json(&query.service, &locks),
+        })
     }
 
     fn gather(&self) -> Vec<Family> {
@@ -304,6 +348,8 @@ impl Gatherer for Exporter {
                     shared.targets.listen_port_errors,
                     shared.pools.pools_refused,
                     shared.pools.thread_errors,
+                    shared.lock_probes.processes(),
+                    shared.lock_probes.errors,
                 ),
                 pool_rows,
             )
@@ -376,8 +422,15 @@ impl Gatherer for Exporter {
         families.extend(pool_families(&pool_inputs));
         let dropped = cap_series(&mut families, settings.max_series);
         let series_dropped = self.series_dropped.fetch_add(dropped, Ordering::Relaxed) + dropped;
-        let (services_refused, watch_errors, listen_port_errors, pools_refused, thread_errors) =
-            targets_stats;
+        let (
+            services_refused,
+            watch_errors,
+            listen_port_errors,
+            pools_refused,
+            thread_errors,
+            lock_probe_processes,
+            lock_probe_errors,
+        ) = targets_stats;
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
             backend: backend.name(),
@@ -387,6 +440,8 @@ impl Gatherer for Exporter {
             listen_port_errors,
             pools_refused,
             thread_errors,
+            lock_probe_processes,
+            lock_probe_errors,
             collectors,
         };
         families.extend(self_families(&stats, &self.probes, kernel.as_ref()));

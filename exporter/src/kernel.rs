@@ -2,16 +2,23 @@
 //! maps, and offers small typed operations on them (watch a process, purge its
 //! connections) plus one read of every counter for a scrape. No numbers are kept here;
 //! the maps are the state.
-use std::{collections::BTreeMap, os::fd::OwnedFd, path::Path, time::Duration};
+use std::{collections::BTreeMap, num::NonZeroU32, os::fd::OwnedFd, path::Path, time::Duration};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuValues, RingBuf},
-    programs::{ProgramError, RawTracePoint, TracePoint},
+    maps::{
+        Array, HashMap, MapData, MapError, PerCpuArray, PerCpuValues, RingBuf,
+        stack_trace::StackTraceMap,
+    },
+    programs::{
+        ProgramError, RawTracePoint, TracePoint, UProbe,
+        uprobe::{UProbeLinkId, UProbeScope},
+    },
 };
 use poolscope_shared::{
-    Conn, LossSource, PendingCall, Phase, PoolStats, ProcessEvent, RequestTimes, ServiceCounters,
-    SyscallSlot, Thread, WaitClass, Watched, conn_key_tgid, maps, syscall_counter_index,
+    Conn, Histogram, LockKey, LockPrimitive, LossSource, PendingCall, Phase, PoolStats,
+    ProcessEvent, RequestTimes, ServiceCounters, SyscallSlot, Thread, WaitClass, Watched,
+    conn_key_tgid, lock_wait_index, maps, syscall_counter_index,
 };
 
 use crate::btf;
@@ -108,6 +115,14 @@ const SYSCALL_ATTACHMENTS: [Attachment; 2] = [
     raw_tracepoint("sys_enter", "raw_syscalls", "sys_enter"),
     raw_tracepoint("sys_exit", "raw_syscalls", "sys_exit"),
 ];
+
+/// The opt-in lock probes: (program, probe name) of the entry and the return of
+/// `pthread_mutex_lock`, attached per process.
+const MUTEX_PROBES: [(&str, &str); 2] = [
+    ("mutex_lock_enter", "uprobe/pthread_mutex_lock"),
+    ("mutex_lock_return", "uretprobe/pthread_mutex_lock"),
+];
+const MUTEX_SYMBOL: &str = "pthread_mutex_lock";
 
 /// The request backend in use (DESIGN §2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -226,6 +241,9 @@ pub struct MapSizes {
     /// Entries of the per-pool array (each CPU holds a `PoolStats`, 1.9 kB, per pool).
     pub pools: u32,
     pub threads: u32,
+    /// Entries of `LOCKS` (1.8 kB each) and of `LOCK_STACKS` (1 kB each).
+    pub locks: u32,
+    pub lock_stacks: u32,
 }
 
 /// Loaded and attached kernel programs with their maps.
@@ -242,6 +260,10 @@ pub struct Kernel {
     threads: HashMap<MapData, u32, Thread>,
     thread_pools: HashMap<MapData, u32, u32>,
     pool_stats: PerCpuArray<MapData, PoolStats>,
+    lock_waits: Array<MapData, Histogram>,
+    locks: HashMap<MapData, LockKey, Histogram>,
+    lock_stacks: StackTraceMap<MapData>,
+    mutex_calls: HashMap<MapData, u32, u64>,
     probes: Vec<Probe>,
     sizes: MapSizes,
     backend: Backend,
@@ -266,6 +288,8 @@ pub struct Readout {
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
     /// Closed intervals of each pool's threads, read before `threads`.
     pub pools: BTreeMap<u32, PoolStats>,
+    /// Lock waits of each pool, per [`LockPrimitive`].
+    pub lock_waits: BTreeMap<u32, [Histogram; LockPrimitive::COUNT as usize]>,
     /// CLOCK_MONOTONIC ns between reading `pools` and `threads`: the end of each
     /// thread's open interval.
     pub threads_read_ns: u64,
@@ -369,6 +393,9 @@ impl Kernel {
             .map_max_entries(maps::POOL_STATS, sizes.pools)
             .map_max_entries(maps::THREADS, sizes.threads)
             .map_max_entries(maps::THREAD_POOLS, sizes.threads)
+            .map_max_entries(maps::LOCK_WAITS, sizes.pools * LockPrimitive::COUNT)
+            .map_max_entries(maps::LOCKS, sizes.locks)
+            .map_max_entries(maps::LOCK_STACKS, sizes.lock_stacks)
             .load(aya::include_bytes_aligned!(concat!(
                 env!("OUT_DIR"),
                 "/poolscope"
@@ -444,6 +471,17 @@ impl Kernel {
             });
         }
 
+        // Loaded now, attached per process when a service asks for them.
+        for (program, _) in MUTEX_PROBES {
+            let program_error = |source| KernelError::Program { program, source };
+            let uprobe: &mut UProbe = ebpf
+                .program_mut(program)
+                .ok_or(KernelError::MissingProgram(program))?
+                .try_into()
+                .map_err(program_error)?;
+            uprobe.load().map_err(program_error)?;
+        }
+
         let events = ProcessEvents {
             ring: take(&mut ebpf, maps::PROCESS_EVENTS)?,
         };
@@ -459,6 +497,10 @@ impl Kernel {
             threads: take(&mut ebpf, maps::THREADS)?,
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
+            lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,
+            locks: take(&mut ebpf, maps::LOCKS)?,
+            lock_stacks: take(&mut ebpf, maps::LOCK_STACKS)?,
+            mutex_calls: take(&mut ebpf, maps::MUTEX_CALLS)?,
             ebpf,
             probes,
             sizes,
@@ -602,7 +644,96 @@ impl Kernel {
     /// Zeroes the stats of a pool id before it is reused for another pool.
     pub fn reset_pool(&mut self, pool: u32) -> Result<(), MapError> {
         let zeros = PerCpuValues::try_from(vec![PoolStats::default(); self.cpus])?;
-        self.pool_stats.set(pool, zeros, 0)
+        self.pool_stats.set(pool, zeros, 0)?;
+        for primitive in LockPrimitive::ALL {
+            self.lock_waits
+                .set(lock_wait_index(pool, primitive), Histogram::default(), 0)?;
+        }
+        Ok(())
+    }
+
+    /// Attaches the `pthread_mutex_lock` probes to process `pid`, in the libc that
+    /// process maps (a path inside its mount namespace, reached through its root).
+    pub fn attach_mutex_probes(
+        &mut self,
+        pid: u32,
+        libc: &Path,
+    ) -> Result<Vec<UProbeLinkId>, KernelError> {
+        let scope = NonZeroU32::new(pid).map_or(UProbeScope::AllProcesses, UProbeScope::OneProcess);
+        let target = Path::new("/proc")
+            .join(pid.to_string())
+            .join("root")
+            .join(libc.strip_prefix("/").unwrap_or(libc));
+        let mut links = Vec::new();
+        for (program, probe) in MUTEX_PROBES {
+            let attached = self
+                .ebpf
+                .program_mut(program)
+                .ok_or(KernelError::MissingProgram(program))
+                .and_then(|program_ref| {
+                    let uprobe: &mut UProbe = program_ref
+                        .try_into()
+                        .map_err(|source| KernelError::Program { program, source })?;
+                    uprobe
+                        .attach(MUTEX_SYMBOL, &target, scope)
+                        .map_err(|source| KernelError::Attach {
+                            program,
+                            probe: format!("{probe} in {}", target.display()),
+                            source,
+                        })
+                });
+            match attached {
+                Ok(link) => links.push(link),
+                Err(error) => {
+                    self.detach_mutex_probes(links);
+                    return Err(error);
+                }
+            }
+        }
+        Ok(links)
+    }
+
+    /// Detaches what [`Kernel::attach_mutex_probes`] attached.
+    pub fn detach_mutex_probes(&mut self, links: Vec<UProbeLinkId>) {
+        for ((program, _), link) in MUTEX_PROBES.iter().zip(links) {
+            let uprobe: Option<&mut UProbe> = self
+                .ebpf
+                .program_mut(program)
+                .and_then(|program| program.try_into().ok());
+            if let Some(uprobe) = uprobe
+                && let Err(error) = uprobe.detach(link)
+            {
+                tracing::warn!(%error, program, "detaching a lock probe failed");
+            }
+        }
+    }
+
+    /// Every entry of `LOCKS`: the futex waits per (process, address, stack).
+    pub fn locks(&self) -> Vec<(LockKey, Histogram)> {
+        self.locks.iter().filter_map(Result::ok).collect()
+    }
+
+    /// The user stack (return addresses, innermost first) of a `LOCKS` key.
+    pub fn lock_stack(&self, id: i32) -> Option<Vec<u64>> {
+        let id = u32::try_from(id).ok()?;
+        let trace = self.lock_stacks.get(&id, 0).ok()?;
+        Some(trace.frames().iter().map(|frame| frame.ip).collect())
+    }
+
+    /// Removes the lock entries of a process no longer watched. Its stacks stay in
+    /// `LOCK_STACKS` (shared by identical stacks; that map is a cache that evicts
+    /// nothing, and a full bucket is counted).
+    pub fn forget_locks(&mut self, pid: u32) {
+        let keys: Vec<LockKey> = self
+            .locks
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| key.tgid == pid)
+            .collect();
+        for key in keys {
+            // Gone already if the map was cleared meanwhile; nothing else to do.
+            let _ = self.locks.remove(&key);
+        }
     }
 
     /// Reads the stats of `pools` and then every followed thread (in that order:
@@ -622,6 +753,17 @@ impl Kernel {
                 total.add(cpu);
             }
             readout.pools.insert(pool, total);
+            let mut waits = [Histogram::default(); LockPrimitive::COUNT as usize];
+            for (primitive, histogram) in LockPrimitive::ALL.iter().zip(&mut waits) {
+                *histogram = self
+                    .lock_waits
+                    .get(&lock_wait_index(pool, *primitive), 0)
+                    .map_err(|source| KernelError::Map {
+                        map: maps::LOCK_WAITS,
+                        source,
+                    })?;
+            }
+            readout.lock_waits.insert(pool, waits);
         }
         readout.threads_read_ns = crate::targets::monotonic_ns();
         readout.threads = self
@@ -721,6 +863,16 @@ impl Kernel {
                 name: maps::THREADS,
                 entries: readout.threads.len() as u64,
                 capacity: self.sizes.threads,
+            },
+            MapFill {
+                name: maps::LOCKS,
+                entries: self.locks.keys().filter(Result::is_ok).count() as u64,
+                capacity: self.sizes.locks,
+            },
+            MapFill {
+                name: maps::MUTEX_CALLS,
+                entries: self.mutex_calls.keys().filter(Result::is_ok).count() as u64,
+                capacity: poolscope_shared::MUTEX_CALLS_CAPACITY,
             },
             MapFill {
                 name: maps::LISTEN_PORTS,

@@ -10,6 +10,7 @@ pub mod encode;
 pub mod exporter;
 pub mod ids;
 pub mod kernel;
+pub mod locks;
 pub mod pools;
 pub mod procfs;
 pub mod sockdiag;
@@ -82,6 +83,8 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
         services: settings.max_services,
         pools: settings.max_pools,
         threads: settings.threads,
+        locks: settings.locks,
+        lock_stacks: settings.lock_stacks,
     };
     let backend = choose_backend(settings.backend)?;
     let (kernel, events) = Kernel::load(sizes, backend, settings.bpf_stats)?;

@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use poolscope_shared::{Activity, Histogram, PoolStats, Thread};
+use poolscope_shared::{Activity, Histogram, LockPrimitive, PoolStats, Thread};
 
 use crate::{
     ids::DenseIds,
@@ -127,6 +127,8 @@ pub struct PoolTotals {
     /// Request time per [`Activity`] of the serving thread.
     pub request_ns: [u64; Activity::COUNT],
     pub runqueue: Histogram,
+    /// Lock waits per [`LockPrimitive`].
+    pub lock_waits: [Histogram; LockPrimitive::COUNT as usize],
     pub threads: u64,
     pub threads_busy: u64,
 }
@@ -147,7 +149,13 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
     let mut totals: BTreeMap<u32, PoolTotals> = readout
         .pools
         .iter()
-        .map(|(pool, stats)| (*pool, from_stats(stats)))
+        .map(|(pool, stats)| {
+            let mut totals = from_stats(stats);
+            if let Some(waits) = readout.lock_waits.get(pool) {
+                totals.lock_waits = *waits;
+            }
+            (*pool, totals)
+        })
         .collect();
     for (_, thread, pool) in &readout.threads {
         let Some(pool_totals) = pool.and_then(|pool| totals.get_mut(&pool)) else {
@@ -170,6 +178,7 @@ fn from_stats(stats: &PoolStats) -> PoolTotals {
         time_ns: stats.time_ns,
         request_ns: stats.request_ns,
         runqueue: stats.runqueue,
+        lock_waits: [Histogram::default(); LockPrimitive::COUNT as usize],
         threads: 0,
         threads_busy: 0,
     }
@@ -295,15 +304,7 @@ impl Pools {
             .find(|task| task.tid == pid)
             .map(|task| task.comm.clone());
         for task in &tasks {
-            let thread = Thread {
-                service,
-                activity: initial_activity(task.state) as u32,
-                serving: 0,
-                hands_off: 0,
-                since_ns: now,
-                running_ns: 0,
-                runnable_ns: 0,
-            };
+            let thread = Thread::new(service, initial_activity(task.state), now);
             if let Err(error) = kernel.follow_thread(task.tid, thread) {
                 self.thread_errors += 1;
                 tracing::warn!(tid = task.tid, %error, "cannot follow thread");
@@ -440,13 +441,8 @@ mod tests {
 
     fn thread(activity: Activity, since_ns: u64, serving: u32) -> Thread {
         Thread {
-            service: 0,
-            activity: activity as u32,
             serving,
-            hands_off: 0,
-            since_ns,
-            running_ns: 0,
-            runnable_ns: 0,
+            ..Thread::new(0, activity, since_ns)
         }
     }
 

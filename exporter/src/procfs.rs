@@ -291,9 +291,106 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
     Ok(snapshot)
 }
 
+/// One mapping of /proc/<pid>/maps that has a file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    /// File offset of `start`.
+    pub offset: u64,
+    pub path: PathBuf,
+}
+
+/// The file-backed mappings of a /proc/<pid>/maps text.
+pub fn parse_maps(text: &str) -> Vec<Mapping> {
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (start, end) = fields.next()?.split_once('-')?;
+            let _permissions = fields.next()?;
+            let offset = u64::from_str_radix(fields.next()?, 16).ok()?;
+            let _device = fields.next()?;
+            let _inode = fields.next()?;
+            let path = fields.collect::<Vec<_>>().join(" ");
+            if !path.starts_with('/') {
+                return None;
+            }
+            Some(Mapping {
+                start: u64::from_str_radix(start, 16).ok()?,
+                end: u64::from_str_radix(end, 16).ok()?,
+                offset,
+                path: PathBuf::from(path),
+            })
+        })
+        .collect()
+}
+
+/// The file-backed mappings of process `pid` (empty if it is gone).
+pub fn maps(root: &Path, pid: u32) -> Vec<Mapping> {
+    std::fs::read_to_string(root.join(pid.to_string()).join("maps"))
+        .map(|text| parse_maps(&text))
+        .unwrap_or_default()
+}
+
+/// The C library that `pid` maps (glibc or musl), as a path in its mount namespace.
+pub fn libc_path(root: &Path, pid: u32) -> Option<PathBuf> {
+    libc_of(&maps(root, pid))
+}
+
+fn libc_of(mappings: &[Mapping]) -> Option<PathBuf> {
+    mappings
+        .iter()
+        .find(|mapping| {
+            mapping
+                .path
+                .file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| {
+                    name.starts_with("libc.so")
+                        || (name.starts_with("libc-") && name.ends_with(".so"))
+                        || name.starts_with("ld-musl-")
+                })
+        })
+        .map(|mapping| mapping.path.clone())
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A /proc/<pid>/maps fixture: a binary, an anonymous mapping, glibc.
+    pub(crate) const MAPS: &str = "\
+55d0c0000000-55d0c0010000 r--p 00000000 08:01 1234 /usr/bin/server
+55d0c0010000-55d0c0050000 r-xp 00010000 08:01 1234 /usr/bin/server
+7f0000000000-7f0000001000 rw-p 00000000 00:00 0 
+7f1000000000-7f1000100000 r-xp 00028000 08:01 99 /usr/lib/x86_64-linux-gnu/libc.so.6
+";
+
+    #[test]
+    fn maps_and_the_libc_in_them() {
+        let mappings = parse_maps(MAPS);
+        assert_eq!(mappings.len(), 3);
+        assert_eq!(
+            mappings[1],
+            Mapping {
+                start: 0x55d0_c001_0000,
+                end: 0x55d0_c005_0000,
+                offset: 0x10000,
+                path: PathBuf::from("/usr/bin/server"),
+            }
+        );
+        assert_eq!(
+            libc_of(&mappings),
+            Some(PathBuf::from("/usr/lib/x86_64-linux-gnu/libc.so.6"))
+        );
+        let musl = parse_maps("7f00-7f10 r-xp 00000000 08:01 5 /lib/ld-musl-x86_64.so.1\n");
+        assert_eq!(
+            libc_of(&musl),
+            Some(PathBuf::from("/lib/ld-musl-x86_64.so.1"))
+        );
+        // A static binary maps no libc.
+        assert_eq!(libc_of(&mappings[..2]), None);
+    }
 
     #[test]
     fn syscall_of_a_thread() {

@@ -322,6 +322,11 @@ impl Targets {
         self.ids.key(id).map(String::as_str)
     }
 
+    /// The id of a service by name, if it has one now.
+    pub fn service_id(&self, name: &str) -> Option<u32> {
+        self.ids.get(&name.to_owned())
+    }
+
     /// Ids of every service that has an id now (some may have no live process).
     pub fn service_ids(&self) -> Vec<u32> {
         self.ids.iter().map(|(id, _)| id).collect()

@@ -1,11 +1,12 @@
-//! HTTP endpoints: `/metrics` (text or OpenMetrics by Accept header), `/healthz` and
-//! `/debug/threads` (every followed thread, tab-separated).
+//! HTTP endpoints: `/metrics` (text or OpenMetrics by Accept header), `/healthz`,
+//! `/debug/threads` (every followed thread, tab-separated) and `/debug/locks` (a
+//! service's top contended locks, text or JSON).
 //! `app` builds the router so that tests can call it without a socket.
 use std::sync::Arc;
 
 use axum::{
     Router,
-    extract::State,
+    extract::{Query, State},
     http::{HeaderMap, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
     routing::get,
@@ -20,6 +21,41 @@ pub trait Gatherer: Send + Sync + 'static {
 
     /// Blocking: one line per followed thread, with a header line.
     fn debug_threads(&self) -> String;
+
+    /// Blocking (symbolizes): the top contended locks of one service.
+    fn debug_locks(&self, query: &LocksQuery) -> Result<String, DebugError>;
+}
+
+/// Locks shown when `limit` is not given, and the most that may be asked for.
+const DEFAULT_LOCKS: usize = 10;
+const MAX_LOCKS: usize = 1000;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LocksFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// `/debug/locks?service=NAME[&format=text|json][&limit=N]`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+pub struct LocksQuery {
+    pub service: String,
+    #[serde(default)]
+    pub format: LocksFormat,
+    #[serde(default = "default_locks")]
+    pub limit: usize,
+}
+
+fn default_locks() -> usize {
+    DEFAULT_LOCKS
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DebugError {
+    #[error("no watched service named {0:?}")]
+    UnknownService(String),
 }
 
 pub fn app(gatherer: Arc<dyn Gatherer>) -> Router {
@@ -27,6 +63,7 @@ pub fn app(gatherer: Arc<dyn Gatherer>) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/debug/threads", get(debug_threads))
+        .route("/debug/locks", get(debug_locks))
         .route("/", get(|| async { "poolscope: see /metrics\n" }))
         .with_state(gatherer)
 }
@@ -66,6 +103,42 @@ async fn debug_threads(State(gatherer): State<Arc<dyn Gatherer>>) -> Response {
     }
 }
 
+async fn debug_locks(
+    State(gatherer): State<Arc<dyn Gatherer>>,
+    query: Result<Query<LocksQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(query)) = query else {
+        return (
+            StatusCode::BAD_REQUEST,
+            "usage: /debug/locks?service=NAME[&format=text|json][&limit=N]\n",
+        )
+            .into_response();
+    };
+    if query.limit == 0 || query.limit > MAX_LOCKS {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("limit must be 1 to {MAX_LOCKS}\n"),
+        )
+            .into_response();
+    }
+    let format = query.format;
+    match tokio::task::spawn_blocking(move || gatherer.debug_locks(&query)).await {
+        Ok(Ok(body)) => {
+            let content_type = match format {
+                LocksFormat::Text => "text/plain; charset=utf-8",
+                LocksFormat::Json => "application/json",
+            };
+            ([(header::CONTENT_TYPE, content_type)], body).into_response()
+        }
+        Ok(Err(error)) => (StatusCode::NOT_FOUND, format!("{error}\n")).into_response(),
+        Err(error) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading locks failed: {error}\n"),
+        )
+            .into_response(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use axum::body::Body;
@@ -83,6 +156,14 @@ mod tests {
 
         fn debug_threads(&self) -> String {
             "tid\n1\n".to_owned()
+        }
+
+        fn debug_locks(&self, query: &LocksQuery) -> Result<String, DebugError> {
+            if query.service == "web" {
+                Ok(format!("{:?} {}\n", query.format, query.limit))
+            } else {
+                Err(DebugError::UnknownService(query.service.clone()))
+            }
         }
     }
 
@@ -136,5 +217,26 @@ mod tests {
         assert_eq!(get("/healthz", None).await.0, StatusCode::OK);
         assert_eq!(get("/debug/threads", None).await.2, "tid\n1\n");
         assert_eq!(get("/nope", None).await.0, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn debug_locks_validates_its_query() {
+        assert_eq!(get("/debug/locks?service=web", None).await.2, "Text 10\n");
+        let (status, content_type, body) =
+            get("/debug/locks?service=web&format=json&limit=3", None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(content_type, "application/json");
+        assert_eq!(body, "Json 3\n");
+        let (status, _, body) = get("/debug/locks?service=db", None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(body.contains("no watched service named \"db\""));
+        for bad in [
+            "/debug/locks",
+            "/debug/locks?service=web&format=xml",
+            "/debug/locks?service=web&limit=0",
+            "/debug/locks?service=web&limit=x",
+        ] {
+            assert_eq!(get(bad, None).await.0, StatusCode::BAD_REQUEST, "{bad}");
+        }
     }
 }

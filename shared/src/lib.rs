@@ -39,6 +39,21 @@ pub mod maps {
     pub const POOL_STATS: &str = "POOL_STATS";
     /// syscall number (index) → [`crate::WaitClass`] as u32, filled by user space.
     pub const WAIT_CLASSES: &str = "WAIT_CLASSES";
+    /// array, index [`crate::lock_wait_index`] (pool, primitive) → [`crate::Histogram`]
+    /// of lock waits. Shared by all CPUs, updated with atomic adds: waits are rare
+    /// next to the per-CPU cost of a histogram per pool.
+    pub const LOCK_WAITS: &str = "LOCK_WAITS";
+    /// [`crate::LockKey`] (process, futex address, stack) → [`crate::Histogram`] of
+    /// its futex waits, for the top contended locks (atomic adds, as above).
+    pub const LOCKS: &str = "LOCKS";
+    /// Stack trace map: the user stacks at which lock waits began.
+    pub const LOCK_STACKS: &str = "LOCK_STACKS";
+    /// tid (u32) → CLOCK_MONOTONIC ns of entry into `pthread_mutex_lock` (opt-in
+    /// uprobes), until its return.
+    pub const MUTEX_CALLS: &str = "MUTEX_CALLS";
+    /// One all-zero [`crate::Histogram`]: the initial value of a new [`maps::LOCKS`]
+    /// entry (too large to build on the BPF stack).
+    pub const ZERO_HISTOGRAM: &str = "ZERO_HISTOGRAM";
 }
 
 /// Capacity of the per-service arrays; service ids are `0..MAX_SERVICES`.
@@ -47,6 +62,12 @@ pub const MAX_SERVICES: u32 = 1024;
 pub const MAX_POOLS: u32 = 1024;
 /// Default capacity of [`maps::THREADS`] and [`maps::THREAD_POOLS`].
 pub const MAX_THREADS: u32 = 65536;
+/// Default capacity of [`maps::LOCKS`] (each entry holds a 1.8 kB histogram).
+pub const MAX_LOCKS: u32 = 2048;
+/// Default capacity of [`maps::LOCK_STACKS`].
+pub const MAX_LOCK_STACKS: u32 = 2048;
+/// Capacity of [`maps::MUTEX_CALLS`]: at most one entry per thread inside the call.
+pub const MUTEX_CALLS_CAPACITY: u32 = 16384;
 /// Capacity of [`maps::PENDING_CALLS`]: at most one entry per thread inside a syscall.
 pub const PENDING_CALLS_CAPACITY: u32 = 16384;
 /// Capacity of [`maps::LISTEN_PORTS`].
@@ -413,6 +434,70 @@ pub struct Thread {
     /// (`/debug/threads`, comparable with /proc/<pid>/task/<tid>/schedstat).
     pub running_ns: u64,
     pub runnable_ns: u64,
+    /// When the futex wait this thread is in began (0: none); it ends when the
+    /// thread is back on CPU.
+    pub lock_since_ns: u64,
+    /// The wait's futex address, process and user stack id (negative: none).
+    pub lock_address: u64,
+    pub lock_tgid: u32,
+    pub lock_stack: i32,
+}
+
+impl Thread {
+    /// A thread of `service` doing `activity` since `since_ns`, holding nothing.
+    pub const fn new(service: u32, activity: Activity, since_ns: u64) -> Self {
+        Self {
+            service,
+            activity: activity as u32,
+            serving: 0,
+            hands_off: 0,
+            since_ns,
+            running_ns: 0,
+            runnable_ns: 0,
+            lock_since_ns: 0,
+            lock_address: 0,
+            lock_tgid: 0,
+            lock_stack: -1,
+        }
+    }
+}
+
+/// How a lock wait was seen: the `primitive` label of `lock_wait_seconds`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockPrimitive {
+    /// Blocked in a futex wait while serving, until back on CPU.
+    Futex = 0,
+    /// Inside `pthread_mutex_lock` while serving (opt-in uprobes), contended or not.
+    PthreadMutex,
+}
+
+impl LockPrimitive {
+    pub const COUNT: u32 = 2;
+    pub const ALL: [LockPrimitive; 2] = [Self::Futex, Self::PthreadMutex];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Futex => "futex",
+            Self::PthreadMutex => "pthread_mutex",
+        }
+    }
+}
+
+/// Index into [`maps::LOCK_WAITS`].
+pub const fn lock_wait_index(pool: u32, primitive: LockPrimitive) -> u32 {
+    pool * LockPrimitive::COUNT + primitive as u32
+}
+
+/// Key of [`maps::LOCKS`]: one lock (a futex address in one process) waited on from
+/// one call stack.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LockKey {
+    pub tgid: u32,
+    /// Id in [`maps::LOCK_STACKS`]; negative when the stack was not captured.
+    pub stack: i32,
+    pub address: u64,
 }
 
 /// Value of [`maps::POOL_STATS`]: closed intervals of the pool's threads. User space
@@ -570,16 +655,27 @@ pub enum LossSource {
     ProcessEvents,
     /// A [`maps::THREADS`] or [`maps::THREAD_POOLS`] insert for a new thread failed.
     ThreadsFull,
+    /// A [`maps::LOCKS`] insert failed: that wait is in `lock_wait_seconds` but not
+    /// in the top locks.
+    LocksFull,
+    /// A lock wait's stack did not fit in [`maps::LOCK_STACKS`] (its hash bucket
+    /// held another stack): the wait is kept without a stack.
+    LockStacksFull,
+    /// A [`maps::MUTEX_CALLS`] insert failed: one `pthread_mutex_lock` call not timed.
+    MutexCallsFull,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 5;
-    pub const ALL: [LossSource; 5] = [
+    pub const COUNT: u32 = 8;
+    pub const ALL: [LossSource; 8] = [
         Self::ConnsFull,
         Self::PendingCallsFull,
         Self::WatchedFull,
         Self::ProcessEvents,
         Self::ThreadsFull,
+        Self::LocksFull,
+        Self::LockStacksFull,
+        Self::MutexCallsFull,
     ];
 }
 
@@ -622,11 +718,14 @@ mod pod {
     unsafe impl aya::Pod for super::RequestTimes {}
     unsafe impl aya::Pod for super::Thread {}
     unsafe impl aya::Pod for super::PoolStats {}
+    unsafe impl aya::Pod for super::LockKey {}
+    unsafe impl aya::Pod for super::Histogram {}
 }
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<Conn>() == 56);
-const _: () = assert!(core::mem::size_of::<Thread>() == 40);
+const _: () = assert!(core::mem::size_of::<Thread>() == 64);
+const _: () = assert!(core::mem::size_of::<LockKey>() == 16);
 const _: () = assert!(
     core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + (HISTOGRAM_BUCKETS + 1) * 8
 );

@@ -1,0 +1,173 @@
+//! Lock waits (DESIGN §3): the futex waits of serving threads, and, opt-in, the time
+//! inside `pthread_mutex_lock` (uprobes on libc, attached per process by user space).
+//!
+//! A futex wait is timed from the context switch that blocks the thread in a waiting
+//! futex operation until the thread is back on CPU, the span its own `lock()` call
+//! measures minus the syscall's entry and exit. The scheduler programs see it begin
+//! (`sched.rs` reads the syscall and its arguments from the thread's saved
+//! registers) and end (`threads::switched_in`), so no syscall tracepoint is needed:
+//! `syscalls:sys_enter_futex` would put every syscall of every process on the
+//! tracing slow path. A futex call that does not block (the value changed, or the
+//! lock was free again) costs nothing, and neither does an uncontended lock, which
+//! never calls futex at all.
+//!
+//! Requeues (condition variables) keep the wait on the address it began on; PI
+//! locks, timeouts and signals end the wait when the thread runs again, like a wake.
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel, bpf_probe_read_user},
+    macros::{uprobe, uretprobe},
+    programs::{ProbeContext, RawTracePointContext, RetProbeContext, tracing::StackIdContext as _},
+};
+use poolscope_shared::{LockKey, LockPrimitive, LossSource, Thread, lock_wait_index};
+
+use crate::{
+    maps::{
+        LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, THREAD_POOLS, ZERO_HISTOGRAM,
+        add_to_shared_histogram, count_loss,
+    },
+    requests::now_ns,
+    syscalls::{FIRST_ARG_OFFSET, SECOND_ARG_OFFSET, SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV},
+    threads::{thread, waits_for_request},
+};
+
+/// futex(2) operations that block (include/uapi/linux/futex.h): WAIT, LOCK_PI,
+/// WAIT_BITSET, WAIT_REQUEUE_PI, LOCK_PI2. The rest wake, requeue or try.
+const FUTEX_WAITING_OPS: u32 = 1 << 0 | 1 << 6 | 1 << 9 | 1 << 11 | 1 << 13;
+/// FUTEX_PRIVATE_FLAG | FUTEX_CLOCK_REALTIME: modifiers, not the operation.
+const FUTEX_OP_FLAGS: u32 = 128 | 256;
+/// bpf_get_stackid flag: the user stack.
+const BPF_F_USER_STACK: u64 = 1 << 8;
+/// bpf_get_stackid's error when the stack's bucket holds another stack.
+const EEXIST: i32 = 17;
+/// Offset of `uaddr` in `struct futex_waitv` (after the u64 `val`).
+const FUTEX_WAITV_UADDR: usize = 8;
+
+/// The futex address a thread blocked in syscall `number` waits on, if that call is
+/// a waiting one; `regs` are its saved user registers.
+#[inline(always)]
+fn waited_address(regs: *const u8, number: u64) -> Option<u64> {
+    // SAFETY: `regs` is the thread's pt_regs from bpf_task_pt_regs; the helpers check
+    // every read.
+    let first: u64 = unsafe { bpf_probe_read_kernel(regs.add(FIRST_ARG_OFFSET).cast()).ok()? };
+    match number {
+        SYS_FUTEX => {
+            // SAFETY: as above.
+            let op: u64 =
+                unsafe { bpf_probe_read_kernel(regs.add(SECOND_ARG_OFFSET).cast()) }.ok()?;
+            let command = op as u32 & !FUTEX_OP_FLAGS;
+            (command < 32 && FUTEX_WAITING_OPS & (1 << command) != 0).then_some(first)
+        }
+        SYS_FUTEX_WAIT => Some(first),
+        // The first waiter's address stands for the set.
+        // SAFETY: a user pointer of the current thread; the helper checks the read.
+        SYS_FUTEX_WAITV => unsafe {
+            bpf_probe_read_user((first as usize + FUTEX_WAITV_UADDR) as *const u64).ok()
+        },
+        _ => None,
+    }
+}
+
+/// The current thread (`thread`, serving) blocks at `now` in syscall `number`:
+/// if that is a futex wait, a lock wait begins, with the user stack it began at.
+#[inline(always)]
+pub fn futex_wait_begins(
+    ctx: &RawTracePointContext,
+    thread: &mut Thread,
+    regs: *const u8,
+    number: u64,
+    now: u64,
+) {
+    let Some(address) = waited_address(regs, number) else {
+        return;
+    };
+    let stack = match ctx.get_stackid(&LOCK_STACKS, BPF_F_USER_STACK) {
+        Ok(id) => id as i32,
+        Err(error) => {
+            if error == -EEXIST {
+                count_loss(LossSource::LockStacksFull);
+            }
+            -1
+        }
+    };
+    thread.lock_since_ns = now;
+    thread.lock_address = address;
+    thread.lock_tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    thread.lock_stack = stack;
+}
+
+/// `thread` (`tid`) is back on CPU at `now`: the lock wait it was in, if any, ends.
+#[inline(always)]
+pub fn futex_wait_ends(tid: u32, thread: &mut Thread, now: u64) {
+    if thread.lock_since_ns == 0 {
+        return;
+    }
+    let waited = now.saturating_sub(thread.lock_since_ns);
+    thread.lock_since_ns = 0;
+    record(tid, LockPrimitive::Futex, waited);
+    let key = LockKey {
+        tgid: thread.lock_tgid,
+        stack: thread.lock_stack,
+        address: thread.lock_address,
+    };
+    let lock = match LOCKS.get_ptr_mut(key) {
+        Some(lock) => lock,
+        None => {
+            let Some(zero) = ZERO_HISTOGRAM.get(0) else {
+                return;
+            };
+            // BPF_NOEXIST: another CPU may have made it meanwhile; then use that one.
+            let _ = LOCKS.insert(key, zero, 1);
+            match LOCKS.get_ptr_mut(key) {
+                Some(lock) => lock,
+                None => {
+                    count_loss(LossSource::LocksFull);
+                    return;
+                }
+            }
+        }
+    };
+    // SAFETY: a live map value; concurrent updates are atomic adds.
+    add_to_shared_histogram(unsafe { &mut *lock }, waited);
+}
+
+/// One lock wait of `tid` into its pool's histogram.
+#[inline(always)]
+fn record(tid: u32, primitive: LockPrimitive, waited: u64) {
+    // SAFETY: copied out at once.
+    let Some(pool) = (unsafe { THREAD_POOLS.get(tid).copied() }) else {
+        return;
+    };
+    if let Some(histogram) = LOCK_WAITS.get_ptr_mut(lock_wait_index(pool, primitive)) {
+        // SAFETY: a live array slot; concurrent updates are atomic adds.
+        add_to_shared_histogram(unsafe { &mut *histogram }, waited);
+    }
+}
+
+/// Entry of `pthread_mutex_lock` (opt-in): a serving watched thread's call is timed.
+#[uprobe]
+pub fn mutex_lock_enter(_ctx: ProbeContext) -> u32 {
+    let tid = bpf_get_current_pid_tgid() as u32;
+    if thread(tid).is_some_and(|thread| waits_for_request(thread))
+        && MUTEX_CALLS.insert(tid, now_ns(), 0).is_err()
+    {
+        count_loss(LossSource::MutexCallsFull);
+    }
+    0
+}
+
+/// Return of `pthread_mutex_lock`: the time inside the call is a lock wait.
+#[uretprobe]
+pub fn mutex_lock_return(_ctx: RetProbeContext) -> u32 {
+    let tid = bpf_get_current_pid_tgid() as u32;
+    // SAFETY: copied out at once.
+    let Some(entered) = (unsafe { MUTEX_CALLS.get(tid).copied() }) else {
+        return 0;
+    };
+    let _ = MUTEX_CALLS.remove(tid);
+    record(
+        tid,
+        LockPrimitive::PthreadMutex,
+        now_ns().saturating_sub(entered),
+    );
+    0
+}
