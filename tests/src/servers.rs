@@ -101,8 +101,11 @@ pub struct Options {
     /// `--threads` (default 200 and 4).
     pub threads: Option<u32>,
     /// Also serve the slow paths besides `GET /`: `/sleep?ms=N` (Tomcat, gunicorn,
-    /// Go) sleeps N ms before answering; `/spin?us=N` (Node.js, Go) runs on CPU for
-    /// N µs; Node.js also answers `/elu` with its cumulative event-loop idle and
+    /// Go) sleeps N ms before answering; `/spin?us=N` (Tomcat, Node.js, Go) runs on
+    /// CPU for N µs; Tomcat's `/locked?ms=N` runs on CPU for N ms inside a
+    /// `synchronized` block on one object shared by every request, so concurrent
+    /// requests queue for that monitor (HotSpot parks them in futex waits; note that
+    /// its `Thread.sleep` is a futex wait too, on a condition variable); Node.js also answers `/elu` with its cumulative event-loop idle and
     /// active milliseconds (`performance.eventLoopUtilization()`: "IDLE ACTIVE\n")
     /// and `/title?name=X` by setting `process.title` (which renames its main thread).
     pub work: bool,
@@ -434,9 +437,9 @@ fn tomcat(dir: &Path, port: u16, options: &Options) -> anyhow::Result<Command> {
 </web-app>
 "#;
     if options.work {
-        // /sleep is a JSP (Jasper compiles it with the JDT compiler that
-        // libtomcat10-java depends on, on the first request).
-        let sleep_servlet = r#"  <servlet>
+        // /sleep, /spin and /locked are JSPs (Jasper compiles each with the JDT compiler
+        // that libtomcat10-java depends on, on its first request).
+        let work_servlets = r#"  <servlet>
     <servlet-name>jsp</servlet-name>
     <servlet-class>org.apache.jasper.servlet.JspServlet</servlet-class>
     <init-param>
@@ -452,11 +455,27 @@ fn tomcat(dir: &Path, port: u16, options: &Options) -> anyhow::Result<Command> {
     <servlet-name>sleep</servlet-name>
     <url-pattern>/sleep</url-pattern>
   </servlet-mapping>
+  <servlet>
+    <servlet-name>spin</servlet-name>
+    <jsp-file>/spin.jsp</jsp-file>
+  </servlet>
+  <servlet-mapping>
+    <servlet-name>spin</servlet-name>
+    <url-pattern>/spin</url-pattern>
+  </servlet-mapping>
+  <servlet>
+    <servlet-name>locked</servlet-name>
+    <jsp-file>/locked.jsp</jsp-file>
+  </servlet>
+  <servlet-mapping>
+    <servlet-name>locked</servlet-name>
+    <url-pattern>/locked</url-pattern>
+  </servlet-mapping>
   <mime-mapping>"#;
         write(
             dir,
             "conf/web.xml",
-            &web_xml.replacen("  <mime-mapping>", sleep_servlet, 1),
+            &web_xml.replacen("  <mime-mapping>", work_servlets, 1),
         )?;
         write(
             dir,
@@ -464,6 +483,36 @@ fn tomcat(dir: &Path, port: u16, options: &Options) -> anyhow::Result<Command> {
             r#"<%@ page contentType="text/plain" session="false" trimDirectiveWhitespaces="true" %><%
 Thread.sleep(Long.parseLong(request.getParameter("ms")));
 out.print("slept\n");
+%>"#,
+        )?;
+        write(
+            dir,
+            "webapps/ROOT/spin.jsp",
+            r#"<%@ page contentType="text/plain" session="false" trimDirectiveWhitespaces="true" %><%
+long end = System.nanoTime() + Long.parseLong(request.getParameter("us")) * 1000L;
+while (System.nanoTime() < end) {
+  Thread.onSpinWait();
+}
+out.print("spun\n");
+%>"#,
+        )?;
+        // One monitor for every request, held on CPU (a spin, not Thread.sleep, so
+        // that the holder itself makes no futex wait): concurrent requests queue for
+        // it, parked in futex waits by HotSpot's ObjectMonitor.
+        write(
+            dir,
+            "webapps/ROOT/locked.jsp",
+            r#"<%@ page contentType="text/plain" session="false" trimDirectiveWhitespaces="true" %><%!
+static final Object LOCK = new Object();
+%><%
+long hold = Long.parseLong(request.getParameter("ms")) * 1000000L;
+synchronized (LOCK) {
+  long end = System.nanoTime() + hold;
+  while (System.nanoTime() < end) {
+    Thread.onSpinWait();
+  }
+}
+out.print("locked\n");
 %>"#,
         )?;
     } else {
