@@ -3,13 +3,14 @@
 //!
 //! A futex wait is timed from the context switch that blocks the thread in a waiting
 //! futex operation until the thread is back on CPU, the span its own `lock()` call
-//! measures minus the syscall's entry and exit. The scheduler programs see it begin
-//! (`sched.rs` reads the syscall and its arguments from the thread's saved
-//! registers) and end (`threads::switched_in`), so no syscall tracepoint is needed:
-//! `syscalls:sys_enter_futex` would put every syscall of every process on the
-//! tracing slow path. A futex call that does not block (the value changed, or the
-//! lock was free again) costs nothing, and neither does an uncontended lock, which
-//! never calls futex at all.
+//! measures minus the syscall's entry and exit; futex waits on one lock in quick
+//! succession are one lock wait (one acquisition, see [`REWAIT_NS`]). The scheduler
+//! programs see waits begin (`sched.rs` reads the syscall and its arguments from the
+//! thread's saved registers) and end (`threads::switched_in`), so no syscall
+//! tracepoint is needed: `syscalls:sys_enter_futex` would put every syscall of every
+//! process on the tracing slow path. A futex call that does not block (the value
+//! changed, or the lock was free again) costs nothing, and neither does an
+//! uncontended lock, which never calls futex at all.
 //!
 //! Requeues (condition variables) keep the wait on the address it began on; PI
 //! locks, timeouts and signals end the wait when the thread runs again, like a wake.
@@ -67,17 +68,36 @@ fn waited_address(regs: *const u8, number: u64) -> Option<u64> {
     }
 }
 
-/// The current thread (`thread`, serving) blocks at `now` in syscall `number`:
-/// if that is a futex wait, a lock wait begins, with the user stack it began at.
+/// A futex wait on the same lock that begins this soon after the thread's previous
+/// one ended continues the same lock wait: glibc's lock loop re-waits within a
+/// couple of µs when another thread took the mutex between its wakeup and its run.
+/// A critical section and a new lock call that short would merge two acquisitions.
+const REWAIT_NS: u64 = 20_000;
+
+/// The current watched thread (`tid`, `thread`) leaves the CPU at `now`. `wait` is
+/// (saved registers, syscall number) when it blocks in a futex wait while serving.
+/// A pending lock wait either continues (the same lock, at once) or is recorded; a
+/// new one begins with the user stack it began at.
 #[inline(always)]
-pub fn futex_wait_begins(
+pub fn switched_out(
     ctx: &RawTracePointContext,
+    tid: u32,
     thread: &mut Thread,
-    regs: *const u8,
-    number: u64,
+    wait: Option<(*const u8, u64)>,
     now: u64,
 ) {
-    let Some(address) = waited_address(regs, number) else {
+    let address = wait.and_then(|(regs, number)| waited_address(regs, number));
+    if thread.lock_ended_ns != 0 {
+        if address == Some(thread.lock_address)
+            && now.saturating_sub(thread.lock_ended_ns) <= REWAIT_NS
+        {
+            thread.lock_since_ns = now;
+            thread.lock_ended_ns = 0;
+            return;
+        }
+        record_lock_wait(tid, thread);
+    }
+    let Some(address) = address else {
         return;
     };
     let stack = match ctx.get_stackid(&LOCK_STACKS, BPF_F_USER_STACK) {
@@ -90,19 +110,39 @@ pub fn futex_wait_begins(
         }
     };
     thread.lock_since_ns = now;
+    thread.lock_waited_ns = 0;
     thread.lock_address = address;
     thread.lock_tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     thread.lock_stack = stack;
 }
 
-/// `thread` (`tid`) is back on CPU at `now`: the lock wait it was in, if any, ends.
+/// `thread` is back on CPU at `now`: its futex wait, if any, ends; the lock wait is
+/// recorded when the thread next leaves the CPU without waiting on it again.
 #[inline(always)]
-pub fn futex_wait_ends(tid: u32, thread: &mut Thread, now: u64) {
+pub fn switched_in(thread: &mut Thread, now: u64) {
     if thread.lock_since_ns == 0 {
         return;
     }
-    let waited = now.saturating_sub(thread.lock_since_ns);
+    thread.lock_waited_ns += now.saturating_sub(thread.lock_since_ns);
     thread.lock_since_ns = 0;
+    thread.lock_ended_ns = now;
+}
+
+/// `thread` exits: a finished lock wait it has not recorded yet is; one it is still
+/// in (killed while waiting) has no end and is dropped.
+#[inline(always)]
+pub fn thread_exits(tid: u32, thread: &mut Thread) {
+    if thread.lock_since_ns == 0 && thread.lock_ended_ns != 0 {
+        record_lock_wait(tid, thread);
+    }
+}
+
+/// Records the finished lock wait of `thread` in its pool and its lock's entry.
+#[inline(always)]
+fn record_lock_wait(tid: u32, thread: &mut Thread) {
+    let waited = thread.lock_waited_ns;
+    thread.lock_ended_ns = 0;
+    thread.lock_waited_ns = 0;
     record(tid, LockPrimitive::Futex, waited);
     let key = LockKey {
         tgid: thread.lock_tgid,

@@ -16,6 +16,7 @@ use aya_ebpf::{
 use poolscope_shared::{Activity, LossSource, ProcessEvent, ProcessEventKind, Thread, Watched};
 
 use crate::{
+    locks,
     maps::{
         MUTEX_CALLS, PENDING_CALLS, THREAD_POOLS, THREADS, WATCHED, Wakeup, count_loss,
         send_process_event, watched,
@@ -172,6 +173,7 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
     if let Some(thread) = thread(tid) {
         // It runs its exit: its last interval is on CPU.
         threads::change(tid, thread, Activity::Running, now_ns());
+        locks::thread_exits(tid, thread);
         let _ = THREADS.remove(tid);
     }
     let _ = THREAD_POOLS.remove(tid);

@@ -61,6 +61,7 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
         let prev_state: u64 = ctx.arg(3);
         let state = prev_state as u32 & TASK_STATE_MASK;
         now = now_ns();
+        let mut lock_wait = None;
         if preempt & 1 != 0 || state == 0 {
             threads::change(prev_tid, prev, Activity::Runnable, now);
         } else {
@@ -71,12 +72,11 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
                 state & TASK_UNINTERRUPTIBLE != 0,
             );
             threads::change(prev_tid, prev, next, now);
-            if next == Activity::OffLock
-                && let Some((regs, _, number)) = call
-            {
-                locks::futex_wait_begins(ctx, prev, regs, number, now);
+            if next == Activity::OffLock {
+                lock_wait = call.map(|(regs, _, number)| (regs, number));
             }
         }
+        locks::switched_out(ctx, prev_tid, prev, lock_wait, now);
     }
     let next: *const u8 = ctx.arg(2);
     threads::switched_in(task_tid(next)?, now);

@@ -85,7 +85,7 @@ pub fn switched_in(tid: u32, now: u64) {
     // From a wait whose wakeup we did not see (entry made while it slept), the
     // interval closes as that wait and no run-queue wait is timed.
     change(tid, thread, Activity::Running, now);
-    locks::futex_wait_ends(tid, thread, now);
+    locks::switched_in(thread, now);
 }
 
 /// `tid` was woken: it waits for a CPU from now.

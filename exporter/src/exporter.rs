@@ -196,7 +196,7 @@ impl Exporter {
                 pools,
                 ..
             } = &mut *shared;
-            events
+            let execs = events
                 .iter()
                 .filter_map(|event| {
                     if event.kind == ProcessEventKind::ThreadRenamed as u32 {
@@ -205,7 +205,9 @@ impl Exporter {
                     }
                     targets.on_event(kernel, event)
                 })
-                .collect()
+                .collect();
+            shared.follow_watch_changes(&self.procfs_root);
+            execs
         };
         let settings = self.settings();
         // With no rules, a process becomes a service by listening, which comes after

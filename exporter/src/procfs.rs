@@ -146,6 +146,11 @@ pub fn container_id(cgroup: &str) -> Option<&str> {
 pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
     let dir = root.join(pid.to_string());
     let stat = parse_stat(&fs::read_to_string(dir.join("stat")).ok()?)?;
+    // A zombie has exited (its parent has not reaped it yet): nothing to watch, and
+    // watching it again would bring back what its exit cleaned up.
+    if matches!(stat.state, 'Z' | 'X') {
+        return None;
+    }
     // Kernel threads have no exe and no fds worth looking at.
     let exe = fs::read_link(dir.join("exe")).ok();
     if exe.is_none() && stat.ppid == 2 {

@@ -293,6 +293,12 @@ impl Targets {
                                 since_ns: event.since_ns,
                             },
                         );
+                        // Its threads are followed by the kernel already; what is
+                        // per process (lock probes) needs attaching.
+                        self.changes.push(WatchChange::Watched {
+                            pid: event.pid,
+                            service: event.service,
+                        });
                     }
                     // Already gone: its exit event follows, or a rescan cleans up.
                     None => kernel.unwatch(event.pid, event.since_ns),
@@ -306,6 +312,7 @@ impl Targets {
                     .is_some_and(|t| t.since_ns == event.since_ns)
                 {
                     self.processes.remove(&event.pid);
+                    self.changes.push(WatchChange::Forgotten { pid: event.pid });
                 }
                 self.purge(kernel, event.pid, event.since_ns);
                 None

@@ -434,9 +434,14 @@ pub struct Thread {
     /// (`/debug/threads`, comparable with /proc/<pid>/task/<tid>/schedstat).
     pub running_ns: u64,
     pub runnable_ns: u64,
-    /// When the futex wait this thread is in began (0: none); it ends when the
-    /// thread is back on CPU.
+    /// The lock wait (one acquisition) this thread is in: when its current futex
+    /// wait began (0: not in one; it ends when the thread is back on CPU), the time
+    /// of its earlier futex waits, and when the last one ended (0: none pending).
+    /// A glibc mutex whose waker lost the race to another thread waits again at
+    /// once: those futex waits are one lock wait (see `locks.rs`).
     pub lock_since_ns: u64,
+    pub lock_waited_ns: u64,
+    pub lock_ended_ns: u64,
     /// The wait's futex address, process and user stack id (negative: none).
     pub lock_address: u64,
     pub lock_tgid: u32,
@@ -455,6 +460,8 @@ impl Thread {
             running_ns: 0,
             runnable_ns: 0,
             lock_since_ns: 0,
+            lock_waited_ns: 0,
+            lock_ended_ns: 0,
             lock_address: 0,
             lock_tgid: 0,
             lock_stack: -1,
@@ -724,7 +731,7 @@ mod pod {
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<Conn>() == 56);
-const _: () = assert!(core::mem::size_of::<Thread>() == 64);
+const _: () = assert!(core::mem::size_of::<Thread>() == 80);
 const _: () = assert!(core::mem::size_of::<LockKey>() == 16);
 const _: () = assert!(
     core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + (HISTOGRAM_BUCKETS + 1) * 8

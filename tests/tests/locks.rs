@@ -1,0 +1,360 @@
+//! Ground truth for lock waits, against the real kernel:
+//! - `lockserver`: T workers contend one pthread mutex held H on CPU per request and
+//!   time their own blocked `pthread_mutex_lock` calls: our futex wait total within
+//!   5 % of theirs, the top lock's p50 and p99 within 10 %, its stack naming the
+//!   program's functions; with the opt-in uprobes, one `pthread_mutex` wait per call;
+//! - the same program with one worker (no contention): no futex lock wait at all;
+//! - `threadpool`, whose idle workers wait on a condition variable: no lock wait;
+//! - a process killed while its threads wait on the mutex leaves no entry behind.
+use std::time::Duration;
+
+use poolscope_tests::{
+    Metrics, Poolscope, Program,
+    load::{ClosedLoop, Connections, OpenLoop},
+    one_at_a_time, parse_tids, pids_config, privileged, scrape_until,
+};
+
+const SERVICE: &str = "lk";
+const LOCKER_POOL: &str = "locker";
+
+/// Watches `pid` as [`SERVICE`], with the pthread_mutex_lock probes if asked.
+fn config(pid: u32, uprobes: bool) -> String {
+    let probes = if uprobes {
+        format!("[probes]\nlock_uprobes = [\"{SERVICE}\"]\n")
+    } else {
+        String::new()
+    };
+    format!("{probes}{}", pids_config(SERVICE, &[pid]))
+}
+
+struct LockServer {
+    program: Program,
+    port: u16,
+}
+
+/// What `lockserver` measured of its own lock calls.
+#[derive(Debug)]
+struct OwnTimes {
+    calls: u64,
+    blocked: u64,
+    blocked_total_s: f64,
+    p50_s: f64,
+    p99_s: f64,
+}
+
+impl LockServer {
+    fn start(workers: u32, hold: Duration) -> anyhow::Result<Self> {
+        let mut program = Program::start(
+            "lockserver",
+            &[workers.to_string(), hold.as_micros().to_string()],
+        )?;
+        let port = program.line("port")?.parse()?;
+        parse_tids(&program.line("workers")?)?;
+        Ok(Self { program, port })
+    }
+
+    fn pid(&self) -> u32 {
+        self.program.pid()
+    }
+
+    fn finish(mut self) -> anyhow::Result<OwnTimes> {
+        let line = self.program.finish("locks")?;
+        let fields: Vec<u64> = line
+            .split_whitespace()
+            .map(str::parse)
+            .collect::<Result<_, _>>()?;
+        let [calls, blocked, total, p50, p99] = fields[..] else {
+            anyhow::bail!("locks line {line:?}");
+        };
+        Ok(OwnTimes {
+            calls,
+            blocked,
+            blocked_total_s: total as f64 / 1e9,
+            p50_s: p50 as f64 / 1e9,
+            p99_s: p99 as f64 / 1e9,
+        })
+    }
+}
+
+fn lock_waits(metrics: &Metrics, pool: &str, primitive: &str, part: &str) -> f64 {
+    metrics
+        .value(
+            &format!("poolscope_lock_wait_seconds_{part}"),
+            &[
+                ("service", SERVICE),
+                ("pool", pool),
+                ("primitive", primitive),
+            ],
+        )
+        .unwrap_or(0.0)
+}
+
+/// Every futex lock wait of the service, over its pools.
+fn service_futex_waits(metrics: &Metrics) -> f64 {
+    metrics
+        .samples
+        .iter()
+        .filter(|s| {
+            s.name == "poolscope_lock_wait_seconds_count"
+                && s.labels.iter().any(|(k, v)| k == "service" && v == SERVICE)
+                && s.labels
+                    .iter()
+                    .any(|(k, v)| k == "primitive" && v == "futex")
+        })
+        .map(|s| s.value)
+        .sum()
+}
+
+fn map_entries(metrics: &Metrics, map: &str) -> f64 {
+    metrics
+        .value("poolscope_map_entries", &[("map", map)])
+        .unwrap_or(f64::NAN)
+}
+
+fn within(ours: f64, truth: f64, tolerance: f64) -> bool {
+    (ours - truth).abs() <= tolerance * truth
+}
+
+/// Waits until poolscope follows the workers (their pool has a series).
+fn wait_for_pool(poolscope: &Poolscope) -> anyhow::Result<Metrics> {
+    scrape_until(poolscope, |m| {
+        m.value(
+            "poolscope_pool_threads",
+            &[("service", SERVICE), ("pool", LOCKER_POOL)],
+        )
+        .is_some()
+    })
+}
+
+#[test]
+fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
+    if !privileged("contended_mutex_waits_match_the_program") {
+        return Ok(());
+    }
+    let _guard = one_at_a_time();
+    // One client per worker: a worker that releases the mutex finds its next request
+    // only after its client's round trip, so the waiter it woke takes the mutex
+    // (few calls block twice) and every blocked call is one futex wait.
+    const WORKERS: u32 = 4;
+    let hold = Duration::from_millis(1);
+    let server = LockServer::start(WORKERS, hold)?;
+    let poolscope = Poolscope::start(&config(server.pid(), true))?;
+    wait_for_pool(&poolscope)?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_lock_uprobe_processes", &[]) == Some(1.0)
+    })?;
+
+    let load = ClosedLoop::start(server.port, WORKERS as usize, Connections::PerRequest);
+    std::thread::sleep(Duration::from_secs(6));
+    let clients = load.stop()?;
+    let metrics = settled_scrape(&poolscope)?;
+    let json = poolscope.get(&format!("/debug/locks?service={SERVICE}&format=json"))?;
+    let text = poolscope.get(&format!("/debug/locks?service={SERVICE}"))?;
+    let own = server.finish()?;
+    let futex_sum = lock_waits(&metrics, LOCKER_POOL, "futex", "sum");
+    let futex_count = lock_waits(&metrics, LOCKER_POOL, "futex", "count");
+    let mutex_sum = lock_waits(&metrics, LOCKER_POOL, "pthread_mutex", "sum");
+    let mutex_count = lock_waits(&metrics, LOCKER_POOL, "pthread_mutex", "count");
+    println!("clients: {} requests; program: {own:?}", clients.completed);
+    println!(
+        "ours: futex {futex_count} waits, {futex_sum:.4} s; pthread_mutex {mutex_count} calls, \
+         {mutex_sum:.4} s\n{text}"
+    );
+    anyhow::ensure!(
+        own.blocked > 500,
+        "too little contention to compare: {own:?}"
+    );
+
+    // Totals: every blocked call's time is futex wait (plus the call's own µs).
+    anyhow::ensure!(
+        within(futex_sum, own.blocked_total_s, 0.05),
+        "futex wait {futex_sum:.4} s vs the program's blocked lock calls {:.4} s",
+        own.blocked_total_s
+    );
+    // The uprobes time every pthread_mutex_lock call; the program calls it only
+    // after a failed trylock, so exactly for its blocked calls.
+    anyhow::ensure!(
+        within(mutex_count, own.blocked as f64, 0.01),
+        "pthread_mutex calls {mutex_count} vs {} blocked calls",
+        own.blocked
+    );
+    anyhow::ensure!(
+        within(mutex_sum, own.blocked_total_s, 0.05),
+        "pthread_mutex time {mutex_sum:.4} s vs {:.4} s",
+        own.blocked_total_s
+    );
+
+    // The top lock: the one mutex, with the program's percentiles and stack.
+    let report: serde_json::Value = serde_json::from_str(&json)?;
+    let top = &report["locks"][0];
+    let (waits, p50, p99) = (
+        top["waits"].as_f64().unwrap_or(0.0),
+        top["p50_seconds"].as_f64().unwrap_or(0.0),
+        top["p99_seconds"].as_f64().unwrap_or(0.0),
+    );
+    anyhow::ensure!(
+        within(top["wait_seconds"].as_f64().unwrap_or(0.0), futex_sum, 0.02),
+        "the top lock does not hold the service's waits: {top}"
+    );
+    anyhow::ensure!(
+        within(waits, own.blocked as f64, 0.05),
+        "the top lock's {waits} waits vs {} blocked calls (calls that blocked twice?)",
+        own.blocked
+    );
+    anyhow::ensure!(
+        within(p50, own.p50_s, 0.10) && within(p99, own.p99_s, 0.10),
+        "top lock p50 {p50:.6} s / p99 {p99:.6} s vs the program's {:.6} s / {:.6} s",
+        own.p50_s,
+        own.p99_s
+    );
+    let frames: Vec<&str> = top["stacks"][0]["frames"]
+        .as_array()
+        .map(|frames| frames.iter().filter_map(|f| f.as_str()).collect())
+        .unwrap_or_default();
+    // glibc's lock wait, then the program's functions. Debian's glibc has no frame
+    // pointers: the unwinder goes from its futex call straight to the caller of the
+    // function that called pthread_mutex_lock (README, "Lock waits").
+    anyhow::ensure!(
+        frames.first().is_some_and(|f| f.contains("lll_lock_wait")),
+        "innermost frame is not glibc's lock wait: {frames:?}"
+    );
+    anyhow::ensure!(
+        frames.iter().any(|f| f.starts_with("lockserver::worker+")),
+        "no frame names the program's worker function: {frames:?}"
+    );
+    Ok(())
+}
+
+/// Once the load stopped: poolscope's numbers, read while the server still runs (its
+/// series go with it).
+fn settled_scrape(poolscope: &Poolscope) -> anyhow::Result<Metrics> {
+    // Every wait in progress when the load stopped has ended by now.
+    std::thread::sleep(Duration::from_millis(200));
+    let metrics = poolscope.scrape()?;
+    anyhow::ensure!(
+        metrics
+            .value(
+                "poolscope_lock_wait_seconds_count",
+                &[("service", SERVICE), ("pool", LOCKER_POOL)],
+            )
+            .is_some(),
+        "no lock_wait_seconds series for the workers' pool"
+    );
+    Ok(metrics)
+}
+
+#[test]
+fn uncontended_mutex_costs_no_lock_wait() -> anyhow::Result<()> {
+    if !privileged("uncontended_mutex_costs_no_lock_wait") {
+        return Ok(());
+    }
+    let _guard = one_at_a_time();
+    let server = LockServer::start(1, Duration::from_micros(200))?;
+    let poolscope = Poolscope::start(&config(server.pid(), false))?;
+    wait_for_pool(&poolscope)?;
+    let load = ClosedLoop::start(server.port, 2, Connections::PerRequest);
+    std::thread::sleep(Duration::from_secs(3));
+    let clients = load.stop()?;
+    let metrics = settled_scrape(&poolscope)?;
+    let own = server.finish()?;
+    let waits = service_futex_waits(&metrics);
+    println!(
+        "{} requests, program {own:?}, futex lock waits {waits}",
+        clients.completed
+    );
+    anyhow::ensure!(own.calls > 1000 && own.blocked == 0, "{own:?}");
+    anyhow::ensure!(waits == 0.0, "{waits} futex lock waits without contention");
+    anyhow::ensure!(
+        map_entries(&metrics, "LOCKS") == 0.0,
+        "LOCKS has entries without contention"
+    );
+    Ok(())
+}
+
+#[test]
+fn idle_workers_on_a_condition_variable_are_not_lock_waits() -> anyhow::Result<()> {
+    if !privileged("idle_workers_on_a_condition_variable_are_not_lock_waits") {
+        return Ok(());
+    }
+    let _guard = one_at_a_time();
+    // threadpool: 4 workers wait on the queue's condition variable between requests
+    // (futex waits holding no request) and sleep 2 ms per request.
+    let mut pool = Program::start("threadpool", &["4".into(), "2000".into(), "sleep".into()])?;
+    let port: u16 = pool.line("port")?.parse()?;
+    parse_tids(&pool.line("workers")?)?;
+    let poolscope = Poolscope::start(&pids_config(SERVICE, &[pool.pid()]))?;
+    scrape_until(&poolscope, |m| {
+        m.value(
+            "poolscope_pool_threads",
+            &[("service", SERVICE), ("pool", "worker")],
+        )
+        .is_some()
+    })?;
+    let state = |m: &Metrics, state: &str| {
+        m.value(
+            "poolscope_thread_seconds_total",
+            &[("service", SERVICE), ("pool", "worker"), ("state", state)],
+        )
+        .unwrap_or(0.0)
+    };
+    let before = poolscope.scrape()?;
+    // Half-loaded: the workers are idle on the condition variable half the time.
+    let load = OpenLoop::start(port, 1000.0, 16);
+    std::thread::sleep(Duration::from_secs(3));
+    let sent = load.stop()?;
+    let after = poolscope.scrape()?;
+    let idle = state(&after, "idle") - state(&before, "idle");
+    let waits = service_futex_waits(&after);
+    println!(
+        "{} requests; worker idle {idle:.2} s; futex lock waits {waits}",
+        sent.answered
+    );
+    anyhow::ensure!(idle > 3.0, "the workers were not idle: {idle:.2} s");
+    anyhow::ensure!(
+        waits == 0.0,
+        "{waits} lock waits from workers waiting for work"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_process_killed_mid_wait_leaves_no_entries() -> anyhow::Result<()> {
+    if !privileged("a_process_killed_mid_wait_leaves_no_entries") {
+        return Ok(());
+    }
+    let _guard = one_at_a_time();
+    // Held 300 ms per request with 4 clients: three workers are always inside
+    // pthread_mutex_lock, blocked in futex, when the process is killed.
+    let server = LockServer::start(4, Duration::from_millis(300))?;
+    let pid = server.pid();
+    let poolscope = Poolscope::start(&config(pid, true))?;
+    wait_for_pool(&poolscope)?;
+    let load = ClosedLoop::start(server.port, 4, Connections::PerRequest);
+    let waiting = scrape_until(&poolscope, |m| {
+        map_entries(m, "MUTEX_CALLS") >= 2.0 && map_entries(m, "LOCKS") >= 1.0
+    })?;
+    println!(
+        "mid-wait: MUTEX_CALLS {}, LOCKS {}, THREADS {}",
+        map_entries(&waiting, "MUTEX_CALLS"),
+        map_entries(&waiting, "LOCKS"),
+        map_entries(&waiting, "THREADS")
+    );
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let after = scrape_until(&poolscope, |m| {
+        map_entries(m, "MUTEX_CALLS") == 0.0
+            && map_entries(m, "LOCKS") == 0.0
+            && map_entries(m, "THREADS") == 0.0
+    });
+    // The clients fail once the server is gone; their errors are expected.
+    let _ = load.stop();
+    drop(server);
+    let after = after?;
+    println!(
+        "after the kill: MUTEX_CALLS {}, LOCKS {}, THREADS {}",
+        map_entries(&after, "MUTEX_CALLS"),
+        map_entries(&after, "LOCKS"),
+        map_entries(&after, "THREADS")
+    );
+    Ok(())
+}
