@@ -14,7 +14,7 @@ use anyhow::{Context as _, bail};
 const USAGE: &str = "usage: cargo xtask <command>
   run [-- poolscope flags]  install what is missing, build, run poolscope (auto-discovery)
   test                      install what is missing, run lint, unit and privileged tests
-  bench                     install what is missing, measure poolscope's cost on nginx and per context switch (BENCH_ONLY=nginx|sched)
+  bench                     install what is missing, measure poolscope's cost on nginx, per context switch and per lock (BENCH_ONLY=nginx|sched|locks)
   setup                     only install what is missing";
 
 /// Debian packages the tests use: promtool (prometheus); the real servers of
