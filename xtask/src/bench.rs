@@ -698,8 +698,7 @@ fn min_median(values: &mut [f64]) -> (f64, f64) {
 
 /// (min, median) of one quantity over the rounds of a mode.
 fn of_mode(rounds: &[Round], mode: Mode, pick: fn(&Round) -> f64) -> (f64, f64) {
-    let mut values: Vec<f64> = rounds.iter().filter(|r| r.mode == mode).map(pick).collect();
-    min_median(&mut values)
+    min_median_where(rounds, |r| r.mode == mode, pick)
 }
 
 fn met(met: bool) -> &'static str {
@@ -1309,8 +1308,7 @@ fn of_sched_mode(
     mode: SchedMode,
     pick: impl Fn(&SchedRound) -> f64,
 ) -> (f64, f64) {
-    let mut values: Vec<f64> = rounds.iter().filter(|r| r.mode == mode).map(pick).collect();
-    min_median(&mut values)
+    min_median_where(rounds, |r| r.mode == mode, pick)
 }
 
 fn sched_report(rounds: &[SchedRound]) {
@@ -2066,14 +2064,23 @@ impl LockBench<'_> {
     }
 }
 
+/// (min, median) of one quantity over the rounds `selected` picks.
+fn min_median_where<R>(
+    rounds: &[R],
+    selected: impl Fn(&R) -> bool,
+    pick: impl Fn(&R) -> f64,
+) -> (f64, f64) {
+    let mut values: Vec<f64> = rounds.iter().filter(|r| selected(r)).map(pick).collect();
+    min_median(&mut values)
+}
+
 /// (min, median) of one quantity over the rounds of a mode.
 fn of_lock_mode(
     rounds: &[LockRound],
     mode: LockMode,
     pick: impl Fn(&LockRound) -> f64,
 ) -> (f64, f64) {
-    let mut values: Vec<f64> = rounds.iter().filter(|r| r.mode == mode).map(pick).collect();
-    min_median(&mut values)
+    min_median_where(rounds, |r| r.mode == mode, pick)
 }
 
 /// `value` with `decimals`, or `-` when there is none (NaN: poolscope was off).
