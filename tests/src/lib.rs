@@ -586,3 +586,28 @@ pub fn pin_to(cpu: usize) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// Thread names (/proc/PID/task/TID/comm) of `pids` and how many threads carry each.
+pub fn thread_names(pids: &[u32]) -> anyhow::Result<std::collections::BTreeMap<String, usize>> {
+    let mut names = std::collections::BTreeMap::new();
+    for pid in pids {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .with_context(|| format!("listing the threads of {pid}"))?;
+        for task in tasks.flatten() {
+            // A thread may exit between the listing and the read.
+            if let Ok(comm) = std::fs::read_to_string(task.path().join("comm")) {
+                *names.entry(comm.trim_end().to_owned()).or_default() += 1;
+            }
+        }
+    }
+    Ok(names)
+}
+
+/// Starts poolscope with `config` and waits until it watches all of `pids` as `service`.
+pub fn watch_with(config: &str, service: &str, pids: &[u32]) -> anyhow::Result<Poolscope> {
+    let poolscope = Poolscope::start(config)?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", service)]) == Some(pids.len() as f64)
+    })?;
+    Ok(poolscope)
+}

@@ -25,8 +25,9 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, one_at_a_time, pids_config, privileged, scrape_until,
+    Metrics, Poolscope, one_at_a_time, pids_config, privileged,
     servers::{Kind, Options, RealServer, WrkResult, get, wrk_path},
+    thread_names, watch_with,
 };
 
 /// Concurrent requests: wrk connections and Tomcat's maxThreads.
@@ -40,27 +41,7 @@ const SETTLE: Duration = Duration::from_millis(1500);
 
 /// Starts poolscope on `pids` and waits until it watches all of them.
 fn watch(service: &str, pids: &[u32]) -> anyhow::Result<Poolscope> {
-    let poolscope = Poolscope::start(&pids_config(service, pids))?;
-    scrape_until(&poolscope, |m| {
-        m.value("poolscope_targets", &[("service", service)]) == Some(pids.len() as f64)
-    })?;
-    Ok(poolscope)
-}
-
-/// Thread names (/proc/PID/task/TID/comm) of `pids` and how many threads carry each.
-fn thread_names(pids: &[u32]) -> anyhow::Result<BTreeMap<String, usize>> {
-    let mut names = BTreeMap::new();
-    for pid in pids {
-        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .with_context(|| format!("listing the threads of {pid}"))?;
-        for task in tasks.flatten() {
-            // A thread may exit between the listing and the read.
-            if let Ok(comm) = std::fs::read_to_string(task.path().join("comm")) {
-                *names.entry(comm.trim_end().to_owned()).or_default() += 1;
-            }
-        }
-    }
-    Ok(names)
+    watch_with(&pids_config(service, pids), service, pids)
 }
 
 /// A free port below 10000 on all interfaces (see [`Options::any_address`]).

@@ -42,6 +42,7 @@ use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, Poolscope, one_at_a_time, parse_debug_threads, pids_config, privileged, scrape_until,
     servers::{Kind, Options, RealServer, WrkResult, get, pin_to_first_cpu, wrk_path},
+    thread_names, watch_with,
 };
 
 /// `[pools] utilization_window` in these tests.
@@ -63,27 +64,7 @@ fn config(service: &str, pids: &[u32]) -> String {
 
 /// Starts poolscope on `pids` and waits until it watches all of them.
 fn watch(service: &str, pids: &[u32]) -> anyhow::Result<Poolscope> {
-    let poolscope = Poolscope::start(&config(service, pids))?;
-    scrape_until(&poolscope, |m| {
-        m.value("poolscope_targets", &[("service", service)]) == Some(pids.len() as f64)
-    })?;
-    Ok(poolscope)
-}
-
-/// Thread names (/proc/PID/task/TID/comm) of `pids` and how many threads carry each.
-fn thread_names(pids: &[u32]) -> anyhow::Result<BTreeMap<String, usize>> {
-    let mut names = BTreeMap::new();
-    for pid in pids {
-        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .with_context(|| format!("listing the threads of {pid}"))?;
-        for task in tasks.flatten() {
-            // A thread may exit between the listing and the read.
-            if let Ok(comm) = std::fs::read_to_string(task.path().join("comm")) {
-                *names.entry(comm.trim_end().to_owned()).or_default() += 1;
-            }
-        }
-    }
-    Ok(names)
+    watch_with(&config(service, pids), service, pids)
 }
 
 fn thread_count(pids: &[u32]) -> anyhow::Result<usize> {
