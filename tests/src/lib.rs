@@ -611,3 +611,46 @@ pub fn watch_with(config: &str, service: &str, pids: &[u32]) -> anyhow::Result<P
     })?;
     Ok(poolscope)
 }
+
+/// Starts `count` threads named `<prefix>-1` … `<prefix>-<count>`, each running what
+/// `work(index)` returns, and returns their kernel tids in index order once all run
+/// (std names a thread from inside it, so its comm is set when its tid is reported).
+pub fn start_named_workers<F>(
+    count: usize,
+    prefix: &str,
+    mut work: impl FnMut(usize) -> std::io::Result<F>,
+) -> std::io::Result<Vec<i64>>
+where
+    F: FnOnce() + Send + 'static,
+{
+    let (started, tids) = std::sync::mpsc::channel::<(usize, i64)>();
+    for index in 1..=count {
+        let body = work(index)?;
+        let started = started.clone();
+        std::thread::Builder::new()
+            .name(format!("{prefix}-{index}"))
+            .spawn(move || {
+                let _ = started.send((index, gettid()));
+                drop(started);
+                body();
+            })?;
+    }
+    drop(started);
+    let mut tids: Vec<(usize, i64)> = tids.iter().collect();
+    tids.sort_unstable();
+    Ok(tids.into_iter().map(|(_, tid)| tid).collect())
+}
+
+/// The `workers <tid>,<tid>,…` line a test program prints (read by [`parse_tids`]).
+pub fn workers_line(tids: &[i64]) -> String {
+    let tids: Vec<String> = tids.iter().map(i64::to_string).collect();
+    format!("workers {}", tids.join(","))
+}
+
+/// Blocks until stdin closes: a test program serves until the test closes it.
+pub fn wait_for_stdin_close() -> std::io::Result<()> {
+    for line in std::io::stdin().lock().lines() {
+        line?;
+    }
+    Ok(())
+}

@@ -297,8 +297,7 @@ fn run_nginx(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::
 
     let mut measured = Vec::new();
     for round in 0..rounds {
-        // Rotate the order so that each mode takes each place and drift hits all alike.
-        for &mode in Mode::ALL.iter().cycle().skip(round).take(Mode::ALL.len()) {
+        for mode in rotated(&Mode::ALL, round) {
             let result = bench.measure_alone(mode, false)?;
             println!(
                 "round {:>2} {:<7} {:>10.0} req/s {:>8.2} µs nginx CPU/req {:>6.2} µs poolscope CPU/req \
@@ -1166,12 +1165,7 @@ fn run_sched(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::
 
     let mut measured = Vec::new();
     for round in 0..rounds {
-        for &mode in SchedMode::ALL
-            .iter()
-            .cycle()
-            .skip(round)
-            .take(SchedMode::ALL.len())
-        {
+        for mode in rotated(&SchedMode::ALL, round) {
             let result = bench.measure_alone(mode)?;
             let mut line = format!(
                 "round {:>2} {:<9} {:>8.0} roundtrips/s",
@@ -1841,12 +1835,7 @@ fn run_locks(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::
 
     let mut measured = Vec::new();
     for round in 0..rounds {
-        for &mode in LockMode::ALL
-            .iter()
-            .cycle()
-            .skip(round)
-            .take(LockMode::ALL.len())
-        {
+        for mode in rotated(&LockMode::ALL, round) {
             let result = bench.measure_alone(mode)?;
             let mut line = format!(
                 "round {:>2} {:<7} {:>6.0} req/s {:>5} futex waits/req ({:.2} blocked/call) \
@@ -2062,6 +2051,12 @@ impl LockBench<'_> {
             disturbance,
         })
     }
+}
+
+/// The modes in round `round`'s order: rotated so that each mode takes each place and
+/// drift hits all alike.
+fn rotated<T: Copy>(modes: &[T], round: usize) -> impl Iterator<Item = T> + '_ {
+    modes.iter().copied().cycle().skip(round).take(modes.len())
 }
 
 /// (min, median) of one quantity over the rounds `selected` picks.

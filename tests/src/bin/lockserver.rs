@@ -12,14 +12,13 @@
 //! are of the blocked calls) and `served <count>`.
 use std::{
     cell::UnsafeCell,
-    io::{BufRead as _, Read as _, Write as _},
+    io::{Read as _, Write as _},
     net::{TcpListener, TcpStream},
-    sync::{Arc, Mutex, mpsc::channel},
-    thread::Builder,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
-use poolscope_tests::gettid;
+use poolscope_tests::{start_named_workers, wait_for_stdin_close, workers_line};
 
 /// The one contended mutex, a plain glibc default mutex (what C, C++ and most
 /// runtimes' native code use), so that the opt-in `pthread_mutex_lock` probes see it.
@@ -117,27 +116,14 @@ fn main() -> std::io::Result<()> {
     stdout.flush()?;
 
     let times = Arc::new(Mutex::new(LockTimes::default()));
-    let (started, tids) = channel::<(usize, i64)>();
-    for index in 1..=workers {
-        let (listener, times, started) = (listener.clone(), times.clone(), started.clone());
-        Builder::new()
-            .name(format!("locker-{index}"))
-            .spawn(move || {
-                let _ = started.send((index, gettid()));
-                drop(started);
-                worker(&listener, hold, &times);
-            })?;
-    }
-    drop(started);
-    let mut worker_tids: Vec<(usize, i64)> = tids.iter().collect();
-    worker_tids.sort_unstable();
-    let worker_tids: Vec<String> = worker_tids.iter().map(|(_, tid)| tid.to_string()).collect();
-    writeln!(stdout, "workers {}", worker_tids.join(","))?;
+    let tids = start_named_workers(workers, "locker", |_| {
+        let (listener, times) = (listener.clone(), times.clone());
+        Ok(move || worker(&listener, hold, &times))
+    })?;
+    writeln!(stdout, "{}", workers_line(&tids))?;
     stdout.flush()?;
 
-    for line in std::io::stdin().lock().lines() {
-        line?;
-    }
+    wait_for_stdin_close()?;
     let mut times = times.lock().unwrap_or_else(|p| p.into_inner());
     times.blocked.sort_unstable();
     writeln!(

@@ -17,13 +17,15 @@
 //! - `handoff`: one thread reads, another thread of the process answers;
 //! - `server-close`: the server closes the connection after each response.
 use std::{
-    io::{BufRead as _, Read as _, Write as _},
+    io::{Read as _, Write as _},
     mem::ManuallyDrop,
     net::{TcpListener, TcpStream},
     os::fd::{AsRawFd as _, FromRawFd as _, RawFd},
     sync::{Arc, Condvar, Mutex},
     time::{Duration, Instant},
 };
+
+use poolscope_tests::wait_for_stdin_close;
 
 /// A counting semaphore: the pool's worker slots.
 struct Slots {
@@ -260,9 +262,7 @@ fn main() -> std::io::Result<()> {
         });
     }
     // Serve until the test closes stdin.
-    for line in std::io::stdin().lock().lines() {
-        line?;
-    }
+    wait_for_stdin_close()?;
     let mut served = served.lock().unwrap_or_else(|p| p.into_inner()).clone();
     served.sort_unstable();
     let count = served.len() as u64;

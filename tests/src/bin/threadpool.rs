@@ -21,7 +21,7 @@
 //!   sleep of its own.
 use std::{
     collections::VecDeque,
-    io::{BufRead as _, Read as _, Write as _},
+    io::{Read as _, Write as _},
     net::{TcpListener, TcpStream},
     os::fd::AsRawFd as _,
     sync::{
@@ -32,6 +32,8 @@ use std::{
     thread::Builder,
     time::{Duration, Instant},
 };
+
+use poolscope_tests::{start_named_workers, wait_for_stdin_close, workers_line};
 
 /// The kernel's listen backlog cap by default (net.core.somaxconn); open-loop bursts
 /// must queue in the kernel, not be dropped and retried a second later.
@@ -216,11 +218,6 @@ fn worker(queue: &Queue, totals: &Totals, work: Work, service: Duration, holder:
     queue.exited.notify_all();
 }
 
-fn gettid() -> i64 {
-    // SAFETY: gettid takes no arguments and cannot fail.
-    unsafe { libc::syscall(libc::SYS_gettid) }
-}
-
 fn acceptor(listener: &TcpListener, queue: &Queue, totals: &Totals) {
     for stream in listener.incoming() {
         match stream {
@@ -281,32 +278,19 @@ fn main() -> std::io::Result<()> {
             .recv()
             .map_err(|_| std::io::Error::other("acceptor thread did not start"))?;
     }
-    let (started, tids) = channel::<(usize, i64)>();
-    for index in 1..=workers {
+    let tids = start_named_workers(workers, "worker", |index| {
         let holder = match work {
             Work::Lock => Some(Holder::start(index, service)?),
             _ => None,
         };
-        let (queue, totals, started) = (queue.clone(), totals.clone(), started.clone());
-        Builder::new()
-            .name(format!("worker-{index}"))
-            .spawn(move || {
-                let _ = started.send((index, gettid()));
-                drop(started);
-                worker(&queue, &totals, work, service, holder);
-            })?;
-    }
-    drop(started);
-    let mut worker_tids: Vec<(usize, i64)> = tids.iter().collect();
-    worker_tids.sort_unstable();
-    let worker_tids: Vec<String> = worker_tids.iter().map(|(_, tid)| tid.to_string()).collect();
-    writeln!(stdout, "workers {}", worker_tids.join(","))?;
+        let (queue, totals) = (queue.clone(), totals.clone());
+        Ok(move || worker(&queue, &totals, work, service, holder))
+    })?;
+    writeln!(stdout, "{}", workers_line(&tids))?;
     stdout.flush()?;
 
     // Serve until the test closes stdin.
-    for line in std::io::stdin().lock().lines() {
-        line?;
-    }
+    wait_for_stdin_close()?;
     // Let the workers finish the requests in progress, so that a response the client
     // already has is counted; a client that never sends its request must not keep us.
     let finish_by = Instant::now() + service + Duration::from_secs(5);
