@@ -3,7 +3,8 @@
 //! maps at scrape time. One module per kernel subsystem; `requests.rs` is the state
 //! machine that the two request backends (`sock.rs`, `syscalls.rs`) share, and
 //! `threads.rs` the thread state machine that `sched.rs` and the requests feed;
-//! `locks.rs` times the lock waits that machine sees begin.
+//! `locks.rs` times the lock waits that machine sees begin, and `stacks.rs` counts
+//! the stacks of its threads on and off CPU.
 #![no_std]
 #![no_main]
 // The BPF target has no `AtomicU64`; the intrinsic compiles to BPF's atomic add.
@@ -16,6 +17,7 @@ mod process;
 mod requests;
 mod sched;
 mod sock;
+mod stacks;
 mod syscalls;
 mod threads;
 

@@ -6,9 +6,10 @@ use aya_ebpf::{
 };
 use poolscope_shared::{
     Conn, Histogram, LISTEN_PORTS_CAPACITY, LockKey, LockPrimitive, LossSource, MAX_LOCK_STACKS,
-    MAX_LOCKS, MAX_POOLS, MAX_SERVICES, MAX_THREADS, MUTEX_CALLS_CAPACITY, PENDING_CALLS_CAPACITY,
-    PendingCall, PoolStats, ProcessEvent, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE,
-    ServiceCounters, Thread, Watched,
+    MAX_LOCKS, MAX_POOLS, MAX_SERVICES, MAX_STACK_COUNTS, MAX_STACKS, MAX_THREADS,
+    MUTEX_CALLS_CAPACITY, PENDING_CALLS_CAPACITY, PendingCall, PoolStats, ProcessEvent,
+    RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey,
+    Thread, Watched,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -52,6 +53,17 @@ pub static LOCK_STACKS: StackTrace = StackTrace::with_max_entries(MAX_LOCK_STACK
 pub static MUTEX_CALLS: HashMap<u32, u64> = HashMap::with_max_entries(MUTEX_CALLS_CAPACITY, 0);
 #[map]
 pub static ZERO_HISTOGRAM: Array<Histogram> = Array::with_max_entries(1, 0);
+#[map]
+pub static STACK_EPOCH: Array<u32> = Array::with_max_entries(1, 0);
+#[map]
+pub static STACK_COUNTS: HashMap<StackKey, StackCount> =
+    HashMap::with_max_entries(MAX_STACK_COUNTS, 0);
+#[map]
+pub static STACKS_0: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
+#[map]
+pub static STACKS_1: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
+#[map]
+pub static STACKS_2: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
 #[map]
 pub static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 

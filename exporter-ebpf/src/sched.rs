@@ -20,6 +20,7 @@ use crate::{
     locks,
     maps::WAIT_CLASSES,
     requests::now_ns,
+    stacks,
     syscalls::NUMBER_OFFSET,
     threads::{self, thread},
 };
@@ -72,6 +73,7 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
                 state & TASK_UNINTERRUPTIBLE != 0,
             );
             threads::change(prev_tid, prev, next, now);
+            stacks::blocked(ctx, prev, now);
             if next == Activity::OffLock {
                 lock_wait = call.map(|(regs, _, number)| (regs, number));
             }

@@ -10,6 +10,7 @@ use crate::{
     locks,
     maps::{POOL_STATS, THREAD_POOLS, THREADS},
     requests::now_ns,
+    stacks,
 };
 
 /// A thread holding more requests than this is miscounted (a lost end); the cap
@@ -84,6 +85,7 @@ pub fn switched_in(tid: u32, now: u64) {
     let now = if now == 0 { now_ns() } else { now };
     // From a wait whose wakeup we did not see (entry made while it slept), the
     // interval closes as that wait and no run-queue wait is timed.
+    stacks::unblocked(tid, thread, now);
     change(tid, thread, Activity::Running, now);
     locks::switched_in(thread, now);
 }
@@ -97,7 +99,9 @@ pub fn woken(tid: u32) {
     // A wakeup of a thread on CPU or already queued (it was woken before it slept,
     // or preempted) changes nothing.
     if Activity::from_u32(thread.activity).is_off_cpu() {
-        change(tid, thread, Activity::Runnable, now_ns());
+        let now = now_ns();
+        stacks::unblocked(tid, thread, now);
+        change(tid, thread, Activity::Runnable, now);
     }
 }
 

@@ -89,6 +89,33 @@ pub fn queue_depth(backend: Backend, gauges: &Gauges, backlog: u64) -> (u64, u64
     }
 }
 
+/// Each service's listen backlog: the depths of its listeners, summed.
+fn backlogs(listeners: &[ServiceListener]) -> HashMap<&str, u64> {
+    let mut backlog_of: HashMap<&str, u64> = HashMap::new();
+    for listener in listeners {
+        *backlog_of.entry(listener.service.as_str()).or_default() +=
+            u64::from(listener.queue.depth);
+    }
+    backlog_of
+}
+
+/// Each service's `queue_depth`, without the rest of a scrape.
+pub fn queue_depths(
+    backend: Backend,
+    services: &[(&ServiceView, ServiceCounters)],
+    listeners: &[ServiceListener],
+) -> Vec<(String, u64)> {
+    let backlog_of = backlogs(listeners);
+    services
+        .iter()
+        .map(|(view, counters)| {
+            let backlog = backlog_of.get(view.name.as_str()).copied().unwrap_or(0);
+            let (_, depth) = queue_depth(backend, &gauges(counters, &view.purged), backlog);
+            (view.name.clone(), depth)
+        })
+        .collect()
+}
+
 struct RequestFamilies {
     histograms: [Family; 3],
     windows: [Family; 3],
@@ -221,11 +248,7 @@ pub fn service_families(
         Kind::Counter,
         "Calls of the socket syscalls poolscope correlates, by the service's threads.",
     );
-    let mut backlog_of: HashMap<&str, u64> = HashMap::new();
-    for listener in listeners {
-        *backlog_of.entry(listener.service.as_str()).or_default() +=
-            u64::from(listener.queue.depth);
-    }
+    let backlog_of = backlogs(listeners);
     for input in services {
         let service = input.view;
         let labels = [("service", service.name.as_str())];
@@ -518,8 +541,16 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
                 LossSource::MutexCallsFull => {
                     *map_errors.entry("MUTEX_CALLS").or_default() += lost;
                 }
+                LossSource::StacksFull => *map_errors.entry("STACKS").or_default() += lost,
+                LossSource::StackCountsFull => {
+                    *map_errors.entry("STACK_COUNTS").or_default() += lost;
+                }
                 LossSource::ProcessEvents => {
                     events_lost.push(&[("source", "process_events")], *lost as f64);
+                }
+                // Their time is kept, under a `[stack lost]` frame.
+                LossSource::OffCpuStacksExpired => {
+                    events_lost.push(&[("source", "offcpu_stacks_expired")], *lost as f64);
                 }
             }
         }

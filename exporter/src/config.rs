@@ -14,7 +14,15 @@ use serde::{Deserialize, Serialize};
 /// Environment variable prefix; nested keys use `__`, e.g. `POOLSCOPE_WEB__LISTEN_ADDRESS`.
 pub const ENV_PREFIX: &str = "POOLSCOPE_";
 /// Top-level tables of the file, the only names taken from the environment.
-const SECTIONS: [&str; 6] = ["web", "log", "discovery", "probes", "pools", "limits"];
+const SECTIONS: [&str; 7] = [
+    "web",
+    "log",
+    "discovery",
+    "probes",
+    "pools",
+    "stacks",
+    "limits",
+];
 /// Default address: localhost only, the port of no other well-known exporter.
 pub const DEFAULT_LISTEN_ADDRESS: &str = "127.0.0.1:9435";
 
@@ -26,6 +34,7 @@ pub struct RawConfig {
     pub discovery: RawDiscovery,
     pub probes: RawProbes,
     pub pools: RawPools,
+    pub stacks: RawStacks,
     pub limits: RawLimits,
     pub targets: Vec<RawTarget>,
 }
@@ -47,9 +56,19 @@ impl Default for RawConfig {
                 backend: Backend::Auto,
                 bpf_stats: false,
                 lock_uprobes: Vec::new(),
+                sampling_hz: 49,
             },
             pools: RawPools {
                 utilization_window: Duration::from_secs(10),
+            },
+            stacks: RawStacks {
+                offcpu: true,
+                offcpu_min: Duration::from_millis(1),
+                interval: Duration::from_secs(60),
+                keep: 10,
+                memory_limit_bytes: 64 << 20,
+                saturation_queue_depth: 0,
+                saturation_duration: Duration::from_secs(5),
             },
             limits: RawLimits {
                 max_series: 20_000,
@@ -60,6 +79,8 @@ impl Default for RawConfig {
                 connections: 65_536,
                 locks: poolscope_shared::MAX_LOCKS,
                 lock_stacks: poolscope_shared::MAX_LOCK_STACKS,
+                stacks: poolscope_shared::MAX_STACKS,
+                stack_counts: poolscope_shared::MAX_STACK_COUNTS,
             },
             targets: Vec::new(),
         }
@@ -108,6 +129,30 @@ pub struct RawProbes {
     /// `pthread_mutex_lock`. Off by default: each call then traps into the kernel,
     /// contended or not (README, "Lock waits").
     pub lock_uprobes: Vec<String>,
+    /// On-CPU stack samples per second on each CPU (1 to 1000; 0: none). An odd
+    /// rate keeps clear of periodic work in step with the sampler.
+    pub sampling_hz: u32,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawStacks {
+    /// Off-CPU stacks: where watched threads block, weighted by how long.
+    pub offcpu: bool,
+    /// Shorter blocks are not recorded.
+    #[serde(with = "humantime_serde")]
+    pub offcpu_min: Duration,
+    /// A snapshot of the stacks is kept every interval.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Snapshots kept, newest first, within `memory_limit_bytes`.
+    pub keep: usize,
+    pub memory_limit_bytes: u64,
+    /// A snapshot is also taken when a service's `queue_depth` stays above this for
+    /// `saturation_duration` (0: never).
+    pub saturation_queue_depth: u64,
+    #[serde(with = "humantime_serde")]
+    pub saturation_duration: Duration,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -133,6 +178,10 @@ pub struct RawLimits {
     /// `/debug/locks`, 1.8 kB each; and the distinct stacks they began at, 1 kB each.
     pub locks: u32,
     pub lock_stacks: u32,
+    /// Distinct user or kernel stacks per snapshot drain (each of the three stack
+    /// maps, 1 kB per entry); and (stack, pool, reason) counters per drain.
+    pub stacks: u32,
+    pub stack_counts: u32,
 }
 
 /// One `[[targets]]` entry; every selector given must match.
@@ -202,9 +251,25 @@ pub struct Settings {
     pub connections: u32,
     pub locks: u32,
     pub lock_stacks: u32,
+    pub stacks: u32,
+    pub stack_counts: u32,
     pub utilization_window: Duration,
+    pub snapshots: SnapshotSettings,
     /// Empty: auto-discover every process with a listening TCP socket.
     pub targets: Vec<TargetRule>,
+}
+
+/// Stack sampling and snapshots (`[probes] sampling_hz`, `[stacks]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotSettings {
+    pub sampling_hz: u32,
+    /// `None`: no off-CPU stacks.
+    pub offcpu_min: Option<Duration>,
+    pub interval: Duration,
+    pub keep: usize,
+    pub memory_limit_bytes: u64,
+    /// (threshold, duration); `None`: no saturation snapshots.
+    pub saturation: Option<(u64, Duration)>,
 }
 
 /// A validated `[[targets]]` entry.
@@ -340,6 +405,9 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
             "service names must not be empty (\"*\" selects every service)",
         ));
     }
+    positive("limits.stacks", raw.limits.stacks.into())?;
+    positive("limits.stack_counts", raw.limits.stack_counts.into())?;
+    let snapshots = validate_stacks(raw, figment)?;
     if raw.pools.utilization_window < Duration::from_secs(1) {
         return Err(invalid(
             figment,
@@ -376,8 +444,58 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         connections: raw.limits.connections,
         locks: raw.limits.locks,
         lock_stacks: raw.limits.lock_stacks,
+        stacks: raw.limits.stacks,
+        stack_counts: raw.limits.stack_counts,
         utilization_window: raw.pools.utilization_window,
+        snapshots,
         targets,
+    })
+}
+
+fn validate_stacks(raw: &RawConfig, figment: &Figment) -> Result<SnapshotSettings, ConfigError> {
+    let stacks = &raw.stacks;
+    if raw.probes.sampling_hz > 1000 {
+        return Err(invalid(
+            figment,
+            "probes.sampling_hz",
+            "1 to 1000 samples per second (0 turns sampling off)",
+        ));
+    }
+    if stacks.interval < Duration::from_secs(1) {
+        return Err(invalid(figment, "stacks.interval", "must be at least 1s"));
+    }
+    if stacks.keep == 0 {
+        return Err(invalid(figment, "stacks.keep", "must be greater than 0"));
+    }
+    if stacks.memory_limit_bytes < 1 << 20 {
+        return Err(invalid(
+            figment,
+            "stacks.memory_limit_bytes",
+            "must be at least 1048576 (1 MiB)",
+        ));
+    }
+    if stacks.offcpu && stacks.offcpu_min.is_zero() {
+        return Err(invalid(
+            figment,
+            "stacks.offcpu_min",
+            "must be greater than 0 (set stacks.offcpu = false to record none)",
+        ));
+    }
+    if stacks.saturation_queue_depth > 0 && stacks.saturation_duration < Duration::from_secs(1) {
+        return Err(invalid(
+            figment,
+            "stacks.saturation_duration",
+            "must be at least 1s (queue depth is checked every second)",
+        ));
+    }
+    Ok(SnapshotSettings {
+        sampling_hz: raw.probes.sampling_hz,
+        offcpu_min: stacks.offcpu.then_some(stacks.offcpu_min),
+        interval: stacks.interval,
+        keep: stacks.keep,
+        memory_limit_bytes: stacks.memory_limit_bytes,
+        saturation: (stacks.saturation_queue_depth > 0)
+            .then_some((stacks.saturation_queue_depth, stacks.saturation_duration)),
     })
 }
 
@@ -528,6 +646,45 @@ mod tests {
         assert!(error.contains("rescan_interval"), "{error}");
         let error = error_of("this is not toml");
         assert!(error.contains("poolscope.toml"), "{error}");
+    }
+
+    #[test]
+    fn stack_settings_are_checked() -> Result<(), ConfigError> {
+        let settings = load_toml("")?;
+        assert_eq!(settings.snapshots.sampling_hz, 49);
+        assert_eq!(
+            settings.snapshots.offcpu_min,
+            Some(Duration::from_millis(1))
+        );
+        assert_eq!(settings.snapshots.saturation, None);
+        let settings = load_toml(
+            "[probes]\nsampling_hz = 0\n[stacks]\noffcpu = false\nsaturation_queue_depth = 8\n",
+        )?;
+        assert_eq!(settings.snapshots.sampling_hz, 0);
+        assert_eq!(settings.snapshots.offcpu_min, None);
+        assert_eq!(
+            settings.snapshots.saturation,
+            Some((8, Duration::from_secs(5)))
+        );
+        for (toml, key) in [
+            ("[probes]\nsampling_hz = 1001\n", "probes.sampling_hz"),
+            ("[stacks]\ninterval = \"500ms\"\n", "stacks.interval"),
+            ("[stacks]\nkeep = 0\n", "stacks.keep"),
+            (
+                "[stacks]\nmemory_limit_bytes = 10\n",
+                "stacks.memory_limit_bytes",
+            ),
+            ("[stacks]\noffcpu_min = \"0s\"\n", "stacks.offcpu_min"),
+            (
+                "[stacks]\nsaturation_queue_depth = 1\nsaturation_duration = \"0s\"\n",
+                "stacks.saturation_duration",
+            ),
+            ("[limits]\nstacks = 0\n", "limits.stacks"),
+        ] {
+            let error = error_of(toml);
+            assert!(error.contains(key), "{toml}: {error}");
+        }
+        Ok(())
     }
 
     #[test]

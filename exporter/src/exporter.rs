@@ -2,13 +2,13 @@
 //! one lock, with the three things that touch them: a rescan, a process event, and a
 //! scrape (`Gatherer`). Scans and netlink reads happen outside the lock.
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex, MutexGuard, RwLock,
         atomic::{AtomicU64, Ordering},
     },
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use poolscope_shared::{Activity, ProcessEvent, ProcessEventKind};
@@ -16,8 +16,8 @@ use tokio::sync::Notify;
 
 use crate::{
     collect::{
-        PoolInput, SelfStats, ServiceInput, pool_families, self_families, service_families,
-        service_listeners,
+        PoolInput, SelfStats, ServiceInput, pool_families, queue_depths, self_families,
+        service_families, service_listeners,
     },
     config::Settings,
     discovery,
@@ -25,11 +25,26 @@ use crate::{
     kernel::{Kernel, Probe, Readout},
     locks::{self, LockProbes, top_locks},
     pools::{self, COMPONENTS, PoolView, Pools, sum_of},
-    procfs, sockdiag,
+    procfs,
+    profile::{self, View},
+    sockdiag,
+    stacks::{Drained, Saturation, Snapshots, Trigger, Window},
+    symbolize::Symbols,
     targets::{Targets, WatchChange, monotonic_ns},
-    web::{DebugError, Gatherer, LocksFormat, LocksQuery},
+    web::{DebugError, Gatherer, LocksFormat, LocksQuery, StacksFormat, StacksQuery},
     window::Windows,
 };
+
+/// Between the two epoch advances of a snapshot: longer than any kernel program
+/// that read the old epoch takes to finish.
+const EPOCH_SETTLE: Duration = Duration::from_millis(5);
+
+/// The stack window being collected. Each drain symbolizes with a symbolizer of its
+/// own (blazesym's is not `Send`), so its cache lives as long as one drain.
+struct StackCollector {
+    window: Window,
+    saturation: Saturation,
+}
 
 /// Length of the quantile window of the `_window` summaries (DESIGN §4).
 const QUANTILE_WINDOW: Duration = Duration::from_secs(60);
@@ -73,6 +88,8 @@ pub struct Exporter {
     rescan_now: Arc<Notify>,
     /// Fixed at start (a reload does not move it).
     procfs_root: PathBuf,
+    stacks: Mutex<StackCollector>,
+    snapshots: RwLock<Snapshots>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +111,10 @@ impl Exporter {
             settings.max_pools,
             settings.utilization_window,
         );
+        let snapshots = Snapshots::new(
+            settings.snapshots.keep,
+            settings.snapshots.memory_limit_bytes,
+        );
         Self {
             shared: Mutex::new(Shared {
                 kernel,
@@ -105,6 +126,11 @@ impl Exporter {
             settings: RwLock::new(Arc::new(settings)),
             probes,
             series_dropped: AtomicU64::new(0),
+            stacks: Mutex::new(StackCollector {
+                window: Window::new(SystemTime::now()),
+                saturation: Saturation::default(),
+            }),
+            snapshots: RwLock::new(snapshots),
             rescan_now: Arc::new(Notify::new()),
             procfs_root,
         }
@@ -142,6 +168,10 @@ impl Exporter {
             // Processes watched from now on; those probed already keep their probes.
             shared.lock_probes.set_services(&settings.lock_uprobes);
         }
+        self.snapshots_mut().set_limits(
+            settings.snapshots.keep,
+            settings.snapshots.memory_limit_bytes,
+        );
         let mut current = self.settings.write().unwrap_or_else(|p| p.into_inner());
         *current = Arc::new(settings);
     }
@@ -182,6 +212,158 @@ impl Exporter {
                 pools.sync(kernel, &targets.service_ids(), &readout.threads);
             }
             Err(error) => tracing::warn!(%error, "reading pool stats failed"),
+        }
+    }
+
+    fn stack_collector(&self) -> MutexGuard<'_, StackCollector> {
+        // A panic mid-window leaves a window that is still valid to add to.
+        self.stacks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn snapshots_mut(&self) -> std::sync::RwLockWriteGuard<'_, Snapshots> {
+        self.snapshots
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Starts a new stack epoch and reads (then clears) the generation no program
+    /// can add to any more, with the names of its pools and processes.
+    fn drain_generation(&self) -> Drained {
+        let mut shared = self.lock();
+        let generation = match shared.kernel.advance_stack_epoch() {
+            Ok(generation) => generation,
+            Err(error) => {
+                tracing::warn!(%error, "cannot advance the stack epoch");
+                return Drained::default();
+            }
+        };
+        let counts = shared.kernel.stack_counts(generation);
+        let mut stacks = HashMap::new();
+        for (key, _) in &counts {
+            for id in [key.user_stack, key.kernel_stack] {
+                if id >= 0
+                    && !stacks.contains_key(&id)
+                    && let Some(frames) = shared.kernel.stack(generation, id)
+                {
+                    stacks.insert(id, frames);
+                }
+            }
+        }
+        let keys: Vec<_> = counts.iter().map(|(key, _)| *key).collect();
+        shared.kernel.clear_stacks(generation, &keys);
+        let service_name = |id: u32| {
+            shared
+                .targets
+                .service_name(id)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let pools = shared
+            .pools
+            .views()
+            .into_iter()
+            .map(|view| (view.id, (service_name(view.service), view.name)))
+            .collect();
+        let processes = shared
+            .kernel
+            .watched_pids()
+            .into_iter()
+            .map(|(pid, watch)| (pid, service_name(watch.service)))
+            .collect();
+        Drained {
+            counts,
+            stacks,
+            pools,
+            processes,
+        }
+    }
+
+    /// Moves the stacks counted up to two epochs ago into the current window
+    /// (symbolized outside the exporter's lock).
+    pub fn drain_stacks(&self) {
+        let mut collector = self.stack_collector();
+        let drained = self.drain_generation();
+        collector
+            .window
+            .add(&drained, &Symbols::new(&self.procfs_root));
+    }
+
+    /// Ends the current window as a snapshot: two epoch advances bring every stack
+    /// counted up to now into it (an off-CPU block still in progress keeps its
+    /// time but loses its stacks, counted in `events_lost_total`).
+    pub fn take_snapshot(&self, trigger: Trigger) {
+        let settings = self.settings().snapshots;
+        let mut collector = self.stack_collector();
+        let first = self.drain_generation();
+        std::thread::sleep(EPOCH_SETTLE);
+        let second = self.drain_generation();
+        let now = SystemTime::now();
+        let symbols = Symbols::new(&self.procfs_root);
+        collector.window.add(&first, &symbols);
+        collector.window.add(&second, &symbols);
+        let window = std::mem::replace(&mut collector.window, Window::new(now));
+        drop(collector);
+        let snapshot = window.finish(
+            now,
+            trigger,
+            settings.sampling_hz,
+            settings.memory_limit_bytes,
+        );
+        let summary = snapshot.summary();
+        let id = self.snapshots_mut().push(snapshot);
+        tracing::debug!(
+            id,
+            stacks = summary.stacks,
+            trigger = summary.trigger,
+            "stack snapshot"
+        );
+    }
+
+    /// Takes a saturation snapshot when a service's queue depth has stayed above
+    /// the threshold long enough (checked every second).
+    pub fn check_saturation(&self) {
+        let Some((threshold, duration)) = self.settings().snapshots.saturation else {
+            return;
+        };
+        let (backend, counters, views, owners) = {
+            let shared = self.lock();
+            let ids = shared.targets.service_ids();
+            let counters = match shared.kernel.read_services(&ids) {
+                Ok(counters) => counters,
+                Err(error) => {
+                    tracing::warn!(%error, "reading service counters failed");
+                    return;
+                }
+            };
+            let watched = shared
+                .kernel
+                .watched_pids()
+                .into_iter()
+                .map(|(pid, watch)| (pid, watch.since_ns))
+                .collect();
+            (
+                shared.kernel.backend(),
+                counters,
+                shared.targets.services(&watched),
+                shared.targets.listener_owners().clone(),
+            )
+        };
+        let queues = sockdiag::listen_queues().unwrap_or_default();
+        let listeners = service_listeners(&queues, |inode| owners.get(&inode).cloned());
+        let services: Vec<_> = views
+            .iter()
+            .filter_map(|view| Some((view, *counters.get(&view.id)?)))
+            .collect();
+        let depths = queue_depths(backend, &services, &listeners);
+        let saturated =
+            self.stack_collector()
+                .saturation
+                .check(&depths, threshold, duration, Instant::now());
+        for service in saturated {
+            tracing::info!(service, threshold, "queue depth saturated: stack snapshot");
+            self.take_snapshot(Trigger::Saturation(service));
         }
     }
 
@@ -299,6 +481,52 @@ impl Gatherer for Exporter {
         Ok(match query.format {
             LocksFormat::Text => locks::render_text(&query.service, &locks),
             LocksFormat::Json => locks::render_json(&query.service, &locks),
+        })
+    }
+
+    fn debug_snapshots(&self) -> String {
+        #[derive(serde::Serialize)]
+        struct Body {
+            snapshots: Vec<crate::stacks::SnapshotSummary>,
+        }
+        let snapshots = self
+            .snapshots
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .summaries();
+        serde_json::to_string_pretty(&Body { snapshots })
+            .map(|mut json| {
+                json.push('\n');
+                json
+            })
+            .unwrap_or_else(|error| format!("{{\"error\": \"{error}\"}}\n"))
+    }
+
+    fn debug_stacks(&self, view: View, query: &StacksQuery) -> Result<Vec<u8>, DebugError> {
+        let snapshot = self
+            .snapshots
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(query.snapshot)
+            .ok_or(DebugError::NoSnapshot(query.snapshot))?;
+        let records = snapshot.records(query.service.as_deref(), query.pool.as_deref());
+        let meta = snapshot.meta();
+        Ok(match query.format {
+            StacksFormat::Folded => profile::folded(&records, view, &meta).into_bytes(),
+            StacksFormat::Svg => {
+                let kind = match view {
+                    View::Cpu => "On-CPU",
+                    View::OffCpu => "Off-CPU",
+                    View::Wall => "Wall-clock (on-CPU and off-CPU)",
+                };
+                let title = format!(
+                    "{kind} stacks of {}, snapshot {}",
+                    query.service.as_deref().unwrap_or("every service"),
+                    snapshot.id
+                );
+                profile::svg(&records, view, &meta, &title)?.into_bytes()
+            }
+            StacksFormat::Pprof => profile::pprof(&records, view, &meta)?,
         })
     }
 

@@ -11,14 +11,16 @@ use aya::{
         stack_trace::StackTraceMap,
     },
     programs::{
-        ProgramError, RawTracePoint, TracePoint, UProbe,
+        PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe,
+        perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
         uprobe::{UProbeLinkId, UProbeScope},
     },
 };
 use poolscope_shared::{
     Conn, Histogram, LockKey, LockPrimitive, LossSource, PendingCall, Phase, PoolStats,
-    ProcessEvent, RequestTimes, ServiceCounters, SyscallSlot, Thread, WaitClass, Watched,
-    conn_key_tgid, lock_wait_index, maps, syscall_counter_index,
+    ProcessEvent, RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey,
+    SyscallSlot, Thread, WaitClass, Watched, conn_key_tgid, lock_wait_index, maps,
+    syscall_counter_index,
 };
 
 use crate::btf;
@@ -244,7 +246,22 @@ pub struct MapSizes {
     /// Entries of `LOCKS` (1.8 kB each) and of `LOCK_STACKS` (1 kB each).
     pub locks: u32,
     pub lock_stacks: u32,
+    /// Entries of each of the three `STACKS` maps (1 kB each) and of `STACK_COUNTS`.
+    pub stacks: u32,
+    pub stack_counts: u32,
 }
+
+/// What the stack programs sample.
+#[derive(Clone, Copy, Debug)]
+pub struct Sampling {
+    /// On-CPU samples per second per CPU; 0: none.
+    pub hz: u32,
+    /// Shortest off-CPU block recorded; `None`: no off-CPU stacks.
+    pub offcpu_min: Option<Duration>,
+}
+
+/// The program sampling every CPU's cpu-clock.
+const SAMPLER: &str = "cpu_sample";
 
 /// Loaded and attached kernel programs with their maps.
 pub struct Kernel {
@@ -264,6 +281,11 @@ pub struct Kernel {
     locks: HashMap<MapData, LockKey, Histogram>,
     lock_stacks: StackTraceMap<MapData>,
     mutex_calls: HashMap<MapData, u32, u64>,
+    stack_epoch: Array<MapData, u32>,
+    stack_counts: HashMap<MapData, StackKey, StackCount>,
+    stacks: Vec<StackTraceMap<MapData>>,
+    /// The epoch in `stack_epoch` (user space is its only writer).
+    epoch: u32,
     probes: Vec<Probe>,
     sizes: MapSizes,
     backend: Backend,
@@ -369,11 +391,60 @@ where
     T::try_from(map).map_err(|source| KernelError::Map { map: name, source })
 }
 
+/// Loads the sampler and, unless `hz` is 0, attaches it to the cpu-clock of every
+/// online CPU. A kernel that refuses the perf events (a container without them)
+/// leaves the probe unattached rather than the exporter down: stacks are a view,
+/// not the metrics.
+fn attach_sampler(ebpf: &mut Ebpf, hz: u32) -> Result<Probe, KernelError> {
+    let program_error = |source| KernelError::Program {
+        program: SAMPLER,
+        source,
+    };
+    let sampler: &mut PerfEvent = ebpf
+        .program_mut(SAMPLER)
+        .ok_or(KernelError::MissingProgram(SAMPLER))?
+        .try_into()
+        .map_err(program_error)?;
+    sampler.load().map_err(program_error)?;
+    let mut probe = Probe {
+        name: "perf_event/cpu-clock".to_owned(),
+        attached: false,
+    };
+    if hz == 0 {
+        return Ok(probe);
+    }
+    let cpus = match aya::util::online_cpus() {
+        Ok(cpus) => cpus,
+        Err((_, error)) => {
+            tracing::error!(%error, "cannot list the online CPUs: no on-CPU stack samples");
+            return Ok(probe);
+        }
+    };
+    // A fixed period of the cpu-clock (ns) rather than a frequency: the kernel
+    // then does not retune it, and a thread on CPU for t seconds gets t × hz samples.
+    let period_ns = 1_000_000_000 / u64::from(hz);
+    for cpu in cpus {
+        let attached = sampler.attach(
+            PerfEventConfig::Software(SoftwareEvent::CpuClock),
+            PerfEventScope::AllProcessesOneCpu { cpu },
+            SamplePolicy::Period(period_ns),
+            false,
+        );
+        if let Err(error) = attached {
+            tracing::error!(cpu, %error, "cannot open the cpu-clock perf event: no on-CPU stack samples");
+            return Ok(probe);
+        }
+    }
+    probe.attached = true;
+    Ok(probe)
+}
+
 impl Kernel {
     /// Loads the programs, fills the syscall table and attaches every probe.
     pub fn load(
         sizes: MapSizes,
         backend: Backend,
+        sampling: Sampling,
         bpf_stats: bool,
     ) -> Result<(Self, ProcessEvents), KernelError> {
         ensure_tracefs()?;
@@ -383,9 +454,18 @@ impl Kernel {
         if group_dead_offset == 0 {
             tracing::info!("sched_process_exit has no group_dead: a process ends with its leader");
         }
-        let mut ebpf = EbpfLoader::new()
+        let offcpu_min_ns = sampling.offcpu_min.map_or(u64::MAX, |min| {
+            u64::try_from(min.as_nanos()).unwrap_or(u64::MAX - 1)
+        });
+        let mut loader = EbpfLoader::new();
+        for name in maps::STACKS {
+            loader.map_max_entries(name, sizes.stacks);
+        }
+        let mut ebpf = loader
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .override_global("TASK_PID_OFFSET", &task_pid_offset, true)
+            .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
+            .map_max_entries(maps::STACK_COUNTS, sizes.stack_counts)
             .map_max_entries(maps::WATCHED, sizes.watched_processes)
             .map_max_entries(maps::CONNS, sizes.connections)
             .map_max_entries(maps::SERVICE_COUNTERS, sizes.services)
@@ -482,9 +562,15 @@ impl Kernel {
             uprobe.load().map_err(program_error)?;
         }
 
+        probes.push(attach_sampler(&mut ebpf, sampling.hz)?);
+
         let events = ProcessEvents {
             ring: take(&mut ebpf, maps::PROCESS_EVENTS)?,
         };
+        let stacks = maps::STACKS
+            .iter()
+            .map(|name| take(&mut ebpf, name))
+            .collect::<Result<_, _>>()?;
         let kernel = Self {
             watched: take(&mut ebpf, maps::WATCHED)?,
             conns: take(&mut ebpf, maps::CONNS)?,
@@ -501,6 +587,10 @@ impl Kernel {
             locks: take(&mut ebpf, maps::LOCKS)?,
             lock_stacks: take(&mut ebpf, maps::LOCK_STACKS)?,
             mutex_calls: take(&mut ebpf, maps::MUTEX_CALLS)?,
+            stack_epoch: take(&mut ebpf, maps::STACK_EPOCH)?,
+            stack_counts: take(&mut ebpf, maps::STACK_COUNTS)?,
+            stacks,
+            epoch: 0,
             ebpf,
             probes,
             sizes,
@@ -708,6 +798,51 @@ impl Kernel {
         }
     }
 
+    /// Starts a new stack epoch. Returns the generation to drain: the one of two
+    /// epochs back, to which nothing can be added any more (see `stacks.rs` of
+    /// the kernel side).
+    pub fn advance_stack_epoch(&mut self) -> Result<u32, KernelError> {
+        let next = self.epoch.wrapping_add(1);
+        self.stack_epoch
+            .set(0, next, 0)
+            .map_err(|source| KernelError::Map {
+                map: maps::STACK_EPOCH,
+                source,
+            })?;
+        self.epoch = next;
+        Ok((next + 1) % STACK_GENERATIONS)
+    }
+
+    /// The stack counts of `generation`.
+    pub fn stack_counts(&self, generation: u32) -> Vec<(StackKey, StackCount)> {
+        self.stack_counts
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, _)| key.generation == generation)
+            .collect()
+    }
+
+    /// The frames (innermost first) of stack `id` of `generation`.
+    pub fn stack(&self, generation: u32, id: i32) -> Option<Vec<u64>> {
+        let id = u32::try_from(id).ok()?;
+        let trace = self.stacks.get(generation as usize)?.get(&id, 0).ok()?;
+        Some(trace.frames().iter().map(|frame| frame.ip).collect())
+    }
+
+    /// Empties `generation` (its counts and its stack map) for reuse.
+    pub fn clear_stacks(&mut self, generation: u32, counted: &[StackKey]) {
+        for key in counted {
+            // Gone already only if someone else cleared it; nothing to do then.
+            let _ = self.stack_counts.remove(key);
+        }
+        if let Some(map) = self.stacks.get_mut(generation as usize) {
+            let ids: Vec<u32> = map.stack_ids().filter_map(Result::ok).collect();
+            for id in ids {
+                let _ = map.remove(&id);
+            }
+        }
+    }
+
     /// Every entry of `LOCKS`: the futex waits per (process, address, stack).
     pub fn locks(&self) -> Vec<(LockKey, Histogram)> {
         self.locks.iter().filter_map(Result::ok).collect()
@@ -788,6 +923,29 @@ impl Kernel {
         Ok(())
     }
 
+    /// The connection and request counters of `services`, summed over CPUs.
+    pub fn read_services(
+        &self,
+        services: &[u32],
+    ) -> Result<BTreeMap<u32, ServiceCounters>, KernelError> {
+        services
+            .iter()
+            .map(|&service| {
+                let per_cpu =
+                    self.service_counters
+                        .get(&service, 0)
+                        .map_err(|source| KernelError::Map {
+                            map: maps::SERVICE_COUNTERS,
+                            source,
+                        })?;
+                let total = per_cpu
+                    .iter()
+                    .fold(ServiceCounters::default(), |sum, c| sum.plus(c));
+                Ok((service, total))
+            })
+            .collect()
+    }
+
     /// Reads the counters of `services` and `pools` and the exporter's own
     /// kernel-side health.
     pub fn read(&self, services: &[u32], pools: &[u32]) -> Result<Readout, KernelError> {
@@ -800,15 +958,8 @@ impl Kernel {
                 .collect(),
             ..Readout::default()
         };
+        readout.services = self.read_services(services)?;
         for &service in services {
-            let per_cpu = self
-                .service_counters
-                .get(&service, 0)
-                .map_err(map_error(maps::SERVICE_COUNTERS))?;
-            let total = per_cpu
-                .iter()
-                .fold(ServiceCounters::default(), |sum, c| sum.plus(c));
-            readout.services.insert(service, total);
             let per_cpu = self
                 .request_times
                 .get(&service, 0)
@@ -868,6 +1019,11 @@ impl Kernel {
                 name: maps::LOCKS,
                 entries: self.locks.keys().filter(Result::is_ok).count() as u64,
                 capacity: self.sizes.locks,
+            },
+            MapFill {
+                name: maps::STACK_COUNTS,
+                entries: self.stack_counts.keys().filter(Result::is_ok).count() as u64,
+                capacity: self.sizes.stack_counts,
             },
             MapFill {
                 name: maps::MUTEX_CALLS,

@@ -13,7 +13,10 @@ pub mod kernel;
 pub mod locks;
 pub mod pools;
 pub mod procfs;
+pub mod profile;
 pub mod sockdiag;
+pub mod stacks;
+pub mod symbolize;
 pub mod targets;
 pub mod web;
 pub mod window;
@@ -30,11 +33,16 @@ use tracing_subscriber::{
 use crate::{
     config::{Overrides, Settings},
     exporter::Exporter,
-    kernel::{Kernel, MapSizes, ProcessEvents},
+    kernel::{Kernel, MapSizes, ProcessEvents, Sampling},
+    stacks::Trigger,
 };
 
 /// How often to look for process events that did not wake us (execs).
 const EVENT_POLL_INTERVAL: Duration = Duration::from_millis(200);
+
+/// Stack counts are drained at least this often, so that their kernel maps hold a
+/// few seconds of stacks rather than a whole snapshot interval.
+const MAX_STACK_DRAIN_INTERVAL: Duration = Duration::from_secs(10);
 
 /// After an exec-triggered rescan, wait at least this long before the next one.
 const MIN_TRIGGERED_RESCAN_GAP: Duration = Duration::from_secs(1);
@@ -85,9 +93,15 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
         threads: settings.threads,
         locks: settings.locks,
         lock_stacks: settings.lock_stacks,
+        stacks: settings.stacks,
+        stack_counts: settings.stack_counts,
+    };
+    let sampling = Sampling {
+        hz: settings.snapshots.sampling_hz,
+        offcpu_min: settings.snapshots.offcpu_min,
     };
     let backend = choose_backend(settings.backend)?;
-    let (kernel, events) = Kernel::load(sizes, backend, settings.bpf_stats)?;
+    let (kernel, events) = Kernel::load(sizes, backend, sampling, settings.bpf_stats)?;
     let attached = kernel.probes().iter().filter(|p| p.attached).count();
     tracing::info!(attached, backend = backend.name(), "kernel probes attached");
 
@@ -103,6 +117,7 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     tokio::spawn(rescan_loop(exporter.clone(), rescan_now.clone()));
     tokio::spawn(event_loop(exporter.clone(), events));
     tokio::spawn(pool_sample_loop(exporter.clone()));
+    tokio::spawn(stack_loop(exporter.clone()));
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
     spawn_signal_thread(exporter.clone(), overrides, log, rescan_now, shutdown_tx)?;
@@ -122,15 +137,49 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Samples pool totals for the utilization window.
+/// Samples pool totals for the utilization window, and queue depths for the
+/// saturation snapshots.
 async fn pool_sample_loop(exporter: Arc<Exporter>) {
     let mut ticks = tokio::time::interval(pools::SAMPLE_INTERVAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
         let worker = exporter.clone();
-        if let Err(error) = tokio::task::spawn_blocking(move || worker.sample_pools()).await {
+        let sampled = tokio::task::spawn_blocking(move || {
+            worker.sample_pools();
+            worker.check_saturation();
+        });
+        if let Err(error) = sampled.await {
             tracing::error!(%error, "pool sampling panicked");
+        }
+    }
+}
+
+/// Drains the kernel's stack counts every few seconds and takes a snapshot every
+/// `[stacks] interval` (both symbolize: blocking work, off the async workers).
+async fn stack_loop(exporter: Arc<Exporter>) {
+    let mut next_snapshot = tokio::time::Instant::now() + exporter.settings().snapshots.interval;
+    loop {
+        let interval = exporter.settings().snapshots.interval;
+        let next_drain = tokio::time::Instant::now() + interval.min(MAX_STACK_DRAIN_INTERVAL);
+        tokio::time::sleep_until(next_drain.min(next_snapshot)).await;
+        let now = tokio::time::Instant::now();
+        let snapshot = now >= next_snapshot;
+        if snapshot {
+            // A late tick (a slow symbolization) moves the schedule rather than
+            // taking snapshots back to back.
+            next_snapshot = (next_snapshot + interval).max(now + interval / 2);
+        }
+        let worker = exporter.clone();
+        let work = tokio::task::spawn_blocking(move || {
+            if snapshot {
+                worker.take_snapshot(Trigger::Interval);
+            } else {
+                worker.drain_stacks();
+            }
+        });
+        if let Err(error) = work.await {
+            tracing::error!(%error, "stack snapshot panicked");
         }
     }
 }
@@ -250,6 +299,19 @@ fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) {
                 (
                     "limits.connections",
                     settings.connections != current.connections,
+                ),
+                ("limits.stacks", settings.stacks != current.stacks),
+                (
+                    "limits.stack_counts",
+                    settings.stack_counts != current.stack_counts,
+                ),
+                (
+                    "probes.sampling_hz",
+                    settings.snapshots.sampling_hz != current.snapshots.sampling_hz,
+                ),
+                (
+                    "stacks.offcpu, stacks.offcpu_min",
+                    settings.snapshots.offcpu_min != current.snapshots.offcpu_min,
                 ),
             ];
             for (key, changed) in restart_only {

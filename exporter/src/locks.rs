@@ -10,16 +10,13 @@ use std::{
 };
 
 use aya::programs::uprobe::UProbeLinkId;
-use blazesym::symbolize::{
-    Input, Symbolized, Symbolizer,
-    source::{Process, Source},
-};
 use poolscope_shared::{Histogram, LockKey};
 use serde::Serialize;
 
 use crate::{
     kernel::Kernel,
-    procfs::{self, Mapping},
+    procfs,
+    symbolize::{Symbol, Symbols, lookup_addresses},
     window::quantile,
 };
 
@@ -203,24 +200,6 @@ pub fn render_json(service: &str, locks: &[LockReport]) -> String {
         .unwrap_or_else(|error| format!("{{\"error\": \"{error}\"}}\n"))
 }
 
-/// `module+0xoffset` of an address no symbol covers, or the bare address.
-pub fn module_offset(mappings: &[Mapping], address: u64) -> String {
-    mappings
-        .iter()
-        .find(|m| (m.start..m.end).contains(&address))
-        .map_or_else(
-            || format!("{address:#x}"),
-            |m| {
-                let name = m.path.file_name().unwrap_or(m.path.as_os_str());
-                format!(
-                    "{}+{:#x}",
-                    name.to_string_lossy(),
-                    address - m.start + m.offset
-                )
-            },
-        )
-}
-
 /// Reads the addresses of every stack of `locks` from the kernel.
 pub fn read_stacks(kernel: &Kernel, locks: &mut [LockReport]) {
     for stack in locks.iter_mut().flat_map(|lock| &mut lock.stacks) {
@@ -228,60 +207,20 @@ pub fn read_stacks(kernel: &Kernel, locks: &mut [LockReport]) {
     }
 }
 
-/// Symbolizes the stacks of `locks` (addresses read by [`read_stacks`]) with
-/// blazesym: ELF symbols and DWARF where present, perf maps of JIT runtimes. One
+/// Symbolizes the stacks of `locks` (addresses read by [`read_stacks`]). One
 /// symbolizer per call: nothing is cached between requests.
 pub fn symbolize(procfs_root: &Path, locks: &mut [LockReport]) {
-    let symbolizer = Symbolizer::new();
+    let symbols = Symbols::new(procfs_root);
     for lock in locks {
-        let source = Source::Process(Process::new(blazesym::Pid::from(lock.pid)));
-        let mappings = procfs::maps(procfs_root, lock.pid);
         for stack in &mut lock.stacks {
-            stack.frames = symbolize_stack(&symbolizer, &source, &mappings, &stack.addresses);
+            let lookups: Vec<u64> = lookup_addresses(&stack.addresses).collect();
+            stack.frames = symbols
+                .user(lock.pid, &lookups)
+                .iter()
+                .map(Symbol::describe)
+                .collect();
         }
     }
-}
-
-fn symbolize_stack(
-    symbolizer: &Symbolizer,
-    source: &Source<'_>,
-    mappings: &[Mapping],
-    addresses: &[u64],
-) -> Vec<String> {
-    // Each frame but the innermost is a return address: the call is the instruction
-    // before it, which may belong to another function.
-    let lookups: Vec<u64> = addresses
-        .iter()
-        .enumerate()
-        .map(|(index, &address)| {
-            if index == 0 {
-                address
-            } else {
-                address.saturating_sub(1)
-            }
-        })
-        .collect();
-    let symbols = symbolizer
-        .symbolize(source, Input::AbsAddr(&lookups))
-        .unwrap_or_else(|error| {
-            tracing::debug!(%error, "symbolization failed; frames as module+offset");
-            Vec::new()
-        });
-    lookups
-        .iter()
-        .enumerate()
-        .map(|(index, &address)| match symbols.get(index) {
-            Some(Symbolized::Sym(symbol)) => {
-                let module = symbol
-                    .module
-                    .as_deref()
-                    .map(|m| Path::new(m).file_name().unwrap_or(m).to_string_lossy())
-                    .unwrap_or_default();
-                format!("{}+{:#x} ({module})", symbol.name, symbol.offset)
-            }
-            _ => module_offset(mappings, address),
-        })
-        .collect()
 }
 
 #[cfg(test)]
@@ -354,17 +293,5 @@ mod tests {
             json["locks"][0]["stacks"][0]["frames"][0],
             "__lll_lock_wait+0x2a (libc.so.6)"
         );
-    }
-
-    #[test]
-    fn unknown_frames_are_module_and_offset() {
-        let maps = procfs::tests::MAPS;
-        let mappings = procfs::parse_maps(maps);
-        assert_eq!(module_offset(&mappings, 0x55d0c0010040), "server+0x10040");
-        assert_eq!(
-            module_offset(&mappings, 0x7f1000000010),
-            "libc.so.6+0x28010"
-        );
-        assert_eq!(module_offset(&mappings, 0x7f0000000010), "0x7f0000000010");
     }
 }

@@ -1,18 +1,23 @@
 //! HTTP endpoints: `/metrics` (text or OpenMetrics by Accept header), `/healthz`,
-//! `/debug/threads` (every followed thread, tab-separated) and `/debug/locks` (a
-//! service's top contended locks, text or JSON).
+//! `/debug/threads` (every followed thread, tab-separated), `/debug/locks` (a
+//! service's top contended locks, text or JSON), `/debug/snapshots` (the stack
+//! snapshots kept) and `/debug/stacks/{cpu,offcpu,wall}` (one snapshot's stacks as
+//! folded text, an SVG flame graph or a pprof profile).
 //! `app` builds the router so that tests can call it without a socket.
 use std::sync::Arc;
 
 use axum::{
     Router,
-    extract::{Query, State},
+    extract::{Path, Query, State},
     http::{HeaderMap, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
     routing::get,
 };
 
-use crate::encode::{Family, Format, render};
+use crate::{
+    encode::{Family, Format, render},
+    profile::{ProfileError, View},
+};
 
 /// Something that reads every metric family for one scrape.
 pub trait Gatherer: Send + Sync + 'static {
@@ -24,6 +29,12 @@ pub trait Gatherer: Send + Sync + 'static {
 
     /// Blocking (symbolizes): the top contended locks of one service.
     fn debug_locks(&self, query: &LocksQuery) -> Result<String, DebugError>;
+
+    /// The snapshots kept, as JSON.
+    fn debug_snapshots(&self) -> String;
+
+    /// Blocking (renders): one snapshot's stacks in `query.format`.
+    fn debug_stacks(&self, view: View, query: &StacksQuery) -> Result<Vec<u8>, DebugError>;
 }
 
 /// Locks shown when `limit` is not given, and the most that may be asked for.
@@ -52,10 +63,56 @@ fn default_locks() -> usize {
     DEFAULT_LOCKS
 }
 
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StacksFormat {
+    #[default]
+    Folded,
+    Svg,
+    Pprof,
+}
+
+impl StacksFormat {
+    fn content_type(self) -> &'static str {
+        match self {
+            Self::Folded => "text/plain; charset=utf-8",
+            Self::Svg => "image/svg+xml",
+            Self::Pprof => "application/octet-stream",
+        }
+    }
+}
+
+/// `/debug/stacks/{cpu,offcpu,wall}?[service=NAME][&pool=NAME][&snapshot=ID][&format=...]`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+pub struct StacksQuery {
+    pub service: Option<String>,
+    pub pool: Option<String>,
+    /// The newest when absent.
+    pub snapshot: Option<u64>,
+    #[serde(default)]
+    pub format: StacksFormat,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DebugError {
     #[error("no watched service named {0:?}")]
     UnknownService(String),
+    #[error("{}", match .0 {
+        Some(id) => format!("no snapshot {id} (see /debug/snapshots)"),
+        None => "no snapshot yet: the first comes one [stacks] interval after start".to_owned(),
+    })]
+    NoSnapshot(Option<u64>),
+    #[error("rendering failed: {0}")]
+    Render(#[from] ProfileError),
+}
+
+impl DebugError {
+    fn status(&self) -> StatusCode {
+        match self {
+            Self::UnknownService(_) | Self::NoSnapshot(_) => StatusCode::NOT_FOUND,
+            Self::Render(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
 }
 
 pub fn app(gatherer: Arc<dyn Gatherer>) -> Router {
@@ -64,6 +121,8 @@ pub fn app(gatherer: Arc<dyn Gatherer>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/debug/threads", get(debug_threads))
         .route("/debug/locks", get(debug_locks))
+        .route("/debug/snapshots", get(debug_snapshots))
+        .route("/debug/stacks/{view}", get(debug_stacks))
         .route("/", get(|| async { "poolscope: see /metrics\n" }))
         .with_state(gatherer)
 }
@@ -130,10 +189,41 @@ async fn debug_locks(
             };
             ([(header::CONTENT_TYPE, content_type)], body).into_response()
         }
-        Ok(Err(error)) => (StatusCode::NOT_FOUND, format!("{error}\n")).into_response(),
+        Ok(Err(error)) => (error.status(), format!("{error}\n")).into_response(),
         Err(error) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("reading locks failed: {error}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn debug_snapshots(State(gatherer): State<Arc<dyn Gatherer>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        gatherer.debug_snapshots(),
+    )
+        .into_response()
+}
+
+const STACKS_USAGE: &str = "usage: /debug/stacks/{cpu|offcpu|wall}?[service=NAME][&pool=NAME]\
+                            [&snapshot=ID][&format=folded|svg|pprof]\n";
+
+async fn debug_stacks(
+    State(gatherer): State<Arc<dyn Gatherer>>,
+    view: Result<Path<View>, axum::extract::rejection::PathRejection>,
+    query: Result<Query<StacksQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let (Ok(Path(view)), Ok(Query(query))) = (view, query) else {
+        return (StatusCode::BAD_REQUEST, STACKS_USAGE).into_response();
+    };
+    let format = query.format;
+    match tokio::task::spawn_blocking(move || gatherer.debug_stacks(view, &query)).await {
+        Ok(Ok(body)) => ([(header::CONTENT_TYPE, format.content_type())], body).into_response(),
+        Ok(Err(error)) => (error.status(), format!("{error}\n")).into_response(),
+        Err(error) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("rendering stacks failed: {error}\n"),
         )
             .into_response(),
     }
@@ -163,6 +253,17 @@ mod tests {
                 Ok(format!("{:?} {}\n", query.format, query.limit))
             } else {
                 Err(DebugError::UnknownService(query.service.clone()))
+            }
+        }
+
+        fn debug_snapshots(&self) -> String {
+            "{\"snapshots\": []}\n".to_owned()
+        }
+
+        fn debug_stacks(&self, view: View, query: &StacksQuery) -> Result<Vec<u8>, DebugError> {
+            match query.snapshot {
+                Some(7) | None => Ok(format!("{view:?} {query:?}\n").into_bytes()),
+                other => Err(DebugError::NoSnapshot(other)),
             }
         }
     }
@@ -217,6 +318,45 @@ mod tests {
         assert_eq!(get("/healthz", None).await.0, StatusCode::OK);
         assert_eq!(get("/debug/threads", None).await.2, "tid\n1\n");
         assert_eq!(get("/nope", None).await.0, StatusCode::NOT_FOUND);
+    }
+
+    #[tokio::test]
+    async fn debug_stacks_validates_its_query() {
+        let (status, content_type, body) = get("/debug/stacks/cpu", None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(content_type, "text/plain; charset=utf-8");
+        assert!(
+            body.starts_with("Cpu StacksQuery { service: None"),
+            "{body}"
+        );
+        let (status, content_type, body) = get(
+            "/debug/stacks/offcpu?service=web&pool=workers&snapshot=7&format=svg",
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(content_type, "image/svg+xml");
+        assert!(
+            body.contains("OffCpu") && body.contains("Some(\"workers\")"),
+            "{body}"
+        );
+        let (_, content_type, _) = get("/debug/stacks/wall?format=pprof", None).await;
+        assert_eq!(content_type, "application/octet-stream");
+        let (status, _, body) = get("/debug/stacks/cpu?snapshot=3", None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(body.contains("no snapshot 3"), "{body}");
+        for bad in [
+            "/debug/stacks/gpu",
+            "/debug/stacks/cpu?format=png",
+            "/debug/stacks/cpu?snapshot=x",
+        ] {
+            assert_eq!(get(bad, None).await.0, StatusCode::BAD_REQUEST, "{bad}");
+        }
+        let (status, content_type, _) = get("/debug/snapshots", None).await;
+        assert_eq!(
+            (status, content_type.as_str()),
+            (StatusCode::OK, "application/json")
+        );
     }
 
     #[tokio::test]

@@ -54,6 +54,16 @@ pub mod maps {
     /// One all-zero [`crate::Histogram`]: the initial value of a new [`maps::LOCKS`]
     /// entry (too large to build on the BPF stack).
     pub const ZERO_HISTOGRAM: &str = "ZERO_HISTOGRAM";
+    /// array[1]: the stack epoch (user space advances it, see [`crate::StackKey`]);
+    /// its generation `epoch % STACK_GENERATIONS` picks the stack map and the
+    /// [`maps::STACK_COUNTS`] entries that samples and off-CPU blocks go to.
+    pub const STACK_EPOCH: &str = "STACK_EPOCH";
+    /// [`crate::StackKey`] → [`crate::StackCount`]: on-CPU samples and off-CPU
+    /// blocks per stack, thread pool and reason. Shared by all CPUs (atomic adds).
+    pub const STACK_COUNTS: &str = "STACK_COUNTS";
+    /// Stack trace maps of generations 0, 1, 2 (user and kernel stacks alike).
+    pub const STACKS: [&str; crate::STACK_GENERATIONS as usize] =
+        ["STACKS_0", "STACKS_1", "STACKS_2"];
 }
 
 /// Capacity of the per-service arrays; service ids are `0..MAX_SERVICES`.
@@ -66,6 +76,13 @@ pub const MAX_THREADS: u32 = 65536;
 pub const MAX_LOCKS: u32 = 2048;
 /// Default capacity of [`maps::LOCK_STACKS`].
 pub const MAX_LOCK_STACKS: u32 = 2048;
+/// Default capacity of each [`maps::STACKS`] map.
+pub const MAX_STACKS: u32 = 4096;
+/// Default capacity of [`maps::STACK_COUNTS`].
+pub const MAX_STACK_COUNTS: u32 = 16384;
+/// Stack maps in rotation: the one being filled, the one whose off-CPU blocks may
+/// still end (they go where their stack is), and the one user space drains.
+pub const STACK_GENERATIONS: u32 = 3;
 /// Capacity of [`maps::MUTEX_CALLS`]: at most one entry per thread inside the call.
 pub const MUTEX_CALLS_CAPACITY: u32 = 16384;
 /// Capacity of [`maps::PENDING_CALLS`]: at most one entry per thread inside a syscall.
@@ -446,6 +463,15 @@ pub struct Thread {
     pub lock_address: u64,
     pub lock_tgid: u32,
     pub lock_stack: i32,
+    /// The stacks at which the thread last blocked (off CPU), in the stack maps of
+    /// `offcpu_epoch` (negative id: not captured), and its process (a wakeup runs
+    /// in the waker's).
+    pub offcpu_user_stack: i32,
+    pub offcpu_kernel_stack: i32,
+    pub offcpu_epoch: u32,
+    pub offcpu_tgid: u32,
+    /// When the thread last blocked (request boundaries cut `since_ns`, not this).
+    pub blocked_since_ns: u64,
 }
 
 impl Thread {
@@ -465,6 +491,11 @@ impl Thread {
             lock_address: 0,
             lock_tgid: 0,
             lock_stack: -1,
+            offcpu_user_stack: -1,
+            offcpu_kernel_stack: -1,
+            offcpu_epoch: 0,
+            offcpu_tgid: 0,
+            blocked_since_ns: 0,
         }
     }
 }
@@ -505,6 +536,37 @@ pub struct LockKey {
     /// Id in [`maps::LOCK_STACKS`]; negative when the stack was not captured.
     pub stack: i32,
     pub address: u64,
+}
+
+/// Key of [`maps::STACK_COUNTS`]. A sample or block goes to the generation of the
+/// stack map that holds its stacks: user space drains a generation (and clears its
+/// stack map) once nothing can be added to it any more, two epochs later.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StackKey {
+    /// `epoch % STACK_GENERATIONS`.
+    pub generation: u32,
+    /// [`Activity::Running`] for on-CPU samples; else the off-CPU reason.
+    pub activity: u32,
+    pub tgid: u32,
+    /// Pool id; [`NO_POOL`] for a thread not named yet.
+    pub pool: u32,
+    /// Ids in the generation's stack map; negative: not captured ([`stack_id_lost`]).
+    pub user_stack: i32,
+    pub kernel_stack: i32,
+}
+
+/// [`StackKey::pool`] of a thread whose pool is not known yet.
+pub const NO_POOL: u32 = u32::MAX;
+
+/// Value of [`maps::STACK_COUNTS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackCount {
+    /// On-CPU samples, or off-CPU blocks.
+    pub count: u64,
+    /// Off-CPU: ns blocked (from switch-out to wakeup).
+    pub ns: u64,
 }
 
 /// Value of [`maps::POOL_STATS`]: closed intervals of the pool's threads. User space
@@ -670,11 +732,19 @@ pub enum LossSource {
     LockStacksFull,
     /// A [`maps::MUTEX_CALLS`] insert failed: one `pthread_mutex_lock` call not timed.
     MutexCallsFull,
+    /// A stack did not fit in its [`maps::STACKS`] map (its hash bucket held another
+    /// stack): the sample or block is kept without that stack.
+    StacksFull,
+    /// A [`maps::STACK_COUNTS`] insert failed: one sample or block lost.
+    StackCountsFull,
+    /// An off-CPU block outlived its stack map (it began two epochs before it
+    /// ended): its time is kept without stacks.
+    OffCpuStacksExpired,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 8;
-    pub const ALL: [LossSource; 8] = [
+    pub const COUNT: u32 = 11;
+    pub const ALL: [LossSource; 11] = [
         Self::ConnsFull,
         Self::PendingCallsFull,
         Self::WatchedFull,
@@ -683,6 +753,9 @@ impl LossSource {
         Self::LocksFull,
         Self::LockStacksFull,
         Self::MutexCallsFull,
+        Self::StacksFull,
+        Self::StackCountsFull,
+        Self::OffCpuStacksExpired,
     ];
 }
 
@@ -727,11 +800,15 @@ mod pod {
     unsafe impl aya::Pod for super::PoolStats {}
     unsafe impl aya::Pod for super::LockKey {}
     unsafe impl aya::Pod for super::Histogram {}
+    unsafe impl aya::Pod for super::StackKey {}
+    unsafe impl aya::Pod for super::StackCount {}
 }
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<Conn>() == 56);
-const _: () = assert!(core::mem::size_of::<Thread>() == 80);
+const _: () = assert!(core::mem::size_of::<Thread>() == 104);
+const _: () = assert!(core::mem::size_of::<StackKey>() == 24);
+const _: () = assert!(core::mem::size_of::<StackCount>() == 16);
 const _: () = assert!(core::mem::size_of::<LockKey>() == 16);
 const _: () = assert!(
     core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + (HISTOGRAM_BUCKETS + 1) * 8

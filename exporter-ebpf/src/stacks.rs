@@ -1,0 +1,188 @@
+//! Stack samples (DESIGN §1, stacks): on-CPU samples from a perf event on every
+//! CPU's cpu-clock, and off-CPU blocks, the stacks at which a watched thread blocks
+//! weighted by how long it stays blocked. Both count into `STACK_COUNTS` per (user
+//! stack, kernel stack, process, pool, activity); user space drains and symbolizes.
+//!
+//! Stacks go to one of three stack maps, picked by the epoch user space advances: a
+//! sample goes to the current one; a block goes, when it ends, to the one its stacks
+//! were captured in, if that is at most one epoch old. User space drains and clears
+//! the generation two epochs back, to which nothing can be added any more.
+//!
+//! An off-CPU stack must be captured when the thread blocks, in its own context
+//! (`sched_switch`): the helpers cannot walk another task's user stack at wakeup.
+//! So every block of a watched thread costs a capture, and the minimum duration
+//! filters at the wakeup.
+use aya_ebpf::{
+    helpers::bpf_get_current_pid_tgid,
+    macros::perf_event,
+    maps::StackTrace,
+    programs::{PerfEventContext, RawTracePointContext, tracing::StackIdContext},
+};
+use poolscope_shared::{
+    Activity, LossSource, NO_POOL, STACK_GENERATIONS, StackCount, StackKey, Thread,
+};
+
+use crate::{
+    maps::{
+        STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, THREAD_POOLS, atomic_add,
+        count_loss,
+    },
+    threads::thread,
+};
+
+/// Shortest block recorded, set at load time; `u64::MAX` turns off-CPU stacks off.
+#[unsafe(no_mangle)]
+static OFFCPU_MIN_NS: u64 = u64::MAX;
+
+/// bpf_get_stackid flag: the user stack.
+const BPF_F_USER_STACK: u64 = 1 << 8;
+/// bpf_get_stackid's error when the stack's bucket holds another stack.
+const EEXIST: i32 = 17;
+/// Map update flag: insert only if absent.
+const BPF_NOEXIST: u64 = 1;
+
+#[inline(always)]
+fn offcpu_min_ns() -> u64 {
+    // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
+    unsafe { core::ptr::read_volatile(&OFFCPU_MIN_NS) }
+}
+
+#[inline(always)]
+fn current_epoch() -> u32 {
+    STACK_EPOCH.get(0).copied().unwrap_or(0)
+}
+
+/// The id of the current user or kernel stack in `map`; -1 if not captured (no
+/// such stack, or its bucket is taken, which is counted).
+#[inline(always)]
+fn stack_id<C: StackIdContext>(ctx: &C, map: &StackTrace, flags: u64) -> i32 {
+    match ctx.get_stackid(map, flags) {
+        Ok(id) => id as i32,
+        Err(error) => {
+            if error == -EEXIST {
+                count_loss(LossSource::StacksFull);
+            }
+            -1
+        }
+    }
+}
+
+/// The current (user, kernel) stack ids in the stack map of `generation`.
+#[inline(always)]
+fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
+    let map = match generation {
+        0 => &STACKS_0,
+        1 => &STACKS_1,
+        _ => &STACKS_2,
+    };
+    (stack_id(ctx, map, BPF_F_USER_STACK), stack_id(ctx, map, 0))
+}
+
+/// Adds one sample or block of `ns` to `key`'s count.
+#[inline(always)]
+fn add(key: &StackKey, ns: u64) {
+    let count = match STACK_COUNTS.get_ptr_mut(key) {
+        Some(count) => count,
+        None => {
+            // BPF_NOEXIST: another CPU may have made it meanwhile; then use that one.
+            let _ = STACK_COUNTS.insert(key, StackCount::default(), BPF_NOEXIST);
+            match STACK_COUNTS.get_ptr_mut(key) {
+                Some(count) => count,
+                None => {
+                    count_loss(LossSource::StackCountsFull);
+                    return;
+                }
+            }
+        }
+    };
+    // SAFETY: a live map value; concurrent updates are atomic adds.
+    let count = unsafe { &mut *count };
+    atomic_add(&mut count.count, 1);
+    if ns > 0 {
+        atomic_add(&mut count.ns, ns);
+    }
+}
+
+#[inline(always)]
+fn pool_of(tid: u32) -> u32 {
+    // SAFETY: copied out at once.
+    unsafe { THREAD_POOLS.get(tid).copied() }.unwrap_or(NO_POOL)
+}
+
+/// The cpu-clock of one CPU ticked (user space opens one event per CPU at the
+/// sampling rate): a watched thread on that CPU is sampled.
+#[perf_event]
+pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tid = pid_tgid as u32;
+    if thread(tid).is_none() {
+        return 0;
+    }
+    let generation = current_epoch() % STACK_GENERATIONS;
+    let (user_stack, kernel_stack) = capture(&ctx, generation);
+    let key = StackKey {
+        generation,
+        activity: Activity::Running as u32,
+        tgid: (pid_tgid >> 32) as u32,
+        pool: pool_of(tid),
+        user_stack,
+        kernel_stack,
+    };
+    add(&key, 0);
+    0
+}
+
+/// The current watched thread blocks at `now` (`sched_switch`, not a preemption):
+/// its stacks are kept until it is woken.
+#[inline(always)]
+pub fn blocked(ctx: &RawTracePointContext, thread: &mut Thread, now: u64) {
+    if offcpu_min_ns() == u64::MAX {
+        return;
+    }
+    let epoch = current_epoch();
+    let (user_stack, kernel_stack) = capture(ctx, epoch % STACK_GENERATIONS);
+    thread.offcpu_user_stack = user_stack;
+    thread.offcpu_kernel_stack = kernel_stack;
+    thread.offcpu_epoch = epoch;
+    thread.offcpu_tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    thread.blocked_since_ns = now;
+}
+
+/// `thread` (`tid`) stops being blocked at `now` (woken, or back on CPU without a
+/// wakeup seen): a block at least the minimum long is recorded, with the reason it
+/// was blocked for.
+#[inline(always)]
+pub fn unblocked(tid: u32, thread: &mut Thread, now: u64) {
+    let activity = Activity::from_u32(thread.activity);
+    if !activity.is_off_cpu() || thread.blocked_since_ns == 0 {
+        return;
+    }
+    let blocked_ns = now.saturating_sub(thread.blocked_since_ns);
+    thread.blocked_since_ns = 0;
+    if blocked_ns < offcpu_min_ns() {
+        return;
+    }
+    let epoch = current_epoch();
+    let captured = thread.offcpu_user_stack >= 0 || thread.offcpu_kernel_stack >= 0;
+    let (generation, user_stack, kernel_stack) = if epoch.wrapping_sub(thread.offcpu_epoch) <= 1 {
+        (
+            thread.offcpu_epoch % STACK_GENERATIONS,
+            thread.offcpu_user_stack,
+            thread.offcpu_kernel_stack,
+        )
+    } else {
+        if captured {
+            count_loss(LossSource::OffCpuStacksExpired);
+        }
+        (epoch % STACK_GENERATIONS, -1, -1)
+    };
+    let key = StackKey {
+        generation,
+        activity: activity as u32,
+        tgid: thread.offcpu_tgid,
+        pool: pool_of(tid),
+        user_stack,
+        kernel_stack,
+    };
+    add(&key, blocked_ns);
+}

@@ -1,0 +1,635 @@
+//! Stack snapshots (DESIGN §1, stacks): the kernel counts on-CPU samples and off-CPU
+//! blocks per stack in one of three generations; a drained generation is turned
+//! into symbolized [`StackRecord`]s and added to the current window; every interval
+//! (or when a service stays saturated) the window becomes a [`Snapshot`], and the
+//! last ones are kept within a count and a memory limit. All of it runs on a timer,
+//! never on the scrape path.
+use std::{
+    collections::{BTreeMap, HashMap, HashSet, VecDeque},
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
+};
+
+use poolscope_shared::{Activity, StackCount, StackKey};
+use serde::Serialize;
+
+use crate::{
+    profile::{Frame, OffCpuReason, ProfileMeta, StackKind, StackRecord},
+    symbolize::{Symbol, Symbols, lookup_addresses},
+};
+
+/// Frame standing for a stack the kernel could not keep (its map bucket was taken,
+/// or the block outlived its stack map): the weight stays visible.
+pub const LOST_FRAME: &str = "[stack lost]";
+/// Pool of a thread that was not named yet when sampled.
+pub const UNNAMED_POOL: &str = "(unnamed)";
+
+/// One generation read from the kernel, with the names it needs, before
+/// symbolization (which happens outside the exporter's lock).
+#[derive(Debug, Default)]
+pub struct Drained {
+    pub counts: Vec<(StackKey, StackCount)>,
+    /// Stack id → addresses, innermost first.
+    pub stacks: HashMap<i32, Vec<u64>>,
+    /// Pool id → (service, pool) names.
+    pub pools: HashMap<u32, (String, String)>,
+    /// tgid → service name, for threads without a pool.
+    pub processes: HashMap<u32, String>,
+}
+
+/// The off-CPU reason of an activity; `None` for on-CPU.
+fn kind_of(activity: u32) -> StackKind {
+    match Activity::from_u32(activity) {
+        Activity::Running | Activity::Runnable => StackKind::Cpu,
+        Activity::OffLock => StackKind::OffCpu(OffCpuReason::Lock),
+        Activity::OffDisk => StackKind::OffCpu(OffCpuReason::Disk),
+        Activity::OffNetwork => StackKind::OffCpu(OffCpuReason::Network),
+        Activity::OffSleep => StackKind::OffCpu(OffCpuReason::Sleep),
+        Activity::OffIdle => StackKind::OffCpu(OffCpuReason::Idle),
+        Activity::OffOther => StackKind::OffCpu(OffCpuReason::Other),
+    }
+}
+
+fn frame(symbol: &Symbol, address: u64, kernel: bool) -> Frame {
+    Frame {
+        name: symbol.name.clone(),
+        module: symbol.module.clone(),
+        address,
+        kernel,
+    }
+}
+
+fn lost_frame() -> Frame {
+    Frame {
+        name: LOST_FRAME.to_owned(),
+        module: String::new(),
+        address: 0,
+        kernel: false,
+    }
+}
+
+/// Symbolizes every stack of `drained`: each process's user addresses in one batch,
+/// all kernel addresses in another. Returns, per count entry, its frames outermost
+/// first.
+fn symbolized_frames(drained: &Drained, symbols: &Symbols) -> Vec<Vec<Frame>> {
+    let mut user: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+    let mut kernel: Vec<u64> = Vec::new();
+    for (key, _) in &drained.counts {
+        if let Some(stack) = drained.stacks.get(&key.user_stack) {
+            user.entry(key.tgid)
+                .or_default()
+                .extend(lookup_addresses(stack));
+        }
+        if let Some(stack) = drained.stacks.get(&key.kernel_stack) {
+            kernel.extend(lookup_addresses(stack));
+        }
+    }
+    let mut names: HashMap<(u32, u64), Symbol> = HashMap::new();
+    for (pid, mut addresses) in user {
+        addresses.sort_unstable();
+        addresses.dedup();
+        for (address, symbol) in addresses.iter().zip(symbols.user(pid, &addresses)) {
+            names.insert((pid, *address), symbol);
+        }
+    }
+    kernel.sort_unstable();
+    kernel.dedup();
+    // Kernel addresses are keyed with pid 0, which no user process has.
+    for (address, symbol) in kernel.iter().zip(symbols.kernel(&kernel)) {
+        names.insert((0, *address), symbol);
+    }
+    let frames_of = |stack: &[u64], pid: u32, kernel: bool| -> Vec<Frame> {
+        let mut frames: Vec<Frame> = stack
+            .iter()
+            .zip(lookup_addresses(stack))
+            .filter_map(|(&address, lookup)| {
+                names
+                    .get(&(pid, lookup))
+                    .map(|symbol| frame(symbol, address, kernel))
+            })
+            .collect();
+        frames.reverse();
+        frames
+    };
+    drained
+        .counts
+        .iter()
+        .map(|(key, _)| {
+            let mut frames = match drained.stacks.get(&key.user_stack) {
+                Some(stack) => frames_of(stack, key.tgid, false),
+                None => vec![lost_frame()],
+            };
+            if let Some(stack) = drained.stacks.get(&key.kernel_stack) {
+                let mut kernel = frames_of(stack, 0, true);
+                without_tracing_frames(&mut kernel);
+                frames.extend(kernel);
+            }
+            frames
+        })
+        .collect()
+}
+
+/// Removes the innermost kernel frames that are the tracing machinery itself (the
+/// program and the tracepoint that ran it, at a `sched_switch` capture), so that
+/// off-CPU stacks end where the thread blocked. `frames` are outermost first.
+fn without_tracing_frames(frames: &mut Vec<Frame>) {
+    const TRACING: [&str; 4] = ["bpf_prog_", "bpf_trace_run", "__bpf_trace_", "__traceiter_"];
+    if let Some(first) = frames
+        .iter()
+        .position(|frame| TRACING.iter().any(|prefix| frame.name.starts_with(prefix)))
+    {
+        frames.truncate(first);
+    }
+}
+
+type RecordKey = (String, String, StackKind, Vec<Frame>);
+
+/// The stacks of the current snapshot window, added up by (service, pool, kind,
+/// frames).
+#[derive(Debug)]
+pub struct Window {
+    started: SystemTime,
+    records: HashMap<RecordKey, (u64, u64)>,
+}
+
+impl Window {
+    pub fn new(started: SystemTime) -> Self {
+        Self {
+            started,
+            records: HashMap::new(),
+        }
+    }
+
+    /// Adds one drained generation.
+    pub fn add(&mut self, drained: &Drained, symbols: &Symbols) {
+        let frames = symbolized_frames(drained, symbols);
+        for ((key, count), frames) in drained.counts.iter().zip(frames) {
+            let (service, pool) = match drained.pools.get(&key.pool) {
+                Some((service, pool)) => (service.clone(), pool.clone()),
+                None => (
+                    drained
+                        .processes
+                        .get(&key.tgid)
+                        .cloned()
+                        .unwrap_or_default(),
+                    UNNAMED_POOL.to_owned(),
+                ),
+            };
+            let entry = self
+                .records
+                .entry((service, pool, kind_of(key.activity), frames))
+                .or_default();
+            entry.0 += count.count;
+            entry.1 += count.ns;
+        }
+    }
+
+    /// The window as a snapshot ending at `ended`, cut to `memory_limit` bytes (the
+    /// lightest stacks go first, and are counted).
+    pub fn finish(
+        self,
+        ended: SystemTime,
+        trigger: Trigger,
+        sampling_hz: u32,
+        memory_limit: u64,
+    ) -> Snapshot {
+        let mut records: Vec<StackRecord> = self
+            .records
+            .into_iter()
+            .map(|((service, pool, kind, frames), (count, ns))| StackRecord {
+                service,
+                pool,
+                kind,
+                frames,
+                count,
+                ns,
+            })
+            .collect();
+        // Heaviest first, in one unit (ns) for on- and off-CPU alike.
+        let period_ns = 1_000_000_000 / u64::from(sampling_hz.max(1));
+        let weight = |record: &StackRecord| match record.kind {
+            StackKind::Cpu => record.count * period_ns,
+            StackKind::OffCpu(_) => record.ns,
+        };
+        records.sort_by(|a, b| {
+            weight(b)
+                .cmp(&weight(a))
+                .then_with(|| a.frames.cmp(&b.frames))
+        });
+        let mut bytes = 0;
+        let mut kept = 0;
+        for record in &records {
+            let size = record_bytes(record);
+            if bytes + size > memory_limit {
+                break;
+            }
+            bytes += size;
+            kept += 1;
+        }
+        let dropped = records.len() - kept;
+        records.truncate(kept);
+        Snapshot {
+            id: 0,
+            trigger,
+            started: self.started,
+            ended,
+            sampling_hz,
+            records,
+            records_dropped: dropped as u64,
+            bytes,
+        }
+    }
+}
+
+/// Estimated heap and inline size of a record.
+fn record_bytes(record: &StackRecord) -> u64 {
+    let frames: usize = record
+        .frames
+        .iter()
+        .map(|frame| size_of::<Frame>() + frame.name.len() + frame.module.len())
+        .sum();
+    (size_of::<StackRecord>() + record.service.len() + record.pool.len() + frames) as u64
+}
+
+/// Why a snapshot was taken.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Trigger {
+    Interval,
+    /// This service's queue depth stayed above the threshold.
+    Saturation(String),
+}
+
+/// The stacks of one window.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// Assigned by [`Snapshots::push`], from 1.
+    pub id: u64,
+    pub trigger: Trigger,
+    pub started: SystemTime,
+    pub ended: SystemTime,
+    pub sampling_hz: u32,
+    pub records: Vec<StackRecord>,
+    /// Records left out to stay within the memory limit.
+    pub records_dropped: u64,
+    pub bytes: u64,
+}
+
+/// A snapshot in `/debug/snapshots`.
+#[derive(Debug, Serialize)]
+pub struct SnapshotSummary {
+    pub id: u64,
+    pub trigger: &'static str,
+    pub service: Option<String>,
+    pub started_unix_seconds: f64,
+    pub ended_unix_seconds: f64,
+    pub sampling_hz: u32,
+    pub cpu_samples: u64,
+    pub offcpu_seconds: f64,
+    pub stacks: usize,
+    pub stacks_dropped: u64,
+    pub bytes: u64,
+}
+
+fn unix_seconds(time: SystemTime) -> f64 {
+    time.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |since| since.as_secs_f64())
+}
+
+impl Snapshot {
+    pub fn summary(&self) -> SnapshotSummary {
+        let (trigger, service) = match &self.trigger {
+            Trigger::Interval => ("interval", None),
+            Trigger::Saturation(service) => ("saturation", Some(service.clone())),
+        };
+        let cpu = |record: &&StackRecord| record.kind == StackKind::Cpu;
+        SnapshotSummary {
+            id: self.id,
+            trigger,
+            service,
+            started_unix_seconds: unix_seconds(self.started),
+            ended_unix_seconds: unix_seconds(self.ended),
+            sampling_hz: self.sampling_hz,
+            cpu_samples: self.records.iter().filter(cpu).map(|r| r.count).sum(),
+            offcpu_seconds: self
+                .records
+                .iter()
+                .filter(|r| !cpu(r))
+                .map(|r| r.ns)
+                .sum::<u64>() as f64
+                / 1e9,
+            stacks: self.records.len(),
+            stacks_dropped: self.records_dropped,
+            bytes: self.bytes,
+        }
+    }
+
+    /// The records of `service` and `pool` (each `None`: all).
+    pub fn records(&self, service: Option<&str>, pool: Option<&str>) -> Vec<&StackRecord> {
+        self.records
+            .iter()
+            .filter(|r| service.is_none_or(|s| r.service == s))
+            .filter(|r| pool.is_none_or(|p| r.pool == p))
+            .collect()
+    }
+
+    pub fn meta(&self) -> ProfileMeta {
+        ProfileMeta {
+            sampling_hz: self.sampling_hz,
+            started: self.started,
+            duration: self.ended.duration_since(self.started).unwrap_or_default(),
+        }
+    }
+}
+
+/// The retained snapshots, oldest first.
+#[derive(Debug)]
+pub struct Snapshots {
+    list: VecDeque<Arc<Snapshot>>,
+    keep: usize,
+    memory_limit: u64,
+    next_id: u64,
+}
+
+impl Snapshots {
+    pub fn new(keep: usize, memory_limit: u64) -> Self {
+        Self {
+            list: VecDeque::new(),
+            keep,
+            memory_limit,
+            next_id: 1,
+        }
+    }
+
+    /// A reload's limits, applied at the next push.
+    pub fn set_limits(&mut self, keep: usize, memory_limit: u64) {
+        self.keep = keep;
+        self.memory_limit = memory_limit;
+    }
+
+    /// Keeps `snapshot` as the newest; the oldest go while over the limits.
+    pub fn push(&mut self, mut snapshot: Snapshot) -> u64 {
+        snapshot.id = self.next_id;
+        self.next_id += 1;
+        self.list.push_back(Arc::new(snapshot));
+        while self.list.len() > self.keep
+            || (self.list.len() > 1 && self.bytes() > self.memory_limit)
+        {
+            self.list.pop_front();
+        }
+        self.next_id - 1
+    }
+
+    fn bytes(&self) -> u64 {
+        self.list.iter().map(|s| s.bytes).sum()
+    }
+
+    /// Snapshot `id`, or the newest.
+    pub fn get(&self, id: Option<u64>) -> Option<Arc<Snapshot>> {
+        match id {
+            Some(id) => self.list.iter().find(|s| s.id == id).cloned(),
+            None => self.list.back().cloned(),
+        }
+    }
+
+    pub fn summaries(&self) -> Vec<SnapshotSummary> {
+        self.list.iter().map(|s| s.summary()).collect()
+    }
+}
+
+/// Watches each service's queue depth for a saturation snapshot: fires once when
+/// it has been above the threshold for the duration, and again only after it went
+/// back to or below the threshold.
+#[derive(Debug, Default)]
+pub struct Saturation {
+    above_since: HashMap<String, Instant>,
+    fired: HashSet<String>,
+}
+
+impl Saturation {
+    /// The services that just became saturated, given every service's depth now.
+    pub fn check(
+        &mut self,
+        depths: &[(String, u64)],
+        threshold: u64,
+        duration: Duration,
+        now: Instant,
+    ) -> Vec<String> {
+        let above: HashSet<&str> = depths
+            .iter()
+            .filter(|(_, depth)| *depth > threshold)
+            .map(|(service, _)| service.as_str())
+            .collect();
+        self.above_since
+            .retain(|service, _| above.contains(service.as_str()));
+        self.fired
+            .retain(|service| above.contains(service.as_str()));
+        let mut saturated = Vec::new();
+        for service in above {
+            let since = *self.above_since.entry(service.to_owned()).or_insert(now);
+            if now.duration_since(since) >= duration && self.fired.insert(service.to_owned()) {
+                saturated.push(service.to_owned());
+            }
+        }
+        saturated.sort();
+        saturated
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn key(activity: Activity, pool: u32, user_stack: i32, kernel_stack: i32) -> StackKey {
+        StackKey {
+            generation: 0,
+            activity: activity as u32,
+            tgid: std::process::id(),
+            pool,
+            user_stack,
+            kernel_stack,
+        }
+    }
+
+    fn count(count: u64, ns: u64) -> (u64, u64) {
+        (count, ns)
+    }
+
+    fn drained(entries: &[(StackKey, (u64, u64))]) -> Drained {
+        let here = drained as *const () as usize as u64;
+        let mut drained = Drained {
+            counts: entries
+                .iter()
+                .map(|(key, (count, ns))| {
+                    (
+                        *key,
+                        StackCount {
+                            count: *count,
+                            ns: *ns,
+                        },
+                    )
+                })
+                .collect(),
+            ..Drained::default()
+        };
+        // Stack 1: this function, called from an address no module maps.
+        drained.stacks.insert(1, vec![here, 0x10]);
+        drained
+            .pools
+            .insert(3, ("web".to_owned(), "workers".to_owned()));
+        drained
+            .processes
+            .insert(std::process::id(), "web".to_owned());
+        drained
+    }
+
+    #[test]
+    fn drained_stacks_become_records_outermost_first() {
+        let symbols = Symbols::new(Path::new("/proc"));
+        let mut window = Window::new(SystemTime::UNIX_EPOCH);
+        window.add(
+            &drained(&[
+                (key(Activity::Running, 3, 1, -1), count(5, 0)),
+                (key(Activity::OffSleep, 3, 1, -1), count(2, 3_000_000)),
+                (key(Activity::Running, u32::MAX, -1, -1), count(1, 0)),
+            ]),
+            &symbols,
+        );
+        // The same stack again in a later drain adds up.
+        window.add(
+            &drained(&[(key(Activity::Running, 3, 1, -1), count(4, 0))]),
+            &symbols,
+        );
+        let snapshot = window.finish(
+            SystemTime::UNIX_EPOCH + Duration::from_secs(60),
+            Trigger::Interval,
+            100,
+            1 << 20,
+        );
+        assert_eq!(snapshot.records.len(), 3);
+        let cpu = &snapshot.records[0];
+        assert_eq!(
+            (cpu.service.as_str(), cpu.pool.as_str(), cpu.kind, cpu.count),
+            ("web", "workers", StackKind::Cpu, 9)
+        );
+        assert_eq!(cpu.frames.len(), 2);
+        // A return address is looked up (and named) one byte back.
+        assert_eq!(cpu.frames[0].name, "0xf");
+        assert!(cpu.frames[1].name.contains("drained"), "{:?}", cpu.frames);
+        // Heaviest first: 1 sample at 100 Hz is 10 ms, more than the 3 ms block.
+        let off = &snapshot.records[2];
+        assert_eq!(off.kind, StackKind::OffCpu(OffCpuReason::Sleep));
+        assert_eq!((off.count, off.ns), (2, 3_000_000));
+        let lost = &snapshot.records[1];
+        assert_eq!(lost.pool, UNNAMED_POOL);
+        assert_eq!(lost.frames[0].name, LOST_FRAME);
+        let summary = snapshot.summary();
+        assert_eq!(summary.cpu_samples, 10);
+        assert!((summary.offcpu_seconds - 0.003).abs() < 1e-12);
+        assert_eq!(summary.ended_unix_seconds, 60.0);
+        assert_eq!(snapshot.records(Some("web"), Some("workers")).len(), 2);
+        assert!(snapshot.records(Some("db"), None).is_empty());
+    }
+
+    #[test]
+    fn tracing_frames_are_cut_from_kernel_stacks() {
+        let frame = |name: &str| Frame {
+            name: name.to_owned(),
+            module: "[kernel]".to_owned(),
+            address: 1,
+            kernel: true,
+        };
+        let mut frames: Vec<Frame> = [
+            "do_nanosleep",
+            "schedule",
+            "__schedule",
+            "bpf_trace_run4",
+            "bpf_prog_a171f69b431a67c4_sched_switch",
+        ]
+        .map(frame)
+        .to_vec();
+        without_tracing_frames(&mut frames);
+        let names: Vec<&str> = frames.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["do_nanosleep", "schedule", "__schedule"]);
+    }
+
+    #[test]
+    fn memory_limit_drops_the_lightest_stacks() {
+        let symbols = Symbols::new(Path::new("/proc"));
+        let mut window = Window::new(SystemTime::UNIX_EPOCH);
+        window.add(
+            &drained(&[
+                (key(Activity::Running, 3, 1, -1), count(50, 0)),
+                (key(Activity::OffIdle, 3, 1, -1), count(1, 1_000)),
+            ]),
+            &symbols,
+        );
+        let full = Window {
+            started: window.started,
+            records: window.records.clone(),
+        };
+        let one = record_bytes(
+            &full
+                .finish(SystemTime::UNIX_EPOCH, Trigger::Interval, 100, 1 << 20)
+                .records[0],
+        );
+        let snapshot = window.finish(SystemTime::UNIX_EPOCH, Trigger::Interval, 100, one);
+        assert_eq!(snapshot.records.len(), 1);
+        assert_eq!(snapshot.records[0].kind, StackKind::Cpu);
+        assert_eq!(snapshot.records_dropped, 1);
+    }
+
+    fn empty_snapshot(bytes: u64) -> Snapshot {
+        Snapshot {
+            id: 0,
+            trigger: Trigger::Interval,
+            started: SystemTime::UNIX_EPOCH,
+            ended: SystemTime::UNIX_EPOCH,
+            sampling_hz: 49,
+            records: Vec::new(),
+            records_dropped: 0,
+            bytes,
+        }
+    }
+
+    #[test]
+    fn snapshots_are_kept_within_count_and_memory() {
+        let mut snapshots = Snapshots::new(3, 100);
+        for _ in 0..4 {
+            snapshots.push(empty_snapshot(10));
+        }
+        let ids: Vec<u64> = snapshots.summaries().iter().map(|s| s.id).collect();
+        assert_eq!(ids, vec![2, 3, 4]);
+        assert_eq!(snapshots.get(None).map(|s| s.id), Some(4));
+        assert_eq!(snapshots.get(Some(3)).map(|s| s.id), Some(3));
+        assert!(snapshots.get(Some(1)).is_none());
+        // Over the memory limit: the oldest go, the newest stays even if alone.
+        snapshots.push(empty_snapshot(90));
+        let ids: Vec<u64> = snapshots.summaries().iter().map(|s| s.id).collect();
+        assert_eq!(ids, vec![4, 5]);
+        snapshots.push(empty_snapshot(500));
+        let ids: Vec<u64> = snapshots.summaries().iter().map(|s| s.id).collect();
+        assert_eq!(ids, vec![6]);
+    }
+
+    #[test]
+    fn saturation_fires_once_per_episode() {
+        let mut saturation = Saturation::default();
+        let start = Instant::now();
+        let at = |s: u64| start + Duration::from_secs(s);
+        let depths = |d: u64| vec![("web".to_owned(), d), ("db".to_owned(), 0)];
+        let second = Duration::from_secs(3);
+        assert!(saturation.check(&depths(9), 8, second, at(0)).is_empty());
+        assert!(saturation.check(&depths(9), 8, second, at(2)).is_empty());
+        assert_eq!(saturation.check(&depths(9), 8, second, at(3)), vec!["web"]);
+        assert!(saturation.check(&depths(9), 8, second, at(9)).is_empty());
+        // At the threshold is not above it: the episode ends and re-arms.
+        assert!(saturation.check(&depths(8), 8, second, at(10)).is_empty());
+        assert!(saturation.check(&depths(20), 8, second, at(11)).is_empty());
+        assert_eq!(
+            saturation.check(&depths(20), 8, second, at(14)),
+            vec!["web"]
+        );
+    }
+}
