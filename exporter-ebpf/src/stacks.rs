@@ -34,6 +34,12 @@ use crate::{
 #[unsafe(no_mangle)]
 static OFFCPU_MIN_NS: u64 = u64::MAX;
 
+/// 1: also the blocks of threads waiting for work (set at load time). Off by
+/// default: an event loop blocks in epoll after every burst, and each capture costs
+/// ~2 µs (`cargo xtask bench`), for stacks that only say "waiting for work".
+#[unsafe(no_mangle)]
+static OFFCPU_IDLE: u32 = 0;
+
 /// bpf_get_stackid flag: the user stack.
 const BPF_F_USER_STACK: u64 = 1 << 8;
 /// bpf_get_stackid's error when the stack's bucket holds another stack.
@@ -132,11 +138,15 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
     0
 }
 
-/// The current watched thread blocks at `now` (`sched_switch`, not a preemption):
-/// its stacks are kept until it is woken.
+/// The current watched thread blocks at `now` (`sched_switch`, not a preemption;
+/// its activity says why): its stacks are kept until it is woken.
 #[inline(always)]
 pub fn blocked(ctx: &RawTracePointContext, thread: &mut Thread, now: u64) {
-    if offcpu_min_ns() == u64::MAX {
+    // SAFETY: a load-time constant, as above.
+    let idle = unsafe { core::ptr::read_volatile(&OFFCPU_IDLE) } != 0;
+    if offcpu_min_ns() == u64::MAX
+        || (!idle && Activity::from_u32(thread.activity) == Activity::OffIdle)
+    {
         return;
     }
     let epoch = current_epoch();

@@ -64,6 +64,7 @@ impl Default for RawConfig {
             stacks: RawStacks {
                 offcpu: true,
                 offcpu_min: Duration::from_millis(1),
+                offcpu_idle: false,
                 interval: Duration::from_secs(60),
                 keep: 10,
                 memory_limit_bytes: 64 << 20,
@@ -142,6 +143,9 @@ pub struct RawStacks {
     /// Shorter blocks are not recorded.
     #[serde(with = "humantime_serde")]
     pub offcpu_min: Duration,
+    /// Also the blocks of threads waiting for work (`reason="idle"`): off by default,
+    /// since an event loop blocks after every burst and each capture costs ~2 µs.
+    pub offcpu_idle: bool,
     /// A snapshot of the stacks is kept every interval.
     #[serde(with = "humantime_serde")]
     pub interval: Duration,
@@ -265,6 +269,7 @@ pub struct SnapshotSettings {
     pub sampling_hz: u32,
     /// `None`: no off-CPU stacks.
     pub offcpu_min: Option<Duration>,
+    pub offcpu_idle: bool,
     pub interval: Duration,
     pub keep: usize,
     pub memory_limit_bytes: u64,
@@ -491,6 +496,7 @@ fn validate_stacks(raw: &RawConfig, figment: &Figment) -> Result<SnapshotSetting
     Ok(SnapshotSettings {
         sampling_hz: raw.probes.sampling_hz,
         offcpu_min: stacks.offcpu.then_some(stacks.offcpu_min),
+        offcpu_idle: stacks.offcpu_idle,
         interval: stacks.interval,
         keep: stacks.keep,
         memory_limit_bytes: stacks.memory_limit_bytes,

@@ -28,7 +28,7 @@ use crate::{
     procfs,
     profile::{self, View},
     sockdiag,
-    stacks::{Drained, Saturation, Snapshots, Trigger, Window},
+    stacks::{Drained, RecentNames, Saturation, Snapshots, Trigger, Window},
     symbolize::Symbols,
     targets::{Targets, WatchChange, monotonic_ns},
     web::{DebugError, Gatherer, LocksFormat, LocksQuery, StacksFormat, StacksQuery},
@@ -43,6 +43,7 @@ const EPOCH_SETTLE: Duration = Duration::from_millis(5);
 /// own (blazesym's is not `Send`), so its cache lives as long as one drain.
 struct StackCollector {
     window: Window,
+    names: RecentNames,
     saturation: Saturation,
 }
 
@@ -128,6 +129,7 @@ impl Exporter {
             series_dropped: AtomicU64::new(0),
             stacks: Mutex::new(StackCollector {
                 window: Window::new(SystemTime::now()),
+                names: RecentNames::default(),
                 saturation: Saturation::default(),
             }),
             snapshots: RwLock::new(snapshots),
@@ -272,11 +274,13 @@ impl Exporter {
             .into_iter()
             .map(|(pid, watch)| (pid, service_name(watch.service)))
             .collect();
+        // Mappings are read by `RecentNames::complete`, outside the lock.
         Drained {
             counts,
             stacks,
             pools,
             processes,
+            mappings: HashMap::new(),
         }
     }
 
@@ -284,7 +288,8 @@ impl Exporter {
     /// (symbolized outside the exporter's lock).
     pub fn drain_stacks(&self) {
         let mut collector = self.stack_collector();
-        let drained = self.drain_generation();
+        let mut drained = self.drain_generation();
+        collector.names.complete(&mut drained, &self.procfs_root);
         collector
             .window
             .add(&drained, &Symbols::new(&self.procfs_root));
@@ -296,9 +301,11 @@ impl Exporter {
     pub fn take_snapshot(&self, trigger: Trigger) {
         let settings = self.settings().snapshots;
         let mut collector = self.stack_collector();
-        let first = self.drain_generation();
+        let mut first = self.drain_generation();
+        collector.names.complete(&mut first, &self.procfs_root);
         std::thread::sleep(EPOCH_SETTLE);
-        let second = self.drain_generation();
+        let mut second = self.drain_generation();
+        collector.names.complete(&mut second, &self.procfs_root);
         let now = SystemTime::now();
         let symbols = Symbols::new(&self.procfs_root);
         collector.window.add(&first, &symbols);

@@ -258,6 +258,8 @@ pub struct Sampling {
     pub hz: u32,
     /// Shortest off-CPU block recorded; `None`: no off-CPU stacks.
     pub offcpu_min: Option<Duration>,
+    /// Also the blocks of threads waiting for work.
+    pub offcpu_idle: bool,
 }
 
 /// The program sampling every CPU's cpu-clock.
@@ -465,6 +467,7 @@ impl Kernel {
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .override_global("TASK_PID_OFFSET", &task_pid_offset, true)
             .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
+            .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
             .map_max_entries(maps::STACK_COUNTS, sizes.stack_counts)
             .map_max_entries(maps::WATCHED, sizes.watched_processes)
             .map_max_entries(maps::CONNS, sizes.connections)

@@ -99,6 +99,7 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     let sampling = Sampling {
         hz: settings.snapshots.sampling_hz,
         offcpu_min: settings.snapshots.offcpu_min,
+        offcpu_idle: settings.snapshots.offcpu_idle,
     };
     let backend = choose_backend(settings.backend)?;
     let (kernel, events) = Kernel::load(sizes, backend, sampling, settings.bpf_stats)?;
@@ -312,6 +313,10 @@ fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) {
                 (
                     "stacks.offcpu, stacks.offcpu_min",
                     settings.snapshots.offcpu_min != current.snapshots.offcpu_min,
+                ),
+                (
+                    "stacks.offcpu_idle",
+                    settings.snapshots.offcpu_idle != current.snapshots.offcpu_idle,
                 ),
             ];
             for (key, changed) in restart_only {

@@ -215,7 +215,7 @@ pub fn symbolize(procfs_root: &Path, locks: &mut [LockReport]) {
         for stack in &mut lock.stacks {
             let lookups: Vec<u64> = lookup_addresses(&stack.addresses).collect();
             stack.frames = symbols
-                .user(lock.pid, &lookups)
+                .user(lock.pid, &lookups, &[])
                 .iter()
                 .map(Symbol::describe)
                 .collect();

@@ -6,6 +6,7 @@
 //! never on the scrape path.
 use std::{
     collections::{BTreeMap, HashMap, HashSet, VecDeque},
+    path::Path,
     sync::Arc,
     time::{Duration, Instant, SystemTime},
 };
@@ -14,6 +15,7 @@ use poolscope_shared::{Activity, StackCount, StackKey};
 use serde::Serialize;
 
 use crate::{
+    procfs::{self, Mapping},
     profile::{Frame, OffCpuReason, ProfileMeta, StackKind, StackRecord},
     symbolize::{Symbol, Symbols, lookup_addresses},
 };
@@ -35,6 +37,63 @@ pub struct Drained {
     pub pools: HashMap<u32, (String, String)>,
     /// tgid → service name, for threads without a pool.
     pub processes: HashMap<u32, String>,
+    /// tgid → its mappings as last read, to symbolize a process that has exited.
+    pub mappings: HashMap<u32, Vec<Mapping>>,
+}
+
+/// The names of pools and processes seen in the last few drains. A drained
+/// generation holds stacks up to two epochs old, whose process may have exited (and
+/// its pool been forgotten) since; a name seen in the current drain wins.
+#[derive(Debug, Default)]
+pub struct RecentNames {
+    pools: HashMap<u32, ((String, String), u64)>,
+    processes: HashMap<u32, (String, u64)>,
+    mappings: HashMap<u32, (Vec<Mapping>, u64)>,
+    drains: u64,
+}
+
+impl RecentNames {
+    /// Drains a name is kept after it was last seen: a snapshot drains twice, and a
+    /// generation is drained two epochs after it was filled.
+    const KEPT_DRAINS: u64 = 4;
+
+    /// Remembers the names `drained` carries (and the mappings of its live
+    /// processes, read under `procfs_root`) and adds those it lacks from recent
+    /// drains.
+    pub fn complete(&mut self, drained: &mut Drained, procfs_root: &Path) {
+        self.drains += 1;
+        let drains = self.drains;
+        for (id, names) in &drained.pools {
+            self.pools.insert(*id, (names.clone(), drains));
+        }
+        for (pid, service) in &drained.processes {
+            self.processes.insert(*pid, (service.clone(), drains));
+            let mappings = procfs::maps(procfs_root, *pid);
+            if !mappings.is_empty() {
+                self.mappings.insert(*pid, (mappings, drains));
+            }
+        }
+        self.pools
+            .retain(|_, (_, seen)| drains - *seen < Self::KEPT_DRAINS);
+        self.processes
+            .retain(|_, (_, seen)| drains - *seen < Self::KEPT_DRAINS);
+        self.mappings
+            .retain(|_, (_, seen)| drains - *seen < Self::KEPT_DRAINS);
+        drained.mappings = self
+            .mappings
+            .iter()
+            .map(|(pid, (mappings, _))| (*pid, mappings.clone()))
+            .collect();
+        for (id, (names, _)) in &self.pools {
+            drained.pools.entry(*id).or_insert_with(|| names.clone());
+        }
+        for (pid, (service, _)) in &self.processes {
+            drained
+                .processes
+                .entry(*pid)
+                .or_insert_with(|| service.clone());
+        }
+    }
 }
 
 /// The off-CPU reason of an activity; `None` for on-CPU.
@@ -88,7 +147,11 @@ fn symbolized_frames(drained: &Drained, symbols: &Symbols) -> Vec<Vec<Frame>> {
     for (pid, mut addresses) in user {
         addresses.sort_unstable();
         addresses.dedup();
-        for (address, symbol) in addresses.iter().zip(symbols.user(pid, &addresses)) {
+        let remembered = drained.mappings.get(&pid).map_or(&[][..], Vec::as_slice);
+        for (address, symbol) in addresses
+            .iter()
+            .zip(symbols.user(pid, &addresses, remembered))
+        {
             names.insert((pid, *address), symbol);
         }
     }
@@ -437,7 +500,6 @@ impl Saturation {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
 
     use super::*;
 
@@ -530,6 +592,39 @@ mod tests {
         assert_eq!(summary.ended_unix_seconds, 60.0);
         assert_eq!(snapshot.records(Some("web"), Some("workers")).len(), 2);
         assert!(snapshot.records(Some("db"), None).is_empty());
+    }
+
+    #[test]
+    fn names_outlive_their_process_for_a_few_drains() {
+        let mut names = RecentNames::default();
+        let drain = |pools: &[(u32, &str)], processes: &[(u32, &str)]| Drained {
+            pools: pools
+                .iter()
+                .map(|(id, pool)| (*id, ("web".to_owned(), (*pool).to_owned())))
+                .collect(),
+            processes: processes
+                .iter()
+                .map(|(pid, service)| (*pid, (*service).to_owned()))
+                .collect(),
+            ..Drained::default()
+        };
+        let mut first = drain(&[(1, "workers")], &[(10, "web")]);
+        names.complete(&mut first, Path::new("/nonexistent"));
+        // The process exited: its names still come with the next drains.
+        let mut second = drain(&[], &[]);
+        names.complete(&mut second, Path::new("/nonexistent"));
+        assert_eq!(second.pools[&1].1, "workers");
+        assert_eq!(second.processes[&10], "web");
+        // A reused pool id takes the current name.
+        let mut third = drain(&[(1, "io")], &[]);
+        names.complete(&mut third, Path::new("/nonexistent"));
+        assert_eq!(third.pools[&1].1, "io");
+        for _ in 0..RecentNames::KEPT_DRAINS {
+            names.complete(&mut drain(&[], &[]), Path::new("/nonexistent"));
+        }
+        let mut late = drain(&[], &[]);
+        names.complete(&mut late, Path::new("/nonexistent"));
+        assert!(late.pools.is_empty() && late.processes.is_empty());
     }
 
     #[test]

@@ -3,11 +3,14 @@
 //! vmlinux found on the host) for kernel stacks. An address no symbol covers is
 //! named after its module and offset; none is dropped. Lookups are batched per
 //! process; the blazesym cache lives as long as the [`Symbols`] that owns it.
-use std::path::{Path, PathBuf};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 use blazesym::symbolize::{
     Input, Symbolized, Symbolizer,
-    source::{Kernel, Process, Source},
+    source::{Elf, Kernel, Process, Source},
 };
 
 use crate::procfs::{self, Mapping};
@@ -91,12 +94,58 @@ impl Symbols {
     }
 
     /// Symbols of `addresses` (already lookup addresses) in process `pid`, in order.
-    pub fn user(&self, pid: u32, addresses: &[u64]) -> Vec<Symbol> {
-        let source = Source::Process(Process::new(blazesym::Pid::from(pid)));
+    /// A process that has exited is symbolized from `remembered`, its mappings as
+    /// last read: each module's ELF file by file offset (its perf map is lost).
+    pub fn user(&self, pid: u32, addresses: &[u64], remembered: &[Mapping]) -> Vec<Symbol> {
         let mappings = procfs::maps(&self.procfs_root, pid);
+        if mappings.is_empty() && !remembered.is_empty() {
+            return self.through_files(addresses, remembered);
+        }
+        let source = Source::Process(Process::new(blazesym::Pid::from(pid)));
         self.resolve(&source, addresses, |address| {
             module_offset(&mappings, address)
         })
+    }
+
+    /// Symbols of addresses of a process gone, through the files it had mapped.
+    fn through_files(&self, addresses: &[u64], mappings: &[Mapping]) -> Vec<Symbol> {
+        let mut symbols: Vec<Symbol> = addresses
+            .iter()
+            .map(|&address| module_offset(mappings, address))
+            .collect();
+        let mut by_file: BTreeMap<&Path, Vec<(usize, u64)>> = BTreeMap::new();
+        for (index, &address) in addresses.iter().enumerate() {
+            if let Some(mapping) = mappings
+                .iter()
+                .find(|m| (m.start..m.end).contains(&address) && m.path.is_absolute())
+            {
+                let offset = address - mapping.start + mapping.offset;
+                by_file
+                    .entry(&mapping.path)
+                    .or_default()
+                    .push((index, offset));
+            }
+        }
+        for (path, entries) in by_file {
+            let offsets: Vec<u64> = entries.iter().map(|(_, offset)| *offset).collect();
+            let source = Source::Elf(Elf::new(path));
+            let Ok(found) = self
+                .symbolizer
+                .symbolize(&source, Input::FileOffset(&offsets))
+            else {
+                continue;
+            };
+            for ((index, _), found) in entries.iter().zip(found) {
+                if let (Symbolized::Sym(symbol), Some(slot)) = (found, symbols.get_mut(*index)) {
+                    *slot = Symbol {
+                        name: symbol.name.to_string(),
+                        module: file_name(path),
+                        offset: Some(symbol.offset as u64),
+                    };
+                }
+            }
+        }
+        symbols
     }
 
     /// Symbols of kernel `addresses`, in order.
@@ -180,12 +229,17 @@ mod tests {
     fn own_functions_are_named() {
         // This test's own code, in this process: ELF symbols of the test binary.
         let address = own_functions_are_named as *const () as usize as u64;
-        let symbols = Symbols::new(Path::new("/proc")).user(std::process::id(), &[address]);
-        assert_eq!(symbols.len(), 1);
+        let symbols = Symbols::new(Path::new("/proc"));
+        let found = symbols.user(std::process::id(), &[address], &[]);
+        assert_eq!(found.len(), 1);
         assert!(
-            symbols[0].name.contains("own_functions_are_named"),
-            "{symbols:?}"
+            found[0].name.contains("own_functions_are_named"),
+            "{found:?}"
         );
-        assert_eq!(symbols[0].offset, Some(0));
+        assert_eq!(found[0].offset, Some(0));
+        // A process gone (a pid with no maps): the same, from its remembered mappings.
+        let mappings = procfs::maps(Path::new("/proc"), std::process::id());
+        let gone = symbols.user(u32::MAX, &[address], &mappings);
+        assert_eq!(gone, found);
     }
 }
