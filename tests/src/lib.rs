@@ -16,6 +16,7 @@ use std::{
 use anyhow::{Context as _, bail};
 
 pub mod load;
+pub mod profiles;
 pub mod servers;
 
 /// The request backends, as `[probes] backend` names them.

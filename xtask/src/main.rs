@@ -14,7 +14,7 @@ use anyhow::{Context as _, bail};
 const USAGE: &str = "usage: cargo xtask <command>
   run [-- poolscope flags]  install what is missing, build, run poolscope (auto-discovery)
   test                      install what is missing, run lint, unit and privileged tests
-  bench                     install what is missing, measure poolscope's cost on nginx, per context switch and per lock (BENCH_ONLY=nginx|sched|locks)
+  bench                     install what is missing, measure poolscope's cost on nginx, per context switch, per lock and of stack snapshots (BENCH_ONLY=nginx|sched|locks|stacks)
   setup                     only install what is missing";
 
 /// Debian packages the tests use: promtool (prometheus); the real servers of
@@ -29,6 +29,10 @@ const TEST_PACKAGES: &[&str] = &[
     "gunicorn",
     "nodejs",
     "golang-go",
+    // Headless Chromium screenshots the flame graph SVGs, so that a test checks what a
+    // person sees (tests/tests/stacks.rs); golang-go's `go tool pprof` reads the
+    // pprof profiles.
+    "chromium",
 ];
 
 fn main() -> anyhow::Result<()> {
