@@ -37,9 +37,20 @@
 //! not by poolscope's `[probes] bpf_stats`, which would slow the throughput loads too.
 //! Printed beside their goals, skewed rounds measured again.
 //!
+//! Then what stack snapshots cost (`BENCH_ONLY=stacks`), each in rounds interleaved
+//! between its modes. On-CPU samples: `spinners` (one thread spinning on CPU 1) with
+//! poolscope sampling at 999 Hz, watching it or only an idle `sleep`; with
+//! kernel.bpf_stats_enabled, the run time of `cpu_sample` per run (every CPU's
+//! cpu-clock: unwatched, the filter path) and per sample of the watched thread (its
+//! CPU time × the rate). Off-CPU stacks: pingpong watched (sampling off) with `[stacks]
+//! offcpu` false, true with `offcpu_idle` (pingpong's blocks hold no request: idle;
+//! default `offcpu_min`: its µs blocks are captured at each switch, never recorded) and
+//! also with `offcpu_min = 1ns` (each also recorded at its wakeup): the scheduler programs' run time per run and per pingpong block. Then the
+//! nginx load above with poolscope off and on (socket backend) at 0, 49 and 999 Hz.
+//!
 //! `BENCH_ROUNDS` (default 3 rounds of all modes) and `BENCH_SECONDS` (default 5) tune
-//! all three; `BENCH_LOCK_HOLD_US` (default 200) the lock's hold time. `BENCH_ONLY=nginx`,
-//! `BENCH_ONLY=sched` or `BENCH_ONLY=locks` runs one of them.
+//! all four; `BENCH_LOCK_HOLD_US` (default 200) the lock's hold time. `BENCH_ONLY=nginx`,
+//! `BENCH_ONLY=sched`, `BENCH_ONLY=locks` or `BENCH_ONLY=stacks` runs one of them.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
@@ -192,6 +203,12 @@ struct Round {
     disturbance: Disturbance,
 }
 
+impl Measured for Round {
+    fn disturbance(&self) -> &Disturbance {
+        &self.disturbance
+    }
+}
+
 /// Kills and reaps a child when dropped.
 struct Guard(Child);
 
@@ -228,77 +245,39 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let rounds = env_number("BENCH_ROUNDS", 3).max(1) as usize;
     let seconds = env_number("BENCH_SECONDS", 5).max(1);
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
-    let (nginx, sched, locks) = match only.as_str() {
-        "" => (true, true, true),
-        "nginx" => (true, false, false),
-        "sched" => (false, true, false),
-        "locks" => (false, false, true),
-        _ => bail!("BENCH_ONLY={only}: nginx, sched or locks"),
-    };
+    type Part = fn(&Path, PathBuf, usize, u64) -> anyhow::Result<()>;
+    let parts: [(&str, Part); 4] = [
+        ("nginx", run_nginx),
+        ("sched", run_sched),
+        ("locks", run_locks),
+        ("stacks", run_stacks),
+    ];
+    if !only.is_empty() && !parts.iter().any(|(name, _)| *name == only) {
+        bail!("BENCH_ONLY={only}: nginx, sched, locks or stacks");
+    }
     let dir = root.join("target/bench");
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir).context("creating target/bench")?;
-    if nginx {
-        run_nginx(root, dir.clone(), rounds, seconds)?;
-    }
-    if sched {
-        if nginx {
-            println!();
+    let mut first = true;
+    for (name, part) in parts {
+        if only.is_empty() || only == name {
+            if !first {
+                println!();
+            }
+            first = false;
+            part(root, dir.clone(), rounds, seconds)?;
         }
-        run_sched(root, dir.clone(), rounds, seconds)?;
-    }
-    if locks {
-        if nginx || sched {
-            println!();
-        }
-        run_locks(root, dir, rounds, seconds)?;
     }
     Ok(())
 }
 
 /// The request benchmark: nginx and wrk.
 fn run_nginx(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::Result<()> {
-    let nginx_port = free_port()?;
-    fs::create_dir_all(dir.join("www")).context("creating target/bench/www")?;
-    fs::write(dir.join("www/index.html"), "x".repeat(612))?;
-    fs::write(dir.join("nginx.conf"), nginx_config(&dir, nginx_port))?;
-    fs::write(
-        dir.join("poolscope.toml"),
-        "[[targets]]\nservice = \"nginx\"\ncomm = \"^nginx$\"\n",
-    )?;
-
-    let mut nginx = Guard(
-        Command::new("taskset")
-            .args(["-c", "0", "nginx", "-p"])
-            .arg(&dir)
-            .arg("-c")
-            .arg(dir.join("nginx.conf"))
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting nginx")?,
-    );
-    wait_for_port(nginx_port)?;
-    if let Some(status) = nginx.0.try_wait()? {
-        bail!(
-            "nginx exited ({status}); see {}",
-            dir.join("error.log").display()
-        );
-    }
-    let bench = Bench {
-        root,
-        seconds,
-        nginx: nginx.0.id(),
-        nginx_port,
-        poolscope_address: format!("127.0.0.1:{}", free_port()?),
-        dir,
-    };
-    // Warm up caches and the worker.
-    bench.wrk()?;
-
+    let (_nginx, bench) = Bench::start(root, dir, seconds)?;
     let mut measured = Vec::new();
     for round in 0..rounds {
         for mode in rotated(&Mode::ALL, round) {
-            let result = bench.measure_alone(mode, false)?;
+            let result = bench.measure_alone(mode, &[])?;
             println!(
                 "round {:>2} {:<7} {:>10.0} req/s {:>8.2} µs nginx CPU/req {:>6.2} µs poolscope CPU/req \
                  {:>6.1} ns/unwatched syscall{}",
@@ -317,10 +296,53 @@ fn run_nginx(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::
     // measured in one extra round per backend, apart from the throughput rounds.
     let stats_rounds = Mode::BACKENDS
         .iter()
-        .map(|&mode| bench.measure_alone(mode, true))
+        .map(|&mode| bench.measure_alone(mode, &[("POOLSCOPE_PROBES__BPF_STATS", "true")]))
         .collect::<anyhow::Result<Vec<_>>>()?;
     report(&measured, &stats_rounds);
     Ok(())
+}
+
+impl<'a> Bench<'a> {
+    /// Starts nginx (until the guard drops) and warms it up.
+    fn start(root: &'a Path, dir: PathBuf, seconds: u64) -> anyhow::Result<(Guard, Self)> {
+        let nginx_port = free_port()?;
+        fs::create_dir_all(dir.join("www")).context("creating target/bench/www")?;
+        fs::write(dir.join("www/index.html"), "x".repeat(612))?;
+        fs::write(dir.join("nginx.conf"), nginx_config(&dir, nginx_port))?;
+        fs::write(
+            dir.join("poolscope.toml"),
+            "[[targets]]\nservice = \"nginx\"\ncomm = \"^nginx$\"\n",
+        )?;
+
+        let mut nginx = Guard(
+            Command::new("taskset")
+                .args(["-c", "0", "nginx", "-p"])
+                .arg(&dir)
+                .arg("-c")
+                .arg(dir.join("nginx.conf"))
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting nginx")?,
+        );
+        wait_for_port(nginx_port)?;
+        if let Some(status) = nginx.0.try_wait()? {
+            bail!(
+                "nginx exited ({status}); see {}",
+                dir.join("error.log").display()
+            );
+        }
+        let bench = Bench {
+            root,
+            seconds,
+            nginx: nginx.0.id(),
+            nginx_port,
+            poolscope_address: format!("127.0.0.1:{}", free_port()?),
+            dir,
+        };
+        // Warm up caches and the worker.
+        bench.wrk()?;
+        Ok((nginx, bench))
+    }
 }
 
 fn nginx_config(dir: &Path, port: u16) -> String {
@@ -507,6 +529,35 @@ fn wait_for_quiet(ours: impl Fn(u32, &Process) -> bool) -> bool {
     false
 }
 
+/// A measured round, and what else ran during it.
+trait Measured {
+    fn disturbance(&self) -> &Disturbance;
+}
+
+/// Measures a round again (up to 3 times in all) when something else skewed it,
+/// unless the machine did not get quiet before it (`quiet` waits for that); `name`
+/// says which.
+fn measure_alone<R: Measured>(
+    name: &str,
+    quiet: impl Fn() -> bool,
+    measure: impl Fn() -> anyhow::Result<R>,
+) -> anyhow::Result<R> {
+    const ATTEMPTS: usize = 3;
+    let mut attempt = 1;
+    loop {
+        let quiet = quiet();
+        let round = measure()?;
+        if attempt == ATTEMPTS || !quiet || !round.disturbance().skews() {
+            return Ok(round);
+        }
+        println!(
+            "         {name:<9} skewed{}; again",
+            round.disturbance().note()
+        );
+        attempt += 1;
+    }
+}
+
 /// Starts the release poolscope with `config`, serving on `address`, with more
 /// settings from `env`.
 fn spawn_poolscope(
@@ -533,6 +584,38 @@ fn scrape(address: &str) -> anyhow::Result<String> {
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
     Ok(response)
+}
+
+/// Waits up to 20 s until poolscope's /metrics on `address` shows every line of `ready`.
+fn wait_for_metrics(address: &str, ready: &[String]) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if scrape(address).is_ok_and(|body| ready.iter().all(|line| body.contains(line.as_str()))) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "poolscope did not show {} within 20 s",
+                ready.join(" and ").replace('\n', "")
+            );
+        }
+        sleep(Duration::from_millis(100));
+    }
+}
+
+/// Builds the release test programs `names` (tests/src/bin).
+fn build_test_programs(root: &Path, names: &[&str]) -> anyhow::Result<()> {
+    let mut args = vec![
+        "build",
+        "--quiet",
+        "--release",
+        "--package",
+        "poolscope-tests",
+    ];
+    for name in names {
+        args.extend(["--bin", name]);
+    }
+    crate::cargo(root, &args)
 }
 
 /// What every round shares.
@@ -572,42 +655,31 @@ impl Bench<'_> {
         }
     }
 
-    /// Starts poolscope with the mode's backend; `None` when off.
-    fn start_poolscope(&self, mode: Mode, bpf_stats: bool) -> anyhow::Result<Option<Guard>> {
+    /// Starts poolscope with the mode's backend and more settings from `env`; `None`
+    /// when off.
+    fn start_poolscope(&self, mode: Mode, env: &[(&str, &str)]) -> anyhow::Result<Option<Guard>> {
         if mode == Mode::Off {
             return Ok(None);
         }
+        let mut env = env.to_vec();
+        env.push(("POOLSCOPE_PROBES__BACKEND", mode.name()));
         let guard = spawn_poolscope(
             self.root,
             &self.dir.join("poolscope.toml"),
             &self.poolscope_address,
-            &[
-                ("POOLSCOPE_PROBES__BACKEND", mode.name()),
-                ("POOLSCOPE_PROBES__BPF_STATS", &bpf_stats.to_string()),
-            ],
+            &env,
         )?;
         self.wait_for_targets(mode)?;
         Ok(Some(guard))
     }
 
-    /// Measures a round again (up to 3 times in all) when something else skewed it,
-    /// unless the machine did not get quiet before it.
-    fn measure_alone(&self, mode: Mode, bpf_stats: bool) -> anyhow::Result<Round> {
-        const ATTEMPTS: usize = 3;
-        let mut attempt = 1;
-        loop {
-            let quiet = self.wait_for_quiet();
-            let round = self.measure(mode, bpf_stats)?;
-            if attempt == ATTEMPTS || !quiet || !round.disturbance.skews() {
-                return Ok(round);
-            }
-            println!(
-                "         {:<7} skewed{}; again",
-                mode.name(),
-                round.disturbance.note()
-            );
-            attempt += 1;
-        }
+    /// A round, measured again if something else skewed it (`measure_alone`).
+    fn measure_alone(&self, mode: Mode, env: &[(&str, &str)]) -> anyhow::Result<Round> {
+        measure_alone(
+            mode.name(),
+            || self.wait_for_quiet(),
+            || self.measure(mode, env),
+        )
     }
 
     fn is_nginx(&self, pid: u32, process: &Process) -> bool {
@@ -618,8 +690,8 @@ impl Bench<'_> {
         wait_for_quiet(|pid, p| self.is_nginx(pid, p))
     }
 
-    fn measure(&self, mode: Mode, bpf_stats: bool) -> anyhow::Result<Round> {
-        let exporter = self.start_poolscope(mode, bpf_stats)?;
+    fn measure(&self, mode: Mode, env: &[(&str, &str)]) -> anyhow::Result<Round> {
+        let exporter = self.start_poolscope(mode, env)?;
         let exporter_pid = exporter.as_ref().map(|guard| guard.0.id());
         let ours = |pid: u32, p: &Process| {
             self.is_nginx(pid, p) || Some(pid) == exporter_pid || p.comm == "wrk" || p.comm == "dd"
@@ -1042,8 +1114,8 @@ impl SchedStats {
     }
 }
 
-struct SchedRound {
-    mode: SchedMode,
+struct SchedRound<M = SchedMode> {
+    mode: M,
     /// pingpong's throughput, kernel.bpf_stats_enabled off.
     roundtrips_per_second: f64,
     /// The second run, with kernel.bpf_stats_enabled (poolscope modes).
@@ -1051,7 +1123,13 @@ struct SchedRound {
     disturbance: Disturbance,
 }
 
-impl SchedRound {
+impl<M> Measured for SchedRound<M> {
+    fn disturbance(&self) -> &Disturbance {
+        &self.disturbance
+    }
+}
+
+impl<M> SchedRound<M> {
     fn stat(&self, pick: fn(&SchedStats) -> f64) -> f64 {
         self.stats.as_ref().map_or(f64::NAN, pick)
     }
@@ -1135,34 +1213,7 @@ struct SchedBench<'a> {
 
 /// The context-switch benchmark: pingpong.
 fn run_sched(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::Result<()> {
-    crate::cargo(
-        root,
-        &[
-            "build",
-            "--quiet",
-            "--release",
-            "--package",
-            "poolscope-tests",
-            "--bin",
-            "pingpong",
-        ],
-    )?;
-    let idle = Guard(
-        Command::new("sleep")
-            .arg("infinity")
-            .spawn()
-            .context("starting sleep")?,
-    );
-    let bench = SchedBench {
-        root,
-        dir,
-        seconds,
-        idle: idle.0.id(),
-        poolscope_address: format!("127.0.0.1:{}", free_port()?),
-    };
-    // Warm up: pingpong's pages, the CPU's caches and frequency.
-    Pingpong::start(root, seconds)?.run()?;
-
+    let (_idle, bench) = SchedBench::start(root, dir, seconds)?;
     let mut measured = Vec::new();
     for round in 0..rounds {
         for mode in rotated(&SchedMode::ALL, round) {
@@ -1192,24 +1243,70 @@ fn run_sched(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::
     Ok(())
 }
 
-impl SchedBench<'_> {
-    /// Measures a round again (up to 3 times in all) when something else skewed it,
-    /// unless the machine did not get quiet before it.
+impl<'a> SchedBench<'a> {
+    /// Builds pingpong, starts the idle process (until the guard drops) and warms up.
+    fn start(root: &'a Path, dir: PathBuf, seconds: u64) -> anyhow::Result<(Guard, Self)> {
+        build_test_programs(root, &["pingpong"])?;
+        let idle = Guard(
+            Command::new("sleep")
+                .arg("infinity")
+                .spawn()
+                .context("starting sleep")?,
+        );
+        let bench = SchedBench {
+            root,
+            dir,
+            seconds,
+            idle: idle.0.id(),
+            poolscope_address: format!("127.0.0.1:{}", free_port()?),
+        };
+        // Warm up: pingpong's pages, the CPU's caches and frequency.
+        Pingpong::start(root, seconds)?.run()?;
+        Ok((idle, bench))
+    }
+
+    fn wait_for_quiet(&self) -> bool {
+        wait_for_quiet(|pid, _| pid == self.idle)
+    }
+
+    /// A round, measured again if something else skewed it (`measure_alone`).
     fn measure_alone(&self, mode: SchedMode) -> anyhow::Result<SchedRound> {
-        const ATTEMPTS: usize = 3;
-        let mut attempt = 1;
-        loop {
-            let quiet = wait_for_quiet(|pid, _| pid == self.idle);
-            let round = self.measure(mode)?;
-            if attempt == ATTEMPTS || !quiet || !round.disturbance.skews() {
-                return Ok(round);
-            }
-            println!(
-                "         {:<9} skewed{}; again",
-                mode.name(),
-                round.disturbance.note()
-            );
-            attempt += 1;
+        measure_alone(mode.name(), || self.wait_for_quiet(), || self.measure(mode))
+    }
+
+    /// poolscope watching process `pid` as `service`, with more settings from `env`
+    /// (configuration: poolscope-`name`.toml), once /metrics shows every line of `ready`.
+    fn watch(
+        &self,
+        name: &str,
+        (service, pid): (&str, u32),
+        env: &[(&str, &str)],
+        ready: &[String],
+    ) -> anyhow::Result<Hooks> {
+        let config = self.dir.join(format!("poolscope-{name}.toml"));
+        fs::write(
+            &config,
+            format!("[[targets]]\nservice = \"{service}\"\npids = [{pid}]\n"),
+        )?;
+        let guard = spawn_poolscope(self.root, &config, &self.poolscope_address, env)?;
+        wait_for_metrics(&self.poolscope_address, ready)?;
+        Ok(Hooks::Poolscope {
+            guard,
+            address: self.poolscope_address.clone(),
+        })
+    }
+
+    /// The /metrics lines that say poolscope watches `service` (one process) or, for
+    /// pingpong, follows both its threads (found at watch time).
+    fn ready(service: &str) -> Vec<String> {
+        match service {
+            "pingpong" => ["ping", "pong"]
+                .iter()
+                .map(|pool| {
+                    format!("poolscope_pool_threads{{service=\"pingpong\",pool=\"{pool}\"}} 1\n")
+                })
+                .collect(),
+            _ => vec![format!("poolscope_targets{{service=\"{service}\"}} 1\n")],
         }
     }
 
@@ -1226,45 +1323,24 @@ impl SchedBench<'_> {
             SchedMode::Unwatched => ("idle", self.idle),
             SchedMode::Watched => ("pingpong", pingpong),
         };
-        let config = self.dir.join(format!("poolscope-{}.toml", mode.name()));
-        fs::write(
-            &config,
-            format!("[[targets]]\nservice = \"{service}\"\npids = [{pid}]\n"),
-        )?;
-        let guard = spawn_poolscope(self.root, &config, &self.poolscope_address, &[])?;
-        // Watched: until poolscope follows both threads (found at watch time).
-        let ready: Vec<String> = match mode {
-            SchedMode::Watched => ["ping", "pong"]
-                .iter()
-                .map(|pool| {
-                    format!("poolscope_pool_threads{{service=\"pingpong\",pool=\"{pool}\"}} 1\n")
-                })
-                .collect(),
-            _ => vec![format!("poolscope_targets{{service=\"{service}\"}} 1\n")],
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if scrape(&self.poolscope_address)
-                .is_ok_and(|body| ready.iter().all(|line| body.contains(line.as_str())))
-            {
-                return Ok(Some(Hooks::Poolscope {
-                    guard,
-                    address: self.poolscope_address.clone(),
-                }));
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "poolscope did not show {} within 20 s",
-                    ready.join(" and ").replace('\n', "")
-                );
-            }
-            sleep(Duration::from_millis(100));
-        }
+        self.watch(mode.name(), (service, pid), &[], &Self::ready(service))
+            .map(Some)
     }
 
     fn measure(&self, mode: SchedMode) -> anyhow::Result<SchedRound> {
+        self.pingpong_round(mode, |pingpong| self.hook(mode, pingpong))
+    }
+
+    /// A round of pingpong hooked by `hook` (given pingpong's pid; `None`: not
+    /// hooked): one run for its throughput, then, when hooked, one with
+    /// kernel.bpf_stats_enabled for the programs' run time.
+    fn pingpong_round<M>(
+        &self,
+        mode: M,
+        hook: impl FnOnce(u32) -> anyhow::Result<Option<Hooks>>,
+    ) -> anyhow::Result<SchedRound<M>> {
         let mut pingpong = Pingpong::start(self.root, self.seconds)?;
-        let hooks = self.hook(mode, pingpong.pid())?;
+        let hooks = hook(pingpong.pid())?;
         let exporter_pid = hooks.as_ref().and_then(Hooks::poolscope_pid);
         let pingpong_pid = pingpong.pid();
         let ours = |pid: u32, _: &Process| {
@@ -1794,6 +1870,12 @@ struct LockRound {
     disturbance: Disturbance,
 }
 
+impl Measured for LockRound {
+    fn disturbance(&self) -> &Disturbance {
+        &self.disturbance
+    }
+}
+
 /// What every lock round shares.
 struct LockBench<'a> {
     root: &'a Path,
@@ -1806,20 +1888,7 @@ struct LockBench<'a> {
 
 /// The lock benchmark: lockserver and mutexloop.
 fn run_locks(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::Result<()> {
-    crate::cargo(
-        root,
-        &[
-            "build",
-            "--quiet",
-            "--release",
-            "--package",
-            "poolscope-tests",
-            "--bin",
-            "lockserver",
-            "--bin",
-            "mutexloop",
-        ],
-    )?;
+    build_test_programs(root, &["lockserver", "mutexloop"])?;
     let bench = LockBench {
         root,
         dir,
@@ -1871,24 +1940,13 @@ fn run_locks(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::
 }
 
 impl LockBench<'_> {
-    /// Measures a round again (up to 3 times in all) when something else skewed it,
-    /// unless the machine did not get quiet before it.
+    /// A round, measured again if something else skewed it (`measure_alone`).
     fn measure_alone(&self, mode: LockMode) -> anyhow::Result<LockRound> {
-        const ATTEMPTS: usize = 3;
-        let mut attempt = 1;
-        loop {
-            let quiet = wait_for_quiet(|_, _| false);
-            let round = self.measure(mode)?;
-            if attempt == ATTEMPTS || !quiet || !round.disturbance.skews() {
-                return Ok(round);
-            }
-            println!(
-                "         {:<7} skewed{}; again",
-                mode.name(),
-                round.disturbance.note()
-            );
-            attempt += 1;
-        }
+        measure_alone(
+            mode.name(),
+            || wait_for_quiet(|_, _| false),
+            || self.measure(mode),
+        )
     }
 
     /// Starts poolscope watching `targets` (service, pid) as the mode says (nothing
@@ -1922,21 +1980,8 @@ impl LockBench<'_> {
             .join(format!("poolscope-locks-{}.toml", mode.name()));
         fs::write(&path, config)?;
         let guard = spawn_poolscope(self.root, &path, &self.poolscope_address, &[])?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if scrape(&self.poolscope_address)
-                .is_ok_and(|body| ready.iter().all(|line| body.contains(line.as_str())))
-            {
-                return Ok(Some(guard));
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "poolscope did not show {} within 20 s",
-                    ready.join(" and ").replace('\n', "")
-                );
-            }
-            sleep(Duration::from_millis(100));
-        }
+        wait_for_metrics(&self.poolscope_address, &ready)?;
+        Ok(Some(guard))
     }
 
     /// One load of `server` with kernel.bpf_stats_enabled (held by the caller).
@@ -2245,5 +2290,445 @@ fn locks_report(rounds: &[LockRound], hold_us: u64) {
     );
     for round in rounds.iter().filter(|r| r.disturbance.skews()) {
         println!("{} round{}", round.mode.name(), round.disturbance.note());
+    }
+}
+
+// Stack snapshots: what on-CPU samples and off-CPU stacks cost.
+
+/// poolscope's default sampling rate (`[probes] sampling_hz`) and the high one the
+/// bench also measures.
+const SAMPLING_HZ_DEFAULT: u32 = 49;
+const SAMPLING_HZ_HIGH: u32 = 999;
+/// The perf_event program that samples every CPU's cpu-clock.
+const SAMPLER: &str = "cpu_sample";
+/// The CPU the spinning thread runs on (it pins itself).
+const SPINNER_CPU: usize = 1;
+/// poolscope's sampling rate in the stacks part's nginx rounds (socket backend,
+/// `[stacks]` defaults: off-CPU stacks on); `None`: poolscope off.
+const NGINX_SAMPLING: [Option<u32>; 4] = [
+    None,
+    Some(0),
+    Some(SAMPLING_HZ_DEFAULT),
+    Some(SAMPLING_HZ_HIGH),
+];
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SampleMode {
+    /// poolscope watches only an idle process: every sample takes the filter path
+    /// (a failed thread lookup), the spinner's too.
+    Unwatched,
+    /// poolscope watches the spinner: its samples capture and count both stacks.
+    Watched,
+}
+
+impl SampleMode {
+    const ALL: [Self; 2] = [Self::Unwatched, Self::Watched];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Unwatched => "unwatched",
+            Self::Watched => "watched",
+        }
+    }
+}
+
+/// A round of the spinner under sampling at `SAMPLING_HZ_HIGH`, with
+/// kernel.bpf_stats_enabled.
+struct SampleRound {
+    mode: SampleMode,
+    /// Runs and run ns of `cpu_sample` over the round: every CPU's cpu-clock.
+    runs: f64,
+    ns: f64,
+    /// Wall time of the round.
+    seconds: f64,
+    /// Samples of the spinner: its CPU time × the rate.
+    spinner_samples: f64,
+    /// poolscope's own CPU time over the wall time.
+    poolscope_cpu_share: f64,
+    disturbance: Disturbance,
+}
+
+impl Measured for SampleRound {
+    fn disturbance(&self) -> &Disturbance {
+        &self.disturbance
+    }
+}
+
+impl SampleRound {
+    fn ns_per_run(&self) -> f64 {
+        self.ns / self.runs
+    }
+
+    fn runs_per_second(&self) -> f64 {
+        self.runs / self.seconds
+    }
+
+    fn spinner_samples_per_second(&self) -> f64 {
+        self.spinner_samples / self.seconds
+    }
+
+    /// Run ns per sample of the watched spinner: the round's run time less its other
+    /// runs (idle CPUs, other threads) at `filter_ns` each, over the spinner's samples.
+    fn ns_per_watched_sample(&self, filter_ns: f64) -> f64 {
+        (self.ns - filter_ns * (self.runs - self.spinner_samples)) / self.spinner_samples
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OffcpuMode {
+    /// `[stacks] offcpu = false`.
+    Off,
+    /// `offcpu = true`, `offcpu_idle = true`, default `offcpu_min` (1 ms): each of
+    /// pingpong's blocks is captured at its switch, none is recorded (they last µs).
+    Capture,
+    /// `offcpu = true`, `offcpu_min = 1ns`: each block is also recorded at its wakeup.
+    Record,
+}
+
+impl OffcpuMode {
+    const ALL: [Self; 3] = [Self::Off, Self::Capture, Self::Record];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Off => "offcpu=false",
+            Self::Capture => "offcpu_idle",
+            Self::Record => "offcpu_min=1ns",
+        }
+    }
+
+    /// poolscope's settings: the mode's, and no on-CPU sampling.
+    fn env(self) -> Vec<(&'static str, &'static str)> {
+        let mut env = vec![("POOLSCOPE_PROBES__SAMPLING_HZ", "0")];
+        match self {
+            Self::Off => env.push(("POOLSCOPE_STACKS__OFFCPU", "false")),
+            // Pingpong's threads hold no request: their blocks are `idle`, which
+            // only `offcpu_idle` captures.
+            Self::Capture => env.extend([
+                ("POOLSCOPE_STACKS__OFFCPU", "true"),
+                ("POOLSCOPE_STACKS__OFFCPU_IDLE", "true"),
+            ]),
+            Self::Record => env.extend([
+                ("POOLSCOPE_STACKS__OFFCPU", "true"),
+                ("POOLSCOPE_STACKS__OFFCPU_IDLE", "true"),
+                ("POOLSCOPE_STACKS__OFFCPU_MIN", "1ns"),
+            ]),
+        }
+        env
+    }
+}
+
+impl SchedStats {
+    /// `sched_switch`'s run time per block of a pingpong thread (two per round trip;
+    /// the host's other switches are in it too, alike in every mode).
+    fn switch_ns_per_block(&self) -> f64 {
+        self.switch.1 / (2.0 * self.roundtrips)
+    }
+
+    /// `sched_wakeup`'s run time per wakeup of a pingpong thread (the same).
+    fn wakeup_ns_per_block(&self) -> f64 {
+        self.wakeup.1 / (2.0 * self.roundtrips)
+    }
+}
+
+/// The stack snapshot benchmark: spinners, pingpong, nginx.
+fn run_stacks(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> anyhow::Result<()> {
+    build_test_programs(root, &["spinners"])?;
+    let (_idle, sched) = SchedBench::start(root, dir.clone(), seconds)?;
+
+    let mut samples = Vec::new();
+    for round in 0..rounds {
+        for mode in rotated(&SampleMode::ALL, round) {
+            let result = measure_alone(
+                mode.name(),
+                || sched.wait_for_quiet(),
+                || sched.sample_round(mode),
+            )?;
+            println!(
+                "round {:>2} {:<14} {SAMPLER} at {SAMPLING_HZ_HIGH} Hz {:>6.0} runs/s {:>6.1} ns/run \
+                 spinner {:>4.0} samples/s  poolscope {:.2}% of a CPU{}",
+                round + 1,
+                mode.name(),
+                result.runs_per_second(),
+                result.ns_per_run(),
+                result.spinner_samples_per_second(),
+                result.poolscope_cpu_share * 100.0,
+                result.disturbance.note()
+            );
+            samples.push(result);
+        }
+    }
+
+    let mut offcpu = Vec::new();
+    for round in 0..rounds {
+        for mode in rotated(&OffcpuMode::ALL, round) {
+            let watch = |pingpong| {
+                let name = format!("offcpu-{}", mode.name());
+                let ready = SchedBench::ready("pingpong");
+                sched
+                    .watch(&name, ("pingpong", pingpong), &mode.env(), &ready)
+                    .map(Some)
+            };
+            let result = measure_alone(
+                mode.name(),
+                || sched.wait_for_quiet(),
+                || sched.pingpong_round(mode, watch),
+            )?;
+            println!(
+                "round {:>2} {:<14} {:>8.0} roundtrips/s  stats on: sched_switch {:>5.1} ns/run \
+                 {:>5.1} ns/block, sched_wakeup {:>5.1} ns/run {:>5.1} ns/block{}",
+                round + 1,
+                mode.name(),
+                result.roundtrips_per_second,
+                result.stat(SchedStats::switch_ns_per_run),
+                result.stat(SchedStats::switch_ns_per_block),
+                result.stat(SchedStats::wakeup_ns_per_run),
+                result.stat(SchedStats::wakeup_ns_per_block),
+                result.disturbance.note()
+            );
+            offcpu.push(result);
+        }
+    }
+
+    let (_nginx, nginx) = Bench::start(root, dir, seconds)?;
+    let mut throughput = Vec::new();
+    for round in 0..rounds {
+        for hz in rotated(&NGINX_SAMPLING, round) {
+            let name = sampling_name(hz);
+            let backend = if hz.is_some() {
+                Mode::Socket
+            } else {
+                Mode::Off
+            };
+            let rate = hz.unwrap_or_default().to_string();
+            let env = [("POOLSCOPE_PROBES__SAMPLING_HZ", rate.as_str())];
+            let result = measure_alone(
+                &name,
+                || nginx.wait_for_quiet(),
+                || nginx.measure(backend, &env),
+            )?;
+            println!(
+                "round {:>2} {:<14} {:>10.0} req/s {:>8.2} µs nginx CPU/req {:>6.2} µs poolscope \
+                 CPU/req{}",
+                round + 1,
+                name,
+                result.requests_per_second,
+                result.cpu_us_per_request,
+                result.poolscope_cpu_us_per_request,
+                result.disturbance.note()
+            );
+            throughput.push((hz, result));
+        }
+    }
+    stacks_report(&samples, &offcpu, &throughput);
+    Ok(())
+}
+
+fn sampling_name(hz: Option<u32>) -> String {
+    match hz {
+        None => "off".to_owned(),
+        Some(hz) => format!("{hz} Hz"),
+    }
+}
+
+impl SchedBench<'_> {
+    /// One round of `spinners` (one thread spinning on `SPINNER_CPU`) with poolscope
+    /// sampling at `SAMPLING_HZ_HIGH`, watching the spinner or only the idle process:
+    /// `cpu_sample`'s runs and run time over `seconds` with kernel.bpf_stats_enabled.
+    fn sample_round(&self, mode: SampleMode) -> anyhow::Result<SampleRound> {
+        let args = ["1".to_owned(), SPINNER_CPU.to_string(), "3600".to_owned()];
+        let mut spinner = LineProgram::start(self.root, "spinners", None, &args)?;
+        spinner.line("spinners ")?;
+        let spinner_pid = spinner.pid();
+        let (target, ready) = match mode {
+            SampleMode::Unwatched => (("idle", self.idle), Self::ready("idle")),
+            SampleMode::Watched => (
+                ("spinners", spinner_pid),
+                vec!["poolscope_pool_threads{service=\"spinners\",pool=\"spin\"} 1\n".to_owned()],
+            ),
+        };
+        let hz = SAMPLING_HZ_HIGH.to_string();
+        let hooks = self.watch(
+            &format!("samples-{}", mode.name()),
+            target,
+            &[("POOLSCOPE_PROBES__SAMPLING_HZ", &hz)],
+            &ready,
+        )?;
+        let exporter_pid = hooks.poolscope_pid();
+        let ours = |pid: u32, _: &Process| {
+            pid == spinner_pid || pid == self.idle || Some(pid) == exporter_pid
+        };
+        let enabled = BpfStats::enable()?;
+        let started = Instant::now();
+        let at_start = processes();
+        let before = hooks.counters()?;
+        sleep(Duration::from_secs(self.seconds));
+        let counted = hooks.counters()?.since(&before);
+        let at_end = processes();
+        let elapsed = started.elapsed().as_secs_f64();
+        drop(enabled);
+        let cpu_seconds = |which: Option<u32>| {
+            cpu_used(&at_start, &at_end)
+                .filter(|(pid, _, _)| Some(*pid) == which)
+                .fold(0.0, |sum, (_, _, used)| sum + used)
+        };
+        let (runs, ns) = counted.programs.get(SAMPLER).copied().unwrap_or_default();
+        let disturbance = Disturbance::between(&at_start, &at_end, started.elapsed(), ours);
+        drop(hooks);
+        drop(spinner);
+        Ok(SampleRound {
+            mode,
+            runs,
+            ns,
+            seconds: elapsed,
+            spinner_samples: cpu_seconds(Some(spinner_pid)) * f64::from(SAMPLING_HZ_HIGH),
+            poolscope_cpu_share: cpu_seconds(exporter_pid) / elapsed,
+            disturbance,
+        })
+    }
+}
+
+fn stacks_report(
+    samples: &[SampleRound],
+    offcpu: &[SchedRound<OffcpuMode>],
+    throughput: &[(Option<u32>, Round)],
+) {
+    let sample = |mode, pick: &dyn Fn(&SampleRound) -> f64| {
+        min_median_where(samples, |r| r.mode == mode, pick)
+    };
+    let (_, filter_ns) = sample(SampleMode::Unwatched, &SampleRound::ns_per_run);
+    println!();
+    println!(
+        "| {SAMPLER} at {SAMPLING_HZ_HIGH} Hz, spinners (1 thread on CPU {SPINNER_CPU}), \
+         bpf_stats on | runs/s median | ns/run median (min) | spinner samples/s median \
+         | ns per watched sample median (min) | poolscope CPU, % of a CPU median |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for mode in SampleMode::ALL {
+        let (_, runs) = sample(mode, &SampleRound::runs_per_second);
+        let (run_min, run) = sample(mode, &SampleRound::ns_per_run);
+        let (_, spinner) = sample(mode, &SampleRound::spinner_samples_per_second);
+        let per_sample = match mode {
+            SampleMode::Unwatched => "-".to_owned(),
+            SampleMode::Watched => {
+                let (min, median) = sample(mode, &|r| r.ns_per_watched_sample(filter_ns));
+                format!("{median:.0} ({min:.0})")
+            }
+        };
+        let (_, own) = sample(mode, &|r| r.poolscope_cpu_share);
+        println!(
+            "| {} | {runs:.0} | {run:.1} ({run_min:.1}) | {spinner:.0} | {per_sample} | {:.2}% |",
+            mode.name(),
+            own * 100.0
+        );
+    }
+    println!();
+    println!(
+        "ns/run: {SAMPLER}'s run time over its runs (every CPU's cpu-clock). Unwatched, every \
+         run is the filter path: {filter_ns:.1} ns (median). Per watched sample: the watched \
+         rounds' run time less their other runs at that cost, over the spinner's samples (its \
+         CPU time × {SAMPLING_HZ_HIGH}); both stacks captured (bpf_get_stackid) and counted. \
+         bpf_stats adds its own clock reads to every run (see BENCH_ONLY=sched, empty)."
+    );
+
+    let stat = |mode, pick: fn(&SchedStats) -> f64| {
+        min_median_where(offcpu, |r| r.mode == mode, |r| r.stat(pick))
+    };
+    let rate = |mode| min_median_where(offcpu, |r| r.mode == mode, |r| r.roundtrips_per_second);
+    let (rate_off_min, rate_off) = rate(OffcpuMode::Off);
+    let (_, switch_off) = stat(OffcpuMode::Off, SchedStats::switch_ns_per_block);
+    let (_, wakeup_off) = stat(OffcpuMode::Off, SchedStats::wakeup_ns_per_block);
+    println!();
+    println!(
+        "| pingpong watched (2 threads on CPU {PINGPONG_CPU}), sampling off | roundtrips/s \
+         median (min) | /offcpu=false median | /offcpu=false min | sched_switch ns/run median \
+         (min) | sched_wakeup ns/run median (min) | sched_switch ns/block median | minus \
+         offcpu=false | sched_wakeup ns/block median | minus offcpu=false | pingpong's share \
+         of switches |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for mode in OffcpuMode::ALL {
+        let (rate_min, rate_median) = rate(mode);
+        let (switch_min, switch) = stat(mode, SchedStats::switch_ns_per_run);
+        let (wakeup_min, wakeup) = stat(mode, SchedStats::wakeup_ns_per_run);
+        let (_, switch_block) = stat(mode, SchedStats::switch_ns_per_block);
+        let (_, wakeup_block) = stat(mode, SchedStats::wakeup_ns_per_block);
+        let (_, share) = stat(mode, SchedStats::pingpong_share);
+        println!(
+            "| {} | {rate_median:.0} ({rate_min:.0}) | {:.4} | {:.4} | {switch:.1} \
+             ({switch_min:.1}) | {wakeup:.1} ({wakeup_min:.1}) | {switch_block:.1} | {:+.1} \
+             | {wakeup_block:.1} | {:+.1} | {:.1}% |",
+            mode.name(),
+            rate_median / rate_off,
+            rate_min / rate_off_min,
+            switch_block - switch_off,
+            wakeup_block - wakeup_off,
+            share * 100.0
+        );
+    }
+    let (_, switch_capture) = stat(OffcpuMode::Capture, SchedStats::switch_ns_per_block);
+    let (_, switch_record) = stat(OffcpuMode::Record, SchedStats::switch_ns_per_block);
+    let (_, wakeup_capture) = stat(OffcpuMode::Capture, SchedStats::wakeup_ns_per_block);
+    let (_, wakeup_record) = stat(OffcpuMode::Record, SchedStats::wakeup_ns_per_block);
+    let wall_ns = |mode| (1e9 / rate(mode).1 - 1e9 / rate_off) / 2.0;
+    println!();
+    println!(
+        "Per off-CPU event (a block of a watched thread; medians, bpf_stats on): the capture \
+         of both stacks at the switch costs {:+.0} ns of sched_switch (offcpu=true − false); \
+         recording the block at its wakeup (offcpu_min=1ns, every block) {:+.0} ns of \
+         sched_wakeup (− offcpu=true; {:+.0} ns of sched_switch besides). A block shorter \
+         than offcpu_min (default 1 ms) pays the capture only. Wall time per block, bpf_stats \
+         off (half a round trip more than offcpu=false): {:+.0} ns offcpu=true, {:+.0} ns \
+         offcpu_min=1ns.",
+        switch_capture - switch_off,
+        wakeup_record - wakeup_capture,
+        switch_record - switch_capture,
+        wall_ns(OffcpuMode::Capture),
+        wall_ns(OffcpuMode::Record),
+    );
+
+    let of = |hz, pick: fn(&Round) -> f64| {
+        min_median_where(throughput, |(mode, _)| *mode == hz, |(_, r)| pick(r))
+    };
+    let (rate_off_min, rate_off) = of(None, |r| r.requests_per_second);
+    println!();
+    println!(
+        "| nginx, 1 worker, wrk -t1 -c32; poolscope socket backend, sampling at | requests/s \
+         median (min) | /off median | /off min | nginx CPU µs/request median (min) | poolscope \
+         CPU µs/request median (min) | poolscope CPU, % of a CPU median |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for hz in NGINX_SAMPLING {
+        let (rate_min, rate_median) = of(hz, |r| r.requests_per_second);
+        let (cpu_min, cpu) = of(hz, |r| r.cpu_us_per_request);
+        let (own_min, own) = of(hz, |r| r.poolscope_cpu_us_per_request);
+        // µs per request × requests per second: µs per second.
+        let (_, share) = of(hz, |r| {
+            r.poolscope_cpu_us_per_request * r.requests_per_second
+        });
+        println!(
+            "| {} | {rate_median:.0} ({rate_min:.0}) | {:.4} | {:.4} | {cpu:.2} ({cpu_min:.2}) \
+             | {own:.2} ({own_min:.2}) | {:.2}% |",
+            sampling_name(hz),
+            rate_median / rate_off,
+            rate_min / rate_off_min,
+            share / 1e4,
+        );
+    }
+    let skewed = samples
+        .iter()
+        .map(|r| (r.mode.name().to_owned(), &r.disturbance))
+        .chain(
+            offcpu
+                .iter()
+                .map(|r| (r.mode.name().to_owned(), &r.disturbance)),
+        )
+        .chain(
+            throughput
+                .iter()
+                .map(|(hz, r)| (sampling_name(*hz), &r.disturbance)),
+        )
+        .filter(|(_, disturbance)| disturbance.skews());
+    for (name, disturbance) in skewed {
+        println!("{name} round{}", disturbance.note());
     }
 }
