@@ -1064,6 +1064,14 @@ mod tests {
             .map_or("<bad string id>", String::as_str)
     }
 
+    fn sample_types(profile: &pb::Profile) -> Vec<(String, String)> {
+        profile
+            .sample_type
+            .iter()
+            .map(|vt| value_type(profile, vt))
+            .collect()
+    }
+
     fn value_type(profile: &pb::Profile, vt: &pb::ValueType) -> (String, String) {
         (
             string(profile, vt.r#type).to_owned(),
@@ -1098,11 +1106,7 @@ mod tests {
         let records = fixture();
         let profile = decode(&pprof(&refs(&records), View::Cpu, &meta(50))?)?;
         assert_eq!(profile.string_table.first().map(String::as_str), Some(""));
-        let types: Vec<_> = profile
-            .sample_type
-            .iter()
-            .map(|vt| value_type(&profile, vt))
-            .collect();
+        let types = sample_types(&profile);
         assert_eq!(
             types,
             [
@@ -1157,11 +1161,7 @@ mod tests {
     fn pprof_offcpu_view() -> TestResult {
         let records = fixture();
         let profile = decode(&pprof(&refs(&records), View::OffCpu, &meta(50))?)?;
-        let types: Vec<_> = profile
-            .sample_type
-            .iter()
-            .map(|vt| value_type(&profile, vt))
-            .collect();
+        let types = sample_types(&profile);
         assert_eq!(
             types,
             [
@@ -1195,11 +1195,7 @@ mod tests {
     fn pprof_wall_view_weighs_samples_by_period() -> TestResult {
         let records = fixture();
         let profile = decode(&pprof(&refs(&records), View::Wall, &meta(50))?)?;
-        let types: Vec<_> = profile
-            .sample_type
-            .iter()
-            .map(|vt| value_type(&profile, vt))
-            .collect();
+        let types = sample_types(&profile);
         assert_eq!(
             types,
             [
