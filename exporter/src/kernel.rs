@@ -393,6 +393,14 @@ where
     T::try_from(map).map_err(|source| KernelError::Map { map: name, source })
 }
 
+/// The return addresses (innermost first) of stack `id` of a stack map; `None` for
+/// a negative id (not captured) or one the map no longer holds.
+fn addresses(map: &StackTraceMap<MapData>, id: i32) -> Option<Vec<u64>> {
+    let id = u32::try_from(id).ok()?;
+    let trace = map.get(&id, 0).ok()?;
+    Some(trace.frames().iter().map(|frame| frame.ip).collect())
+}
+
 /// Loads the sampler and, unless `hz` is 0, attaches it to the cpu-clock of every
 /// online CPU. A kernel that refuses the perf events (a container without them)
 /// leaves the probe unattached rather than the exporter down: stacks are a view,
@@ -827,9 +835,7 @@ impl Kernel {
 
     /// The frames (innermost first) of stack `id` of `generation`.
     pub fn stack(&self, generation: u32, id: i32) -> Option<Vec<u64>> {
-        let id = u32::try_from(id).ok()?;
-        let trace = self.stacks.get(generation as usize)?.get(&id, 0).ok()?;
-        Some(trace.frames().iter().map(|frame| frame.ip).collect())
+        addresses(self.stacks.get(generation as usize)?, id)
     }
 
     /// Empties `generation` (its counts and its stack map) for reuse.
@@ -853,9 +859,7 @@ impl Kernel {
 
     /// The user stack (return addresses, innermost first) of a `LOCKS` key.
     pub fn lock_stack(&self, id: i32) -> Option<Vec<u64>> {
-        let id = u32::try_from(id).ok()?;
-        let trace = self.lock_stacks.get(&id, 0).ok()?;
-        Some(trace.frames().iter().map(|frame| frame.ip).collect())
+        addresses(&self.lock_stacks, id)
     }
 
     /// Removes the lock entries of a process no longer watched. Its stacks stay in

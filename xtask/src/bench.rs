@@ -2381,7 +2381,7 @@ enum OffcpuMode {
     /// `offcpu = true`, `offcpu_idle = true`, default `offcpu_min` (1 ms): each of
     /// pingpong's blocks is captured at its switch, none is recorded (they last µs).
     Capture,
-    /// `offcpu = true`, `offcpu_min = 1ns`: each block is also recorded at its wakeup.
+    /// As `Capture`, with `offcpu_min = 1ns`: each block is also recorded at its wakeup.
     Record,
 }
 
