@@ -16,6 +16,7 @@ mod maps;
 mod process;
 mod requests;
 mod sched;
+mod sessions;
 mod sock;
 mod stacks;
 mod syscalls;

@@ -6,10 +6,10 @@ use aya_ebpf::{
 };
 use poolscope_shared::{
     Conn, Histogram, LISTEN_PORTS_CAPACITY, LockKey, LockPrimitive, LossSource, MAX_LOCK_STACKS,
-    MAX_LOCKS, MAX_POOLS, MAX_SERVICES, MAX_STACK_COUNTS, MAX_STACKS, MAX_THREADS,
-    MUTEX_CALLS_CAPACITY, PENDING_CALLS_CAPACITY, PendingCall, PoolStats, ProcessEvent,
-    RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey,
-    Thread, Watched,
+    MAX_LOCKS, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS, MAX_STACKS,
+    MAX_THREADS, MUTEX_CALLS_CAPACITY, PENDING_CALLS_CAPACITY, PendingCall, PoolStats,
+    ProcessEvent, ProfileSession, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE,
+    ServiceCounters, StackCount, StackKey, Thread, Watched,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -64,6 +64,9 @@ pub static STACKS_0: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
 pub static STACKS_1: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
 #[map]
 pub static STACKS_2: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
+#[map]
+pub static PROFILE_SESSIONS: Array<ProfileSession> =
+    Array::with_max_entries(MAX_PROFILE_SESSIONS, 0);
 #[map]
 pub static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 

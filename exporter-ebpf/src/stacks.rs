@@ -27,6 +27,7 @@ use crate::{
         STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, THREAD_POOLS, atomic_add,
         count_loss,
     },
+    sessions,
     threads::thread,
 };
 
@@ -54,7 +55,7 @@ fn offcpu_min_ns() -> u64 {
 }
 
 #[inline(always)]
-fn current_epoch() -> u32 {
+pub fn current_epoch() -> u32 {
     STACK_EPOCH.get(0).copied().unwrap_or(0)
 }
 
@@ -75,7 +76,7 @@ fn stack_id<C: StackIdContext>(ctx: &C, map: &StackTrace, flags: u64) -> i32 {
 
 /// The current (user, kernel) stack ids in the stack map of `generation`.
 #[inline(always)]
-fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
+pub fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
     let map = match generation {
         0 => &STACKS_0,
         1 => &STACKS_1,
@@ -86,7 +87,7 @@ fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
 
 /// Adds one sample or block of `ns` to `key`'s count.
 #[inline(always)]
-fn add(key: &StackKey, ns: u64) {
+pub fn add(key: &StackKey, ns: u64) {
     let count = match STACK_COUNTS.get_ptr_mut(key) {
         Some(count) => count,
         None => {
@@ -110,7 +111,7 @@ fn add(key: &StackKey, ns: u64) {
 }
 
 #[inline(always)]
-fn pool_of(tid: u32) -> u32 {
+pub fn pool_of(tid: u32) -> u32 {
     // SAFETY: copied out at once.
     unsafe { THREAD_POOLS.get(tid).copied() }.unwrap_or(NO_POOL)
 }
@@ -133,6 +134,7 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
         pool: pool_of(tid),
         user_stack,
         kernel_stack,
+        session: 0,
     };
     add(&key, 0);
     0
@@ -193,6 +195,8 @@ pub fn unblocked(tid: u32, thread: &mut Thread, now: u64) {
         pool: pool_of(tid),
         user_stack,
         kernel_stack,
+        session: 0,
     };
     add(&key, blocked_ns);
+    sessions::block_ended(thread.service, key, blocked_ns, now);
 }

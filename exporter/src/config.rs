@@ -14,13 +14,14 @@ use serde::{Deserialize, Serialize};
 /// Environment variable prefix; nested keys use `__`, e.g. `POOLSCOPE_WEB__LISTEN_ADDRESS`.
 pub const ENV_PREFIX: &str = "POOLSCOPE_";
 /// Top-level tables of the file, the only names taken from the environment.
-const SECTIONS: [&str; 7] = [
+const SECTIONS: [&str; 8] = [
     "web",
     "log",
     "discovery",
     "probes",
     "pools",
     "stacks",
+    "profiles",
     "limits",
 ];
 /// Default address: localhost only, the port of no other well-known exporter.
@@ -35,6 +36,7 @@ pub struct RawConfig {
     pub probes: RawProbes,
     pub pools: RawPools,
     pub stacks: RawStacks,
+    pub profiles: RawProfiles,
     pub limits: RawLimits,
     pub targets: Vec<RawTarget>,
 }
@@ -70,6 +72,14 @@ impl Default for RawConfig {
                 memory_limit_bytes: 64 << 20,
                 saturation_queue_depth: 0,
                 saturation_duration: Duration::from_secs(5),
+            },
+            profiles: RawProfiles {
+                max_sessions: 4,
+                max_duration: Duration::from_secs(120),
+                min_hz: 1,
+                max_hz: 1000,
+                default_hz: 99,
+                max_response_bytes: 32 << 20,
             },
             limits: RawLimits {
                 max_series: 20_000,
@@ -157,6 +167,23 @@ pub struct RawStacks {
     pub saturation_queue_depth: u64,
     #[serde(with = "humantime_serde")]
     pub saturation_duration: Duration,
+}
+
+/// On-demand profiling sessions (`/debug/pprof/profile`).
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawProfiles {
+    /// Sessions running at once (0: the endpoint is off); at most 8.
+    pub max_sessions: u32,
+    /// Longest `seconds` a session may ask for.
+    #[serde(with = "humantime_serde")]
+    pub max_duration: Duration,
+    /// The `hz` a session may ask for, and the one it gets when it does not ask.
+    pub min_hz: u32,
+    pub max_hz: u32,
+    pub default_hz: u32,
+    /// Largest response: the lightest stacks are left out beyond it (and counted).
+    pub max_response_bytes: u64,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -259,6 +286,7 @@ pub struct Settings {
     pub stack_counts: u32,
     pub utilization_window: Duration,
     pub snapshots: SnapshotSettings,
+    pub profiles: ProfileLimits,
     /// Empty: auto-discover every process with a listening TCP socket.
     pub targets: Vec<TargetRule>,
 }
@@ -275,6 +303,17 @@ pub struct SnapshotSettings {
     pub memory_limit_bytes: u64,
     /// (threshold, duration); `None`: no saturation snapshots.
     pub saturation: Option<(u64, Duration)>,
+}
+
+/// Limits of the on-demand profiling sessions (`[profiles]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProfileLimits {
+    pub max_sessions: u32,
+    pub max_duration: Duration,
+    pub min_hz: u32,
+    pub max_hz: u32,
+    pub default_hz: u32,
+    pub max_response_bytes: u64,
 }
 
 /// A validated `[[targets]]` entry.
@@ -413,6 +452,7 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
     positive("limits.stacks", raw.limits.stacks.into())?;
     positive("limits.stack_counts", raw.limits.stack_counts.into())?;
     let snapshots = validate_stacks(raw, figment)?;
+    let profiles = validate_profiles(&raw.profiles, figment)?;
     if raw.pools.utilization_window < Duration::from_secs(1) {
         return Err(invalid(
             figment,
@@ -453,7 +493,55 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         stack_counts: raw.limits.stack_counts,
         utilization_window: raw.pools.utilization_window,
         snapshots,
+        profiles,
         targets,
+    })
+}
+
+fn validate_profiles(raw: &RawProfiles, figment: &Figment) -> Result<ProfileLimits, ConfigError> {
+    const MAX_HZ: u32 = 1000;
+    if raw.max_sessions > poolscope_shared::MAX_PROFILE_SESSIONS {
+        return Err(invalid(
+            figment,
+            "profiles.max_sessions",
+            format!("at most {}", poolscope_shared::MAX_PROFILE_SESSIONS),
+        ));
+    }
+    if raw.max_duration < Duration::from_secs(1) {
+        return Err(invalid(
+            figment,
+            "profiles.max_duration",
+            "must be at least 1s",
+        ));
+    }
+    if raw.min_hz == 0 || raw.min_hz > raw.max_hz || raw.max_hz > MAX_HZ {
+        return Err(invalid(
+            figment,
+            "profiles.min_hz",
+            format!("want 1 <= profiles.min_hz <= profiles.max_hz <= {MAX_HZ}"),
+        ));
+    }
+    if !(raw.min_hz..=raw.max_hz).contains(&raw.default_hz) {
+        return Err(invalid(
+            figment,
+            "profiles.default_hz",
+            "must lie within profiles.min_hz and profiles.max_hz",
+        ));
+    }
+    if raw.max_response_bytes < 64 << 10 {
+        return Err(invalid(
+            figment,
+            "profiles.max_response_bytes",
+            "must be at least 64 KiB",
+        ));
+    }
+    Ok(ProfileLimits {
+        max_sessions: raw.max_sessions,
+        max_duration: raw.max_duration,
+        min_hz: raw.min_hz,
+        max_hz: raw.max_hz,
+        default_hz: raw.default_hz,
+        max_response_bytes: raw.max_response_bytes,
     })
 }
 
@@ -686,6 +774,36 @@ mod tests {
                 "stacks.saturation_duration",
             ),
             ("[limits]\nstacks = 0\n", "limits.stacks"),
+        ] {
+            let error = error_of(toml);
+            assert!(error.contains(key), "{toml}: {error}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn profile_limits_are_checked() -> Result<(), ConfigError> {
+        let limits = load_toml("")?.profiles;
+        assert_eq!(
+            (limits.max_sessions, limits.default_hz, limits.max_duration),
+            (4, 99, Duration::from_secs(120))
+        );
+        let limits =
+            load_toml("[profiles]\nmax_sessions = 0\nmin_hz = 10\ndefault_hz = 10\n")?.profiles;
+        assert_eq!((limits.max_sessions, limits.min_hz), (0, 10));
+        for (toml, key) in [
+            ("[profiles]\nmax_sessions = 9\n", "profiles.max_sessions"),
+            (
+                "[profiles]\nmax_duration = \"10ms\"\n",
+                "profiles.max_duration",
+            ),
+            ("[profiles]\nmin_hz = 0\n", "profiles.min_hz"),
+            ("[profiles]\nmax_hz = 5000\n", "profiles.min_hz"),
+            ("[profiles]\ndefault_hz = 2000\n", "profiles.default_hz"),
+            (
+                "[profiles]\nmax_response_bytes = 100\n",
+                "profiles.max_response_bytes",
+            ),
         ] {
             let error = error_of(toml);
             assert!(error.contains(key), "{toml}: {error}");

@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use poolscope_shared::{Activity, ProcessEvent, ProcessEventKind};
+use poolscope_shared::{Activity, NO_POOL, ProcessEvent, ProcessEventKind, ProfileSession};
 use tokio::sync::Notify;
 
 use crate::{
@@ -26,12 +26,13 @@ use crate::{
     locks::{self, LockProbes, top_locks},
     pools::{self, COMPONENTS, PoolView, Pools, sum_of},
     procfs,
-    profile::{self, View},
+    profile::{self, ProfileMeta, StackRecord, View},
+    sessions::{self, ProfileQuery, Refusal, Sessions, Ticket},
     sockdiag,
-    stacks::{Drained, RecentNames, Saturation, Snapshots, Trigger, Window},
+    stacks::{Drained, RecentNames, Saturation, Snapshots, StackWindows, Trigger, Window},
     symbolize::Symbols,
     targets::{Targets, WatchChange, monotonic_ns},
-    web::{DebugError, Gatherer, LocksFormat, LocksQuery, StacksFormat, StacksQuery},
+    web::{DebugError, Gatherer, LocksFormat, LocksQuery, ProfileOutput, StacksQuery},
     window::Windows,
 };
 
@@ -39,10 +40,11 @@ use crate::{
 /// that read the old epoch takes to finish.
 const EPOCH_SETTLE: Duration = Duration::from_millis(5);
 
-/// The stack window being collected. Each drain symbolizes with a symbolizer of its
-/// own (blazesym's is not `Send`), so its cache lives as long as one drain.
+/// The stack windows being collected (the snapshot's and the profiling sessions').
+/// Each drain symbolizes with a symbolizer of its own (blazesym's is not `Send`), so
+/// its cache lives as long as one drain.
 struct StackCollector {
-    window: Window,
+    windows: StackWindows,
     names: RecentNames,
     saturation: Saturation,
 }
@@ -91,6 +93,7 @@ pub struct Exporter {
     procfs_root: PathBuf,
     stacks: Mutex<StackCollector>,
     snapshots: RwLock<Snapshots>,
+    sessions: Mutex<Sessions>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -128,11 +131,12 @@ impl Exporter {
             probes,
             series_dropped: AtomicU64::new(0),
             stacks: Mutex::new(StackCollector {
-                window: Window::new(SystemTime::now()),
+                windows: StackWindows::new(SystemTime::now()),
                 names: RecentNames::default(),
                 saturation: Saturation::default(),
             }),
             snapshots: RwLock::new(snapshots),
+            sessions: Mutex::new(Sessions::default()),
             rescan_now: Arc::new(Notify::new()),
             procfs_root,
         }
@@ -284,33 +288,38 @@ impl Exporter {
         }
     }
 
-    /// Moves the stacks counted up to two epochs ago into the current window
+    /// Moves the stacks counted up to two epochs ago into the current windows
     /// (symbolized outside the exporter's lock).
     pub fn drain_stacks(&self) {
         let mut collector = self.stack_collector();
         let mut drained = self.drain_generation();
         collector.names.complete(&mut drained, &self.procfs_root);
         collector
-            .window
+            .windows
             .add(&drained, &Symbols::new(&self.procfs_root));
     }
 
-    /// Ends the current window as a snapshot: two epoch advances bring every stack
-    /// counted up to now into it (an off-CPU block still in progress keeps its
-    /// time but loses its stacks, counted in `events_lost_total`).
-    pub fn take_snapshot(&self, trigger: Trigger) {
-        let settings = self.settings().snapshots;
-        let mut collector = self.stack_collector();
+    /// Brings every stack counted up to now into the windows: two epoch advances (an
+    /// off-CPU block still in progress keeps its time but loses its stacks, counted
+    /// in `events_lost_total`).
+    fn drain_everything(&self, collector: &mut StackCollector) {
         let mut first = self.drain_generation();
         collector.names.complete(&mut first, &self.procfs_root);
         std::thread::sleep(EPOCH_SETTLE);
         let mut second = self.drain_generation();
         collector.names.complete(&mut second, &self.procfs_root);
-        let now = SystemTime::now();
         let symbols = Symbols::new(&self.procfs_root);
-        collector.window.add(&first, &symbols);
-        collector.window.add(&second, &symbols);
-        let window = std::mem::replace(&mut collector.window, Window::new(now));
+        collector.windows.add(&first, &symbols);
+        collector.windows.add(&second, &symbols);
+    }
+
+    /// Ends the current window as a snapshot.
+    pub fn take_snapshot(&self, trigger: Trigger) {
+        let settings = self.settings().snapshots;
+        let mut collector = self.stack_collector();
+        self.drain_everything(&mut collector);
+        let now = SystemTime::now();
+        let window = std::mem::replace(&mut collector.windows.snapshot, Window::new(now));
         drop(collector);
         let snapshot = window.finish(
             now,
@@ -326,6 +335,169 @@ impl Exporter {
             trigger = summary.trigger,
             "stack snapshot"
         );
+    }
+
+    fn sessions(&self) -> MutexGuard<'_, Sessions> {
+        // Counters and slot flags stay valid whatever panicked.
+        self.sessions
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn try_begin_profile(
+        &self,
+        query: &ProfileQuery,
+        requested_ns: u64,
+    ) -> Result<Ticket, Refusal> {
+        let settings = self.settings();
+        let request = sessions::validate(
+            query,
+            &settings.profiles,
+            settings.snapshots.offcpu_min.is_some(),
+        )?;
+        let ticket =
+            self.sessions()
+                .reserve(request, requested_ns, settings.profiles.max_sessions)?;
+        // The window first, so that no drain meanwhile drops the session's counts.
+        self.stack_collector()
+            .windows
+            .start_session(ticket.id, SystemTime::now());
+        if let Err(refusal) = self.start_in_kernel(&ticket) {
+            self.stack_collector().windows.take_session(ticket.id);
+            self.sessions().release(ticket.slot);
+            return Err(refusal);
+        }
+        self.sessions().started(ticket.request.view);
+        tracing::info!(
+            service = ticket.request.service,
+            pool = ticket.request.pool,
+            seconds = ticket.request.duration.as_secs(),
+            hz = ticket.request.hz,
+            kind = sessions::kind_name(ticket.request.view),
+            "profiling session started"
+        );
+        Ok(ticket)
+    }
+
+    fn start_in_kernel(&self, ticket: &Ticket) -> Result<(), Refusal> {
+        let request = &ticket.request;
+        let mut shared = self.lock();
+        let service = shared
+            .targets
+            .service_id(&request.service)
+            .ok_or_else(|| Refusal::UnknownService(request.service.clone()))?;
+        let pool = match &request.pool {
+            None => NO_POOL,
+            Some(name) => shared
+                .pools
+                .views()
+                .into_iter()
+                .find(|view| view.service == service && view.name == *name)
+                .map(|view| view.id)
+                .ok_or_else(|| Refusal::UnknownPool {
+                    service: request.service.clone(),
+                    pool: name.clone(),
+                })?,
+        };
+        let mut kinds = 0;
+        if request.on_cpu() {
+            kinds |= ProfileSession::ON_CPU;
+        }
+        if request.off_cpu() {
+            kinds |= ProfileSession::OFF_CPU;
+        }
+        let session = ProfileSession {
+            id: ticket.id,
+            active: 1,
+            service,
+            pool,
+            kinds,
+            _pad: 0,
+            start_ns: monotonic_ns(),
+            first_sample_ns: 0,
+        };
+        shared
+            .kernel
+            .start_profile(ticket.slot, session, request.on_cpu().then_some(request.hz))
+            .map_err(|error| Refusal::Kernel(error.to_string()))
+    }
+
+    /// Stops the session in the kernel and frees its slot; the kernel's last view
+    /// of it.
+    fn stop_in_kernel(&self, ticket: &Ticket) -> Result<ProfileSession, Refusal> {
+        let stopped = self.lock().kernel.stop_profile(ticket.slot);
+        self.sessions().release(ticket.slot);
+        stopped.map_err(|error| Refusal::Kernel(error.to_string()))
+    }
+
+    fn try_end_profile(&self, ticket: &Ticket) -> Result<ProfileOutput, Refusal> {
+        let stopped = self.stop_in_kernel(ticket);
+        let ended = SystemTime::now();
+        let window = {
+            let mut collector = self.stack_collector();
+            if stopped.is_ok() {
+                self.drain_everything(&mut collector);
+            }
+            collector.windows.take_session(ticket.id)
+        };
+        let session = stopped?;
+        let window =
+            window.ok_or_else(|| Refusal::Kernel("the session's window is gone".to_owned()))?;
+        let request = &ticket.request;
+        let mut comments = vec![format!(
+            "poolscope: {} profile of service {:?}{}, {} s at {} Hz",
+            request.view.title(),
+            request.service,
+            request
+                .pool
+                .as_ref()
+                .map(|pool| format!(", pool {pool:?}"))
+                .unwrap_or_default(),
+            request.duration.as_secs(),
+            request.hz
+        )];
+        if session.first_sample_ns > ticket.requested_ns {
+            let latency = Duration::from_nanos(session.first_sample_ns - ticket.requested_ns);
+            self.sessions().first_sample(latency);
+            comments.push(format!(
+                "poolscope: first sample {:.1} ms after the request",
+                latency.as_secs_f64() * 1e3
+            ));
+        }
+        let started = window.started();
+        let records = window.into_records(request.hz, u64::MAX).records;
+        let records: Vec<&StackRecord> = records.iter().collect();
+        let meta = ProfileMeta {
+            sampling_hz: request.hz,
+            started,
+            duration: ended.duration_since(started).unwrap_or_default(),
+            comments,
+        };
+        let title = format!(
+            "{} stacks of {}, {} s profile at {} Hz",
+            request.view.title(),
+            request.service,
+            request.duration.as_secs(),
+            request.hz
+        );
+        let limit = self.settings().profiles.max_response_bytes;
+        let (body, stacks_dropped) = profile::render_within(&records, limit, |records| {
+            profile::render(records, request.view, &meta, request.format, &title)
+        })
+        .map_err(|error| Refusal::Render(error.to_string()))?;
+        if stacks_dropped > 0 {
+            tracing::warn!(
+                service = request.service,
+                stacks_dropped,
+                limit,
+                "profile cut to profiles.max_response_bytes: the lightest stacks are left out"
+            );
+        }
+        Ok(ProfileOutput {
+            body,
+            format: request.format,
+            stacks_dropped,
+        })
     }
 
     /// Takes a saturation snapshot when a service's queue depth has stayed above
@@ -517,24 +689,43 @@ impl Gatherer for Exporter {
             .get(query.snapshot)
             .ok_or(DebugError::NoSnapshot(query.snapshot))?;
         let records = snapshot.records(query.service.as_deref(), query.pool.as_deref());
-        let meta = snapshot.meta();
-        Ok(match query.format {
-            StacksFormat::Folded => profile::folded(&records, view, &meta).into_bytes(),
-            StacksFormat::Svg => {
-                let kind = match view {
-                    View::Cpu => "On-CPU",
-                    View::OffCpu => "Off-CPU",
-                    View::Wall => "Wall-clock (on-CPU and off-CPU)",
-                };
-                let title = format!(
-                    "{kind} stacks of {}, snapshot {}",
-                    query.service.as_deref().unwrap_or("every service"),
-                    snapshot.id
-                );
-                profile::svg(&records, view, &meta, &title)?.into_bytes()
-            }
-            StacksFormat::Pprof => profile::pprof(&records, view, &meta)?,
-        })
+        let title = format!(
+            "{} stacks of {}, snapshot {}",
+            view.title(),
+            query.service.as_deref().unwrap_or("every service"),
+            snapshot.id
+        );
+        Ok(profile::render(
+            &records,
+            view,
+            &snapshot.meta(),
+            query.format,
+            &title,
+        )?)
+    }
+
+    fn begin_profile(&self, query: &ProfileQuery, requested_ns: u64) -> Result<Ticket, Refusal> {
+        let started = self.try_begin_profile(query, requested_ns);
+        if let Err(refusal) = &started {
+            self.sessions().refused(refusal);
+        }
+        started
+    }
+
+    fn end_profile(&self, ticket: Ticket) -> Result<ProfileOutput, Refusal> {
+        let output = self.try_end_profile(&ticket);
+        if let Err(refusal) = &output {
+            tracing::warn!(%refusal, service = ticket.request.service, "profiling session failed");
+            self.sessions().refused(refusal);
+        }
+        output
+    }
+
+    fn cancel_profile(&self, ticket: Ticket) {
+        if let Err(refusal) = self.stop_in_kernel(&ticket) {
+            tracing::warn!(%refusal, "ending a profiling session failed");
+        }
+        self.stack_collector().windows.take_session(ticket.id);
     }
 
     fn gather(&self) -> Vec<Family> {
@@ -682,6 +873,7 @@ impl Gatherer for Exporter {
             collectors,
         };
         families.extend(self_families(&stats, &self.probes, kernel.as_ref()));
+        families.extend(self.sessions().families());
         families
     }
 }

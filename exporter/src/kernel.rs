@@ -12,15 +12,17 @@ use aya::{
     },
     programs::{
         PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe,
-        perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
+        perf_event::{
+            PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent,
+        },
         uprobe::{UProbeLinkId, UProbeScope},
     },
 };
 use poolscope_shared::{
-    Conn, Histogram, LockKey, LockPrimitive, LossSource, PendingCall, Phase, PoolStats,
-    ProcessEvent, RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey,
-    SyscallSlot, Thread, WaitClass, Watched, conn_key_tgid, lock_wait_index, maps,
-    syscall_counter_index,
+    Conn, Histogram, LockKey, LockPrimitive, LossSource, MAX_PROFILE_SESSIONS, PendingCall, Phase,
+    PoolStats, ProcessEvent, ProfileSession, RequestTimes, STACK_GENERATIONS, ServiceCounters,
+    StackCount, StackKey, SyscallSlot, Thread, WaitClass, Watched, conn_key_tgid, lock_wait_index,
+    maps, syscall_counter_index,
 };
 
 use crate::btf;
@@ -50,6 +52,10 @@ pub enum KernelError {
     Map { map: &'static str, source: MapError },
     #[error("reading the kernel's BTF (/sys/kernel/btf/vmlinux): {0}")]
     BtfFile(std::io::Error),
+    #[error("listing the online CPUs: {0}")]
+    Cpus(std::io::Error),
+    #[error("no profiling session slot {0}")]
+    NoSessionSlot(u32),
     #[error("the kernel's BTF: {0}")]
     Btf(#[from] btf::BtfError),
 }
@@ -288,6 +294,9 @@ pub struct Kernel {
     stacks: Vec<StackTraceMap<MapData>>,
     /// The epoch in `stack_epoch` (user space is its only writer).
     epoch: u32,
+    profile_sessions: Array<MapData, ProfileSession>,
+    /// The cpu-clock perf events of each session slot's sampler, while it runs.
+    session_links: [Vec<PerfEventLinkId>; MAX_PROFILE_SESSIONS as usize],
     probes: Vec<Probe>,
     sizes: MapSizes,
     backend: Backend,
@@ -401,21 +410,84 @@ fn addresses(map: &StackTraceMap<MapData>, id: i32) -> Option<Vec<u64>> {
     Some(trace.frames().iter().map(|frame| frame.ip).collect())
 }
 
+/// The sampler program of each profiling session slot (`sessions.rs` of the kernel
+/// side).
+const SESSION_SAMPLERS: [&str; MAX_PROFILE_SESSIONS as usize] = [
+    "session_sample_0",
+    "session_sample_1",
+    "session_sample_2",
+    "session_sample_3",
+    "session_sample_4",
+    "session_sample_5",
+    "session_sample_6",
+    "session_sample_7",
+];
+
+fn perf_program<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut PerfEvent, KernelError> {
+    ebpf.program_mut(name)
+        .ok_or(KernelError::MissingProgram(name))?
+        .try_into()
+        .map_err(|source| KernelError::Program {
+            program: name,
+            source,
+        })
+}
+
+/// Attaches `program` to the cpu-clock of every online CPU, ticking `hz` times a
+/// second. On an error, what was attached is detached again.
+fn attach_cpu_clock(
+    program: &mut PerfEvent,
+    name: &'static str,
+    hz: u32,
+) -> Result<Vec<PerfEventLinkId>, KernelError> {
+    let cpus = aya::util::online_cpus().map_err(|(_, error)| KernelError::Cpus(error))?;
+    // A fixed period of the cpu-clock (ns) rather than a frequency: the kernel
+    // then does not retune it, and a thread on CPU for t seconds gets t × hz samples.
+    let period_ns = 1_000_000_000 / u64::from(hz.max(1));
+    let mut links = Vec::with_capacity(cpus.len());
+    for cpu in cpus {
+        let attached = program.attach(
+            PerfEventConfig::Software(SoftwareEvent::CpuClock),
+            PerfEventScope::AllProcessesOneCpu { cpu },
+            SamplePolicy::Period(period_ns),
+            false,
+        );
+        match attached {
+            Ok(link) => links.push(link),
+            Err(source) => {
+                detach_all(program, links);
+                return Err(KernelError::Attach {
+                    program: name,
+                    probe: format!("perf_event/cpu-clock of CPU {cpu}"),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(links)
+}
+
+fn detach_all(program: &mut PerfEvent, links: Vec<PerfEventLinkId>) {
+    for link in links {
+        if let Err(error) = program.detach(link) {
+            tracing::warn!(%error, "detaching a cpu-clock perf event failed");
+        }
+    }
+}
+
 /// Loads the sampler and, unless `hz` is 0, attaches it to the cpu-clock of every
 /// online CPU. A kernel that refuses the perf events (a container without them)
 /// leaves the probe unattached rather than the exporter down: stacks are a view,
 /// not the metrics.
 fn attach_sampler(ebpf: &mut Ebpf, hz: u32) -> Result<Probe, KernelError> {
-    let program_error = |source| KernelError::Program {
+    let sampler = perf_program(ebpf, SAMPLER)?;
+    sampler.load().map_err(|source| KernelError::Program {
         program: SAMPLER,
         source,
-    };
-    let sampler: &mut PerfEvent = ebpf
-        .program_mut(SAMPLER)
-        .ok_or(KernelError::MissingProgram(SAMPLER))?
-        .try_into()
-        .map_err(program_error)?;
-    sampler.load().map_err(program_error)?;
+    })?;
     let mut probe = Probe {
         name: "perf_event/cpu-clock".to_owned(),
         attached: false,
@@ -423,29 +495,10 @@ fn attach_sampler(ebpf: &mut Ebpf, hz: u32) -> Result<Probe, KernelError> {
     if hz == 0 {
         return Ok(probe);
     }
-    let cpus = match aya::util::online_cpus() {
-        Ok(cpus) => cpus,
-        Err((_, error)) => {
-            tracing::error!(%error, "cannot list the online CPUs: no on-CPU stack samples");
-            return Ok(probe);
-        }
-    };
-    // A fixed period of the cpu-clock (ns) rather than a frequency: the kernel
-    // then does not retune it, and a thread on CPU for t seconds gets t × hz samples.
-    let period_ns = 1_000_000_000 / u64::from(hz);
-    for cpu in cpus {
-        let attached = sampler.attach(
-            PerfEventConfig::Software(SoftwareEvent::CpuClock),
-            PerfEventScope::AllProcessesOneCpu { cpu },
-            SamplePolicy::Period(period_ns),
-            false,
-        );
-        if let Err(error) = attached {
-            tracing::error!(cpu, %error, "cannot open the cpu-clock perf event: no on-CPU stack samples");
-            return Ok(probe);
-        }
+    match attach_cpu_clock(sampler, SAMPLER, hz) {
+        Ok(_) => probe.attached = true,
+        Err(error) => tracing::error!(%error, "no on-CPU stack samples"),
     }
-    probe.attached = true;
     Ok(probe)
 }
 
@@ -574,6 +627,15 @@ impl Kernel {
         }
 
         probes.push(attach_sampler(&mut ebpf, sampling.hz)?);
+        // Attached only while a profiling session runs.
+        for name in SESSION_SAMPLERS {
+            perf_program(&mut ebpf, name)?
+                .load()
+                .map_err(|source| KernelError::Program {
+                    program: name,
+                    source,
+                })?;
+        }
 
         let events = ProcessEvents {
             ring: take(&mut ebpf, maps::PROCESS_EVENTS)?,
@@ -602,6 +664,8 @@ impl Kernel {
             stack_counts: take(&mut ebpf, maps::STACK_COUNTS)?,
             stacks,
             epoch: 0,
+            profile_sessions: take(&mut ebpf, maps::PROFILE_SESSIONS)?,
+            session_links: std::array::from_fn(|_| Vec::new()),
             ebpf,
             probes,
             sizes,
@@ -852,6 +916,61 @@ impl Kernel {
         }
     }
 
+    /// Starts `session` in `slot`: the kernel counts its off-CPU blocks at once and,
+    /// with `hz`, the slot's sampler ticks on every CPU at that rate.
+    pub fn start_profile(
+        &mut self,
+        slot: u32,
+        session: ProfileSession,
+        hz: Option<u32>,
+    ) -> Result<(), KernelError> {
+        let map_error = |source| KernelError::Map {
+            map: maps::PROFILE_SESSIONS,
+            source,
+        };
+        let name = *SESSION_SAMPLERS
+            .get(slot as usize)
+            .ok_or(KernelError::NoSessionSlot(slot))?;
+        self.profile_sessions
+            .set(slot, session, 0)
+            .map_err(map_error)?;
+        if let Some(hz) = hz {
+            let attached = perf_program(&mut self.ebpf, name)
+                .and_then(|program| attach_cpu_clock(program, name, hz));
+            match attached {
+                Ok(links) => self.session_links[slot as usize] = links,
+                Err(error) => {
+                    self.profile_sessions
+                        .set(slot, ProfileSession::default(), 0)
+                        .map_err(map_error)?;
+                    return Err(error);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the session in `slot`: its perf events are closed and the slot freed.
+    /// Returns the session as the kernel last saw it (with its first sample time).
+    pub fn stop_profile(&mut self, slot: u32) -> Result<ProfileSession, KernelError> {
+        let name = *SESSION_SAMPLERS
+            .get(slot as usize)
+            .ok_or(KernelError::NoSessionSlot(slot))?;
+        let links = std::mem::take(&mut self.session_links[slot as usize]);
+        if !links.is_empty() {
+            detach_all(perf_program(&mut self.ebpf, name)?, links);
+        }
+        let map_error = |source| KernelError::Map {
+            map: maps::PROFILE_SESSIONS,
+            source,
+        };
+        let session = self.profile_sessions.get(&slot, 0).map_err(map_error)?;
+        self.profile_sessions
+            .set(slot, ProfileSession::default(), 0)
+            .map_err(map_error)?;
+        Ok(session)
+    }
+
     /// Every entry of `LOCKS`: the futex waits per (process, address, stack).
     pub fn locks(&self) -> Vec<(LockKey, Histogram)> {
         self.locks.iter().filter_map(Result::ok).collect()
@@ -1036,6 +1155,15 @@ impl Kernel {
                 name: maps::MUTEX_CALLS,
                 entries: self.mutex_calls.keys().filter(Result::is_ok).count() as u64,
                 capacity: poolscope_shared::MUTEX_CALLS_CAPACITY,
+            },
+            MapFill {
+                name: maps::PROFILE_SESSIONS,
+                entries: self
+                    .profile_sessions
+                    .iter()
+                    .filter(|session| session.as_ref().is_ok_and(|s| s.active != 0))
+                    .count() as u64,
+                capacity: MAX_PROFILE_SESSIONS,
             },
             MapFill {
                 name: maps::LISTEN_PORTS,

@@ -14,6 +14,7 @@ pub mod locks;
 pub mod pools;
 pub mod procfs;
 pub mod profile;
+pub mod sessions;
 pub mod sockdiag;
 pub mod stacks;
 pub mod symbolize;

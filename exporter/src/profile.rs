@@ -86,12 +86,90 @@ pub enum View {
     Wall,
 }
 
-/// What a rendering needs to know of the snapshot.
-#[derive(Clone, Copy, Debug)]
+/// What a rendering needs to know of the snapshot or session.
+#[derive(Clone, Debug)]
 pub struct ProfileMeta {
     pub sampling_hz: u32,
     pub started: SystemTime,
     pub duration: Duration,
+    /// Notes for the reader: pprof comments (`go tool pprof -comments`), the flame
+    /// graph's subtitle.
+    pub comments: Vec<String>,
+}
+
+impl View {
+    /// What the view shows, for titles.
+    pub const fn title(self) -> &'static str {
+        match self {
+            Self::Cpu => "On-CPU",
+            Self::OffCpu => "Off-CPU",
+            Self::Wall => "Wall-clock (on-CPU and off-CPU)",
+        }
+    }
+}
+
+/// The renderings of a set of records.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    #[default]
+    Folded,
+    Svg,
+    Pprof,
+}
+
+impl Format {
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Self::Folded => "text/plain; charset=utf-8",
+            Self::Svg => "image/svg+xml",
+            Self::Pprof => "application/octet-stream",
+        }
+    }
+}
+
+/// `records` rendered as `format`.
+pub fn render(
+    records: &[&StackRecord],
+    view: View,
+    meta: &ProfileMeta,
+    format: Format,
+    title: &str,
+) -> Result<Vec<u8>, ProfileError> {
+    Ok(match format {
+        Format::Folded => folded(records, view, meta).into_bytes(),
+        Format::Svg => svg(records, view, meta, title)?.into_bytes(),
+        Format::Pprof => pprof(records, view, meta)?,
+    })
+}
+
+/// The longest prefix of `records` (heaviest first) whose rendering fits in
+/// `limit` bytes, rendered; with the number of records left out.
+pub fn render_within(
+    records: &[&StackRecord],
+    limit: u64,
+    render: impl Fn(&[&StackRecord]) -> Result<Vec<u8>, ProfileError>,
+) -> Result<(Vec<u8>, usize), ProfileError> {
+    let fits = |bytes: &[u8]| bytes.len() as u64 <= limit;
+    let all = render(records)?;
+    if fits(&all) {
+        return Ok((all, 0));
+    }
+    // Binary search for the most records that fit; none always does (an empty
+    // rendering is small, and the limit is at least 64 KiB).
+    let (mut fitting, mut too_many) = (0, records.len());
+    let mut best = render(&[])?;
+    while too_many - fitting > 1 {
+        let middle = fitting + (too_many - fitting) / 2;
+        let bytes = render(&records[..middle])?;
+        if fits(&bytes) {
+            fitting = middle;
+            best = bytes;
+        } else {
+            too_many = middle;
+        }
+    }
+    Ok((best, records.len() - fitting))
 }
 
 impl View {
@@ -415,6 +493,9 @@ pub fn svg(
     let (input, mut palette) = flame_input(&lines);
     let mut options = inferno::flamegraph::Options::default();
     options.title = title.to_owned();
+    if !meta.comments.is_empty() {
+        options.subtitle = Some(meta.comments.join("; "));
+    }
     options.count_name = match view {
         View::Cpu => "samples",
         View::OffCpu | View::Wall => "µs",
@@ -496,6 +577,8 @@ mod pb {
         pub period_type: Option<ValueType>,
         #[prost(int64, tag = "12")]
         pub period: i64,
+        #[prost(int64, repeated, tag = "13")]
+        pub comment: Vec<i64>,
         #[prost(int64, tag = "14")]
         pub default_sample_type: i64,
     }
@@ -716,45 +799,70 @@ fn nanos_i64(d: Duration) -> i64 {
     i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
 }
 
-/// A record's sample values: its count, and the time it stands for in ns (one
-/// sampling period per on-CPU sample).
-fn sample_values(record: &StackRecord, meta: &ProfileMeta) -> Vec<i64> {
-    let ns = match record.kind {
+/// A record's sample values, in the order of [`sample_types`]: one sampling period
+/// per on-CPU sample.
+fn sample_values(record: &StackRecord, view: View, meta: &ProfileMeta) -> Vec<i64> {
+    let count = to_i64(record.count);
+    let ns = to_i64(match record.kind {
         StackKind::Cpu => sample_ns(record.count, meta.sampling_hz),
         StackKind::OffCpu(_) => record.ns,
-    };
-    vec![to_i64(record.count), to_i64(ns)]
+    });
+    match (view, record.kind) {
+        (View::Cpu | View::OffCpu, _) => vec![count, ns],
+        (View::Wall, StackKind::Cpu) => vec![count, ns, 0, 0, ns],
+        (View::Wall, StackKind::OffCpu(_)) => vec![0, 0, count, ns, ns],
+    }
 }
 
-/// The gzipped pprof protobuf (`perftools.profiles.Profile`) of the view: values are
-/// (samples, cpu ns), (events, off-CPU ns) or (samples, wall ns); one sample per
-/// record, labelled with its service, pool and (off CPU) reason.
+/// The (type, unit) of each sample value of the view, and the default type. The
+/// wall view carries both kinds apart (`-sample_index=cpu` or `offcpu` picks one)
+/// and their sum.
+fn sample_types(view: View) -> (&'static [(&'static str, &'static str)], &'static str) {
+    match view {
+        View::Cpu => (&[("samples", "count"), ("cpu", "nanoseconds")], "cpu"),
+        View::OffCpu => (&[("events", "count"), ("offcpu", "nanoseconds")], "offcpu"),
+        View::Wall => (
+            &[
+                ("samples", "count"),
+                ("cpu", "nanoseconds"),
+                ("events", "count"),
+                ("offcpu", "nanoseconds"),
+                ("wall", "nanoseconds"),
+            ],
+            "wall",
+        ),
+    }
+}
+
+/// The gzipped pprof protobuf (`perftools.profiles.Profile`) of the view (values:
+/// [`sample_types`]); one sample per record, labelled with its service, pool and
+/// (off CPU) reason; `meta.comments` as the profile's comments.
 pub fn pprof(
     records: &[&StackRecord],
     view: View,
     meta: &ProfileMeta,
 ) -> Result<Vec<u8>, ProfileError> {
     let mut builder = ProfileBuilder::new();
-    let (count, time) = match view {
-        View::Cpu => (("samples", "count"), "cpu"),
-        View::OffCpu => (("events", "count"), "offcpu"),
-        View::Wall => (("samples", "count"), "wall"),
-    };
-    let sample_type = vec![
-        builder.value_type(count.0, count.1),
-        builder.value_type(time, "nanoseconds"),
-    ];
-    builder.profile.sample_type = sample_type;
-    builder.profile.default_sample_type = builder.string(time);
+    let (types, default) = sample_types(view);
+    builder.profile.sample_type = types
+        .iter()
+        .map(|(kind, unit)| builder.value_type(kind, unit))
+        .collect();
+    builder.profile.default_sample_type = builder.string(default);
     // The period is that of the on-CPU samples; off-CPU blocks have none.
     if view != View::OffCpu {
-        builder.profile.period_type = Some(builder.value_type(time, "nanoseconds"));
+        builder.profile.period_type = Some(builder.value_type("cpu", "nanoseconds"));
         builder.profile.period = to_i64(sample_ns(1, meta.sampling_hz));
     }
     builder.profile.time_nanos = meta.started.duration_since(UNIX_EPOCH).map_or(0, nanos_i64);
     builder.profile.duration_nanos = nanos_i64(meta.duration);
+    builder.profile.comment = meta
+        .comments
+        .iter()
+        .map(|comment| builder.string(comment))
+        .collect();
     for record in records.iter().filter(|r| view.shows(r.kind)) {
-        let value = sample_values(record, meta);
+        let value = sample_values(record, view, meta);
         if value.iter().any(|&v| v > 0) {
             builder.sample(record, value);
         }
@@ -813,6 +921,7 @@ mod tests {
             sampling_hz,
             started: UNIX_EPOCH + Duration::from_secs(1_700_000_000),
             duration: Duration::from_secs(60),
+            comments: Vec::new(),
         }
     }
 
@@ -1064,7 +1173,7 @@ mod tests {
             .map_or("<bad string id>", String::as_str)
     }
 
-    fn sample_types(profile: &pb::Profile) -> Vec<(String, String)> {
+    fn types_of(profile: &pb::Profile) -> Vec<(String, String)> {
         profile
             .sample_type
             .iter()
@@ -1106,7 +1215,7 @@ mod tests {
         let records = fixture();
         let profile = decode(&pprof(&refs(&records), View::Cpu, &meta(50))?)?;
         assert_eq!(profile.string_table.first().map(String::as_str), Some(""));
-        let types = sample_types(&profile);
+        let types = types_of(&profile);
         assert_eq!(
             types,
             [
@@ -1161,7 +1270,7 @@ mod tests {
     fn pprof_offcpu_view() -> TestResult {
         let records = fixture();
         let profile = decode(&pprof(&refs(&records), View::OffCpu, &meta(50))?)?;
-        let types = sample_types(&profile);
+        let types = types_of(&profile);
         assert_eq!(
             types,
             [
@@ -1192,29 +1301,65 @@ mod tests {
     }
 
     #[test]
-    fn pprof_wall_view_weighs_samples_by_period() -> TestResult {
+    fn pprof_wall_view_keeps_cpu_and_offcpu_apart_and_sums_them() -> TestResult {
         let records = fixture();
-        let profile = decode(&pprof(&refs(&records), View::Wall, &meta(50))?)?;
-        let types = sample_types(&profile);
+        let mut meta = meta(50);
+        meta.comments = vec!["poolscope: a note".to_owned()];
+        let profile = decode(&pprof(&refs(&records), View::Wall, &meta)?)?;
+        let types: Vec<String> = types_of(&profile)
+            .into_iter()
+            .map(|(kind, unit)| format!("{kind}/{unit}"))
+            .collect();
         assert_eq!(
             types,
             [
-                ("samples".to_owned(), "count".to_owned()),
-                ("wall".to_owned(), "nanoseconds".to_owned())
+                "samples/count",
+                "cpu/nanoseconds",
+                "events/count",
+                "offcpu/nanoseconds",
+                "wall/nanoseconds"
             ]
         );
+        assert_eq!(string(&profile, profile.default_sample_type), "wall");
         let values: Vec<_> = profile.sample.iter().map(|s| s.value.clone()).collect();
         assert_eq!(
             values,
             [
-                vec![3, 60_000_000],
-                vec![2, 40_000_000],
-                vec![1, 20_000_000],
-                vec![4, 2_000_400],
-                vec![1, 1_000_400],
-                vec![1, 499]
+                vec![3, 60_000_000, 0, 0, 60_000_000],
+                vec![2, 40_000_000, 0, 0, 40_000_000],
+                vec![1, 20_000_000, 0, 0, 20_000_000],
+                vec![0, 0, 4, 2_000_400, 2_000_400],
+                vec![0, 0, 1, 1_000_400, 1_000_400],
+                vec![0, 0, 1, 499, 499]
             ]
         );
+        let comments: Vec<&str> = profile
+            .comment
+            .iter()
+            .map(|id| string(&profile, *id))
+            .collect();
+        assert_eq!(comments, ["poolscope: a note"]);
+        Ok(())
+    }
+
+    #[test]
+    fn render_within_keeps_the_heaviest_records_that_fit() -> TestResult {
+        let records = fixture();
+        let refs = refs(&records);
+        let render =
+            |records: &[&StackRecord]| Ok(folded(records, View::Wall, &meta(50)).into_bytes());
+        let (all, dropped) = render_within(&refs, u64::MAX, render)?;
+        assert_eq!(dropped, 0);
+        // Room for the first three records: the longest prefix that fits is kept.
+        let limit = render(&refs[..3])?.len() as u64;
+        let (cut, dropped) = render_within(&refs, limit, render)?;
+        let kept = refs.len() - dropped;
+        assert!(kept >= 3 && kept < refs.len(), "{kept}");
+        assert_eq!(cut, render(&refs[..kept])?);
+        assert!(render(&refs[..=kept])?.len() as u64 > limit);
+        assert!(cut.len() < all.len());
+        let (none, dropped) = render_within(&refs, 0, render)?;
+        assert_eq!((none.len(), dropped), (0, refs.len()));
         Ok(())
     }
 

@@ -207,12 +207,21 @@ fn without_tracing_frames(frames: &mut Vec<Frame>) {
 
 type RecordKey = (String, String, StackKind, Vec<Frame>);
 
-/// The stacks of the current snapshot window, added up by (service, pool, kind,
-/// frames).
+/// The stacks of one window (a snapshot's or a profiling session's), added up by
+/// (service, pool, kind, frames).
 #[derive(Debug)]
 pub struct Window {
     started: SystemTime,
     records: HashMap<RecordKey, (u64, u64)>,
+}
+
+/// The records of a window, heaviest first, within a memory limit.
+#[derive(Debug)]
+pub struct Records {
+    pub records: Vec<StackRecord>,
+    /// Records left out to stay within the limit (the lightest).
+    pub dropped: u64,
+    pub bytes: u64,
 }
 
 impl Window {
@@ -223,39 +232,19 @@ impl Window {
         }
     }
 
-    /// Adds one drained generation.
-    pub fn add(&mut self, drained: &Drained, symbols: &Symbols) {
-        let frames = symbolized_frames(drained, symbols);
-        for ((key, count), frames) in drained.counts.iter().zip(frames) {
-            let (service, pool) = match drained.pools.get(&key.pool) {
-                Some((service, pool)) => (service.clone(), pool.clone()),
-                None => (
-                    drained
-                        .processes
-                        .get(&key.tgid)
-                        .cloned()
-                        .unwrap_or_default(),
-                    UNNAMED_POOL.to_owned(),
-                ),
-            };
-            let entry = self
-                .records
-                .entry((service, pool, kind_of(key.activity), frames))
-                .or_default();
-            entry.0 += count.count;
-            entry.1 += count.ns;
-        }
+    pub fn started(&self) -> SystemTime {
+        self.started
     }
 
-    /// The window as a snapshot ending at `ended`, cut to `memory_limit` bytes (the
-    /// lightest stacks go first, and are counted).
-    pub fn finish(
-        self,
-        ended: SystemTime,
-        trigger: Trigger,
-        sampling_hz: u32,
-        memory_limit: u64,
-    ) -> Snapshot {
+    fn add(&mut self, key: RecordKey, count: &StackCount) {
+        let entry = self.records.entry(key).or_default();
+        entry.0 += count.count;
+        entry.1 += count.ns;
+    }
+
+    /// The records, heaviest first (on- and off-CPU alike in ns, a sample
+    /// standing for one period at `sampling_hz`), cut to `memory_limit` bytes.
+    pub fn into_records(self, sampling_hz: u32, memory_limit: u64) -> Records {
         let mut records: Vec<StackRecord> = self
             .records
             .into_iter()
@@ -268,7 +257,6 @@ impl Window {
                 ns,
             })
             .collect();
-        // Heaviest first, in one unit (ns) for on- and off-CPU alike.
         let period_ns = 1_000_000_000 / u64::from(sampling_hz.max(1));
         let weight = |record: &StackRecord| match record.kind {
             StackKind::Cpu => record.count * period_ns,
@@ -291,15 +279,89 @@ impl Window {
         }
         let dropped = records.len() - kept;
         records.truncate(kept);
+        Records {
+            records,
+            dropped: dropped as u64,
+            bytes,
+        }
+    }
+
+    /// The window as a snapshot ending at `ended`, cut to `memory_limit` bytes (the
+    /// lightest stacks go first, and are counted).
+    pub fn finish(
+        self,
+        ended: SystemTime,
+        trigger: Trigger,
+        sampling_hz: u32,
+        memory_limit: u64,
+    ) -> Snapshot {
+        let started = self.started;
+        let Records {
+            records,
+            dropped,
+            bytes,
+        } = self.into_records(sampling_hz, memory_limit);
         Snapshot {
             id: 0,
             trigger,
-            started: self.started,
+            started,
             ended,
             sampling_hz,
             records,
-            records_dropped: dropped as u64,
+            records_dropped: dropped,
             bytes,
+        }
+    }
+}
+
+/// Where drained stacks go: the snapshot window (session 0), or the window of the
+/// profiling session they were counted for. Counts of a session that ended
+/// (or whose client left) before its last drain are dropped with it.
+#[derive(Debug)]
+pub struct StackWindows {
+    pub snapshot: Window,
+    sessions: HashMap<u32, Window>,
+}
+
+impl StackWindows {
+    pub fn new(started: SystemTime) -> Self {
+        Self {
+            snapshot: Window::new(started),
+            sessions: HashMap::new(),
+        }
+    }
+
+    pub fn start_session(&mut self, id: u32, started: SystemTime) {
+        self.sessions.insert(id, Window::new(started));
+    }
+
+    pub fn take_session(&mut self, id: u32) -> Option<Window> {
+        self.sessions.remove(&id)
+    }
+
+    /// Adds one drained generation, symbolized once for every window.
+    pub fn add(&mut self, drained: &Drained, symbols: &Symbols) {
+        let frames = symbolized_frames(drained, symbols);
+        for ((key, count), frames) in drained.counts.iter().zip(frames) {
+            let window = match key.session {
+                0 => &mut self.snapshot,
+                id => match self.sessions.get_mut(&id) {
+                    Some(window) => window,
+                    None => continue,
+                },
+            };
+            let (service, pool) = match drained.pools.get(&key.pool) {
+                Some((service, pool)) => (service.clone(), pool.clone()),
+                None => (
+                    drained
+                        .processes
+                        .get(&key.tgid)
+                        .cloned()
+                        .unwrap_or_default(),
+                    UNNAMED_POOL.to_owned(),
+                ),
+            };
+            window.add((service, pool, kind_of(key.activity), frames), count);
         }
     }
 }
@@ -400,6 +462,14 @@ impl Snapshot {
             sampling_hz: self.sampling_hz,
             started: self.started,
             duration: self.ended.duration_since(self.started).unwrap_or_default(),
+            comments: if self.records_dropped > 0 {
+                vec![format!(
+                    "poolscope: {} lightest stacks left out (stacks.memory_limit_bytes)",
+                    self.records_dropped
+                )]
+            } else {
+                Vec::new()
+            },
         }
     }
 }
@@ -511,6 +581,7 @@ mod tests {
             pool,
             user_stack,
             kernel_stack,
+            session: 0,
         }
     }
 
@@ -549,8 +620,8 @@ mod tests {
     #[test]
     fn drained_stacks_become_records_outermost_first() {
         let symbols = Symbols::new(Path::new("/proc"));
-        let mut window = Window::new(SystemTime::UNIX_EPOCH);
-        window.add(
+        let mut windows = StackWindows::new(SystemTime::UNIX_EPOCH);
+        windows.add(
             &drained(&[
                 (key(Activity::Running, 3, 1, -1), count(5, 0)),
                 (key(Activity::OffSleep, 3, 1, -1), count(2, 3_000_000)),
@@ -559,11 +630,11 @@ mod tests {
             &symbols,
         );
         // The same stack again in a later drain adds up.
-        window.add(
+        windows.add(
             &drained(&[(key(Activity::Running, 3, 1, -1), count(4, 0))]),
             &symbols,
         );
-        let snapshot = window.finish(
+        let snapshot = windows.snapshot.finish(
             SystemTime::UNIX_EPOCH + Duration::from_secs(60),
             Trigger::Interval,
             100,
@@ -592,6 +663,36 @@ mod tests {
         assert_eq!(summary.ended_unix_seconds, 60.0);
         assert_eq!(snapshot.records(Some("web"), Some("workers")).len(), 2);
         assert!(snapshot.records(Some("db"), None).is_empty());
+    }
+
+    #[test]
+    fn session_counts_go_to_their_session_only() {
+        let symbols = Symbols::new(Path::new("/proc"));
+        let mut windows = StackWindows::new(SystemTime::UNIX_EPOCH);
+        windows.start_session(7, SystemTime::UNIX_EPOCH);
+        let for_session = |id, samples| {
+            (
+                StackKey {
+                    session: id,
+                    ..key(Activity::Running, 3, 1, -1)
+                },
+                count(samples, 0),
+            )
+        };
+        windows.add(
+            &drained(&[
+                (key(Activity::Running, 3, 1, -1), count(5, 0)),
+                for_session(7, 3),
+                // A session that ended before this drain: dropped.
+                for_session(6, 100),
+            ]),
+            &symbols,
+        );
+        let samples = |records: &Records| records.records.iter().map(|r| r.count).sum::<u64>();
+        let session = windows.take_session(7).map(|w| w.into_records(99, 1 << 20));
+        assert_eq!(session.as_ref().map(samples), Some(3));
+        assert!(windows.take_session(7).is_none());
+        assert_eq!(samples(&windows.snapshot.into_records(49, 1 << 20)), 5);
     }
 
     #[test]
@@ -652,14 +753,15 @@ mod tests {
     #[test]
     fn memory_limit_drops_the_lightest_stacks() {
         let symbols = Symbols::new(Path::new("/proc"));
-        let mut window = Window::new(SystemTime::UNIX_EPOCH);
-        window.add(
+        let mut windows = StackWindows::new(SystemTime::UNIX_EPOCH);
+        windows.add(
             &drained(&[
                 (key(Activity::Running, 3, 1, -1), count(50, 0)),
                 (key(Activity::OffIdle, 3, 1, -1), count(1, 1_000)),
             ]),
             &symbols,
         );
+        let window = windows.snapshot;
         let full = Window {
             started: window.started,
             records: window.records.clone(),

@@ -1,10 +1,11 @@
 //! HTTP endpoints: `/metrics` (text or OpenMetrics by Accept header), `/healthz`,
 //! `/debug/threads` (every followed thread, tab-separated), `/debug/locks` (a
 //! service's top contended locks, text or JSON), `/debug/snapshots` (the stack
-//! snapshots kept) and `/debug/stacks/{cpu,offcpu,wall}` (one snapshot's stacks as
-//! folded text, an SVG flame graph or a pprof profile).
+//! snapshots kept), `/debug/stacks/{cpu,offcpu,wall}` (one snapshot's stacks as
+//! folded text, an SVG flame graph or a pprof profile) and `/debug/pprof/profile`
+//! (an on-demand profiling session of one service, for `go tool pprof`).
 //! `app` builds the router so that tests can call it without a socket.
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use axum::{
     Router,
@@ -16,7 +17,9 @@ use axum::{
 
 use crate::{
     encode::{Family, Format, render},
-    profile::{ProfileError, View},
+    profile::{self, ProfileError, View},
+    sessions::{ProfileQuery, Refusal, Ticket},
+    targets::monotonic_ns,
 };
 
 /// Something that reads every metric family for one scrape.
@@ -35,6 +38,24 @@ pub trait Gatherer: Send + Sync + 'static {
 
     /// Blocking (renders): one snapshot's stacks in `query.format`.
     fn debug_stacks(&self, view: View, query: &StacksQuery) -> Result<Vec<u8>, DebugError>;
+
+    /// Blocking (opens perf events): checks `query` and starts its session.
+    fn begin_profile(&self, query: &ProfileQuery, requested_ns: u64) -> Result<Ticket, Refusal>;
+
+    /// Blocking (drains, symbolizes, renders): ends the session and renders it.
+    fn end_profile(&self, ticket: Ticket) -> Result<ProfileOutput, Refusal>;
+
+    /// Ends the session without rendering it (its client left).
+    fn cancel_profile(&self, ticket: Ticket);
+}
+
+/// A rendered profiling session.
+#[derive(Debug)]
+pub struct ProfileOutput {
+    pub body: Vec<u8>,
+    pub format: profile::Format,
+    /// The lightest stacks left out to stay within `profiles.max_response_bytes`.
+    pub stacks_dropped: usize,
 }
 
 /// Locks shown when `limit` is not given, and the most that may be asked for.
@@ -63,25 +84,6 @@ fn default_locks() -> usize {
     DEFAULT_LOCKS
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StacksFormat {
-    #[default]
-    Folded,
-    Svg,
-    Pprof,
-}
-
-impl StacksFormat {
-    fn content_type(self) -> &'static str {
-        match self {
-            Self::Folded => "text/plain; charset=utf-8",
-            Self::Svg => "image/svg+xml",
-            Self::Pprof => "application/octet-stream",
-        }
-    }
-}
-
 /// `/debug/stacks/{cpu,offcpu,wall}?[service=NAME][&pool=NAME][&snapshot=ID][&format=...]`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize)]
 pub struct StacksQuery {
@@ -90,7 +92,7 @@ pub struct StacksQuery {
     /// The newest when absent.
     pub snapshot: Option<u64>,
     #[serde(default)]
-    pub format: StacksFormat,
+    pub format: profile::Format,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +125,7 @@ pub fn app(gatherer: Arc<dyn Gatherer>) -> Router {
         .route("/debug/locks", get(debug_locks))
         .route("/debug/snapshots", get(debug_snapshots))
         .route("/debug/stacks/{view}", get(debug_stacks))
+        .route("/debug/pprof/profile", get(pprof_profile))
         .route("/", get(|| async { "poolscope: see /metrics\n" }))
         .with_state(gatherer)
 }
@@ -229,6 +232,125 @@ async fn debug_stacks(
     }
 }
 
+/// Ends a session whose request was dropped (the client disconnected) before it
+/// completed: its perf events and kernel slot are freed at once.
+struct SessionGuard {
+    gatherer: Arc<dyn Gatherer>,
+    ticket: Option<Ticket>,
+}
+
+impl SessionGuard {
+    fn duration(&self) -> Duration {
+        self.ticket
+            .as_ref()
+            .map_or(Duration::ZERO, |ticket| ticket.request.duration)
+    }
+
+    fn disarm(mut self) -> Option<Ticket> {
+        self.ticket.take()
+    }
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            let gatherer = self.gatherer.clone();
+            tracing::info!(
+                service = ticket.request.service,
+                "profiling client disconnected: session ended"
+            );
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn_blocking(move || gatherer.cancel_profile(ticket));
+                }
+                Err(_) => gatherer.cancel_profile(ticket),
+            }
+        }
+    }
+}
+
+async fn pprof_profile(
+    State(gatherer): State<Arc<dyn Gatherer>>,
+    query: Result<Query<ProfileQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let requested_ns = monotonic_ns();
+    let query = match query {
+        Ok(Query(query)) => query,
+        Err(rejection) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("{rejection}\n{}", crate::sessions::USAGE),
+            )
+                .into_response();
+        }
+    };
+    // Started on a blocking thread; should the client leave meanwhile, the ticket
+    // finds no receiver and the session is ended there.
+    let (sender, receiver) = tokio::sync::oneshot::channel();
+    let starter = gatherer.clone();
+    tokio::task::spawn_blocking(move || {
+        let started = starter.begin_profile(&query, requested_ns);
+        if let Err(Ok(ticket)) = sender.send(started) {
+            starter.cancel_profile(ticket);
+        }
+    });
+    let ticket = match receiver.await {
+        Ok(Ok(ticket)) => ticket,
+        Ok(Err(refusal)) => return refusal_response(&refusal),
+        Err(_) => {
+            return (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "starting the profiling session panicked\n",
+            )
+                .into_response();
+        }
+    };
+    let guard = SessionGuard {
+        gatherer: gatherer.clone(),
+        ticket: Some(ticket),
+    };
+    tokio::time::sleep(guard.duration()).await;
+    let Some(ticket) = guard.disarm() else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    match tokio::task::spawn_blocking(move || gatherer.end_profile(ticket)).await {
+        Ok(Ok(output)) => {
+            let mut response = (
+                [(header::CONTENT_TYPE, output.format.content_type())],
+                output.body,
+            )
+                .into_response();
+            if output.format == profile::Format::Pprof {
+                response.headers_mut().insert(
+                    header::CONTENT_DISPOSITION,
+                    HeaderValue::from_static("attachment; filename=\"profile.pb.gz\""),
+                );
+            }
+            response.headers_mut().insert(
+                "x-poolscope-stacks-dropped",
+                HeaderValue::from(output.stacks_dropped),
+            );
+            response
+        }
+        Ok(Err(refusal)) => refusal_response(&refusal),
+        Err(error) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("ending the profiling session failed: {error}\n"),
+        )
+            .into_response(),
+    }
+}
+
+fn refusal_response(refusal: &Refusal) -> Response {
+    let mut response = (refusal.status(), format!("{refusal}\n")).into_response();
+    if refusal.status() == StatusCode::TOO_MANY_REQUESTS {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("10"));
+    }
+    response
+}
+
 #[cfg(test)]
 mod tests {
     use axum::body::Body;
@@ -238,7 +360,11 @@ mod tests {
     use super::*;
     use crate::encode::Kind;
 
-    struct Fixed;
+    #[derive(Default)]
+    struct Fixed {
+        cancelled: std::sync::atomic::AtomicU32,
+    }
+
     impl Gatherer for Fixed {
         fn gather(&self) -> Vec<Family> {
             vec![Family::new("queue_depth", Kind::Gauge, "Depth.").with(&[("service", "a")], 2.0)]
@@ -266,6 +392,44 @@ mod tests {
                 other => Err(DebugError::NoSnapshot(other)),
             }
         }
+
+        /// `service=busy` is refused; `seconds` is taken as milliseconds.
+        fn begin_profile(
+            &self,
+            query: &ProfileQuery,
+            requested_ns: u64,
+        ) -> Result<Ticket, Refusal> {
+            if query.service.as_deref() == Some("busy") {
+                return Err(Refusal::TooMany(4));
+            }
+            let milliseconds = query.seconds.as_deref().unwrap_or("0").parse().unwrap_or(0);
+            Ok(Ticket {
+                slot: 0,
+                id: 1,
+                request: crate::sessions::ProfileRequest {
+                    service: query.service.clone().unwrap_or_default(),
+                    pool: None,
+                    duration: Duration::from_millis(milliseconds),
+                    hz: 99,
+                    view: View::Cpu,
+                    format: profile::Format::Folded,
+                },
+                requested_ns,
+            })
+        }
+
+        fn end_profile(&self, ticket: Ticket) -> Result<ProfileOutput, Refusal> {
+            Ok(ProfileOutput {
+                body: format!("{} 1\n", ticket.request.service).into_bytes(),
+                format: ticket.request.format,
+                stacks_dropped: 2,
+            })
+        }
+
+        fn cancel_profile(&self, _ticket: Ticket) {
+            self.cancelled
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
     }
 
     async fn get(path: &str, accept: Option<&str>) -> (StatusCode, String, String) {
@@ -274,7 +438,7 @@ mod tests {
             request = request.header(header::ACCEPT, accept);
         }
         let request = request.body(Body::empty()).expect("request");
-        let response = app(Arc::new(Fixed))
+        let response = app(Arc::new(Fixed::default()))
             .oneshot(request)
             .await
             .expect("response");
@@ -378,5 +542,37 @@ mod tests {
         ] {
             assert_eq!(get(bad, None).await.0, StatusCode::BAD_REQUEST, "{bad}");
         }
+    }
+
+    #[tokio::test]
+    async fn pprof_profile_runs_a_session_or_says_why_not() {
+        let (status, content_type, body) =
+            get("/debug/pprof/profile?service=web&seconds=10", None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(content_type, "text/plain; charset=utf-8");
+        assert_eq!(body, "web 1\n");
+        let (status, _, body) = get("/debug/pprof/profile?service=busy", None).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(body.contains("profiles.max_sessions"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn a_client_that_leaves_ends_its_session() -> Result<(), Box<dyn std::error::Error>> {
+        let fixed = Arc::new(Fixed::default());
+        let request = axum::http::Request::get("/debug/pprof/profile?service=web&seconds=60000")
+            .body(Body::empty())?;
+        let pending = app(fixed.clone()).oneshot(request);
+        // The session runs for a minute; the client gives up after 200 ms.
+        let outcome = tokio::time::timeout(Duration::from_millis(200), pending).await;
+        assert!(outcome.is_err(), "the session ended early");
+        let cancelled = || fixed.cancelled.load(std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..100 {
+            if cancelled() > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(cancelled(), 1);
+        Ok(())
     }
 }

@@ -64,6 +64,9 @@ pub mod maps {
     /// Stack trace maps of generations 0, 1, 2 (user and kernel stacks alike).
     pub const STACKS: [&str; crate::STACK_GENERATIONS as usize] =
         ["STACKS_0", "STACKS_1", "STACKS_2"];
+    /// array[[`crate::MAX_PROFILE_SESSIONS`]]: the on-demand profiling sessions
+    /// ([`crate::ProfileSession`]), written by user space.
+    pub const PROFILE_SESSIONS: &str = "PROFILE_SESSIONS";
 }
 
 /// Capacity of the per-service arrays; service ids are `0..MAX_SERVICES`.
@@ -554,10 +557,46 @@ pub struct StackKey {
     /// Ids in the generation's stack map; negative: not captured ([`stack_id_lost`]).
     pub user_stack: i32,
     pub kernel_stack: i32,
+    /// 0 for the periodic snapshots; else the [`ProfileSession::id`] it was
+    /// counted for.
+    pub session: u32,
 }
 
 /// [`StackKey::pool`] of a thread whose pool is not known yet.
 pub const NO_POOL: u32 = u32::MAX;
+
+/// Value of [`maps::PROFILE_SESSIONS`]: an on-demand profiling session in one slot.
+/// Its on-CPU samples come from the slot's own sampler program (user space opens
+/// its perf events at the session's rate); its off-CPU blocks are added when a
+/// block of a matching thread ends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProfileSession {
+    /// Unique per session (never 0), so that counts of an ended session that are
+    /// drained after the slot was reused are not taken for the new one's.
+    pub id: u32,
+    /// 0: the slot is free; the kernel records nothing for it.
+    pub active: u32,
+    pub service: u32,
+    /// A pool id, or [`NO_POOL`] for every thread of the service.
+    pub pool: u32,
+    /// 1: record on-CPU samples; 1 << 1: off-CPU blocks.
+    pub kinds: u32,
+    pub _pad: u32,
+    /// Monotonic ns at which the session began: a block that began earlier counts
+    /// from here.
+    pub start_ns: u64,
+    /// Monotonic ns of the session's first on-CPU sample (0: none yet).
+    pub first_sample_ns: u64,
+}
+
+impl ProfileSession {
+    pub const ON_CPU: u32 = 1;
+    pub const OFF_CPU: u32 = 1 << 1;
+}
+
+/// Slots of [`maps::PROFILE_SESSIONS`], and sampler programs (`session_sample_N`).
+pub const MAX_PROFILE_SESSIONS: u32 = 8;
 
 /// Value of [`maps::STACK_COUNTS`].
 #[repr(C)]
@@ -802,12 +841,14 @@ mod pod {
     unsafe impl aya::Pod for super::Histogram {}
     unsafe impl aya::Pod for super::StackKey {}
     unsafe impl aya::Pod for super::StackCount {}
+    unsafe impl aya::Pod for super::ProfileSession {}
 }
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<Conn>() == 56);
 const _: () = assert!(core::mem::size_of::<Thread>() == 104);
-const _: () = assert!(core::mem::size_of::<StackKey>() == 24);
+const _: () = assert!(core::mem::size_of::<StackKey>() == 28);
+const _: () = assert!(core::mem::size_of::<ProfileSession>() == 40);
 const _: () = assert!(core::mem::size_of::<StackCount>() == 16);
 const _: () = assert!(core::mem::size_of::<LockKey>() == 16);
 const _: () = assert!(
