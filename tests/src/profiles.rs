@@ -145,16 +145,22 @@ fn run(mut command: Command, what: &str, timeout: Duration) -> anyhow::Result<St
     Ok(stdout)
 }
 
-/// `go tool pprof -top` of a profile (gzipped protobuf). `-symbolize=none`: the
-/// profile must carry its function names itself, as it must on a machine that does
-/// not have the profiled binaries. Go gets its own HOME and caches (it wants them
-/// writable, and the tests' HOME need not be).
-pub fn pprof_top(profile: &Path) -> anyhow::Result<String> {
+/// `go tool pprof -top` of a profile: a file (gzipped protobuf) or a URL that
+/// serves one. `-symbolize=none`: the profile must carry its function names itself,
+/// as it must on a machine that does not have the profiled binaries. Go gets its own
+/// HOME and caches (it wants them writable, and the tests' HOME need not be).
+pub fn pprof_top(source: impl AsRef<std::ffi::OsStr>) -> anyhow::Result<String> {
+    go_pprof(&["-top", "-symbolize=none"], source)
+}
+
+/// `go tool pprof <args> <source>`, its stdout.
+pub fn go_pprof(args: &[&str], source: impl AsRef<std::ffi::OsStr>) -> anyhow::Result<String> {
     let home = tempfile::tempdir()?;
     let mut command = Command::new("go");
     command
-        .args(["tool", "pprof", "-top", "-symbolize=none"])
-        .arg(profile)
+        .args(["tool", "pprof"])
+        .args(args)
+        .arg(source)
         .env("HOME", home.path())
         .env("GOPATH", home.path().join("gopath"))
         .env("GOCACHE", home.path().join("gocache"))
@@ -163,8 +169,19 @@ pub fn pprof_top(profile: &Path) -> anyhow::Result<String> {
     run(
         command,
         "go tool pprof (is golang-go installed?)",
-        Duration::from_secs(120),
+        Duration::from_secs(180),
     )
+}
+
+/// `(flat %, cum %)` of the first line of `go tool pprof -top` output that names
+/// `function`.
+pub fn top_shares(top: &str, function: &str) -> Option<(f64, f64)> {
+    let percent = |field: &str| field.trim_end_matches('%').parse::<f64>().ok();
+    top.lines()
+        .map(str::split_whitespace)
+        .map(Iterator::collect::<Vec<_>>)
+        .find(|fields| fields.len() >= 6 && fields[5..].iter().any(|f| f.contains(function)))
+        .and_then(|fields| Some((percent(fields[1])?, percent(fields[4])?)))
 }
 
 /// The Chromium executable on PATH, if one is installed.
