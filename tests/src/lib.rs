@@ -565,6 +565,26 @@ pub fn parse_debug_threads(text: &str) -> anyhow::Result<Vec<ThreadRow>> {
         .collect()
 }
 
+/// Waits (10 s at most) until poolscope follows each (tid, pool) of `threads` in
+/// that pool (`/debug/threads`).
+pub fn wait_followed(poolscope: &Poolscope, threads: &[(u32, &str)]) -> anyhow::Result<()> {
+    let mut rows = Vec::new();
+    let followed = wait_until(Duration::from_secs(10), || {
+        rows = poolscope
+            .get("/debug/threads")
+            .and_then(|text| parse_debug_threads(&text))
+            .unwrap_or_default();
+        threads
+            .iter()
+            .all(|(tid, pool)| rows.iter().any(|r| r.tid == *tid && r.pool == *pool))
+    });
+    anyhow::ensure!(
+        followed,
+        "threads {threads:?} not followed in their pools: {rows:?}"
+    );
+    Ok(())
+}
+
 /// The calling thread's kernel tid.
 pub fn gettid() -> i64 {
     // SAFETY: gettid takes no arguments and cannot fail.

@@ -1,4 +1,5 @@
-//! Helpers for the stack-snapshot tests: GET with a binary body (pprof is gzip),
+//! Helpers for the stack-snapshot and profiling tests: GET with a binary body (pprof
+//! is gzip), `stackburner`'s phase, waiting for the snapshots that cover a time span,
 //! folded-stack parsing, reading a pprof profile with the real `go tool pprof`, and
 //! looking at a flame graph the way a person would: a headless Chromium screenshot of
 //! the SVG, decoded, its pixels counted by color.
@@ -12,6 +13,69 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+
+use crate::{Poolscope, wait_until};
+
+pub fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Starts `stackburner`'s measured phase (it listens on `port` for `go`).
+pub fn start_phase(port: u16) -> anyhow::Result<()> {
+    let mut start = TcpStream::connect(("127.0.0.1", port))?;
+    start.write_all(b"go\n")?;
+    let mut answer = String::new();
+    std::io::BufRead::read_line(&mut BufReader::new(&start), &mut answer)?;
+    anyhow::ensure!(answer == "ok\n", "stackburner answered go with {answer:?}");
+    Ok(())
+}
+
+/// The `/debug/snapshots` entries once they cover `from`..`until` (unix seconds):
+/// every stack of the span is in a snapshot once one has ended two `interval`s after
+/// it (one more for the drain); an error if the oldest kept began after `from`.
+pub fn snapshots_covering(
+    poolscope: &Poolscope,
+    from: f64,
+    until: f64,
+    interval: Duration,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut listing = serde_json::Value::Null;
+    let settled = wait_until(4 * interval + Duration::from_secs(10), || {
+        listing = poolscope
+            .get("/debug/snapshots")
+            .ok()
+            .and_then(|text| serde_json::from_str(&text).ok())
+            .unwrap_or_default();
+        listing["snapshots"].as_array().is_some_and(|all| {
+            all.iter().any(|s| {
+                s["ended_unix_seconds"]
+                    .as_f64()
+                    .is_some_and(|ended| ended >= until + 2.0 * interval.as_secs_f64())
+            })
+        })
+    });
+    anyhow::ensure!(
+        settled,
+        "no snapshot ended {:?} after the span: {listing}",
+        2 * interval
+    );
+    let listed = listing["snapshots"]
+        .as_array()
+        .context("no snapshots array")?
+        .clone();
+    let oldest = listed
+        .iter()
+        .filter_map(|s| s["started_unix_seconds"].as_f64())
+        .fold(f64::INFINITY, f64::min);
+    anyhow::ensure!(
+        oldest <= from,
+        "the oldest snapshot kept started at {oldest}, after the span did ({from}): \
+         snapshots were dropped"
+    );
+    Ok(listed)
+}
 
 /// An HTTP response, its body as bytes.
 #[derive(Clone, Debug)]

@@ -8,18 +8,20 @@
 //! - requests outside the limits get their status and the limit's name; a client that
 //!   disconnects leaves no perf event, session slot or stack count behind.
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
+    io::Write as _,
     net::{Shutdown, TcpStream},
     thread,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, Program, one_at_a_time, parse_debug_threads, parse_tids, pids_config,
-    privileged,
-    profiles::{FoldedLine, go_pprof, http_get, names, parse_folded, top_shares, weight_of},
-    schedstat, wait_until,
+    Metrics, Poolscope, Program, one_at_a_time, parse_tids, pids_config, privileged,
+    profiles::{
+        FoldedLine, go_pprof, http_get, names, parse_folded, snapshots_covering, start_phase,
+        top_shares, unix_now, weight_of,
+    },
+    schedstat, wait_followed, wait_until,
 };
 
 const SERVICE: &str = "sb";
@@ -40,12 +42,6 @@ const LONG_PHASE: Duration = Duration::from_secs(60);
 const SLEEP_MS: u64 = 20;
 const INTERVAL: Duration = Duration::from_secs(2);
 
-fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
 /// Starts `stackburner`, waits until poolscope follows both its threads in their
 /// pools; (program, its port, burner tid, sleeper tid).
 fn burner_followed(
@@ -62,28 +58,11 @@ fn burner_followed(
         anyhow::bail!("stackburner's workers: {tids:?}");
     };
     let poolscope = start_poolscope(program.pid())?;
-    let mut rows = Vec::new();
-    let followed = wait_until(Duration::from_secs(10), || {
-        rows = poolscope
-            .get("/debug/threads")
-            .and_then(|text| parse_debug_threads(&text))
-            .unwrap_or_default();
-        [(burner, BURNER_POOL), (sleeper, SLEEPER_POOL)]
-            .iter()
-            .all(|(tid, pool)| rows.iter().any(|r| r.tid == *tid && r.pool == *pool))
-    });
-    anyhow::ensure!(followed, "threads not followed in their pools: {rows:?}");
+    wait_followed(
+        &poolscope,
+        &[(burner, BURNER_POOL), (sleeper, SLEEPER_POOL)],
+    )?;
     Ok((program, poolscope, port, burner, sleeper))
-}
-
-/// Starts the program's measured phase.
-fn go(port: u16) -> anyhow::Result<()> {
-    let mut start = TcpStream::connect(("127.0.0.1", port))?;
-    start.write_all(b"go\n")?;
-    let mut answer = String::new();
-    BufReader::new(&start).read_line(&mut answer)?;
-    anyhow::ensure!(answer == "ok\n", "stackburner answered go with {answer:?}");
-    Ok(())
 }
 
 /// A session's folded stacks with the schedstat (running, runnable) of `tid` and
@@ -175,7 +154,7 @@ fn check_concurrent_sessions(
 ) -> anyhow::Result<()> {
     let (port, pid) = (poolscope.port, program.pid());
     let seconds = SESSION.as_secs();
-    go(program_port)?;
+    start_phase(program_port)?;
     let phase_started = unix_now();
     let url = format!(
         "http://127.0.0.1:{port}/debug/pprof/profile?seconds={seconds}&service={SERVICE}\
@@ -353,33 +332,9 @@ fn snapshots_kept_their_rate(
     phase_started: f64,
     phase_ended: f64,
 ) -> anyhow::Result<()> {
-    let mut listing = serde_json::Value::Null;
-    let settled = wait_until(4 * INTERVAL + Duration::from_secs(10), || {
-        listing = poolscope
-            .get("/debug/snapshots")
-            .ok()
-            .and_then(|text| serde_json::from_str(&text).ok())
-            .unwrap_or_default();
-        listing["snapshots"].as_array().is_some_and(|all| {
-            all.iter().any(|s| {
-                s["ended_unix_seconds"]
-                    .as_f64()
-                    .is_some_and(|ended| ended >= phase_ended + 2.0 * INTERVAL.as_secs_f64())
-            })
-        })
-    });
-    anyhow::ensure!(settled, "no snapshot ended after the phase: {listing}");
-    let listed = listing["snapshots"].as_array().context("no snapshots")?;
-    let oldest = listed
-        .iter()
-        .filter_map(|s| s["started_unix_seconds"].as_f64())
-        .fold(f64::INFINITY, f64::min);
-    anyhow::ensure!(
-        oldest <= phase_started,
-        "snapshots of the phase were dropped"
-    );
+    let listed = snapshots_covering(poolscope, phase_started, phase_ended, INTERVAL)?;
     let mut samples = 0;
-    for snapshot in listed {
+    for snapshot in &listed {
         let id = snapshot["id"].as_u64().context("snapshot without id")?;
         let path = format!("/debug/stacks/cpu?service={SERVICE}&snapshot={id}&format=folded");
         let lines = parse_folded(&poolscope.get(&path)?)?;
@@ -433,7 +388,7 @@ fn refusals_name_their_limit_and_a_leaving_client_frees_everything() -> anyhow::
             pids_config(SERVICE, &[pid])
         ))
     })?;
-    go(program_port)?;
+    start_phase(program_port)?;
     let result = check_refusals_and_leaving(&poolscope);
     if result.is_err() {
         println!("poolscope's log:\n{}", poolscope.stop_and_log());

@@ -17,23 +17,18 @@
 //!
 //! One run of the program serves the three tests (it takes ~18 s): the first test to
 //! get there measures, the others wait for it and read the same result.
-use std::{
-    collections::HashMap,
-    io::{BufRead as _, BufReader, Write as _},
-    net::TcpStream,
-    sync::OnceLock,
-    time::{Duration, SystemTime, UNIX_EPOCH},
-};
+use std::{collections::HashMap, sync::OnceLock, time::Duration};
 
 use anyhow::Context as _;
 use poolscope_tests::{
     PoolServer, Poolscope, Program, bin_dir,
     load::{ClosedLoop, Connections},
-    one_at_a_time, parse_debug_threads, parse_tids, pids_config, privileged,
+    one_at_a_time, parse_tids, pids_config, privileged,
     profiles::{
-        FoldedLine, count_colors, http_get, names, parse_folded, pprof_top, screenshot, weight_of,
+        FoldedLine, count_colors, http_get, names, parse_folded, pprof_top, screenshot,
+        snapshots_covering, start_phase, unix_now, weight_of,
     },
-    wait_until,
+    wait_followed, wait_until,
 };
 
 const SERVICE: &str = "sb";
@@ -128,12 +123,6 @@ fn the_run() -> anyhow::Result<&'static Run> {
         .map_err(|error| anyhow::anyhow!("the measured run failed: {error}"))
 }
 
-fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
 /// `key value key value ...` after a line's prefix.
 fn fields(line: &str) -> anyhow::Result<HashMap<String, u64>> {
     let words: Vec<&str> = line.split_whitespace().collect();
@@ -183,27 +172,10 @@ fn measure_with(
     sleeper: u32,
 ) -> anyhow::Result<Run> {
     // Followed threads are in their pools (the folded stacks' first frame).
-    let mut rows = Vec::new();
-    let followed = wait_until(Duration::from_secs(10), || {
-        rows = poolscope
-            .get("/debug/threads")
-            .and_then(|text| parse_debug_threads(&text))
-            .unwrap_or_default();
-        [(burner, BURNER_POOL), (sleeper, SLEEPER_POOL)]
-            .iter()
-            .all(|(tid, pool)| rows.iter().any(|r| r.tid == *tid && r.pool == *pool))
-    });
-    anyhow::ensure!(
-        followed,
-        "burner {burner} and sleeper {sleeper} not followed in their pools: {rows:?}"
-    );
+    wait_followed(poolscope, &[(burner, BURNER_POOL), (sleeper, SLEEPER_POOL)])?;
 
     let go_unix = unix_now();
-    let mut start = TcpStream::connect(("127.0.0.1", port))?;
-    start.write_all(b"go\n")?;
-    let mut answer = String::new();
-    BufReader::new(&start).read_line(&mut answer)?;
-    anyhow::ensure!(answer == "ok\n", "stackburner answered go with {answer:?}");
+    start_phase(port)?;
     let burned = fields(&program.line("burner")?)?;
     let slept = fields(&program.line("sleeper")?)?;
     program.line("done")?;
@@ -219,43 +191,9 @@ fn measure_with(
     };
     println!("program: {truth:?}");
 
-    // Every stack of the phase is in a snapshot once a whole snapshot has ended after
-    // it (one more interval: slack for the drain).
-    let mut listing = serde_json::Value::Null;
-    let settled = wait_until(4 * INTERVAL + Duration::from_secs(10), || {
-        listing = poolscope
-            .get("/debug/snapshots")
-            .ok()
-            .and_then(|text| serde_json::from_str(&text).ok())
-            .unwrap_or_default();
-        listing["snapshots"].as_array().is_some_and(|all| {
-            all.iter().any(|s| {
-                s["ended_unix_seconds"]
-                    .as_f64()
-                    .is_some_and(|ended| ended >= done_unix + 2.0 * INTERVAL.as_secs_f64())
-            })
-        })
-    });
-    anyhow::ensure!(
-        settled,
-        "no snapshot ended {:?} after the phase: {listing}",
-        2 * INTERVAL
-    );
-    let listed = listing["snapshots"]
-        .as_array()
-        .context("no snapshots array")?;
-    let oldest = listed
-        .iter()
-        .filter_map(|s| s["started_unix_seconds"].as_f64())
-        .fold(f64::INFINITY, f64::min);
-    anyhow::ensure!(
-        oldest <= go_unix,
-        "the oldest snapshot kept started at {oldest}, after the phase did ({go_unix}): \
-         snapshots were dropped"
-    );
-
+    let listed = snapshots_covering(poolscope, go_unix, done_unix, INTERVAL)?;
     let mut snapshots = Vec::new();
-    for snapshot in listed {
+    for snapshot in &listed {
         let id = snapshot["id"].as_u64().context("snapshot without id")?;
         let folded = |view: &str| -> anyhow::Result<Vec<FoldedLine>> {
             let path = format!("/debug/stacks/{view}?service={SERVICE}&snapshot={id}");
