@@ -89,6 +89,9 @@ pub struct Exporter {
     series_dropped: AtomicU64,
     /// Wakes the rescan loop before its next tick.
     rescan_now: Arc<Notify>,
+    /// True once poolscope is stopping: profiling sessions end early, so that the
+    /// HTTP server's graceful shutdown does not wait for them.
+    stopping: tokio::sync::watch::Sender<bool>,
     /// Fixed at start (a reload does not move it).
     procfs_root: PathBuf,
     stacks: Mutex<StackCollector>,
@@ -138,8 +141,14 @@ impl Exporter {
             snapshots: RwLock::new(snapshots),
             sessions: Mutex::new(Sessions::default()),
             rescan_now: Arc::new(Notify::new()),
+            stopping: tokio::sync::watch::Sender::new(false),
             procfs_root,
         }
+    }
+
+    /// poolscope is stopping: running profiling sessions end now.
+    pub fn stop(&self) {
+        self.stopping.send_replace(true);
     }
 
     /// Notified when a rescan is worth doing before the next tick.
@@ -444,8 +453,10 @@ impl Exporter {
         let window =
             window.ok_or_else(|| Refusal::Kernel("the session's window is gone".to_owned()))?;
         let request = &ticket.request;
+        let started = window.started();
+        let duration = ended.duration_since(started).unwrap_or_default();
         let mut comments = vec![format!(
-            "poolscope: {} profile of service {:?}{}, {} s at {} Hz",
+            "poolscope: {} profile of service {:?}{}, {:.1} s at {} Hz",
             request.view.title(),
             request.service,
             request
@@ -453,9 +464,15 @@ impl Exporter {
                 .as_ref()
                 .map(|pool| format!(", pool {pool:?}"))
                 .unwrap_or_default(),
-            request.duration.as_secs(),
+            duration.as_secs_f64(),
             request.hz
         )];
+        if duration + Duration::from_secs(1) < request.duration {
+            comments.push(format!(
+                "poolscope: ended early, {} s were asked for (poolscope is stopping)",
+                request.duration.as_secs()
+            ));
+        }
         if session.first_sample_ns > ticket.requested_ns {
             let latency = Duration::from_nanos(session.first_sample_ns - ticket.requested_ns);
             self.sessions().first_sample(latency);
@@ -464,13 +481,12 @@ impl Exporter {
                 latency.as_secs_f64() * 1e3
             ));
         }
-        let started = window.started();
         let records = window.into_records(request.hz, u64::MAX).records;
         let records: Vec<&StackRecord> = records.iter().collect();
         let meta = ProfileMeta {
             sampling_hz: request.hz,
             started,
-            duration: ended.duration_since(started).unwrap_or_default(),
+            duration,
             comments,
         };
         let title = format!(
@@ -719,6 +735,10 @@ impl Gatherer for Exporter {
             self.sessions().refused(refusal);
         }
         output
+    }
+
+    fn stopping(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.stopping.subscribe()
     }
 
     fn cancel_profile(&self, ticket: Ticket) {

@@ -262,6 +262,7 @@ fn spawn_signal_thread(
             for signal in signals.forever() {
                 if signal != SIGHUP {
                     tracing::info!(signal, "shutting down");
+                    exporter.stop();
                     let _ = shutdown.send(());
                     return;
                 }

@@ -47,6 +47,9 @@ pub trait Gatherer: Send + Sync + 'static {
 
     /// Ends the session without rendering it (its client left).
     fn cancel_profile(&self, ticket: Ticket);
+
+    /// Becomes true when poolscope stops: sessions end early then.
+    fn stopping(&self) -> tokio::sync::watch::Receiver<bool>;
 }
 
 /// A rendered profiling session.
@@ -309,7 +312,13 @@ async fn pprof_profile(
         gatherer: gatherer.clone(),
         ticket: Some(ticket),
     };
-    tokio::time::sleep(guard.duration()).await;
+    let mut stopping = gatherer.stopping();
+    tokio::select! {
+        () = tokio::time::sleep(guard.duration()) => {}
+        _ = stopping.wait_for(|stopping| *stopping) => {
+            tracing::info!("poolscope is stopping: profiling session ended early");
+        }
+    }
     let Some(ticket) = guard.disarm() else {
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
     };
@@ -363,6 +372,7 @@ mod tests {
     #[derive(Default)]
     struct Fixed {
         cancelled: std::sync::atomic::AtomicU32,
+        stopping: tokio::sync::watch::Sender<bool>,
     }
 
     impl Gatherer for Fixed {
@@ -429,6 +439,10 @@ mod tests {
         fn cancel_profile(&self, _ticket: Ticket) {
             self.cancelled
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+
+        fn stopping(&self) -> tokio::sync::watch::Receiver<bool> {
+            self.stopping.subscribe()
         }
     }
 
@@ -573,6 +587,20 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(cancelled(), 1);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn stopping_ends_a_session_early() -> Result<(), Box<dyn std::error::Error>> {
+        let fixed = Arc::new(Fixed::default());
+        let request = axum::http::Request::get("/debug/pprof/profile?service=web&seconds=60000")
+            .body(Body::empty())?;
+        let pending = tokio::spawn(app(fixed.clone()).oneshot(request));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        fixed.stopping.send_replace(true);
+        let response = tokio::time::timeout(Duration::from_secs(5), pending).await???;
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(fixed.cancelled.load(std::sync::atomic::Ordering::SeqCst), 0);
         Ok(())
     }
 }
