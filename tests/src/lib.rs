@@ -17,6 +17,7 @@ use anyhow::{Context as _, bail};
 
 pub mod load;
 pub mod profiles;
+pub mod prometheus;
 pub mod servers;
 
 /// The request backends, as `[probes] backend` names them.

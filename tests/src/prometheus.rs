@@ -1,0 +1,147 @@
+//! A real Prometheus (Debian's `prometheus` package) for the operators' tests: started
+//! on a free port with a generated config that scrapes the given targets and
+//! evaluates the given rule files every second, queried through its HTTP API, killed
+//! when dropped.
+use std::{
+    io::{Read as _, Write as _},
+    net::TcpStream,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::{free_port, wait_until};
+
+/// Where the Debian package puts the server (`cargo xtask` installs it).
+pub const PROMETHEUS: &str = "/usr/bin/prometheus";
+
+/// A running Prometheus; killed (and its storage removed) when dropped.
+pub struct Prometheus {
+    child: Child,
+    pub port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    /// Starts Prometheus scraping `targets` (`host:port`) as job `job` and evaluating
+    /// `rule_files`, both every second, and waits until it is ready.
+    pub fn start(job: &str, targets: &[String], rule_files: &[PathBuf]) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let quoted = |text: &str| format!("'{}'", text.replace('\'', "''"));
+        let rules: Vec<String> = rule_files
+            .iter()
+            .map(|path| format!("  - {}\n", quoted(&path.to_string_lossy())))
+            .collect();
+        let targets: Vec<String> = targets.iter().map(|t| quoted(t)).collect();
+        let config = format!(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n\
+             rule_files:\n{}\
+             scrape_configs:\n  - job_name: {}\n    static_configs:\n      - targets: [{}]\n",
+            rules.concat(),
+            quoted(job),
+            targets.join(", ")
+        );
+        let config_path = dir.path().join("prometheus.yml");
+        std::fs::write(&config_path, config)?;
+        let log = std::fs::File::create(dir.path().join("prometheus.log"))?;
+        let port = free_port()?;
+        let child = Command::new(PROMETHEUS)
+            .arg(format!("--config.file={}", config_path.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {PROMETHEUS} (Debian package prometheus)"))?;
+        let mut prometheus = Self { child, port, dir };
+        let ready = wait_until(Duration::from_secs(30), || {
+            prometheus
+                .get("/-/ready")
+                .is_ok_and(|(status, _)| status == 200)
+                || !matches!(prometheus.child.try_wait(), Ok(None))
+        });
+        if !ready || !matches!(prometheus.child.try_wait(), Ok(None)) {
+            bail!(
+                "prometheus was not ready within 30 s:\n{}",
+                prometheus.log()
+            );
+        }
+        Ok(prometheus)
+    }
+
+    /// What Prometheus logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("prometheus.log")).unwrap_or_default()
+    }
+
+    /// GET `path` (with its query string); the status code and the body.
+    pub fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        // HTTP/1.0: the server closes the connection after the response and does not
+        // chunk it.
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .context("no HTTP header end")?;
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .with_context(|| format!("GET {path}: bad status line in {head:?}"))?;
+        Ok((status, body.to_owned()))
+    }
+
+    /// GET an API `path`; its `data`, or the API's error.
+    pub fn api(&self, path: &str) -> anyhow::Result<serde_json::Value> {
+        let (status, body) = self.get(path)?;
+        let answer: serde_json::Value = serde_json::from_str(&body)
+            .with_context(|| format!("GET {path}: HTTP {status}, not JSON: {body}"))?;
+        if answer["status"] != "success" {
+            bail!(
+                "GET {path}: HTTP {status}, {}: {}",
+                answer["errorType"],
+                answer["error"]
+            );
+        }
+        Ok(answer["data"].clone())
+    }
+
+    /// Evaluates `expr` now (instant query); the query's result type and result.
+    pub fn query(&self, expr: &str) -> anyhow::Result<(String, serde_json::Value)> {
+        let data = self.api(&format!("/api/v1/query?query={}", url_encode(expr)))?;
+        let kind = data["resultType"]
+            .as_str()
+            .with_context(|| format!("{expr}: no resultType in {data}"))?
+            .to_owned();
+        Ok((kind, data["result"].clone()))
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Percent-encodes everything but RFC 3986's unreserved characters.
+pub fn url_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 3);
+    for byte in text.bytes() {
+        match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(byte as char);
+            }
+            _ => out.push_str(&format!("%{byte:02X}")),
+        }
+    }
+    out
+}
