@@ -303,6 +303,11 @@ fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) {
                     "limits.connections",
                     settings.connections != current.connections,
                 ),
+                ("limits.locks", settings.locks != current.locks),
+                (
+                    "limits.lock_stacks",
+                    settings.lock_stacks != current.lock_stacks,
+                ),
                 ("limits.stacks", settings.stacks != current.stacks),
                 (
                     "limits.stack_counts",
