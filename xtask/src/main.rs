@@ -33,6 +33,10 @@ const TEST_PACKAGES: &[&str] = &[
     // person sees (tests/tests/stacks.rs); golang-go's `go tool pprof` reads the
     // pprof profiles.
     "chromium",
+    // tests/tests/deploy.rs and privileges.rs: systemd-analyze, and the systemd that
+    // runs poolscope under its unit; python3-venv for kubernetes-validate's venv.
+    "systemd",
+    "python3-venv",
 ];
 
 fn main() -> anyhow::Result<()> {
@@ -56,6 +60,7 @@ fn main() -> anyhow::Result<()> {
         }
         Some("test") => {
             setup::ensure(TEST_PACKAGES)?;
+            setup::ensure_kubernetes_validate(&root)?;
             cargo(&root, &["fmt", "--all", "--check"])?;
             cargo(
                 &root,
@@ -76,7 +81,10 @@ fn main() -> anyhow::Result<()> {
             )?;
             bench::run(&root)
         }
-        Some("setup") => setup::ensure(&[TEST_PACKAGES, bench::PACKAGES].concat()),
+        Some("setup") => {
+            setup::ensure(&[TEST_PACKAGES, bench::PACKAGES].concat())?;
+            setup::ensure_kubernetes_validate(&root)
+        }
         _ => bail!("{USAGE}"),
     }
 }

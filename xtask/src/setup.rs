@@ -1,7 +1,9 @@
 //! Installs what building and testing need, only where it is missing:
 //! - rust-src for the pinned toolchain (`-Z build-std=core` for the BPF target);
 //! - bpf-linker built against rustc's own libLLVM (same LLVM major as rustc);
-//! - Debian packages a task asks for.
+//! - Debian packages a task asks for;
+//! - kubernetes-validate from PyPI, pinned, in a venv under target/tools (the tests
+//!   validate deploy/'s Kubernetes manifests with it).
 //!
 //! Every check is cheap and silent when satisfied; see ../shared/notes/ebpf-toolchain.md.
 use std::{
@@ -14,6 +16,7 @@ use std::{
 use anyhow::{Context as _, bail};
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
+const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
 
 pub fn ensure(packages: &[&str]) -> anyhow::Result<()> {
     put_cargo_bin_on_path()?;
@@ -199,6 +202,55 @@ fn ensure_packages(packages: &[&str]) -> anyhow::Result<()> {
     // A fresh machine may have no package lists yet.
     if !apt_get(&["update", "-q"])? || !apt_get(&install)? {
         bail!("apt-get install {} failed", missing.join(" "));
+    }
+    Ok(())
+}
+
+/// kubernetes-validate in its own venv at target/tools/kubernetes-validate, where
+/// tests/tests/deploy.rs looks for it; reinstalled when it does not run or is not the
+/// pinned version. Needs python3 with venv (Debian: python3-venv, in the test packages).
+pub fn ensure_kubernetes_validate(root: &Path) -> anyhow::Result<()> {
+    let venv = root.join("target/tools/kubernetes-validate");
+    let current = Command::new(venv.join("bin/kubernetes-validate"))
+        .arg("--version")
+        .stderr(Stdio::null())
+        .output()
+        .is_ok_and(|o| {
+            o.status.success()
+                && String::from_utf8_lossy(&o.stdout).trim() == KUBERNETES_VALIDATE_VERSION
+        });
+    if current {
+        return Ok(());
+    }
+    eprintln!("xtask: installing kubernetes-validate {KUBERNETES_VALIDATE_VERSION}");
+    let pip = venv.join("bin/pip");
+    let pip_runs = Command::new(&pip)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !pip_runs {
+        // A venv left half made, or made by a python3 since removed, is made again.
+        let _ = fs::remove_dir_all(&venv);
+        let status = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .context("running python3 -m venv")?;
+        if !status.success() {
+            bail!("python3 -m venv {} failed ({status})", venv.display());
+        }
+    }
+    let status = Command::new(&pip)
+        .args([
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            &format!("kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"),
+        ])
+        .status()
+        .with_context(|| format!("running {}", pip.display()))?;
+    if !status.success() {
+        bail!("pip install kubernetes-validate failed ({status})");
     }
     Ok(())
 }
