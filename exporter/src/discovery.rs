@@ -3,11 +3,36 @@
 //!
 //! - A process matches a rule when every selector the rule gives matches.
 //! - With no rules, every process with a listening TCP socket is a service, named by
-//!   its systemd unit, else its container, else its comm.
+//!   its Kubernetes workload, else its systemd unit, else its container, else its comm
+//!   (see [`default_service_name`]).
 //! - A process that matches nothing belongs to the service of its nearest matching
 //!   ancestor when it is in the same cgroup (a login shell moved to its own session
 //!   scope by sshd is not part of sshd). pid 1 is never an ancestor service: every
 //!   process descends from it.
+//!
+//! **Kubernetes workloads.** A pod container's process is named after its workload,
+//! so that the replicas of a Deployment on a node are one service whose name survives
+//! rollouts. The workload is guessed from the pod name (`procfs` reads it from the
+//! container's environment) by the suffixes the controllers append:
+//! - Deployment: `<name>-<pod-template-hash>-<5 random>` (`web-7d9f8c6b5-x2k4q` →
+//!   `web`); the hash is 5 to 10 characters of the alphabet Kubernetes draws random
+//!   names from (`bcdfghjklmnpqrstvwxz2456789`: no vowels, no 0, 1, 3).
+//! - CronJob: `<name>-<scheduled minute since 1970>-<5 random>` (`backup-28391840-k2x9p`
+//!   → `backup`).
+//! - DaemonSet, Job, bare ReplicaSet: `<name>-<5 random>` (`fluentd-x2k4q` → `fluentd`).
+//! - StatefulSet: `<name>-<ordinal>` (`db-0` → `db`).
+//! - Anything else stays as it is (`nginx`, `redis-master`).
+//!
+//! The guess only sees the name, so it has limits: a bare pod whose last segment
+//! happens to look generated loses it (`web-bcdfg` → `web`, `worker-2` → `worker`), as
+//! does a DaemonSet whose name ends in 5 to 10 letters of the alphabet (`proxy-https`'s
+//! pods become `proxy`); pods of controllers with other schemes keep a changing name
+//! (OpenShift's `<dc>-<version>-<5>` becomes `<dc>-<version>`); names cut to fit 63
+//! characters (long workload names) lose the `-` before their suffix and stay whole;
+//! a pod that sets `spec.hostname` is named by it. Workloads of the same name in
+//! different namespaces on one node, and every container of one pod (sidecars too),
+//! are one service: the cgroup and the environment do not say the namespace or the
+//! container's name. Target rules name services explicitly where that matters.
 use std::collections::HashMap;
 
 use crate::{
@@ -26,15 +51,70 @@ pub struct Assignment {
 /// How deep to look for a matching ancestor (guards against ppid cycles in bad input).
 const MAX_ANCESTORS: usize = 64;
 
-/// The service name of a process found without a named rule.
+/// The service name of a process found without a named rule: its Kubernetes
+/// workload (pod containers whose pod name is known), else its systemd unit, else
+/// `container-<short id>` (other containers, and pod containers whose pod name is not
+/// known), else its comm. The workload comes before the unit: a unit inside a pod's
+/// container is one of the workload's parts.
 pub fn default_service_name(process: &ProcInfo) -> String {
-    if let Some(unit) = systemd_service(&process.cgroup) {
+    if let Some(pod) = &process.pod_name {
+        workload_name(pod).to_owned()
+    } else if let Some(unit) = systemd_service(&process.cgroup) {
         unit.to_owned()
     } else if let Some(id) = container_id(&process.cgroup) {
         format!("container-{id}")
     } else {
         process.comm.clone()
     }
+}
+
+/// The characters Kubernetes draws generated name parts from (`utilrand.String`,
+/// `rand.SafeEncodeString`): no vowels, so no words, and no 0, 1, 3.
+const GENERATED_NAME_ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+
+fn is_generated(part: &str, lengths: std::ops::RangeInclusive<usize>) -> bool {
+    lengths.contains(&part.len()) && part.bytes().all(|b| GENERATED_NAME_ALPHABET.contains(&b))
+}
+
+/// A CronJob's job name part: the scheduled time in minutes since 1970 (8 digits
+/// until the year 2160).
+fn is_schedule_minute(part: &str) -> bool {
+    part.len() >= 8 && part.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// A StatefulSet ordinal: a decimal number without leading zeros.
+fn is_ordinal(part: &str) -> bool {
+    !part.is_empty()
+        && part.bytes().all(|b| b.is_ascii_digit())
+        && (part == "0" || !part.starts_with('0'))
+}
+
+/// The workload a pod name belongs to (see the module comment for the rules and
+/// their limits); the pod name itself when no rule applies.
+pub fn workload_name(pod: &str) -> &str {
+    let Some((rest, last)) = pod.rsplit_once('-') else {
+        return pod;
+    };
+    if rest.is_empty() {
+        return pod;
+    }
+    if is_generated(last, 5..=5) {
+        // Deployment (`-<hash>-<random>`) or CronJob (`-<minute>-<random>`), else a
+        // DaemonSet's, Job's or ReplicaSet's `-<random>`.
+        return match rest.rsplit_once('-') {
+            Some((workload, middle))
+                if !workload.is_empty()
+                    && (is_generated(middle, 5..=10) || is_schedule_minute(middle)) =>
+            {
+                workload
+            }
+            _ => rest,
+        };
+    }
+    if is_ordinal(last) {
+        return rest;
+    }
+    pod
 }
 
 fn cgroup_matches(selector: &str, cgroup: &str) -> bool {
@@ -155,6 +235,7 @@ mod tests {
             comm: comm.into(),
             exe: Some(format!("/usr/bin/{comm}").into()),
             cgroup: cgroup.into(),
+            pod_name: None,
             listeners: listeners.to_vec(),
         }
     }
@@ -302,6 +383,107 @@ mod tests {
         assert_eq!(
             services(&assign(&snapshot(), &rules, 500)),
             vec![(100, "second"), (101, "first"), (102, "first")]
+        );
+    }
+
+    #[test]
+    fn workloads_from_pod_names() {
+        let cases = [
+            // Deployments: hash of 5 to 10 characters, then the random suffix.
+            ("web-7d9f8c6b5-x2k4q", "web"),
+            ("web-7d9f8c6b5-p9zmt", "web"),
+            ("coredns-5d78c9869d-8xjqz", "coredns"),
+            ("api-gateway-v2-66b6c48dd5-4wq7n", "api-gateway-v2"),
+            ("nginx-deployment-7c5ddbdf54-2xz8l", "nginx-deployment"),
+            ("metrics-server-bcdfg-x2k4q", "metrics-server"),
+            // CronJob runs: the scheduled minute, then the random suffix.
+            ("backup-28391840-k2x9p", "backup"),
+            // DaemonSets, Jobs, bare ReplicaSets: the random suffix only.
+            ("fluentd-x2k4q", "fluentd"),
+            ("kube-proxy-9zv7t", "kube-proxy"),
+            ("node-exporter-2xq8m", "node-exporter"),
+            ("migrate-db-24567", "migrate-db"),
+            // OpenShift's DeploymentConfig: the version stays (not a hash).
+            ("web-3-x2k4q", "web-3"),
+            // StatefulSets: the ordinal.
+            ("db-0", "db"),
+            ("kafka-broker-12", "kafka-broker"),
+            // Nothing generated: unchanged.
+            ("nginx", "nginx"),
+            ("redis-master", "redis-master"),
+            ("web-abcde", "web-abcde"),
+            ("web-v2", "web-v2"),
+            ("db-007", "db-007"),
+            ("web-x2k4", "web-x2k4"),
+            ("web-x2k4qq", "web-x2k4qq"),
+            ("-x2k4q", "-x2k4q"),
+            ("-7d9f8c6b5-x2k4q", "-7d9f8c6b5"),
+            ("web-", "web-"),
+            // Known misreadings (documented): generated-looking last segments go.
+            ("web-bcdfg", "web"),
+            ("worker-2", "worker"),
+            ("proxy-https-x2k4q", "proxy"),
+        ];
+        for (pod, workload) in cases {
+            assert_eq!(workload_name(pod), workload, "pod {pod}");
+        }
+    }
+
+    #[test]
+    fn pod_containers_are_named_by_workload_other_containers_by_id() {
+        let id = "4f1c2a9be0d75c3e8a6b9d0f1e2c3b4a5968778695a4b3c2d1e0f9a8b7c6d5e4";
+        let pod_cgroup = format!(
+            "/kubepods.slice/kubepods-burstable.slice/\
+             kubepods-burstable-pod3e1a6e0c_5b1f_4d1e_9b4e_0d2f8c7a9b10.slice/\
+             cri-containerd-{id}.scope"
+        );
+        let mut replica = process(600, 1, "web", &pod_cgroup, &[60]);
+        replica.pod_name = Some("web-7d9f8c6b5-x2k4q".into());
+        assert_eq!(default_service_name(&replica), "web");
+        // The pod name could not be read (or was not trusted): the container's id.
+        replica.pod_name = None;
+        assert_eq!(default_service_name(&replica), "container-4f1c2a9be0d7");
+        let docker = process(
+            700,
+            1,
+            "redis",
+            &format!("/system.slice/docker-{id}.scope"),
+            &[70],
+        );
+        assert_eq!(default_service_name(&docker), "container-4f1c2a9be0d7");
+        let unit = process(800, 1, "nginx", "/system.slice/nginx.service", &[80]);
+        assert_eq!(default_service_name(&unit), "nginx");
+    }
+
+    #[test]
+    fn replicas_on_one_node_are_one_service() {
+        let pod = |uid: &str, id: char| {
+            format!(
+                "/kubepods/besteffort/pod{uid}/{}",
+                std::iter::repeat_n(id, 64).collect::<String>()
+            )
+        };
+        let a = pod("3e1a6e0c-5b1f-4d1e-9b4e-0d2f8c7a9b10", 'a');
+        let b = pod("9c2b7d1e-6a2f-4e3d-8c5f-1e3a9d8b0c21", 'b');
+        let mut replicas = vec![
+            process(600, 1, "web", &a, &[60]),
+            process(601, 600, "web-worker", &a, &[]),
+            process(700, 1, "web", &b, &[70]),
+        ];
+        replicas[0].pod_name = Some("web-7d9f8c6b5-x2k4q".into());
+        replicas[1].pod_name = Some("web-7d9f8c6b5-x2k4q".into());
+        replicas[2].pod_name = Some("web-7d9f8c6b5-p9zmt".into());
+        let snapshot = ProcSnapshot {
+            processes: replicas,
+            listen_sockets: [
+                (60, "0.0.0.0:8080".parse().expect("addr")),
+                (70, "0.0.0.0:8080".parse().expect("addr")),
+            ]
+            .into(),
+        };
+        assert_eq!(
+            services(&assign(&snapshot, &[], 1)),
+            vec![(600, "web"), (601, "web"), (700, "web")]
         );
     }
 }

@@ -1,9 +1,17 @@
 //! Reading processes and their listening sockets from a procfs root. The parsers are
 //! pure functions over file contents (tested on fixtures); `scan` walks a root such as
 //! `/proc`, or a fixture tree in tests, and tolerates processes vanishing mid-scan.
+//!
+//! A process in a Kubernetes pod's container also gets its pod's name: the container
+//! runtime (containerd, CRI-O, cri-dockerd) puts `HOSTNAME=<pod hostname>` in every
+//! container's environment, and the pod hostname is the pod name unless the pod sets
+//! `spec.hostname` (kubelet cuts it to 63 characters). It is only trusted when the
+//! process has a UTS namespace of its own: a `hostNetwork` pod shares the host's, and
+//! its HOSTNAME is the node's name.
 use std::{
     collections::{HashMap, HashSet},
-    fs, io,
+    fs,
+    io::{self, Read as _},
     net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
 };
@@ -20,6 +28,9 @@ pub struct ProcInfo {
     pub exe: Option<PathBuf>,
     /// cgroup v2 path (`0::<path>`), or the systemd v1 hierarchy's path.
     pub cgroup: String,
+    /// The Kubernetes pod's hostname (its name, normally) when the cgroup is a pod
+    /// container's and the environment says it (see the module comment).
+    pub pod_name: Option<String>,
     /// Inodes of the listening TCP sockets among its open fds.
     pub listeners: Vec<u64>,
 }
@@ -70,7 +81,9 @@ pub fn socket_inode(link: &str) -> Option<u64> {
 }
 
 /// The cgroup of a process from `/proc/<pid>/cgroup`: the v2 entry if there is one,
-/// else the v1 `name=systemd` entry.
+/// else the v1 `name=systemd` entry. A v2 entry at the root while the v1 systemd entry
+/// is deeper means the v2 hierarchy is mounted but unused (a v1 host where something
+/// mounted cgroup2): the v1 path is the one that says where the process belongs.
 pub fn parse_cgroup(content: &str) -> String {
     let entry = |prefix: &str| {
         content.lines().find_map(|line| {
@@ -78,9 +91,12 @@ pub fn parse_cgroup(content: &str) -> String {
             rest.strip_prefix(prefix).map(str::to_owned)
         })
     };
-    entry(":")
-        .or_else(|| entry("name=systemd:"))
-        .unwrap_or_else(|| "/".to_owned())
+    match (entry(":"), entry("name=systemd:")) {
+        (Some(unified), Some(systemd)) if unified == "/" && systemd != "/" => systemd,
+        (Some(unified), _) => unified,
+        (None, Some(systemd)) => systemd,
+        (None, None) => "/".to_owned(),
+    }
 }
 
 const TCP_LISTEN: &str = "0A";
@@ -142,6 +158,134 @@ pub fn container_id(cgroup: &str) -> Option<&str> {
     })
 }
 
+/// The short id of the container when `cgroup` is a Kubernetes pod container's: a pod
+/// cgroup followed by the container's own, as kubelet and the runtimes lay them out:
+/// - systemd driver: `/kubepods.slice/kubepods-burstable.slice/
+///   kubepods-burstable-pod<uid with _>.slice/cri-containerd-<id>.scope` (`crio-`,
+///   `docker-`; guaranteed pods sit in `kubepods-pod<uid>.slice`);
+/// - cgroupfs driver: `/kubepods/besteffort/pod<uid>/<id>` (or `crio-<id>`).
+///
+/// Components are matched rather than the whole path, so what comes before does not
+/// matter: a kubelet `--cgroup-root` (kind names its slices `kubelet-kubepods-…`), a
+/// node that is itself a container, `..` when the reader is in another cgroup
+/// namespace. Deeper cgroups a container makes inside its own are its container's.
+pub fn pod_container_id(cgroup: &str) -> Option<&str> {
+    let components: Vec<&str> = cgroup.split('/').collect();
+    (1..components.len()).rev().find_map(|i| {
+        if !is_pod_cgroup(&components[..i]) {
+            return None;
+        }
+        pod_container_component_id(components[i])
+    })
+}
+
+/// A pod's uid: a UUID (with `_` for `-` under the systemd driver), or 32 hex digits
+/// (static pods are named by a hash of their manifest).
+fn is_pod_uid(uid: &str) -> bool {
+    uid.bytes()
+        .all(|b| b.is_ascii_hexdigit() || b == b'-' || b == b'_')
+        && uid.bytes().filter(u8::is_ascii_hexdigit).count() == 32
+}
+
+/// Whether the last of `path` (components from the root) is a pod's cgroup:
+/// `kubepods[-<qos>]-pod<uid>.slice` (systemd driver, possibly under a cgroup root of
+/// its own: `kubelet-kubepods-…`), or `pod<uid>` in `kubepods` or in its QoS class
+/// directories (cgroupfs driver; `..` stands for what the reader's cgroup namespace
+/// hides).
+fn is_pod_cgroup(path: &[&str]) -> bool {
+    let Some((component, ancestors)) = path.split_last() else {
+        return false;
+    };
+    let mut up = ancestors.iter().rev().copied();
+    let (parent, grandparent) = (up.next().unwrap_or(""), up.next().unwrap_or(""));
+    if let Some(slice) = component.strip_suffix(".slice") {
+        return slice.rsplit_once('-').is_some_and(|(ancestors, pod)| {
+            ancestors.split('-').any(|name| name == "kubepods")
+                && pod.strip_prefix("pod").is_some_and(is_pod_uid)
+        });
+    }
+    let in_kubepods = match parent {
+        "kubepods" | ".." => true,
+        "burstable" | "besteffort" => matches!(grandparent, "kubepods" | ".."),
+        _ => false,
+    };
+    in_kubepods && component.strip_prefix("pod").is_some_and(is_pod_uid)
+}
+
+/// The short id of a container cgroup's name inside a pod cgroup. CRI-O's `conmon`
+/// monitor has a scope of its own there (`crio-conmon-<id>.scope`) and is not the
+/// container.
+fn pod_container_component_id(component: &str) -> Option<&str> {
+    let name = component.strip_suffix(".scope").unwrap_or(component);
+    let id = ["cri-containerd-", "crio-", "docker-"]
+        .iter()
+        .find_map(|prefix| name.strip_prefix(prefix))
+        .unwrap_or(name);
+    (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| &id[..12])
+}
+
+/// How much of `/proc/<pid>/environ` is read: the runtime puts HOSTNAME among the
+/// first variables, while an environment can hold megabytes.
+const ENVIRON_READ_LIMIT: usize = 64 * 1024;
+
+/// The value of variable `name` in a NUL-separated environment block; the first
+/// definition wins, as for `getenv`.
+pub fn environ_var<'a>(environ: &'a [u8], name: &str) -> Option<&'a [u8]> {
+    environ.split(|&b| b == 0).find_map(|entry| {
+        entry
+            .strip_prefix(name.as_bytes())?
+            .strip_prefix(b"=".as_slice())
+    })
+}
+
+/// True for what a pod hostname can be: lowercase letters, digits, `-` and `.`, at
+/// most 63 characters, starting and ending with a letter or digit. Anything else did
+/// not come from kubelet (a HOSTNAME the image or the user set) and is not used.
+pub fn is_pod_hostname(name: &str) -> bool {
+    let edge_ok = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    (1..=63).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && edge_ok(name.bytes().next())
+        && edge_ok(name.bytes().last())
+}
+
+/// At most [`ENVIRON_READ_LIMIT`] bytes of the environment of `pid`, cut after the last
+/// complete variable when the limit cut one.
+fn read_environ(root: &Path, pid: u32) -> Option<Vec<u8>> {
+    let mut environ = Vec::new();
+    fs::File::open(root.join(pid.to_string()).join("environ"))
+        .ok()?
+        .take(ENVIRON_READ_LIMIT as u64)
+        .read_to_end(&mut environ)
+        .ok()?;
+    if environ.len() == ENVIRON_READ_LIMIT {
+        let complete = environ
+            .iter()
+            .rposition(|&b| b == 0)
+            .map_or(0, |nul| nul + 1);
+        environ.truncate(complete);
+    }
+    Some(environ)
+}
+
+/// The pod hostname of a process in a pod container (see the module comment); `None`
+/// when it shares the host's UTS namespace (pid 1's, or where pid 1 cannot be read, as
+/// in a sandbox that hides it, the exporter's own: the host's under the shipped unit
+/// and DaemonSet), or its environment cannot be read or holds no valid HOSTNAME.
+fn read_pod_name(root: &Path, pid: u32) -> Option<String> {
+    let uts = |process: &str| fs::read_link(root.join(process).join("ns/uts")).ok();
+    let own = uts(&pid.to_string())?;
+    let host = uts("1").or_else(|| uts("self"))?;
+    if own == host {
+        return None;
+    }
+    let environ = read_environ(root, pid)?;
+    let hostname = std::str::from_utf8(environ_var(&environ, "HOSTNAME")?).ok()?;
+    is_pod_hostname(hostname).then(|| hostname.to_owned())
+}
+
 /// Reads one process; `None` if it vanished or is a kernel thread.
 pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
     let dir = root.join(pid.to_string());
@@ -159,6 +303,9 @@ pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
     let cgroup = fs::read_to_string(dir.join("cgroup"))
         .map(|content| parse_cgroup(&content))
         .unwrap_or_else(|_| "/".to_owned());
+    // Only pod containers' environments are read: the read costs, and elsewhere a
+    // HOSTNAME means nothing.
+    let pod_name = pod_container_id(&cgroup).and_then(|_| read_pod_name(root, pid));
     Some(ProcInfo {
         pid,
         ppid: stat.ppid,
@@ -166,6 +313,7 @@ pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
         comm: stat.comm,
         exe,
         cgroup,
+        pod_name,
         listeners: Vec::new(),
     })
 }
@@ -466,6 +614,124 @@ pub(crate) mod tests {
             "/system.slice/a.service"
         );
         assert_eq!(parse_cgroup(""), "/");
+        // cgroup2 mounted but unused on a v1 host: the v1 systemd path says more.
+        assert_eq!(
+            parse_cgroup("9:name=systemd:/kubepods/besteffort/pod1/c\n1:cpu:/\n0::/\n"),
+            "/kubepods/besteffort/pod1/c"
+        );
+        assert_eq!(
+            parse_cgroup("9:name=systemd:/init.scope\n0::/system.slice/a.service\n"),
+            "/system.slice/a.service"
+        );
+        assert_eq!(parse_cgroup("9:name=systemd:/\n0::/\n"), "/");
+    }
+
+    const CONTAINER: &str = "4f1c2a9be0d75c3e8a6b9d0f1e2c3b4a5968778695a4b3c2d1e0f9a8b7c6d5e4";
+
+    /// Pod container cgroups as kubelet and the runtimes make them, each with the short
+    /// id it must give.
+    #[test]
+    fn pod_container_cgroups() {
+        let id = CONTAINER;
+        let uid = "3e1a6e0c-5b1f-4d1e-9b4e-0d2f8c7a9b10";
+        let uid_ = uid.replace('-', "_");
+        let pods = [
+            // systemd driver (cgroup v2, or the v1 name=systemd hierarchy), every QoS.
+            format!(
+                "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid_}.slice/cri-containerd-{id}.scope"
+            ),
+            format!(
+                "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{uid_}.slice/crio-{id}.scope"
+            ),
+            format!("/kubepods.slice/kubepods-pod{uid_}.slice/docker-{id}.scope"),
+            // cgroupfs driver.
+            format!("/kubepods/burstable/pod{uid}/{id}"),
+            format!("/kubepods/besteffort/pod{uid}/{id}"),
+            format!("/kubepods/pod{uid}/{id}"),
+            format!("/kubepods/burstable/pod{uid}/crio-{id}"),
+            // A static pod: its uid is a hash of its manifest.
+            format!("/kubepods/burstable/pod6b4f3c2a1d0e9f8a7b6c5d4e3f2a1b0c/{id}"),
+            // kind: a node in a docker container, kubelet's cgroup root `kubelet`.
+            format!(
+                "/system.slice/docker-{}.scope/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/kubelet-kubepods-besteffort-pod{uid_}.slice/cri-containerd-{id}.scope",
+                "9".repeat(64)
+            ),
+            format!("/kubelet/kubepods/burstable/pod{uid}/{id}"),
+            // Seen from another cgroup namespace.
+            format!("/../../kubepods-besteffort-pod{uid_}.slice/cri-containerd-{id}.scope"),
+            format!("/kubepods-besteffort-pod{uid_}.slice/cri-containerd-{id}.scope"),
+            format!("/../../../pod{uid}/{id}"),
+            // A cgroup the container made inside its own.
+            format!("/kubepods/burstable/pod{uid}/{id}/init"),
+        ];
+        for cgroup in &pods {
+            assert_eq!(pod_container_id(cgroup), Some("4f1c2a9be0d7"), "{cgroup}");
+        }
+        let not_pods = [
+            format!("/system.slice/docker-{id}.scope"),
+            format!("/machine.slice/libpod-{id}.scope"),
+            format!("/docker/{id}"),
+            "/system.slice/nginx.service".to_owned(),
+            "/".to_owned(),
+            String::new(),
+            // The pod cgroup itself, and its CRI-O monitor: not a container.
+            format!("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid_}.slice"),
+            format!(
+                "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid_}.slice/crio-conmon-{id}.scope"
+            ),
+            // Look-alikes: no kubepods, a uid that is not one, a short id.
+            format!("/system.slice/web-pod{uid_}.slice/docker-{id}.scope"),
+            format!("/pods/burstable/pod{uid}/{id}"),
+            format!("/burstable/pod{uid}/{id}"),
+            format!("/kubepods/burstable/podzz/{id}"),
+            format!("/kubepods/burstable/pod{uid}/{}", &id[..63]),
+            format!("/kubepods/burstable/pod{uid}x/{id}"),
+        ];
+        for cgroup in &not_pods {
+            assert_eq!(pod_container_id(cgroup), None, "{cgroup}");
+        }
+    }
+
+    #[test]
+    fn environment_variables() {
+        let environ =
+            b"PATH=/usr/bin\0HOSTNAMEX=no\0HOSTNAME=web-7d9f8c6b5-x2k4q\0HOSTNAME=second\0";
+        assert_eq!(
+            environ_var(environ, "HOSTNAME"),
+            Some(b"web-7d9f8c6b5-x2k4q".as_slice())
+        );
+        assert_eq!(environ_var(environ, "PATH"), Some(b"/usr/bin".as_slice()));
+        assert_eq!(
+            environ_var(b"HOSTNAME=\0", "HOSTNAME"),
+            Some(b"".as_slice())
+        );
+        assert_eq!(environ_var(b"HOME=/root\0", "HOSTNAME"), None);
+        assert_eq!(environ_var(b"", "HOSTNAME"), None);
+    }
+
+    #[test]
+    fn pod_hostnames() {
+        for name in [
+            "web-7d9f8c6b5-x2k4q",
+            "db-0",
+            "a",
+            "pod.with.dots",
+            &"x".repeat(63),
+        ] {
+            assert!(is_pod_hostname(name), "{name}");
+        }
+        for name in [
+            "",
+            "Web",
+            "web_1",
+            "-web",
+            "web-",
+            "web.",
+            "my host",
+            &"x".repeat(64),
+        ] {
+            assert!(!is_pod_hostname(name), "{name}");
+        }
     }
 
     #[test]
@@ -490,6 +756,139 @@ pub(crate) mod tests {
             Some("0123456789ab")
         );
         assert_eq!(container_id("/system.slice/nginx.service"), None);
+    }
+
+    /// What a fixture process looks like to [`read_process`] for the pod name.
+    struct FixtureProcess<'a> {
+        pid: u32,
+        cgroup: &'a str,
+        uts: &'a str,
+        environ: &'a [u8],
+    }
+
+    fn make_fixture_process(root: &Path, process: &FixtureProcess) -> io::Result<()> {
+        use std::os::unix::fs::symlink;
+        let dir = root.join(process.pid.to_string());
+        fs::create_dir_all(dir.join("ns"))?;
+        fs::write(
+            dir.join("stat"),
+            format!(
+                "{} (server) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 5000 0 0",
+                process.pid
+            ),
+        )?;
+        fs::write(dir.join("cgroup"), format!("0::{}\n", process.cgroup))?;
+        symlink("/usr/bin/server", dir.join("exe"))?;
+        symlink(process.uts, dir.join("ns/uts"))?;
+        fs::write(dir.join("environ"), process.environ)
+    }
+
+    /// The pod name comes from HOSTNAME in a pod container with a UTS namespace of its
+    /// own, and from nowhere else.
+    #[test]
+    fn pod_name_of_fixture_processes() -> io::Result<()> {
+        const HOST_UTS: &str = "uts:[4026531838]";
+        const POD_UTS: &str = "uts:[4026532301]";
+        let root = tempfile::tempdir()?;
+        let pod_cgroup = format!(
+            "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod3e1a6e0c_5b1f_4d1e_9b4e_0d2f8c7a9b10.slice/cri-containerd-{CONTAINER}.scope"
+        );
+        let env = b"PATH=/usr/bin\0HOSTNAME=web-7d9f8c6b5-x2k4q\0HOME=/\0";
+        // At the read limit: HOSTNAME whole before it, cut by it (what is left,
+        // `web-7d9f8c`, would pass for a pod name), wholly after it.
+        let mut before = env.to_vec();
+        before.extend_from_slice(b"PAD=");
+        before.resize(ENVIRON_READ_LIMIT + 10, b'x');
+        let mut cut = b"PAD=".to_vec();
+        cut.resize(ENVIRON_READ_LIMIT - 20, b'x');
+        cut.extend_from_slice(b"\0HOSTNAME=web-7d9f8c6b5-x2k4q\0");
+        let mut beyond = b"PAD=".to_vec();
+        beyond.resize(ENVIRON_READ_LIMIT + 10, b'x');
+        beyond.extend_from_slice(b"\0HOSTNAME=web-7d9f8c6b5-x2k4q\0");
+        let processes = [
+            (
+                10,
+                pod_cgroup.as_str(),
+                POD_UTS,
+                env.as_slice(),
+                Some("web-7d9f8c6b5-x2k4q"),
+            ),
+            // hostNetwork pod: the host's UTS namespace, HOSTNAME is the node's name.
+            (
+                11,
+                pod_cgroup.as_str(),
+                HOST_UTS,
+                b"HOSTNAME=node-1\0".as_slice(),
+                None,
+            ),
+            (
+                12,
+                pod_cgroup.as_str(),
+                POD_UTS,
+                b"PATH=/usr/bin\0".as_slice(),
+                None,
+            ),
+            (
+                13,
+                "/system.slice/docker-x.scope",
+                POD_UTS,
+                env.as_slice(),
+                None,
+            ),
+            (
+                14,
+                pod_cgroup.as_str(),
+                POD_UTS,
+                b"HOSTNAME=Not A Pod\0".as_slice(),
+                None,
+            ),
+            (15, pod_cgroup.as_str(), POD_UTS, cut.as_slice(), None),
+            (16, pod_cgroup.as_str(), POD_UTS, beyond.as_slice(), None),
+            (
+                17,
+                pod_cgroup.as_str(),
+                POD_UTS,
+                before.as_slice(),
+                Some("web-7d9f8c6b5-x2k4q"),
+            ),
+        ];
+        for (pid, cgroup, uts, environ, _) in processes {
+            make_fixture_process(
+                root.path(),
+                &FixtureProcess {
+                    pid,
+                    cgroup,
+                    uts,
+                    environ,
+                },
+            )?;
+        }
+        // pid 1 cannot be read (a sandbox hides it): the exporter's own namespace.
+        fs::create_dir_all(root.path().join("self/ns"))?;
+        std::os::unix::fs::symlink(HOST_UTS, root.path().join("self/ns/uts"))?;
+        for (pid, _, _, _, pod_name) in processes {
+            let process = read_process(root.path(), pid).expect("fixture process");
+            assert_eq!(process.pod_name.as_deref(), pod_name, "pid {pid}");
+        }
+        // With pid 1 readable, pid 1's namespace is the host's.
+        make_fixture_process(
+            root.path(),
+            &FixtureProcess {
+                pid: 1,
+                cgroup: "/init.scope",
+                uts: POD_UTS,
+                environ: b"",
+            },
+        )?;
+        assert_eq!(read_process(root.path(), 10).expect("pod").pod_name, None);
+        assert_eq!(
+            read_process(root.path(), 11)
+                .expect("pod")
+                .pod_name
+                .as_deref(),
+            Some("node-1")
+        );
+        Ok(())
     }
 
     /// A fixture procfs root: two processes in one namespace, one listening.
