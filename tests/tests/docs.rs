@@ -1,0 +1,422 @@
+//! Keeps README.md honest, without root: every configuration key of
+//! `exporter/src/config.rs` has a row in the README's configuration reference, every
+//! metric family poolscope exports (`Family::new("name", Kind::…)` anywhere in
+//! `exporter/src/`, unit tests left out) has a row naming its exposed name and type
+//! in the metrics reference, every command-line flag is documented, and neither
+//! reference documents a key or metric that no longer exists.
+//!
+//! The sources are read at test time, so a key, metric or flag added without docs
+//! fails here with a message naming it.
+use std::{
+    collections::BTreeSet,
+    fs,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, bail, ensure};
+
+const METRICS_REFERENCE: &str = "Metrics reference";
+const CONFIG_REFERENCE: &str = "Configuration reference";
+/// The exposed name of every family (`encode.rs`: `PREFIX`).
+const PREFIX: &str = "poolscope_";
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn read(relative: &str) -> anyhow::Result<String> {
+    let path = workspace().join(relative);
+    fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// Markdown lines outside fenced code blocks, with their index.
+fn prose_lines(markdown: &str) -> Vec<(usize, &str)> {
+    let mut fenced = false;
+    let mut lines = Vec::new();
+    for (index, line) in markdown.lines().enumerate() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if !fenced {
+            lines.push((index, line));
+        }
+    }
+    lines
+}
+
+/// The body of the `## {title}` section: up to the next `## ` heading.
+fn section(markdown: &str, title: &str) -> anyhow::Result<String> {
+    let all: Vec<&str> = markdown.lines().collect();
+    let prose = prose_lines(markdown);
+    let start = prose
+        .iter()
+        .find(|(_, line)| line.strip_prefix("## ").map(str::trim) == Some(title))
+        .map(|(index, _)| index + 1)
+        .with_context(|| format!("README.md has no `## {title}` section"))?;
+    let end = prose
+        .iter()
+        .find(|(index, line)| *index >= start && line.starts_with("## "))
+        .map_or(all.len(), |(index, _)| *index);
+    Ok(all[start..end].join("\n"))
+}
+
+/// The `### ` subsections of a section: (heading, body).
+fn subsections(section: &str) -> Vec<(String, String)> {
+    let mut parts: Vec<(String, String)> = Vec::new();
+    for (_, line) in prose_lines(section) {
+        if let Some(heading) = line.strip_prefix("### ") {
+            parts.push((heading.trim().to_owned(), String::new()));
+        } else if let Some((_, body)) = parts.last_mut() {
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    parts
+}
+
+/// Table rows (outside code blocks) as their trimmed cells.
+fn table_rows(markdown: &str) -> Vec<Vec<String>> {
+    prose_lines(markdown)
+        .into_iter()
+        .filter_map(|(_, line)| {
+            let inner = line.trim().strip_prefix('|')?.strip_suffix('|')?;
+            Some(
+                inner
+                    .split('|')
+                    .map(|cell| cell.trim().to_owned())
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// A cell that is exactly one code span: `` `name` `` → `name`.
+fn code_cell(cell: &str) -> Option<&str> {
+    let name = cell.strip_prefix('`')?.strip_suffix('`')?;
+    (!name.is_empty() && !name.contains('`')).then_some(name)
+}
+
+/// The `pub name: Type` fields of `pub struct {name}` in a Rust source.
+fn struct_fields(source: &str, name: &str) -> anyhow::Result<Vec<(String, String)>> {
+    let header = format!("pub struct {name} {{");
+    let start = source
+        .find(&header)
+        .with_context(|| format!("config.rs has no `{header}`"))?;
+    let mut fields = Vec::new();
+    for line in source[start + header.len()..].lines() {
+        let line = line.trim();
+        if line == "}" {
+            return Ok(fields);
+        }
+        if let Some(field) = line.strip_prefix("pub ")
+            && let Some((field, ty)) = field.split_once(':')
+        {
+            let ty = ty.trim().trim_end_matches(',').trim();
+            fields.push((field.trim().to_owned(), ty.to_owned()));
+        }
+    }
+    bail!("`{header}` is not closed")
+}
+
+/// Every configuration key: (section, key), from `RawConfig`'s sections and the
+/// `Raw*` structs they name (`targets: Vec<RawTarget>` is the `[[targets]]` table).
+fn config_keys() -> anyhow::Result<Vec<(String, String)>> {
+    let source = read("exporter/src/config.rs")?;
+    let mut keys = Vec::new();
+    for (section, ty) in struct_fields(&source, "RawConfig")? {
+        let raw = ty
+            .strip_prefix("Vec<")
+            .and_then(|inner| inner.strip_suffix('>'))
+            .unwrap_or(&ty);
+        ensure!(
+            raw.starts_with("Raw"),
+            "RawConfig.{section} has type `{ty}`, not a `Raw*` section struct: teach \
+             tests/tests/docs.rs how to find its keys"
+        );
+        let fields = struct_fields(&source, raw)?;
+        ensure!(!fields.is_empty(), "`{raw}` has no `pub` fields");
+        for (key, _) in fields {
+            keys.push((section.clone(), key));
+        }
+    }
+    ensure!(!keys.is_empty(), "no configuration keys found in config.rs");
+    Ok(keys)
+}
+
+/// One `Family::new("name", Kind::…, …)` of the exporter.
+#[derive(Debug)]
+struct Declared {
+    name: String,
+    kind: String,
+    file: String,
+}
+
+impl Declared {
+    /// The name Prometheus sees: prefixed, counters with `_total`.
+    fn exposed(&self) -> String {
+        let suffix = if self.kind == "counter" { "_total" } else { "" };
+        format!("{PREFIX}{}{suffix}", self.name)
+    }
+}
+
+fn rust_files(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        if path.is_dir() {
+            rust_files(&path, files)?;
+        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            files.push(path);
+        }
+    }
+    Ok(())
+}
+
+/// The metric families declared in `exporter/src/` outside unit-test modules.
+fn declared_families() -> anyhow::Result<Vec<Declared>> {
+    const CALL: &str = "Family::new(";
+    let src = workspace().join("exporter/src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files)?;
+    files.sort();
+    let mut declared = Vec::new();
+    for path in files {
+        let file = path
+            .strip_prefix(workspace())
+            .unwrap_or(&path)
+            .display()
+            .to_string();
+        let source =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        // Unit tests build families of their own, with made-up help and values.
+        let source = source
+            .find("#[cfg(test)]\nmod tests")
+            .map_or(source.as_str(), |end| &source[..end]);
+        for (at, _) in source.match_indices(CALL) {
+            let rest = source[at + CALL.len()..].trim_start();
+            let context = || {
+                let line = source[..at].lines().count() + 1;
+                format!("{file}:{line}")
+            };
+            let Some(rest) = rest.strip_prefix('"') else {
+                bail!(
+                    "{}: Family::new without a string literal name; tests/tests/docs.rs \
+                     can only check literal names against the README",
+                    context()
+                );
+            };
+            let (name, rest) = rest
+                .split_once('"')
+                .with_context(|| format!("{}: unterminated name", context()))?;
+            let kind = rest
+                .trim_start()
+                .strip_prefix(',')
+                .map(str::trim_start)
+                .and_then(|rest| rest.strip_prefix("Kind::"))
+                .map(|rest| {
+                    rest.chars()
+                        .take_while(char::is_ascii_alphanumeric)
+                        .collect::<String>()
+                })
+                .with_context(|| format!("{}: `{name}` has no `Kind::` after it", context()))?;
+            let kind = match kind.as_str() {
+                "Counter" => "counter",
+                "Gauge" => "gauge",
+                "Histogram" => "histogram",
+                "Summary" => "summary",
+                other => bail!("{}: `{name}` has an unknown kind `{other}`", context()),
+            };
+            declared.push(Declared {
+                name: name.to_owned(),
+                kind: kind.to_owned(),
+                file: file.clone(),
+            });
+        }
+    }
+    Ok(declared)
+}
+
+/// The long flags the binary accepts (`#[arg(long = "…")]` in main.rs).
+fn flags() -> anyhow::Result<Vec<String>> {
+    const LONG: &str = "long = \"";
+    let source = read("exporter/src/main.rs")?;
+    let mut flags = Vec::new();
+    for (at, _) in source.match_indices(LONG) {
+        let rest = &source[at + LONG.len()..];
+        let (flag, _) = rest.split_once('"').context("unterminated long flag")?;
+        flags.push(format!("--{flag}"));
+    }
+    ensure!(
+        !flags.is_empty(),
+        "no `long = \"…\"` flags found in main.rs"
+    );
+    Ok(flags)
+}
+
+#[test]
+fn readme_keeps_its_first_lines() -> anyhow::Result<()> {
+    let readme = read("README.md")?;
+    let mut lines = readme.lines();
+    ensure!(
+        lines.next() == Some("# poolscope"),
+        "README.md must start with `# poolscope`"
+    );
+    let head: Vec<&str> = lines.take(5).collect();
+    ensure!(
+        head.first() == Some(&"")
+            && head.get(1) == Some(&"```sh")
+            && head
+                .get(2)
+                .is_some_and(|l| l.starts_with("cargo xtask run "))
+            && head
+                .get(3)
+                .is_some_and(|l| l.starts_with("cargo xtask test "))
+            && head.get(4) == Some(&"```"),
+        "README.md must open with the `cargo xtask run` / `cargo xtask test` block, got {head:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn every_config_key_is_in_the_configuration_reference() -> anyhow::Result<()> {
+    let readme = read("README.md")?;
+    let reference = section(&readme, CONFIG_REFERENCE)?;
+    let parts = subsections(&reference);
+    let keys = config_keys()?;
+    let sections: BTreeSet<&str> = keys.iter().map(|(section, _)| section.as_str()).collect();
+
+    // The subsection of each `[section]` (`[[targets]]` too) and the keys of its tables.
+    let mut documented: BTreeSet<(String, String)> = BTreeSet::new();
+    let mut problems = Vec::new();
+    for section in &sections {
+        let tag = format!("[{section}]");
+        let Some((_, body)) = parts.iter().find(|(heading, _)| heading.contains(&tag)) else {
+            problems.push(format!(
+                "no `### {tag}` heading in the README's {CONFIG_REFERENCE}"
+            ));
+            continue;
+        };
+        for row in table_rows(body) {
+            if let Some(key) = row.first().and_then(|cell| code_cell(cell)) {
+                documented.insert(((*section).to_owned(), key.to_owned()));
+            }
+        }
+    }
+    for (section, key) in &keys {
+        let dotted = format!("`{section}.{key}`");
+        if !documented.contains(&(section.clone(), key.clone())) && !reference.contains(&dotted) {
+            problems.push(format!(
+                "config key `{section}.{key}` (exporter/src/config.rs) has no row in the \
+                 README's {CONFIG_REFERENCE} under its `[{section}]` heading"
+            ));
+        }
+    }
+    let known: BTreeSet<(String, String)> = keys.iter().cloned().collect();
+    for (section, key) in documented.difference(&known) {
+        problems.push(format!(
+            "the README's {CONFIG_REFERENCE} documents `{section}.{key}`, which \
+             exporter/src/config.rs does not have"
+        ));
+    }
+
+    for flag in flags()? {
+        if !reference.contains(&format!("`{flag}")) {
+            problems.push(format!(
+                "flag `{flag}` (exporter/src/main.rs) is not in the README's {CONFIG_REFERENCE}"
+            ));
+        }
+    }
+    ensure!(problems.is_empty(), "{}", problems.join("\n"));
+    Ok(())
+}
+
+#[test]
+fn every_metric_family_is_in_the_metrics_reference() -> anyhow::Result<()> {
+    let readme = read("README.md")?;
+    let reference = section(&readme, METRICS_REFERENCE)?;
+    // (exposed name, type) of every row whose first cell is one metric.
+    let rows: Vec<(String, String)> = table_rows(&reference)
+        .into_iter()
+        .filter_map(|row| {
+            let name = code_cell(row.first()?)?;
+            name.starts_with(PREFIX)
+                .then(|| (name.to_owned(), row.get(1).cloned().unwrap_or_default()))
+        })
+        .collect();
+    let declared = declared_families()?;
+    ensure!(
+        !declared.is_empty(),
+        "no Family::new(\"…\") calls found in exporter/src"
+    );
+
+    let mut problems = Vec::new();
+    let mut exposed = BTreeSet::new();
+    for family in &declared {
+        let name = family.exposed();
+        exposed.insert(name.clone());
+        match rows.iter().find(|(row, _)| *row == name) {
+            None => problems.push(format!(
+                "metric `{name}` ({}, declared in {}) has no row in the README's \
+                 {METRICS_REFERENCE} (first cell `{name}`, second cell its type)",
+                family.kind, family.file
+            )),
+            Some((_, kind)) if *kind != family.kind => problems.push(format!(
+                "metric `{name}` is a {} ({}) but the README's {METRICS_REFERENCE} says `{kind}`",
+                family.kind, family.file
+            )),
+            Some(_) => {}
+        }
+    }
+    for (row, _) in &rows {
+        if !exposed.contains(row) {
+            problems.push(format!(
+                "the README's {METRICS_REFERENCE} documents `{row}`, which no \
+                 Family::new in exporter/src exports (counters are named with `_total`)"
+            ));
+        }
+    }
+    ensure!(problems.is_empty(), "{}", problems.join("\n"));
+    Ok(())
+}
+
+/// The parsers above, on small inputs, so that a failure of the real checks is about
+/// the docs and not the parsing.
+#[test]
+fn parsers_read_what_they_should() -> anyhow::Result<()> {
+    let markdown = "# t\n## A\ntext\n```toml\n## not a heading\n| `no` | x |\n```\n\
+                    ### `[web]`\n| key | type |\n|---|---|\n| `listen_address` | string |\n\
+                    ## B\n| `b` | gauge |\n";
+    let a = section(markdown, "A")?;
+    ensure!(a.contains("`[web]`") && !a.contains("`b`"), "{a}");
+    let parts = subsections(&a);
+    ensure!(parts.len() == 1 && parts[0].0 == "`[web]`", "{parts:?}");
+    let cells: Vec<Vec<String>> = table_rows(&parts[0].1);
+    ensure!(
+        cells.iter().any(|row| row[0] == "`listen_address`"),
+        "{cells:?}"
+    );
+    ensure!(
+        !table_rows(&a).iter().any(|row| row[0] == "`no`"),
+        "rows inside code blocks must not count"
+    );
+    ensure!(code_cell("`x`") == Some("x") && code_cell("x").is_none());
+
+    let source = "pub struct RawX {\n    /// doc: not a field\n    #[serde(default)]\n    \
+                  pub a: Duration,\n    pub b: Vec<String>,\n}\n";
+    let fields = struct_fields(source, "RawX")?;
+    ensure!(
+        fields
+            == [
+                ("a".into(), "Duration".into()),
+                ("b".into(), "Vec<String>".into())
+            ],
+        "{fields:?}"
+    );
+    let family = Declared {
+        name: "requests".into(),
+        kind: "counter".into(),
+        file: String::new(),
+    };
+    ensure!(family.exposed() == "poolscope_requests_total");
+    Ok(())
+}
