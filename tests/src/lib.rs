@@ -244,11 +244,7 @@ impl TestServer {
             stdout,
             port: 0,
         };
-        let line = server.line()?;
-        server.port = line
-            .strip_prefix("port ")
-            .and_then(|p| p.parse().ok())
-            .with_context(|| format!("testserver said {line:?}"))?;
+        server.port = parse_port(&server.line()?, "testserver")?;
         Ok(server)
     }
 
@@ -411,11 +407,7 @@ impl PoolServer {
         let mut stdout = BufReader::new(child.stdout.take().context("no stdout")?);
         let mut line = String::new();
         stdout.read_line(&mut line)?;
-        let port = line
-            .trim()
-            .strip_prefix("port ")
-            .and_then(|p| p.parse().ok())
-            .with_context(|| format!("poolserver said {line:?}"))?;
+        let port = parse_port(&line, "poolserver")?;
         Ok(Self {
             child,
             stdin: Some(stdin),
@@ -513,6 +505,14 @@ impl Drop for Program {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The port of a test program's first line, `port <n>`.
+pub fn parse_port(line: &str, program: &str) -> anyhow::Result<u16> {
+    line.trim()
+        .strip_prefix("port ")
+        .and_then(|port| port.parse().ok())
+        .with_context(|| format!("{program} said {line:?}"))
 }
 
 /// Parses a comma-separated list of tids.

@@ -16,7 +16,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
-use poolscope_tests::{Poolscope, bin_dir, one_at_a_time, privileged, scrape_until};
+use poolscope_tests::{Poolscope, bin_dir, one_at_a_time, parse_port, privileged, scrape_until};
 
 /// Where this machine mounts the cgroup hierarchies pods live in.
 struct CgroupMounts {
@@ -163,11 +163,7 @@ impl PodServer {
         let mut stdout = BufReader::new(child.stdout.take().context("no stdout")?);
         let mut line = String::new();
         stdout.read_line(&mut line)?;
-        let port = line
-            .trim()
-            .strip_prefix("port ")
-            .and_then(|port| port.parse().ok())
-            .with_context(|| format!("testserver said {line:?}"))?;
+        let port = parse_port(&line, "testserver")?;
         Ok(Self {
             child,
             _stdin: stdin,
