@@ -423,6 +423,14 @@ const SESSION_SAMPLERS: [&str; MAX_PROFILE_SESSIONS as usize] = [
     "session_sample_7",
 ];
 
+/// The sampler program of session `slot`.
+fn session_sampler(slot: u32) -> Result<&'static str, KernelError> {
+    SESSION_SAMPLERS
+        .get(slot as usize)
+        .copied()
+        .ok_or(KernelError::NoSessionSlot(slot))
+}
+
 fn perf_program<'a>(
     ebpf: &'a mut Ebpf,
     name: &'static str,
@@ -924,25 +932,15 @@ impl Kernel {
         session: ProfileSession,
         hz: Option<u32>,
     ) -> Result<(), KernelError> {
-        let map_error = |source| KernelError::Map {
-            map: maps::PROFILE_SESSIONS,
-            source,
-        };
-        let name = *SESSION_SAMPLERS
-            .get(slot as usize)
-            .ok_or(KernelError::NoSessionSlot(slot))?;
-        self.profile_sessions
-            .set(slot, session, 0)
-            .map_err(map_error)?;
+        let name = session_sampler(slot)?;
+        self.set_profile_session(slot, session)?;
         if let Some(hz) = hz {
             let attached = perf_program(&mut self.ebpf, name)
                 .and_then(|program| attach_cpu_clock(program, name, hz));
             match attached {
                 Ok(links) => self.session_links[slot as usize] = links,
                 Err(error) => {
-                    self.profile_sessions
-                        .set(slot, ProfileSession::default(), 0)
-                        .map_err(map_error)?;
+                    self.set_profile_session(slot, ProfileSession::default())?;
                     return Err(error);
                 }
             }
@@ -953,22 +951,33 @@ impl Kernel {
     /// Ends the session in `slot`: its perf events are closed and the slot freed.
     /// Returns the session as the kernel last saw it (with its first sample time).
     pub fn stop_profile(&mut self, slot: u32) -> Result<ProfileSession, KernelError> {
-        let name = *SESSION_SAMPLERS
-            .get(slot as usize)
-            .ok_or(KernelError::NoSessionSlot(slot))?;
+        let name = session_sampler(slot)?;
         let links = std::mem::take(&mut self.session_links[slot as usize]);
         if !links.is_empty() {
             detach_all(perf_program(&mut self.ebpf, name)?, links);
         }
-        let map_error = |source| KernelError::Map {
-            map: maps::PROFILE_SESSIONS,
-            source,
-        };
-        let session = self.profile_sessions.get(&slot, 0).map_err(map_error)?;
-        self.profile_sessions
-            .set(slot, ProfileSession::default(), 0)
-            .map_err(map_error)?;
+        let session = self
+            .profile_sessions
+            .get(&slot, 0)
+            .map_err(|source| KernelError::Map {
+                map: maps::PROFILE_SESSIONS,
+                source,
+            })?;
+        self.set_profile_session(slot, ProfileSession::default())?;
         Ok(session)
+    }
+
+    fn set_profile_session(
+        &mut self,
+        slot: u32,
+        session: ProfileSession,
+    ) -> Result<(), KernelError> {
+        self.profile_sessions
+            .set(slot, session, 0)
+            .map_err(|source| KernelError::Map {
+                map: maps::PROFILE_SESSIONS,
+                source,
+            })
     }
 
     /// Every entry of `LOCKS`: the futex waits per (process, address, stack).

@@ -120,6 +120,14 @@ pub fn kind_name(view: View) -> &'static str {
     }
 }
 
+/// `value` as one of `T`'s names, the ones `/debug/stacks` takes too.
+fn named<T: serde::de::DeserializeOwned>(key: &str, value: &str) -> Result<T, Refusal> {
+    use serde::de::IntoDeserializer as _;
+    T::deserialize(value.into_deserializer()).map_err(|error: serde::de::value::Error| {
+        Refusal::BadQuery(format!("{key}={value:?}: {error}"))
+    })
+}
+
 /// Checks `query` against `limits`; `offcpu` says whether off-CPU stacks are on.
 pub fn validate(
     query: &ProfileQuery,
@@ -160,26 +168,14 @@ pub fn validate(
             max: limits.max_hz,
         });
     }
-    let view = match query.kind.as_deref() {
-        None | Some("cpu") => View::Cpu,
-        Some("offcpu") => View::OffCpu,
-        Some("wall") => View::Wall,
-        Some(other) => {
-            return Err(Refusal::BadQuery(format!(
-                "kind={other:?}: want cpu, offcpu or wall"
-            )));
-        }
-    };
-    let format = match query.format.as_deref() {
-        None | Some("pprof") => Format::Pprof,
-        Some("folded") => Format::Folded,
-        Some("svg") => Format::Svg,
-        Some(other) => {
-            return Err(Refusal::BadQuery(format!(
-                "format={other:?}: want pprof, folded or svg"
-            )));
-        }
-    };
+    let view = query
+        .kind
+        .as_deref()
+        .map_or(Ok(View::Cpu), |kind| named("kind", kind))?;
+    let format = query
+        .format
+        .as_deref()
+        .map_or(Ok(Format::Pprof), |format| named("format", format))?;
     if view != View::Cpu && !offcpu {
         return Err(Refusal::OffCpuOff(kind_name(view)));
     }

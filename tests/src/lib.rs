@@ -33,12 +33,17 @@ pub fn privileged(test: &str) -> bool {
     } else {
         return true;
     };
+    skip(test, reason);
+    false
+}
+
+/// Says why `test` skips; under CI=true, where a skip is a failure, panics instead.
+pub fn skip(test: &str, reason: &str) {
     assert!(
         std::env::var("CI").as_deref() != Ok("true"),
         "{test} cannot run here ({reason}) and CI=true forbids skipping"
     );
     eprintln!("SKIP {test}: {reason}");
-    false
 }
 
 /// Directory of the built binaries (target/<profile>), from the test executable's path.
@@ -159,18 +164,7 @@ impl Poolscope {
 
     /// GET `path`; the body of a 200 response.
     pub fn get(&self, path: &str) -> anyhow::Result<String> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        write!(stream, "GET {path} HTTP/1.0\r\nHost: test\r\n\r\n")?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        let (head, body) = response
-            .split_once("\r\n\r\n")
-            .context("no HTTP header end")?;
-        if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
-            bail!("GET {path}: {head}");
-        }
-        Ok(body.to_owned())
+        profiles::http_get(self.port, path)?.text(path)
     }
 
     pub fn scrape(&self) -> anyhow::Result<Metrics> {

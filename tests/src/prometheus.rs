@@ -3,8 +3,6 @@
 //! evaluates the given rule files every second, queried through its HTTP API, killed
 //! when dropped.
 use std::{
-    io::{Read as _, Write as _},
-    net::TcpStream,
     path::PathBuf,
     process::{Child, Command, Stdio},
     time::Duration,
@@ -81,22 +79,11 @@ impl Prometheus {
 
     /// GET `path` (with its query string); the status code and the body.
     pub fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-        // HTTP/1.0: the server closes the connection after the response and does not
-        // chunk it.
-        write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        let (head, body) = response
-            .split_once("\r\n\r\n")
-            .context("no HTTP header end")?;
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|code| code.parse().ok())
-            .with_context(|| format!("GET {path}: bad status line in {head:?}"))?;
-        Ok((status, body.to_owned()))
+        let response = crate::profiles::http_get(self.port, path)?;
+        Ok((
+            response.status,
+            String::from_utf8_lossy(&response.body).into_owned(),
+        ))
     }
 
     /// GET an API `path`; its `data`, or the API's error.
