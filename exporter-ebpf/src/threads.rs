@@ -33,7 +33,8 @@ pub fn thread(tid: u32) -> Option<&'static mut Thread> {
 #[inline(always)]
 pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
     let elapsed = now.saturating_sub(thread.since_ns);
-    let activity = Activity::from_u32(thread.activity);
+    let raw_activity = thread.activity;
+    let activity = Activity::from_u32(raw_activity);
     // The entry first: user space reads the pool stats before the entries, so a
     // reader between the two updates undercounts by one interval, never overcounts.
     thread.since_ns = now;
@@ -46,7 +47,9 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
     let Some(stats) = pool_stats(tid) else {
         return;
     };
-    let index = activity as usize % Activity::COUNT;
+    // The stored value masked, not `activity as usize`: the compiler knows the enum's
+    // range and drops any bound on it, which Linux 6.1's verifier then cannot find.
+    let index = raw_activity as usize & (Activity::COUNT - 1);
     stats.time_ns[index] += elapsed;
     if thread.serving > 0 {
         stats.request_ns[index] += elapsed * u64::from(thread.serving);

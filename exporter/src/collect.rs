@@ -10,7 +10,7 @@ use poolscope_shared::{LockPrimitive, LossSource, RequestTimes, ServiceCounters}
 
 use crate::{
     encode::{Family, Kind, Value},
-    kernel::{Backend, Probe, Readout},
+    kernel::{Backend, Probe, ProbeState, Readout},
     pools::{COMPONENTS, PoolTotals, REASONS, STATES, sum_of},
     sockdiag::ListenQueue,
     targets::{Purged, ServiceView},
@@ -492,13 +492,23 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
         Kind::Gauge,
         "1 if the kernel probe (category/tracepoint) is attached, else 0.",
     );
+    let mut skipped = Family::new(
+        "probe_skipped",
+        Kind::Gauge,
+        "1 for each kernel probe that does not measure, with the reason found at start.",
+    );
     for probe in probes {
-        attached.push(
-            &[("probe", &probe.name)],
-            if probe.attached { 1.0 } else { 0.0 },
-        );
+        match probe.state {
+            ProbeState::Attached => attached.push(&[("probe", &probe.name)], 1.0),
+            ProbeState::OnDemand => {}
+            ProbeState::Skipped(skip) => {
+                attached.push(&[("probe", &probe.name)], 0.0);
+                skipped.push(&[("probe", &probe.name), ("reason", skip.name())], 1.0);
+            }
+        }
     }
     families.push(attached);
+    families.push(skipped);
 
     let mut map_errors = HashMap::from([
         ("WATCHED", stats.watch_errors),
@@ -639,7 +649,10 @@ mod tests {
     use poolscope_shared::ServiceCounters;
 
     use super::*;
-    use crate::encode::{Format, render};
+    use crate::{
+        encode::{Format, render},
+        kernel::Skip,
+    };
 
     fn view(id: u32, name: &str, purged: Purged) -> ServiceView {
         ServiceView {
@@ -770,5 +783,39 @@ mod tests {
         assert!(text.contains(
             "poolscope_listen_queue_limit{service=\"web\",listener=\"127.0.0.1:80\"} 16\n"
         ));
+    }
+
+    #[test]
+    fn skipped_probes_say_why_and_on_demand_ones_are_not_attached_probes() {
+        let probe = |name: &str, state| Probe {
+            name: name.into(),
+            state,
+        };
+        let probes = [
+            probe("raw_syscalls/sys_enter", ProbeState::Attached),
+            probe("sched/sched_switch", ProbeState::Skipped(Skip::LoadRefused)),
+            probe("uprobe/pthread_mutex_lock", ProbeState::OnDemand),
+            probe("perf_event/cpu-clock", ProbeState::Skipped(Skip::Off)),
+        ];
+        let text = render(
+            &self_families(&SelfStats::default(), &probes, None),
+            Format::Text,
+        );
+        for line in [
+            "poolscope_probe_attached{probe=\"raw_syscalls/sys_enter\"} 1",
+            "poolscope_probe_attached{probe=\"sched/sched_switch\"} 0",
+            "poolscope_probe_skipped{probe=\"sched/sched_switch\",reason=\"load_refused\"} 1",
+            "poolscope_probe_skipped{probe=\"perf_event/cpu-clock\",reason=\"off\"} 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from\n{text}"
+            );
+        }
+        assert!(
+            !text.contains("probe=\"uprobe/pthread_mutex_lock\""),
+            "{text}"
+        );
+        assert!(!text.contains("sys_enter\",reason"), "{text}");
     }
 }

@@ -50,26 +50,26 @@ pub enum KernelError {
     },
     #[error("map {map}: {source}")]
     Map { map: &'static str, source: MapError },
-    #[error("reading the kernel's BTF (/sys/kernel/btf/vmlinux): {0}")]
-    BtfFile(std::io::Error),
     #[error("listing the online CPUs: {0}")]
     Cpus(std::io::Error),
     #[error("no profiling session slot {0}")]
     NoSessionSlot(u32),
-    #[error("the kernel's BTF: {0}")]
-    Btf(#[from] btf::BtfError),
 }
 
 /// Map update flag of include/uapi/linux/bpf.h: insert only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
 
-/// Where each program is attached; every probe must attach.
+/// Where each program is attached at start. A probe the kernel cannot take (no such
+/// tracepoint, no BTF, the verifier refuses the program) is skipped, logged and
+/// exported as `probe_skipped`; the rest still measure.
 struct Attachment {
     program: &'static str,
     category: &'static str,
     event: &'static str,
     /// A raw tracepoint (`category` is then only part of the probe's name).
     raw: bool,
+    /// The program reads `task_struct` at an offset that only the kernel's BTF gives.
+    needs_btf: bool,
 }
 
 const fn tracepoint(
@@ -82,6 +82,7 @@ const fn tracepoint(
         category,
         event,
         raw: false,
+        needs_btf: false,
     }
 }
 
@@ -95,7 +96,34 @@ const fn raw_tracepoint(
         category,
         event,
         raw: true,
+        needs_btf: false,
     }
+}
+
+impl Attachment {
+    const fn reading_task_struct(self) -> Self {
+        Self {
+            needs_btf: true,
+            ..self
+        }
+    }
+
+    fn probe_name(&self) -> String {
+        format!("{}/{}", self.category, self.event)
+    }
+}
+
+const TRACEFS_EVENTS: &str = "/sys/kernel/tracing/events";
+
+/// Whether this kernel has the tracepoint. The raw syscall tracepoints are taken as
+/// present: every kernel poolscope can load on has them, and a kernel built without
+/// `CONFIG_FTRACE_SYSCALLS` lists no event directory for them.
+fn tracepoint_exists(category: &str, event: &str) -> bool {
+    category == "raw_syscalls"
+        || Path::new(TRACEFS_EVENTS)
+            .join(category)
+            .join(event)
+            .exists()
 }
 
 /// Process lifecycle: attached with either backend.
@@ -107,8 +135,8 @@ const PROCESS_ATTACHMENTS: [Attachment; 3] = [
 
 /// Thread states: attached with either backend.
 const THREAD_ATTACHMENTS: [Attachment; 3] = [
-    raw_tracepoint("sched_switch", "sched", "sched_switch"),
-    raw_tracepoint("sched_wakeup", "sched", "sched_wakeup"),
+    raw_tracepoint("sched_switch", "sched", "sched_switch").reading_task_struct(),
+    raw_tracepoint("sched_wakeup", "sched", "sched_wakeup").reading_task_struct(),
     tracepoint("process_rename", "task", "task_rename"),
 ];
 
@@ -154,15 +182,13 @@ impl Backend {
         }
     }
 
-    /// Whether this kernel has every tracepoint of the backend.
-    pub fn supported(self) -> bool {
-        self.attachments().iter().all(|attachment| {
-            Path::new("/sys/kernel/tracing/events")
-                .join(attachment.category)
-                .join(attachment.event)
-                .exists()
-                || attachment.category == "raw_syscalls"
-        })
+    /// The tracepoints of the backend this kernel lacks (`category/event`).
+    pub fn missing_tracepoints(self) -> Vec<String> {
+        self.attachments()
+            .iter()
+            .filter(|attachment| !tracepoint_exists(attachment.category, attachment.event))
+            .map(Attachment::probe_name)
+            .collect()
     }
 }
 
@@ -232,11 +258,87 @@ fn wait_classes() -> Vec<(libc::c_long, WaitClass)> {
     classes
 }
 
-/// One probe (program on one tracepoint) and whether it is attached.
+/// Why a probe does not measure (`poolscope_probe_skipped{reason}`), found at start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// Turned off by the configuration.
+    Off,
+    /// This kernel has no such tracepoint.
+    TracepointAbsent,
+    /// The program reads kernel structs at offsets only BTF gives; the kernel has none.
+    NoBtf,
+    /// The kernel refused to load the program: its verifier, or a program type or
+    /// helper this kernel lacks.
+    LoadRefused,
+    /// The program loaded but the kernel refused to attach it.
+    AttachRefused,
+}
+
+impl Skip {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::TracepointAbsent => "tracepoint_absent",
+            Self::NoBtf => "no_btf",
+            Self::LoadRefused => "load_refused",
+            Self::AttachRefused => "attach_refused",
+        }
+    }
+}
+
+/// How a probe stands after start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeState {
+    Attached,
+    /// Loaded, and attached per process (lock probes) or per profiling session.
+    OnDemand,
+    Skipped(Skip),
+}
+
+/// One probe: a program and where it attaches (`category/event`).
 #[derive(Clone, Debug)]
 pub struct Probe {
     pub name: String,
-    pub attached: bool,
+    pub state: ProbeState,
+}
+
+impl Probe {
+    /// A probe that does not measure; says why in the log.
+    fn skipped(name: String, program: &str, skip: Skip, detail: &dyn std::fmt::Display) -> Self {
+        tracing::warn!(
+            probe = %name,
+            program,
+            reason = skip.name(),
+            "probe skipped: {}",
+            tail(&detail.to_string(), VERIFIER_LOG_TAIL)
+        );
+        Self {
+            name,
+            state: ProbeState::Skipped(skip),
+        }
+    }
+}
+
+/// Bytes of a refusal kept in the log: a verifier's log runs to thousands of lines,
+/// and its end says what it refused.
+const VERIFIER_LOG_TAIL: usize = 2000;
+
+/// The last whole lines of `text` within `max` bytes.
+fn tail(text: &str, max: usize) -> &str {
+    let start = text.len().saturating_sub(max);
+    if start == 0 {
+        return text;
+    }
+    match text.get(start..).and_then(|end| end.find('\n')) {
+        Some(newline) => &text[start + newline + 1..],
+        None => text.lines().last().unwrap_or_default(),
+    }
+}
+
+/// Why loading or attaching a program failed.
+enum Refusal {
+    Load(ProgramError),
+    Attach(ProgramError),
 }
 
 /// Sizes of the maps that grow with the watched workload.
@@ -488,26 +590,172 @@ fn detach_all(program: &mut PerfEvent, links: Vec<PerfEventLinkId>) {
 
 /// Loads the sampler and, unless `hz` is 0, attaches it to the cpu-clock of every
 /// online CPU. A kernel that refuses the perf events (a container without them)
-/// leaves the probe unattached rather than the exporter down: stacks are a view,
-/// not the metrics.
+/// leaves the probe skipped rather than the exporter down: stacks are a view, not the
+/// metrics.
 fn attach_sampler(ebpf: &mut Ebpf, hz: u32) -> Result<Probe, KernelError> {
+    let name = "perf_event/cpu-clock".to_owned();
     let sampler = perf_program(ebpf, SAMPLER)?;
-    sampler.load().map_err(|source| KernelError::Program {
-        program: SAMPLER,
-        source,
-    })?;
-    let mut probe = Probe {
-        name: "perf_event/cpu-clock".to_owned(),
-        attached: false,
-    };
+    if let Err(error) = sampler.load() {
+        return Ok(Probe::skipped(name, SAMPLER, Skip::LoadRefused, &error));
+    }
     if hz == 0 {
-        return Ok(probe);
+        return Ok(Probe::skipped(
+            name,
+            SAMPLER,
+            Skip::Off,
+            &"stacks.sampling_hz = 0",
+        ));
     }
-    match attach_cpu_clock(sampler, SAMPLER, hz) {
-        Ok(_) => probe.attached = true,
-        Err(error) => tracing::error!(%error, "no on-CPU stack samples"),
+    Ok(match attach_cpu_clock(sampler, SAMPLER, hz) {
+        Ok(_) => Probe {
+            name,
+            state: ProbeState::Attached,
+        },
+        Err(error) => Probe::skipped(name, SAMPLER, Skip::AttachRefused, &error),
+    })
+}
+
+/// Loads the program of `attachment` and attaches it, unless this kernel lacks what
+/// it needs. Only a program missing from our own object is an error.
+fn attach_tracepoint(
+    ebpf: &mut Ebpf,
+    attachment: &Attachment,
+    btf: bool,
+) -> Result<Probe, KernelError> {
+    let name = attachment.probe_name();
+    let program_name = attachment.program;
+    if attachment.needs_btf && !btf {
+        let detail = "the kernel has no BTF (/sys/kernel/btf/vmlinux)";
+        return Ok(Probe::skipped(name, program_name, Skip::NoBtf, &detail));
     }
-    Ok(probe)
+    if !tracepoint_exists(attachment.category, attachment.event) {
+        let detail = format!("no tracepoint {name} in {TRACEFS_EVENTS}");
+        return Ok(Probe::skipped(
+            name,
+            program_name,
+            Skip::TracepointAbsent,
+            &detail,
+        ));
+    }
+    let program = ebpf
+        .program_mut(program_name)
+        .ok_or(KernelError::MissingProgram(program_name))?;
+    let program_error = |source| KernelError::Program {
+        program: program_name,
+        source,
+    };
+    let outcome = if attachment.raw {
+        let program: &mut RawTracePoint = program.try_into().map_err(program_error)?;
+        program.load().map_err(Refusal::Load).and_then(|()| {
+            program
+                .attach(attachment.event)
+                .map(drop)
+                .map_err(Refusal::Attach)
+        })
+    } else {
+        let program: &mut TracePoint = program.try_into().map_err(program_error)?;
+        program.load().map_err(Refusal::Load).and_then(|()| {
+            program
+                .attach(attachment.category, attachment.event)
+                .map(drop)
+                .map_err(Refusal::Attach)
+        })
+    };
+    Ok(match outcome {
+        Ok(()) => Probe {
+            name,
+            state: ProbeState::Attached,
+        },
+        Err(Refusal::Load(error)) => Probe::skipped(name, program_name, Skip::LoadRefused, &error),
+        Err(Refusal::Attach(error)) => {
+            Probe::skipped(name, program_name, Skip::AttachRefused, &error)
+        }
+    })
+}
+
+/// Loads programs that are attached later (per process, per profiling session) as
+/// one probe: on demand if all load, else skipped.
+fn load_on_demand<P>(
+    ebpf: &mut Ebpf,
+    name: &str,
+    programs: &[&'static str],
+) -> Result<Probe, KernelError>
+where
+    for<'a> &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+    P: LoadSimple,
+{
+    for &program_name in programs {
+        let program: &mut P = ebpf
+            .program_mut(program_name)
+            .ok_or(KernelError::MissingProgram(program_name))?
+            .try_into()
+            .map_err(|source| KernelError::Program {
+                program: program_name,
+                source,
+            })?;
+        if let Err(error) = program.load_simple() {
+            return Ok(Probe::skipped(
+                name.to_owned(),
+                program_name,
+                Skip::LoadRefused,
+                &error,
+            ));
+        }
+    }
+    Ok(Probe {
+        name: name.to_owned(),
+        state: ProbeState::OnDemand,
+    })
+}
+
+/// The programs [`load_on_demand`] loads, which take no load arguments.
+trait LoadSimple {
+    fn load_simple(&mut self) -> Result<(), ProgramError>;
+}
+
+impl LoadSimple for UProbe {
+    fn load_simple(&mut self) -> Result<(), ProgramError> {
+        self.load()
+    }
+}
+
+impl LoadSimple for PerfEvent {
+    fn load_simple(&mut self) -> Result<(), ProgramError> {
+        self.load()
+    }
+}
+
+/// `task_struct.pid`'s offset from the kernel's BTF; `None` (logged) without BTF.
+fn task_pid_offset() -> Option<u32> {
+    let vmlinux = match std::fs::read(BTF_VMLINUX) {
+        Ok(vmlinux) => vmlinux,
+        Err(error) => {
+            tracing::warn!(
+                %error,
+                "no kernel BTF at {BTF_VMLINUX} (a kernel built without \
+                 CONFIG_DEBUG_INFO_BTF): thread states, pool utilization and lock waits \
+                 are not measured"
+            );
+            return None;
+        }
+    };
+    match btf::member_offset(&vmlinux, "task_struct", "pid") {
+        Ok(offset) => Some(offset),
+        Err(error) => {
+            tracing::warn!(%error, "cannot read task_struct.pid from {BTF_VMLINUX}: thread states, pool utilization and lock waits are not measured");
+            None
+        }
+    }
+}
+
+const BTF_VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+
+/// This kernel's release (`uname -r`), for the start-up log.
+pub fn release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(
+        |error| format!("unknown ({error})"),
+        |release| release.trim().to_owned(),
+    )
 }
 
 impl Kernel {
@@ -520,8 +768,7 @@ impl Kernel {
     ) -> Result<(Self, ProcessEvents), KernelError> {
         ensure_tracefs()?;
         let group_dead_offset = exit_group_dead_offset();
-        let vmlinux = std::fs::read("/sys/kernel/btf/vmlinux").map_err(KernelError::BtfFile)?;
-        let task_pid_offset = btf::member_offset(&vmlinux, "task_struct", "pid")?;
+        let task_pid_offset = task_pid_offset();
         if group_dead_offset == 0 {
             tracing::info!("sched_process_exit has no group_dead: a process ends with its leader");
         }
@@ -534,7 +781,7 @@ impl Kernel {
         }
         let mut ebpf = loader
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
-            .override_global("TASK_PID_OFFSET", &task_pid_offset, true)
+            .override_global("TASK_PID_OFFSET", &task_pid_offset.unwrap_or(0), true)
             .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
             .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
             .map_max_entries(maps::STACK_COUNTS, sizes.stack_counts)
@@ -593,57 +840,21 @@ impl Kernel {
             .chain(&THREAD_ATTACHMENTS)
             .chain(backend.attachments());
         for attachment in attachments {
-            let program = ebpf
-                .program_mut(attachment.program)
-                .ok_or(KernelError::MissingProgram(attachment.program))?;
-            let program_error = |source| KernelError::Program {
-                program: attachment.program,
-                source,
-            };
-            let attached = if attachment.raw {
-                let program: &mut RawTracePoint = program.try_into().map_err(program_error)?;
-                program.load().map_err(program_error)?;
-                program.attach(attachment.event).map(drop)
-            } else {
-                let program: &mut TracePoint = program.try_into().map_err(program_error)?;
-                program.load().map_err(program_error)?;
-                program
-                    .attach(attachment.category, attachment.event)
-                    .map(drop)
-            };
-            let name = format!("{}/{}", attachment.category, attachment.event);
-            attached.map_err(|source| KernelError::Attach {
-                program: attachment.program,
-                probe: name.clone(),
-                source,
-            })?;
-            probes.push(Probe {
-                name,
-                attached: true,
-            });
+            probes.push(attach_tracepoint(
+                &mut ebpf,
+                attachment,
+                task_pid_offset.is_some(),
+            )?);
         }
-
-        // Loaded now, attached per process when a service asks for them.
-        for (program, _) in MUTEX_PROBES {
-            let program_error = |source| KernelError::Program { program, source };
-            let uprobe: &mut UProbe = ebpf
-                .program_mut(program)
-                .ok_or(KernelError::MissingProgram(program))?
-                .try_into()
-                .map_err(program_error)?;
-            uprobe.load().map_err(program_error)?;
-        }
-
         probes.push(attach_sampler(&mut ebpf, sampling.hz)?);
-        // Attached only while a profiling session runs.
-        for name in SESSION_SAMPLERS {
-            perf_program(&mut ebpf, name)?
-                .load()
-                .map_err(|source| KernelError::Program {
-                    program: name,
-                    source,
-                })?;
+        for (program, probe) in MUTEX_PROBES {
+            probes.push(load_on_demand::<UProbe>(&mut ebpf, probe, &[program])?);
         }
+        probes.push(load_on_demand::<PerfEvent>(
+            &mut ebpf,
+            "perf_event/profile-sessions",
+            &SESSION_SAMPLERS,
+        )?);
 
         let events = ProcessEvents {
             ring: take(&mut ebpf, maps::PROCESS_EVENTS)?,
@@ -1207,7 +1418,16 @@ impl ProcessEvents {
 
 #[cfg(test)]
 mod tests {
-    use super::field_offset;
+    use super::{field_offset, tail};
+
+    #[test]
+    fn a_refusal_is_logged_by_its_last_whole_lines() {
+        let log = "0: (b7) r0 = 0\n1: (79) r2 = *(u64 *)(r1 +0)\nR1 unbounded memory access\n";
+        assert_eq!(tail(log, 1000), log);
+        assert_eq!(tail(log, 30), "R1 unbounded memory access\n");
+        assert_eq!(tail("one long line", 4), "one long line");
+        assert_eq!(tail("é\nà", 2), "à");
+    }
 
     #[test]
     fn offsets_from_a_tracepoint_format() {

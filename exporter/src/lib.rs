@@ -34,7 +34,7 @@ use tracing_subscriber::{
 use crate::{
     config::{Overrides, Settings},
     exporter::Exporter,
-    kernel::{Kernel, MapSizes, ProcessEvents, Sampling},
+    kernel::{Kernel, MapSizes, ProbeState, ProcessEvents, Sampling},
     stacks::Trigger,
 };
 
@@ -67,16 +67,23 @@ fn init_logging(level: LevelFilter) -> LogHandle {
 /// the config forces one. A forced backend the kernel lacks is refused rather than
 /// replaced: its numbers would mean something else than the operator asked for.
 fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
+    let missing = kernel::Backend::Socket.missing_tracepoints();
     match wanted {
-        config::Backend::Auto if kernel::Backend::Socket.supported() => Ok(kernel::Backend::Socket),
-        config::Backend::Auto | config::Backend::Syscall => Ok(kernel::Backend::Syscall),
-        config::Backend::Socket if kernel::Backend::Socket.supported() => {
-            Ok(kernel::Backend::Socket)
+        config::Backend::Auto if missing.is_empty() => Ok(kernel::Backend::Socket),
+        config::Backend::Auto => {
+            tracing::info!(
+                missing = %missing.join(", "),
+                "this kernel lacks the socket backend's tracepoints (kernel >= 6.3): syscall backend"
+            );
+            Ok(kernel::Backend::Syscall)
         }
+        config::Backend::Syscall => Ok(kernel::Backend::Syscall),
+        config::Backend::Socket if missing.is_empty() => Ok(kernel::Backend::Socket),
         config::Backend::Socket => anyhow::bail!(
             "probes.backend = \"socket\" needs the sock:sock_recv_length, sock_send_length, \
              sk_data_ready and inet_sock_set_state tracepoints (kernel >= 6.3); this kernel \
-             lacks them: use \"auto\" or \"syscall\""
+             lacks {}: use \"auto\" or \"syscall\"",
+            missing.join(", ")
         ),
     }
 }
@@ -104,8 +111,17 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     };
     let backend = choose_backend(settings.backend)?;
     let (kernel, events) = Kernel::load(sizes, backend, sampling, settings.bpf_stats)?;
-    let attached = kernel.probes().iter().filter(|p| p.attached).count();
-    tracing::info!(attached, backend = backend.name(), "kernel probes attached");
+    let probes = kernel.probes();
+    let count =
+        |wanted: fn(&ProbeState) -> bool| probes.iter().filter(|p| wanted(&p.state)).count();
+    tracing::info!(
+        kernel = %kernel::release(),
+        backend = backend.name(),
+        attached = count(|state| *state == ProbeState::Attached),
+        on_demand = count(|state| *state == ProbeState::OnDemand),
+        skipped = count(|state| matches!(state, ProbeState::Skipped(_))),
+        "kernel probes loaded (each skipped one is logged above with its reason)"
+    );
 
     let listener = tokio::net::TcpListener::bind(settings.listen_address)
         .await

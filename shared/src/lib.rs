@@ -227,7 +227,8 @@ impl ServiceCounters {
 /// Buckets of a [`Histogram`]: bucket 0 holds [0, 1024 ns); then 8 linear
 /// sub-buckets per power of two from 2^10 ns to 2^38 ns (~275 s), each at most
 /// 1/8 of its lower bound wide; the last bucket also takes everything longer.
-pub const HISTOGRAM_BUCKETS: usize = 1 + 28 * 8;
+pub const HISTOGRAM_BUCKETS: usize = 1 + HISTOGRAM_OCTAVES as usize * 8;
+const HISTOGRAM_OCTAVES: u32 = 28;
 const HISTOGRAM_FIRST_OCTAVE: u32 = 10;
 const SUB_BUCKET_BITS: u32 = 3;
 
@@ -266,13 +267,15 @@ pub const fn histogram_bucket(ns: u64) -> usize {
         return 0;
     }
     let octave = log2_floor(ns);
-    let sub = (ns >> (octave - SUB_BUCKET_BITS)) & 7;
-    let index = 1 + (octave - HISTOGRAM_FIRST_OCTAVE) as usize * 8 + sub as usize;
-    if index < HISTOGRAM_BUCKETS {
-        index
-    } else {
-        HISTOGRAM_BUCKETS - 1
+    // Past the last octave, tested before any index is computed: the compiler splits
+    // log2_floor's branches into constant octaves, and on the top one an index past
+    // the end, clamped after, leaves a path that Linux 6.1's verifier cannot prove
+    // dead (it then refuses every program that counts into a histogram).
+    if octave >= HISTOGRAM_FIRST_OCTAVE + HISTOGRAM_OCTAVES {
+        return HISTOGRAM_BUCKETS - 1;
     }
+    let sub = (ns >> (octave - SUB_BUCKET_BITS)) & 7;
+    1 + (octave - HISTOGRAM_FIRST_OCTAVE) as usize * 8 + sub as usize
 }
 
 /// Lower and upper bound in ns of a bucket (the last one's upper bound is nominal).
@@ -354,6 +357,7 @@ pub enum Activity {
 }
 
 impl Activity {
+    /// A power of two: the kernel side bounds an index by masking with `COUNT - 1`.
     pub const COUNT: usize = 8;
     pub const ALL: [Activity; 8] = [
         Self::Running,
@@ -844,6 +848,7 @@ mod pod {
     unsafe impl aya::Pod for super::ProfileSession {}
 }
 
+const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<Conn>() == 56);
 const _: () = assert!(core::mem::size_of::<Thread>() == 104);
