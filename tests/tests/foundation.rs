@@ -3,7 +3,7 @@
 use std::{io::Write as _, net::TcpStream, time::Duration};
 
 use poolscope_tests::{
-    BACKENDS, Poolscope, TestServer, backend_config, pids_config, privileged, scrape_until,
+    Poolscope, TestServer, backend_config, backends, pids_config, privileged, scrape_until,
 };
 
 /// A testserver watched (by pid) as `service`, once poolscope reports it.
@@ -26,7 +26,7 @@ fn listen_queue_depth_counts_clients_waiting_for_accept() -> anyhow::Result<()> 
     if !privileged("listen_queue_depth_counts_clients_waiting_for_accept") {
         return Ok(());
     }
-    for backend in BACKENDS {
+    for backend in backends() {
         listen_queue_depth_on(backend)?;
     }
     Ok(())
@@ -87,7 +87,7 @@ fn unserved_connections_until_the_server_reads() -> anyhow::Result<()> {
     if !privileged("unserved_connections_until_the_server_reads") {
         return Ok(());
     }
-    for backend in BACKENDS {
+    for backend in backends() {
         unserved_connections_on(backend)?;
     }
     Ok(())

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use poolscope_tests::{
-    BACKENDS, Metrics, Poolscope, backend_config, free_port, one_at_a_time, privileged,
+    Metrics, Poolscope, backend_config, backends, free_port, one_at_a_time, privileged,
     servers::{Kind, RealServer, pin_to_first_cpu, wrk},
     wait_until,
 };
@@ -82,7 +82,7 @@ fn measure(kind: Kind, backend: &str) -> anyhow::Result<Row> {
 fn check(kind: Kind) -> anyhow::Result<()> {
     let _serial = one_at_a_time();
     let mut failures = Vec::new();
-    for backend in BACKENDS {
+    for backend in backends() {
         let row = measure(kind, backend)?;
         let count_error = (row.counted - row.wrk_requests as f64).abs() / row.wrk_requests as f64;
         let ratio = |ours: f64, theirs: f64| ours / theirs;

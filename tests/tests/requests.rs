@@ -258,7 +258,7 @@ fn scenario(backend: &str, style: &str, connections: Connections) -> anyhow::Res
 }
 
 fn scenario_on_both(style: &str, connections: Connections) -> anyhow::Result<()> {
-    for backend in poolscope_tests::BACKENDS {
+    for backend in poolscope_tests::backends() {
         scenario(backend, style, connections)?;
     }
     Ok(())
@@ -331,7 +331,7 @@ fn a_full_connection_map_is_counted_and_spares_the_tracked_connections() -> anyh
     }
     const CAPACITY: usize = 4;
     const CONNECTIONS: usize = 8;
-    for backend in poolscope_tests::BACKENDS {
+    for backend in poolscope_tests::backends() {
         let _serial = one_at_a_time();
         let service = format!("full-{backend}");
         let server = PoolServer::start(CONNECTIONS as u32, Duration::from_millis(5))?;

@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use poolscope_tests::{
-    BACKENDS, Metrics, Poolscope, Program, ThreadRow, load::OpenLoop, one_at_a_time,
+    Metrics, Poolscope, Program, ThreadRow, backends, load::OpenLoop, one_at_a_time,
     parse_debug_threads, parse_tids, privileged, schedstat, scrape_until,
     servers::pin_to_first_cpu,
 };
@@ -119,7 +119,7 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
     let mut server = ThreadPool::start(3, Duration::from_millis(4), "spin")?;
     let pid = server.program.pid();
     pin_to_first_cpu(&[pid])?;
-    let poolscope = Poolscope::start(&config("socket", Duration::from_secs(10), &[("spin", pid)]))?;
+    let poolscope = Poolscope::start(&config("auto", Duration::from_secs(10), &[("spin", pid)]))?;
     wait_for_pools(&poolscope, &server.workers)?;
     let load = OpenLoop::start(server.port, 300.0, SENDERS);
     std::thread::sleep(Duration::from_secs(1));
@@ -235,11 +235,7 @@ fn pool_utilization_matches_offered_load() -> anyhow::Result<()> {
     const WINDOW: Duration = Duration::from_secs(5);
     let mut server = ThreadPool::start(WORKERS, SERVICE_TIME, "sleep")?;
     let service = "sleepy";
-    let poolscope = Poolscope::start(&config(
-        "socket",
-        WINDOW,
-        &[(service, server.program.pid())],
-    ))?;
+    let poolscope = Poolscope::start(&config("auto", WINDOW, &[(service, server.program.pid())]))?;
     wait_for_pools(&poolscope, &server.workers)?;
     scrape_until(&poolscope, |m| {
         pool_value(m, "poolscope_pool_threads", service, &[]) == f64::from(WORKERS)
@@ -343,7 +339,7 @@ fn busy_time_is_what_the_work_does() -> anyhow::Result<()> {
         return Ok(());
     }
     let _serial = one_at_a_time();
-    for backend in BACKENDS {
+    for backend in backends() {
         work_kind(backend, "spin", "running", "running")?;
         work_kind(backend, "sleep", "blocked_io", "io")?;
         work_kind(backend, "lock", "blocked_lock", "lock")?;
@@ -361,7 +357,7 @@ fn two_spinners_on_one_cpu_wait_half_the_time() -> anyhow::Result<()> {
     let tids = parse_tids(&spinners.line("spinners")?)?;
     let pid = spinners.pid();
     let poolscope = Poolscope::start(&config(
-        "socket",
+        "auto",
         Duration::from_secs(5),
         &[("spinners", pid)],
     ))?;

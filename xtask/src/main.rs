@@ -3,6 +3,7 @@
 //! Debian packages the task needs) and says nothing when nothing is missing.
 mod bench;
 mod setup;
+mod vm;
 
 use std::{
     path::{Path, PathBuf},
@@ -13,7 +14,8 @@ use anyhow::{Context as _, bail};
 
 const USAGE: &str = "usage: cargo xtask <command>
   run [-- poolscope flags]  install what is missing, build, run poolscope (auto-discovery)
-  test                      install what is missing, run lint, unit and privileged tests
+  test                      install what is missing, run lint, unit and privileged tests, then vm-test
+  vm-test                   install what is missing, run poolscope and ground-truth tests on Debian 12's 6.1 kernel in qemu
   bench                     install what is missing, measure poolscope's cost on nginx, per context switch, per lock and of stack snapshots (BENCH_ONLY=nginx|sched|locks|stacks)
   setup                     only install what is missing";
 
@@ -59,7 +61,7 @@ fn main() -> anyhow::Result<()> {
             run_privileged(&binary, &flags)
         }
         Some("test") => {
-            setup::ensure(TEST_PACKAGES)?;
+            setup::ensure(&[TEST_PACKAGES, vm::PACKAGES].concat())?;
             setup::ensure_kubernetes_validate(&root)?;
             cargo(&root, &["fmt", "--all", "--check"])?;
             cargo(
@@ -71,7 +73,12 @@ fn main() -> anyhow::Result<()> {
             // and through the exporter's build script). The integration tests start
             // the built binaries.
             cargo(&root, &["build", "--quiet", "--bins"])?;
-            cargo(&root, &["test"])
+            cargo(&root, &["test"])?;
+            vm::run(&root)
+        }
+        Some("vm-test") => {
+            setup::ensure(vm::PACKAGES)?;
+            vm::run(&root)
         }
         Some("bench") => {
             setup::ensure(bench::PACKAGES)?;
@@ -82,7 +89,7 @@ fn main() -> anyhow::Result<()> {
             bench::run(&root)
         }
         Some("setup") => {
-            setup::ensure(&[TEST_PACKAGES, bench::PACKAGES].concat())?;
+            setup::ensure(&[TEST_PACKAGES, bench::PACKAGES, vm::PACKAGES].concat())?;
             setup::ensure_kubernetes_validate(&root)
         }
         _ => bail!("{USAGE}"),
