@@ -53,6 +53,14 @@ pub struct Stat {
     pub start_time: u64,
 }
 
+/// A procfs text file that may hold a process or thread name: any bytes but NUL, so
+/// invalid UTF-8 is replaced (U+FFFD) rather than hiding the process or thread.
+fn read_lossy(path: &Path) -> Option<String> {
+    fs::read(path)
+        .ok()
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// Parses `/proc/<pid>/stat`. The comm sits in parentheses and may itself hold spaces
 /// and parentheses, so fields are counted from the last `)`.
 pub fn parse_stat(content: &str) -> Option<Stat> {
@@ -289,7 +297,7 @@ fn read_pod_name(root: &Path, pid: u32) -> Option<String> {
 /// Reads one process; `None` if it vanished or is a kernel thread.
 pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
     let dir = root.join(pid.to_string());
-    let stat = parse_stat(&fs::read_to_string(dir.join("stat")).ok()?)?;
+    let stat = parse_stat(&read_lossy(&dir.join("stat"))?)?;
     // A zombie has exited (its parent has not reaped it yet): nothing to watch, and
     // watching it again would bring back what its exit cleaned up.
     if matches!(stat.state, 'Z' | 'X') {
@@ -333,7 +341,7 @@ fn socket_inodes(root: &Path, pid: u32) -> Vec<u64> {
 
 /// The start time of `pid` now, to check that a pid still names the same process.
 pub fn start_time(root: &Path, pid: u32) -> Option<u64> {
-    let content = fs::read_to_string(root.join(pid.to_string()).join("stat")).ok()?;
+    let content = read_lossy(&root.join(pid.to_string()).join("stat"))?;
     parse_stat(&content).map(|stat| stat.start_time)
 }
 
@@ -375,7 +383,7 @@ pub fn tasks(root: &Path, pid: u32) -> Vec<Task> {
         .filter_map(Result::ok)
         .filter_map(|entry| {
             let tid = entry.file_name().to_str()?.parse().ok()?;
-            let stat = parse_stat(&fs::read_to_string(entry.path().join("stat")).ok()?)?;
+            let stat = parse_stat(&read_lossy(&entry.path().join("stat"))?)?;
             Some(Task {
                 tid,
                 comm: stat.comm,
@@ -397,12 +405,12 @@ pub fn parse_tgid(status: &str) -> Option<u32> {
 
 /// The process of thread `tid` (`None` if it exited).
 pub fn thread_group(root: &Path, tid: u32) -> Option<u32> {
-    parse_tgid(&fs::read_to_string(root.join(tid.to_string()).join("status")).ok()?)
+    parse_tgid(&read_lossy(&root.join(tid.to_string()).join("status"))?)
 }
 
 /// The name of thread `tid` of any process (`/proc/<tid>` resolves for every tid).
 pub fn thread_comm(root: &Path, tid: u32) -> Option<String> {
-    let comm = fs::read_to_string(root.join(tid.to_string()).join("comm")).ok()?;
+    let comm = read_lossy(&root.join(tid.to_string()).join("comm"))?;
     Some(comm.trim_end_matches('\n').to_owned())
 }
 
