@@ -69,11 +69,27 @@ fn main() -> anyhow::Result<()> {
                 &["clippy", "--quiet", "--all-targets", "--", "-D", "warnings"],
             )?;
             setup::clippy_ebpf(&root)?;
-            // Default members only: the kernel crate builds for the BPF target (above,
-            // and through the exporter's build script). The integration tests start
-            // the built binaries.
-            cargo(&root, &["build", "--quiet", "--bins"])?;
-            cargo(&root, &["test"])?;
+            // Unit tests, with debug assertions. The kernel crate builds only for the
+            // BPF target (linted above, built by the exporter's build script).
+            cargo(
+                &root,
+                &[
+                    "test",
+                    "--package",
+                    "poolscope",
+                    "--package",
+                    "poolscope-shared",
+                    "--package",
+                    "xtask",
+                ],
+            )?;
+            // The privileged tests measure the binaries as shipped (release), which
+            // they start; vm-test then reuses the same build.
+            cargo(&root, &["build", "--quiet", "--release", "--bins"])?;
+            cargo(
+                &root,
+                &["test", "--release", "--package", "poolscope-tests"],
+            )?;
             vm::run(&root)
         }
         Some("vm-test") => {
