@@ -46,6 +46,10 @@ impl Default for RawConfig {
         Self {
             web: RawWeb {
                 listen_address: DEFAULT_LISTEN_ADDRESS.to_owned(),
+                max_concurrent_scrapes: 4,
+                scrape_timeout: Duration::from_secs(10),
+                scrape_timeout_offset: Duration::from_millis(500),
+                debug_endpoints: DebugAccess::Localhost,
             },
             log: RawLog {
                 level: "info".to_owned(),
@@ -102,6 +106,12 @@ impl Default for RawConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct RawWeb {
     pub listen_address: String,
+    pub max_concurrent_scrapes: u32,
+    #[serde(with = "humantime_serde")]
+    pub scrape_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    pub scrape_timeout_offset: Duration,
+    pub debug_endpoints: DebugAccess,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -116,6 +126,20 @@ pub struct RawDiscovery {
     #[serde(with = "humantime_serde")]
     pub rescan_interval: Duration,
     pub procfs_root: PathBuf,
+}
+
+/// Who may use `/debug/*` (`[web] debug_endpoints`): stacks, thread and lock
+/// listings and profiling sessions say much about the host and cost CPU.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DebugAccess {
+    /// Only clients on a loopback address (also through `kubectl port-forward`).
+    #[default]
+    Localhost,
+    /// Every client of the metrics listener.
+    All,
+    /// Nobody: 404.
+    Off,
 }
 
 /// Request-correlation backend (DESIGN §2).
@@ -268,6 +292,8 @@ pub enum ConfigError {
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub listen_address: SocketAddr,
+    pub scrapes: ScrapeLimits,
+    pub debug_endpoints: DebugAccess,
     pub log_level: tracing::level_filters::LevelFilter,
     pub rescan_interval: Duration,
     pub procfs_root: PathBuf,
@@ -303,6 +329,18 @@ pub struct SnapshotSettings {
     pub memory_limit_bytes: u64,
     /// (threshold, duration); `None`: no saturation snapshots.
     pub saturation: Option<(u64, Duration)>,
+}
+
+/// Bounds on scrapes of `/metrics` (`[web]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScrapeLimits {
+    /// Scrapes gathered at once; more are refused (503).
+    pub max_concurrent: u32,
+    /// The longest a scrape may take when the scraper sends no
+    /// `X-Prometheus-Scrape-Timeout-Seconds`.
+    pub timeout: Duration,
+    /// Taken off the scraper's timeout, so that our 503 reaches it before it gives up.
+    pub timeout_offset: Duration,
 }
 
 /// Limits of the on-demand profiling sessions (`[profiles]`).
@@ -453,6 +491,7 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
     positive("limits.stack_counts", raw.limits.stack_counts.into())?;
     let snapshots = validate_stacks(raw, figment)?;
     let profiles = validate_profiles(&raw.profiles, figment)?;
+    let scrapes = validate_scrapes(&raw.web, figment)?;
     if raw.pools.utilization_window < Duration::from_secs(1) {
         return Err(invalid(
             figment,
@@ -475,6 +514,8 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         .collect::<Result<_, _>>()?;
     Ok(Settings {
         listen_address,
+        scrapes,
+        debug_endpoints: raw.web.debug_endpoints,
         log_level,
         rescan_interval: raw.discovery.rescan_interval,
         procfs_root: raw.discovery.procfs_root.clone(),
@@ -495,6 +536,36 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         snapshots,
         profiles,
         targets,
+    })
+}
+
+fn validate_scrapes(raw: &RawWeb, figment: &Figment) -> Result<ScrapeLimits, ConfigError> {
+    const MAX_CONCURRENT: u32 = 1024;
+    if !(1..=MAX_CONCURRENT).contains(&raw.max_concurrent_scrapes) {
+        return Err(invalid(
+            figment,
+            "web.max_concurrent_scrapes",
+            format!("want 1 to {MAX_CONCURRENT}"),
+        ));
+    }
+    if raw.scrape_timeout < Duration::from_millis(100) {
+        return Err(invalid(
+            figment,
+            "web.scrape_timeout",
+            "must be at least 100ms",
+        ));
+    }
+    if raw.scrape_timeout_offset >= raw.scrape_timeout {
+        return Err(invalid(
+            figment,
+            "web.scrape_timeout_offset",
+            "must be shorter than web.scrape_timeout",
+        ));
+    }
+    Ok(ScrapeLimits {
+        max_concurrent: raw.max_concurrent_scrapes,
+        timeout: raw.scrape_timeout,
+        timeout_offset: raw.scrape_timeout_offset,
     })
 }
 

@@ -126,6 +126,7 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(settings.listen_address)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen_address))?;
+    let (scrapes, debug_access) = (settings.scrapes, settings.debug_endpoints);
     let exporter = Arc::new(Exporter::new(kernel, settings));
     if let Err(error) = exporter.rescan() {
         tracing::warn!(%error, "initial scan failed");
@@ -141,12 +142,17 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     spawn_signal_thread(exporter.clone(), overrides, log, rescan_now, shutdown_tx)?;
 
     tracing::info!(address = %listener.local_addr()?, "serving /metrics");
-    axum::serve(listener, web::app(exporter.clone()))
-        .with_graceful_shutdown(async {
-            let _ = shutdown_rx.await;
-        })
-        .await
-        .context("HTTP server")?;
+    let gate = Arc::new(web::ScrapeGate::new(scrapes));
+    let app = web::app(exporter.clone(), gate, debug_access);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(async {
+        let _ = shutdown_rx.await;
+    })
+    .await
+    .context("HTTP server")?;
 
     // Dropping the last reference to the kernel programs detaches every probe.
     let probes = exporter.probe_count();
@@ -298,6 +304,14 @@ fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) {
                 (
                     "web.listen_address",
                     settings.listen_address != current.listen_address,
+                ),
+                (
+                    "web.max_concurrent_scrapes, web.scrape_timeout, web.scrape_timeout_offset",
+                    settings.scrapes != current.scrapes,
+                ),
+                (
+                    "web.debug_endpoints",
+                    settings.debug_endpoints != current.debug_endpoints,
                 ),
                 (
                     "discovery.procfs_root",

@@ -5,18 +5,33 @@
 //! folded text, an SVG flame graph or a pprof profile) and `/debug/pprof/profile`
 //! (an on-demand profiling session of one service, for `go tool pprof`).
 //! `app` builds the router so that tests can call it without a socket.
-use std::{sync::Arc, time::Duration};
+//!
+//! Scrapes are bounded ([`ScrapeGate`]): at most `web.max_concurrent_scrapes` gather at
+//! once (more get 503 at once), and each has until the scraper's
+//! `X-Prometheus-Scrape-Timeout-Seconds` less an offset (else `web.scrape_timeout`)
+//! before it gets 503; both refusals are counted in `scrapes_refused_total`.
+//!
+//! `/debug/*` answers only loopback clients by default (`web.debug_endpoints`).
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use axum::{
     Router,
-    extract::{Path, Query, State},
+    extract::{ConnectInfo, Path, Query, Request, State},
     http::{HeaderMap, HeaderValue, StatusCode, header},
+    middleware::{self, Next},
     response::{IntoResponse, Response},
     routing::get,
 };
 
 use crate::{
-    encode::{Family, Format, render},
+    config::{DebugAccess, ScrapeLimits},
+    encode::{Family, Format, Kind, render},
     profile::{self, ProfileError, View},
     sessions::{ProfileQuery, Refusal, Ticket},
     targets::monotonic_ns,
@@ -120,28 +135,143 @@ impl DebugError {
     }
 }
 
-pub fn app(gatherer: Arc<dyn Gatherer>) -> Router {
-    Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
+/// The header in which Prometheus says how long it waits for a scrape.
+const SCRAPE_TIMEOUT_HEADER: &str = "x-prometheus-scrape-timeout-seconds";
+
+/// Admits scrapes within [`ScrapeLimits`] and counts those it refuses.
+pub struct ScrapeGate {
+    limits: ScrapeLimits,
+    permits: Arc<tokio::sync::Semaphore>,
+    refused_busy: AtomicU64,
+    refused_timeout: AtomicU64,
+}
+
+impl ScrapeGate {
+    pub fn new(limits: ScrapeLimits) -> Self {
+        Self {
+            limits,
+            permits: Arc::new(tokio::sync::Semaphore::new(limits.max_concurrent as usize)),
+            refused_busy: AtomicU64::new(0),
+            refused_timeout: AtomicU64::new(0),
+        }
+    }
+
+    /// How long a scrape may take: the scraper's timeout less the offset (all of it
+    /// if shorter than the offset), else `web.scrape_timeout`.
+    fn deadline(&self, headers: &HeaderMap) -> Duration {
+        let asked = headers
+            .get(SCRAPE_TIMEOUT_HEADER)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.trim().parse::<f64>().ok())
+            .filter(|seconds| seconds.is_finite() && *seconds > 0.0)
+            .map(|seconds| Duration::from_secs_f64(seconds.min(3600.0)));
+        match asked {
+            Some(asked) if asked > self.limits.timeout_offset => asked - self.limits.timeout_offset,
+            Some(asked) => asked,
+            None => self.limits.timeout,
+        }
+    }
+
+    fn families(&self) -> Family {
+        Family::new(
+            "scrapes_refused",
+            Kind::Counter,
+            "Scrapes of /metrics answered 503: too many at once (web.max_concurrent_scrapes) or past their timeout.",
+        )
+        .with(
+            &[("reason", "concurrency")],
+            self.refused_busy.load(Ordering::Relaxed) as f64,
+        )
+        .with(
+            &[("reason", "timeout")],
+            self.refused_timeout.load(Ordering::Relaxed) as f64,
+        )
+    }
+}
+
+/// The router. Serve it with `into_make_service_with_connect_info::<SocketAddr>()`:
+/// `/debug/*` needs the client's address.
+pub fn app(gatherer: Arc<dyn Gatherer>, gate: Arc<ScrapeGate>, debug: DebugAccess) -> Router {
+    let debug_routes = Router::new()
         .route("/debug/threads", get(debug_threads))
         .route("/debug/locks", get(debug_locks))
         .route("/debug/snapshots", get(debug_snapshots))
         .route("/debug/stacks/{view}", get(debug_stacks))
         .route("/debug/pprof/profile", get(pprof_profile))
+        .route_layer(middleware::from_fn_with_state(debug, debug_guard));
+    Router::new()
+        .route(
+            "/metrics",
+            get(move |State(gatherer), headers| metrics(gatherer, gate, headers)),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
         .route("/", get(|| async { "poolscope: see /metrics\n" }))
+        .merge(debug_routes)
         .with_state(gatherer)
 }
 
-async fn metrics(State(gatherer): State<Arc<dyn Gatherer>>, headers: HeaderMap) -> Response {
+/// Lets a `/debug/*` request through as `web.debug_endpoints` allows.
+async fn debug_guard(State(access): State<DebugAccess>, request: Request, next: Next) -> Response {
+    let peer = request
+        .extensions()
+        .get::<ConnectInfo<std::net::SocketAddr>>()
+        .map(|ConnectInfo(address)| address.ip().to_canonical());
+    match access {
+        DebugAccess::All => next.run(request).await,
+        DebugAccess::Localhost if peer.is_some_and(|ip| ip.is_loopback()) => {
+            next.run(request).await
+        }
+        DebugAccess::Localhost => (
+            StatusCode::FORBIDDEN,
+            format!(
+                "/debug/* answers only clients on this host (web.debug_endpoints = \"localhost\"); \
+                 this one is {}: use kubectl port-forward or an SSH tunnel, or set \"all\"\n",
+                peer.map_or_else(|| "unknown".to_owned(), |ip| ip.to_string())
+            ),
+        )
+            .into_response(),
+        DebugAccess::Off => (
+            StatusCode::NOT_FOUND,
+            "/debug/* is off (web.debug_endpoints = \"off\")\n",
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(
+    gatherer: Arc<dyn Gatherer>,
+    gate: Arc<ScrapeGate>,
+    headers: HeaderMap,
+) -> Response {
+    let Ok(permit) = gate.permits.clone().try_acquire_owned() else {
+        gate.refused_busy.fetch_add(1, Ordering::Relaxed);
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, HeaderValue::from_static("1"))],
+            format!(
+                "too many scrapes at once: {} at most (web.max_concurrent_scrapes)\n",
+                gate.limits.max_concurrent
+            ),
+        )
+            .into_response();
+    };
     let format = Format::negotiate(
         headers
             .get(header::ACCEPT)
             .and_then(|value| value.to_str().ok()),
     );
-    // Reading maps and netlink blocks; keep it off the async workers.
-    match tokio::task::spawn_blocking(move || render(&gatherer.gather(), format)).await {
-        Ok(body) => (
+    let deadline = gate.deadline(&headers);
+    let counters = gate.clone();
+    // Reading maps and netlink blocks; keep it off the async workers. The permit is
+    // held until the work ends, also past a timeout: abandoned work still counts.
+    let work = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let mut families = gatherer.gather();
+        families.push(counters.families());
+        render(&families, format)
+    });
+    match tokio::time::timeout(deadline, work).await {
+        Ok(Ok(body)) => (
             [(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static(format.content_type()),
@@ -149,11 +279,24 @@ async fn metrics(State(gatherer): State<Arc<dyn Gatherer>>, headers: HeaderMap) 
             body,
         )
             .into_response(),
-        Err(error) => (
+        Ok(Err(error)) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("scrape failed: {error}\n"),
         )
             .into_response(),
+        Err(_) => {
+            gate.refused_timeout.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                timeout = ?deadline,
+                "a scrape took longer than its timeout (X-Prometheus-Scrape-Timeout-Seconds \
+                 less web.scrape_timeout_offset, else web.scrape_timeout)"
+            );
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("scrape not finished within its timeout of {deadline:?}\n"),
+            )
+                .into_response()
+        }
     }
 }
 
@@ -367,16 +510,38 @@ mod tests {
     use tower::ServiceExt as _;
 
     use super::*;
-    use crate::encode::Kind;
 
     #[derive(Default)]
     struct Fixed {
         cancelled: std::sync::atomic::AtomicU32,
         stopping: tokio::sync::watch::Sender<bool>,
+        /// How long a gather takes.
+        delay: Duration,
+    }
+
+    const LIMITS: ScrapeLimits = ScrapeLimits {
+        max_concurrent: 4,
+        timeout: Duration::from_secs(10),
+        timeout_offset: Duration::from_millis(500),
+    };
+
+    fn router(gatherer: Arc<Fixed>, limits: ScrapeLimits) -> Router {
+        app(
+            gatherer,
+            Arc::new(ScrapeGate::new(limits)),
+            DebugAccess::Localhost,
+        )
+    }
+
+    /// A request as if from `client` (what `into_make_service_with_connect_info` adds).
+    fn from(client: [u8; 4], path: &str) -> axum::http::request::Builder {
+        axum::http::Request::get(path)
+            .extension(ConnectInfo(std::net::SocketAddr::from((client, 40000))))
     }
 
     impl Gatherer for Fixed {
         fn gather(&self) -> Vec<Family> {
+            std::thread::sleep(self.delay);
             vec![Family::new("queue_depth", Kind::Gauge, "Depth.").with(&[("service", "a")], 2.0)]
         }
 
@@ -447,15 +612,19 @@ mod tests {
     }
 
     async fn get(path: &str, accept: Option<&str>) -> (StatusCode, String, String) {
-        let mut request = axum::http::Request::get(path);
+        let mut request = from([127, 0, 0, 1], path);
         if let Some(accept) = accept {
             request = request.header(header::ACCEPT, accept);
         }
+        send(router(Arc::default(), LIMITS), request).await
+    }
+
+    async fn send(
+        router: Router,
+        request: axum::http::request::Builder,
+    ) -> (StatusCode, String, String) {
         let request = request.body(Body::empty()).expect("request");
-        let response = app(Arc::new(Fixed::default()))
-            .oneshot(request)
-            .await
-            .expect("response");
+        let response = router.oneshot(request).await.expect("response");
         let status = response.status();
         let content_type = response
             .headers()
@@ -573,9 +742,12 @@ mod tests {
     #[tokio::test]
     async fn a_client_that_leaves_ends_its_session() -> Result<(), Box<dyn std::error::Error>> {
         let fixed = Arc::new(Fixed::default());
-        let request = axum::http::Request::get("/debug/pprof/profile?service=web&seconds=60000")
-            .body(Body::empty())?;
-        let pending = app(fixed.clone()).oneshot(request);
+        let request = from(
+            [127, 0, 0, 1],
+            "/debug/pprof/profile?service=web&seconds=60000",
+        )
+        .body(Body::empty())?;
+        let pending = router(fixed.clone(), LIMITS).oneshot(request);
         // The session runs for a minute; the client gives up after 200 ms.
         let outcome = tokio::time::timeout(Duration::from_millis(200), pending).await;
         assert!(outcome.is_err(), "the session ended early");
@@ -593,14 +765,162 @@ mod tests {
     #[tokio::test]
     async fn stopping_ends_a_session_early() -> Result<(), Box<dyn std::error::Error>> {
         let fixed = Arc::new(Fixed::default());
-        let request = axum::http::Request::get("/debug/pprof/profile?service=web&seconds=60000")
-            .body(Body::empty())?;
-        let pending = tokio::spawn(app(fixed.clone()).oneshot(request));
+        let request = from(
+            [127, 0, 0, 1],
+            "/debug/pprof/profile?service=web&seconds=60000",
+        )
+        .body(Body::empty())?;
+        let pending = tokio::spawn(router(fixed.clone(), LIMITS).oneshot(request));
         tokio::time::sleep(Duration::from_millis(100)).await;
         fixed.stopping.send_replace(true);
         let response = tokio::time::timeout(Duration::from_secs(5), pending).await???;
         assert_eq!(response.status(), StatusCode::OK);
         assert_eq!(fixed.cancelled.load(std::sync::atomic::Ordering::SeqCst), 0);
         Ok(())
+    }
+
+    fn scrape(timeout: Option<&str>) -> axum::http::request::Builder {
+        let request = axum::http::Request::get("/metrics");
+        match timeout {
+            Some(seconds) => request.header(SCRAPE_TIMEOUT_HEADER, seconds),
+            None => request,
+        }
+    }
+
+    #[test]
+    fn a_scrape_has_the_scrapers_timeout_less_the_offset() {
+        let gate = ScrapeGate::new(LIMITS);
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                SCRAPE_TIMEOUT_HEADER,
+                HeaderValue::from_str(value).expect("header"),
+            );
+            gate.deadline(&headers)
+        };
+        assert_eq!(with("10"), Duration::from_millis(9500));
+        assert_eq!(with(" 2.5 "), Duration::from_secs(2));
+        assert_eq!(with("0.2"), Duration::from_millis(200));
+        for ignored in ["0", "-3", "NaN", "inf", "soon"] {
+            assert_eq!(with(ignored), LIMITS.timeout, "{ignored}");
+        }
+        assert_eq!(gate.deadline(&HeaderMap::new()), LIMITS.timeout);
+    }
+
+    #[tokio::test]
+    async fn scrapes_beyond_the_limit_are_refused_and_counted() {
+        let limits = ScrapeLimits {
+            max_concurrent: 1,
+            ..LIMITS
+        };
+        let slow = router(
+            Arc::new(Fixed {
+                delay: Duration::from_millis(300),
+                ..Fixed::default()
+            }),
+            limits,
+        );
+        let (first, second) = tokio::join!(send(slow.clone(), scrape(None)), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            send(slow.clone(), scrape(None)).await
+        });
+        assert_eq!(first.0, StatusCode::OK);
+        assert_eq!(second.0, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            second.2,
+            "too many scrapes at once: 1 at most (web.max_concurrent_scrapes)\n"
+        );
+        let (status, _, body) = send(slow, scrape(None)).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body.contains("poolscope_scrapes_refused_total{reason=\"concurrency\"} 1\n"));
+        assert!(body.contains("poolscope_scrapes_refused_total{reason=\"timeout\"} 0\n"));
+    }
+
+    #[tokio::test]
+    async fn a_scrape_past_its_timeout_is_refused_and_holds_its_place_until_done() {
+        let limits = ScrapeLimits {
+            max_concurrent: 1,
+            timeout_offset: Duration::from_millis(100),
+            ..LIMITS
+        };
+        let slow = router(
+            Arc::new(Fixed {
+                delay: Duration::from_millis(600),
+                ..Fixed::default()
+            }),
+            limits,
+        );
+        let (status, _, body) = send(slow.clone(), scrape(Some("0.3"))).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body, "scrape not finished within its timeout of 200ms\n");
+        // The abandoned gather still runs and keeps the only place.
+        assert_eq!(
+            send(slow.clone(), scrape(None)).await.0,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let (status, _, body) = send(slow, scrape(None)).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(body.contains("poolscope_scrapes_refused_total{reason=\"timeout\"} 1\n"));
+        assert!(body.contains("poolscope_scrapes_refused_total{reason=\"concurrency\"} 1\n"));
+    }
+
+    #[tokio::test]
+    async fn debug_endpoints_answer_loopback_clients_only_unless_told() {
+        let debug = |access| {
+            app(
+                Arc::new(Fixed::default()),
+                Arc::new(ScrapeGate::new(LIMITS)),
+                access,
+            )
+        };
+        let local = send(
+            debug(DebugAccess::Localhost),
+            from([127, 0, 0, 1], "/debug/threads"),
+        )
+        .await;
+        assert_eq!((local.0, local.2.as_str()), (StatusCode::OK, "tid\n1\n"));
+        let remote = send(
+            debug(DebugAccess::Localhost),
+            from([10, 1, 2, 3], "/debug/threads"),
+        )
+        .await;
+        assert_eq!(remote.0, StatusCode::FORBIDDEN);
+        assert!(remote.2.contains("this one is 10.1.2.3"), "{}", remote.2);
+        let profile = send(
+            debug(DebugAccess::Localhost),
+            from([10, 1, 2, 3], "/debug/pprof/profile?service=web"),
+        )
+        .await;
+        assert_eq!(profile.0, StatusCode::FORBIDDEN);
+        let mapped = axum::http::Request::get("/debug/threads").extension(ConnectInfo(
+            "[::ffff:127.0.0.1]:40000"
+                .parse::<std::net::SocketAddr>()
+                .expect("address"),
+        ));
+        assert_eq!(
+            send(debug(DebugAccess::Localhost), mapped).await.0,
+            StatusCode::OK
+        );
+        let unknown = axum::http::Request::get("/debug/threads");
+        assert_eq!(
+            send(debug(DebugAccess::Localhost), unknown).await.0,
+            StatusCode::FORBIDDEN
+        );
+        let all = send(
+            debug(DebugAccess::All),
+            from([10, 1, 2, 3], "/debug/threads"),
+        )
+        .await;
+        assert_eq!(all.0, StatusCode::OK);
+        let off = send(
+            debug(DebugAccess::Off),
+            from([127, 0, 0, 1], "/debug/threads"),
+        )
+        .await;
+        assert_eq!(off.0, StatusCode::NOT_FOUND);
+        // The rest is for everyone.
+        let metrics = send(debug(DebugAccess::Off), from([10, 1, 2, 3], "/metrics")).await;
+        assert_eq!(metrics.0, StatusCode::OK);
     }
 }
