@@ -1,8 +1,9 @@
 //! A real Prometheus (Debian's `prometheus` package) for the operators' tests: started
 //! on a free port with a generated config that scrapes the given targets and
 //! evaluates the given rule files every second, queried through its HTTP API, killed
-//! when dropped.
+//! when dropped; and `promtool check metrics` on an exposition.
 use std::{
+    io::Write as _,
     path::PathBuf,
     process::{Child, Command, Stdio},
     time::Duration,
@@ -14,6 +15,33 @@ use crate::{free_port, wait_until};
 
 /// Where the Debian package puts the server (`cargo xtask` installs it).
 pub const PROMETHEUS: &str = "/usr/bin/prometheus";
+
+/// Runs `promtool check metrics` on `exposition`: fails with what promtool said
+/// unless it parses and passes the lint silently.
+pub fn check_metrics(exposition: &str) -> anyhow::Result<()> {
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting promtool (Debian package prometheus)")?;
+    promtool
+        .stdin
+        .take()
+        .context("promtool has no stdin")?
+        .write_all(exposition.as_bytes())?;
+    let output = promtool.wait_with_output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    if !output.status.success() || !said.trim().is_empty() {
+        bail!("promtool check metrics: {said}\n{exposition}");
+    }
+    Ok(())
+}
 
 /// A running Prometheus; killed (and its storage removed) when dropped.
 pub struct Prometheus {

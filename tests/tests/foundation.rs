@@ -252,29 +252,7 @@ fn metrics_pass_promtool_lint() -> anyhow::Result<()> {
         m.value("poolscope_connections_accepted_total", &[])
             .is_some()
     })?;
-    let mut promtool = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    promtool
-        .stdin
-        .take()
-        .ok_or_else(|| anyhow::anyhow!("no stdin"))?
-        .write_all(metrics.text.as_bytes())?;
-    let output = promtool.wait_with_output()?;
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(
-        output.status.success() && said.trim().is_empty(),
-        "promtool: {said}\n{}",
-        metrics.text
-    );
-    Ok(())
+    poolscope_tests::prometheus::check_metrics(&metrics.text)
 }
 
 #[test]
