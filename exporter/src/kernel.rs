@@ -182,13 +182,16 @@ impl Backend {
         }
     }
 
-    /// The tracepoints of the backend this kernel lacks (`category/event`).
-    pub fn missing_tracepoints(self) -> Vec<String> {
-        self.attachments()
+    /// The tracepoints of the backend this kernel lacks (`category/event`); mounts
+    /// tracefs first, where they are listed.
+    pub fn missing_tracepoints(self) -> Result<Vec<String>, KernelError> {
+        ensure_tracefs()?;
+        Ok(self
+            .attachments()
             .iter()
             .filter(|attachment| !tracepoint_exists(attachment.category, attachment.event))
             .map(Attachment::probe_name)
-            .collect()
+            .collect())
     }
 }
 

@@ -67,7 +67,7 @@ fn init_logging(level: LevelFilter) -> LogHandle {
 /// the config forces one. A forced backend the kernel lacks is refused rather than
 /// replaced: its numbers would mean something else than the operator asked for.
 fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
-    let missing = kernel::Backend::Socket.missing_tracepoints();
+    let missing = kernel::Backend::Socket.missing_tracepoints()?;
     match wanted {
         config::Backend::Auto if missing.is_empty() => Ok(kernel::Backend::Socket),
         config::Backend::Auto => {
