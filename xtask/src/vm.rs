@@ -51,7 +51,8 @@ exec /poolscope/work/run
 /// cost ~0.4 ms more than on hardware: tests whose truth is a count, a queue, a
 /// schedstat share or durations from the same syscalls, not those that this cost
 /// alone puts past their bound (5 ms service times within 5 %; a pool kept full
-/// while each request also pays a connection's accept).
+/// while each request also pays a connection's accept; a 20 ms p50 that the extra
+/// 0.4 ms moves across a histogram bucket's edge, 7 % off in 1 of 3 runs).
 const GUEST_TESTS: &[(&str, &[&str])] = &[
     (
         "foundation",
@@ -68,7 +69,6 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
     (
         "requests",
         &[
-            "controlled_pool_keep_alive_syscall_backend",
             "partial_reads_and_writes",
             "server_writes_before_reading_everything",
             "a_full_connection_map_is_counted_and_spares_the_tracked_connections",
@@ -82,6 +82,12 @@ const KERNEL_SERIES: &str = "6.1.";
 const GUEST_MEMORY_MIB: u32 = 2048;
 /// The longest a run may take (the tests take ~2 min under software emulation).
 const RUN_TIMEOUT: Duration = Duration::from_secs(20 * 60);
+/// Boots of the test guest: a second one only after the guest's kernel reported a
+/// soft lockup, which software emulation causes now and then (its timers stall: "rcu
+/// ... timer wakeup didn't happen"), not poolscope.
+const RUN_ATTEMPTS: u32 = 2;
+/// What the guest's kernel prints for a CPU stuck in kernel mode.
+const LOCKUP: &str = "soft lockup";
 /// How long a guest under KVM may take to boot and power off before KVM is taken as
 /// not working here (nested virtualization often hangs rather than fails).
 const KVM_PROBE_TIMEOUT: Duration = Duration::from_secs(40);
@@ -99,10 +105,19 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let binaries = build(root)?;
     let work = root.join("target/vm-test");
     let accel = accelerator(&guest, root, &work)?;
-    prepare_work(&work, &guest_script(&binaries))?;
-    eprintln!("xtask: booting Debian {SUITE}'s kernel under {accel}");
     let release = root.join("target/release");
-    let status = boot(&guest, accel, &release, &work, RUN_TIMEOUT)?;
+    let mut status = None;
+    for attempt in 1..=RUN_ATTEMPTS {
+        prepare_work(&work, &guest_script(&binaries))?;
+        eprintln!("xtask: booting Debian {SUITE}'s kernel under {accel} (attempt {attempt})");
+        status = boot(&guest, accel, &release, &work, RUN_TIMEOUT)?;
+        match &status {
+            Some(reason) if reason.contains(LOCKUP) && attempt < RUN_ATTEMPTS => {
+                eprintln!("xtask: the guest {reason}; booting it again");
+            }
+            _ => break,
+        }
+    }
     let report = Report::read(&work)?;
     println!(
         "{}",
@@ -360,10 +375,16 @@ fn boot(
         if let Some(status) = child.try_wait()? {
             return Ok((!status.success()).then(|| format!("qemu exited with {status}")));
         }
-        if Instant::now() >= deadline {
+        let locked_up = fs::read_to_string(work.join("serial.log"))
+            .is_ok_and(|serial| serial.contains(&format!("watchdog: BUG: {LOCKUP}")));
+        if locked_up || Instant::now() >= deadline {
             let _ = child.kill();
             let _ = child.wait();
-            return Ok(Some(format!("stopped after {} s", timeout.as_secs())));
+            return Ok(Some(if locked_up {
+                format!("was stopped: its kernel reported a {LOCKUP} (serial.log)")
+            } else {
+                format!("was stopped after {} s", timeout.as_secs())
+            }));
         }
         sleep(Duration::from_millis(200));
     }
@@ -472,7 +493,7 @@ impl Report {
             took.as_secs()
         );
         if let Some(reason) = stopped {
-            let _ = writeln!(out, "the guest was {reason}");
+            let _ = writeln!(out, "the guest {reason}");
         }
         let _ = writeln!(
             out,
