@@ -536,10 +536,12 @@ fn session_sampler(slot: u32) -> Result<&'static str, KernelError> {
         .ok_or(KernelError::NoSessionSlot(slot))
 }
 
-fn perf_program<'a>(
-    ebpf: &'a mut Ebpf,
-    name: &'static str,
-) -> Result<&'a mut PerfEvent, KernelError> {
+/// Program `name` of our object as its type (`PerfEvent`, `UProbe`, ...); an error
+/// means the object is not what this build expects.
+fn typed_program<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, KernelError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
     ebpf.program_mut(name)
         .ok_or(KernelError::MissingProgram(name))?
         .try_into()
@@ -597,7 +599,7 @@ fn detach_all(program: &mut PerfEvent, links: Vec<PerfEventLinkId>) {
 /// metrics.
 fn attach_sampler(ebpf: &mut Ebpf, hz: u32) -> Result<Probe, KernelError> {
     let name = "perf_event/cpu-clock".to_owned();
-    let sampler = perf_program(ebpf, SAMPLER)?;
+    let sampler = typed_program::<PerfEvent>(ebpf, SAMPLER)?;
     if let Err(error) = sampler.load() {
         return Ok(Probe::skipped(name, SAMPLER, Skip::LoadRefused, &error));
     }
@@ -640,15 +642,8 @@ fn attach_tracepoint(
             &detail,
         ));
     }
-    let program = ebpf
-        .program_mut(program_name)
-        .ok_or(KernelError::MissingProgram(program_name))?;
-    let program_error = |source| KernelError::Program {
-        program: program_name,
-        source,
-    };
     let outcome = if attachment.raw {
-        let program: &mut RawTracePoint = program.try_into().map_err(program_error)?;
+        let program: &mut RawTracePoint = typed_program(ebpf, program_name)?;
         program.load().map_err(Refusal::Load).and_then(|()| {
             program
                 .attach(attachment.event)
@@ -656,7 +651,7 @@ fn attach_tracepoint(
                 .map_err(Refusal::Attach)
         })
     } else {
-        let program: &mut TracePoint = program.try_into().map_err(program_error)?;
+        let program: &mut TracePoint = typed_program(ebpf, program_name)?;
         program.load().map_err(Refusal::Load).and_then(|()| {
             program
                 .attach(attachment.category, attachment.event)
@@ -682,21 +677,13 @@ fn load_on_demand<P>(
     ebpf: &mut Ebpf,
     name: &str,
     programs: &[&'static str],
+    load: impl Fn(&mut P) -> Result<(), ProgramError>,
 ) -> Result<Probe, KernelError>
 where
     for<'a> &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
-    P: LoadSimple,
 {
     for &program_name in programs {
-        let program: &mut P = ebpf
-            .program_mut(program_name)
-            .ok_or(KernelError::MissingProgram(program_name))?
-            .try_into()
-            .map_err(|source| KernelError::Program {
-                program: program_name,
-                source,
-            })?;
-        if let Err(error) = program.load_simple() {
+        if let Err(error) = load(typed_program(ebpf, program_name)?) {
             return Ok(Probe::skipped(
                 name.to_owned(),
                 program_name,
@@ -709,23 +696,6 @@ where
         name: name.to_owned(),
         state: ProbeState::OnDemand,
     })
-}
-
-/// The programs [`load_on_demand`] loads, which take no load arguments.
-trait LoadSimple {
-    fn load_simple(&mut self) -> Result<(), ProgramError>;
-}
-
-impl LoadSimple for UProbe {
-    fn load_simple(&mut self) -> Result<(), ProgramError> {
-        self.load()
-    }
-}
-
-impl LoadSimple for PerfEvent {
-    fn load_simple(&mut self) -> Result<(), ProgramError> {
-        self.load()
-    }
 }
 
 /// `task_struct.pid`'s offset from the kernel's BTF; `None` (logged) without BTF.
@@ -851,12 +821,13 @@ impl Kernel {
         }
         probes.push(attach_sampler(&mut ebpf, sampling.hz)?);
         for (program, probe) in MUTEX_PROBES {
-            probes.push(load_on_demand::<UProbe>(&mut ebpf, probe, &[program])?);
+            probes.push(load_on_demand(&mut ebpf, probe, &[program], UProbe::load)?);
         }
-        probes.push(load_on_demand::<PerfEvent>(
+        probes.push(load_on_demand(
             &mut ebpf,
             "perf_event/profile-sessions",
             &SESSION_SAMPLERS,
+            PerfEvent::load,
         )?);
 
         let events = ProcessEvents {
@@ -1053,22 +1024,15 @@ impl Kernel {
             .join(libc.strip_prefix("/").unwrap_or(libc));
         let mut links = Vec::new();
         for (program, probe) in MUTEX_PROBES {
-            let attached = self
-                .ebpf
-                .program_mut(program)
-                .ok_or(KernelError::MissingProgram(program))
-                .and_then(|program_ref| {
-                    let uprobe: &mut UProbe = program_ref
-                        .try_into()
-                        .map_err(|source| KernelError::Program { program, source })?;
-                    uprobe
-                        .attach(MUTEX_SYMBOL, &target, scope)
-                        .map_err(|source| KernelError::Attach {
-                            program,
-                            probe: format!("{probe} in {}", target.display()),
-                            source,
-                        })
-                });
+            let attached = typed_program::<UProbe>(&mut self.ebpf, program).and_then(|uprobe| {
+                uprobe
+                    .attach(MUTEX_SYMBOL, &target, scope)
+                    .map_err(|source| KernelError::Attach {
+                        program,
+                        probe: format!("{probe} in {}", target.display()),
+                        source,
+                    })
+            });
             match attached {
                 Ok(link) => links.push(link),
                 Err(error) => {
@@ -1149,7 +1113,7 @@ impl Kernel {
         let name = session_sampler(slot)?;
         self.set_profile_session(slot, session)?;
         if let Some(hz) = hz {
-            let attached = perf_program(&mut self.ebpf, name)
+            let attached = typed_program::<PerfEvent>(&mut self.ebpf, name)
                 .and_then(|program| attach_cpu_clock(program, name, hz));
             match attached {
                 Ok(links) => self.session_links[slot as usize] = links,
@@ -1168,7 +1132,7 @@ impl Kernel {
         let name = session_sampler(slot)?;
         let links = std::mem::take(&mut self.session_links[slot as usize]);
         if !links.is_empty() {
-            detach_all(perf_program(&mut self.ebpf, name)?, links);
+            detach_all(typed_program::<PerfEvent>(&mut self.ebpf, name)?, links);
         }
         let session = self
             .profile_sessions
