@@ -19,12 +19,12 @@ use aya_ebpf::{
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RawTracePointContext, RetProbeContext, tracing::StackIdContext as _},
 };
-use poolscope_shared::{LockKey, LockPrimitive, LossSource, Thread, lock_wait_index};
+use poolscope_shared::{LockKey, LockPrimitive, LossErrno, LossSource, Thread, lock_wait_index};
 
 use crate::{
     maps::{
         LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, THREAD_POOLS, ZERO_HISTOGRAM,
-        add_to_shared_histogram, count_loss,
+        add_to_shared_histogram, count_loss, inserted_errno,
     },
     requests::now_ns,
     syscalls::{FIRST_ARG_OFFSET, SECOND_ARG_OFFSET, SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV},
@@ -104,7 +104,7 @@ pub fn switched_out(
         Ok(id) => id as i32,
         Err(error) => {
             if error == -EEXIST {
-                count_loss(LossSource::LockStacksFull);
+                count_loss(LossSource::LockStackCollision, LossErrno::Eexist);
             }
             -1
         }
@@ -156,11 +156,11 @@ fn record_lock_wait(tid: u32, thread: &mut Thread) {
                 return;
             };
             // BPF_NOEXIST: another CPU may have made it meanwhile; then use that one.
-            let _ = LOCKS.insert(key, zero, 1);
+            let inserted = LOCKS.insert(key, zero, 1);
             match LOCKS.get_ptr_mut(key) {
                 Some(lock) => lock,
                 None => {
-                    count_loss(LossSource::LocksFull);
+                    count_loss(LossSource::LocksInsert, inserted_errno(inserted));
                     return;
                 }
             }
@@ -188,9 +188,9 @@ fn record(tid: u32, primitive: LockPrimitive, waited: u64) {
 pub fn mutex_lock_enter(_ctx: ProbeContext) -> u32 {
     let tid = bpf_get_current_pid_tgid() as u32;
     if thread(tid).is_some_and(|thread| waits_for_request(thread))
-        && MUTEX_CALLS.insert(tid, now_ns(), 0).is_err()
+        && let Err(code) = MUTEX_CALLS.insert(tid, now_ns(), 0)
     {
-        count_loss(LossSource::MutexCallsFull);
+        count_loss(LossSource::MutexCallsInsert, LossErrno::of(code.into()));
     }
     0
 }

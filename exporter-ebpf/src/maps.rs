@@ -5,11 +5,11 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
 };
 use poolscope_shared::{
-    Conn, Histogram, LISTEN_PORTS_CAPACITY, LockKey, LockPrimitive, LossSource, MAX_LOCK_STACKS,
-    MAX_LOCKS, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS, MAX_STACKS,
-    MAX_THREADS, MUTEX_CALLS_CAPACITY, PENDING_CALLS_CAPACITY, PendingCall, PoolStats,
-    ProcessEvent, ProfileSession, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE,
-    ServiceCounters, StackCount, StackKey, Thread, Watched,
+    Conn, Histogram, LISTEN_PORTS_CAPACITY, LOSSES_SIZE, LockKey, LockPrimitive, LossErrno,
+    LossSource, MAX_LOCK_STACKS, MAX_LOCKS, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES,
+    MAX_STACK_COUNTS, MAX_STACKS, MAX_THREADS, MUTEX_CALLS_CAPACITY, PENDING_CALLS_CAPACITY,
+    PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes, SYSCALL_COUNTS_SIZE,
+    SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, Thread, Watched, loss_index,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -33,7 +33,7 @@ pub static SERVICE_COUNTERS: PerCpuArray<ServiceCounters> =
 pub static REQUEST_TIMES: PerCpuArray<RequestTimes> =
     PerCpuArray::with_max_entries(MAX_SERVICES, 0);
 #[map]
-pub static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LossSource::COUNT, 0);
+pub static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LOSSES_SIZE, 0);
 #[map]
 pub static THREADS: HashMap<u32, Thread> = HashMap::with_max_entries(MAX_THREADS, 0);
 #[map]
@@ -79,10 +79,20 @@ pub fn watched(tgid: u32) -> Option<Watched> {
 }
 
 #[inline(always)]
-pub fn count_loss(source: LossSource) {
-    if let Some(counter) = LOSSES.get_ptr_mut(source as u32) {
+pub fn count_loss(source: LossSource, errno: LossErrno) {
+    if let Some(counter) = LOSSES.get_ptr_mut(loss_index(source, errno)) {
         // SAFETY: per-CPU slot, no other writer while we run on this CPU.
         unsafe { *counter += 1 };
+    }
+}
+
+/// The errno class of a get-or-insert that found no entry after its insert: the
+/// insert's own error, or none known (the entry was removed in between).
+#[inline(always)]
+pub fn inserted_errno(inserted: Result<(), i32>) -> LossErrno {
+    match inserted {
+        Err(code) => LossErrno::of(code.into()),
+        Ok(()) => LossErrno::Other,
     }
 }
 
@@ -149,6 +159,6 @@ pub fn send_process_event(event: ProcessEvent, wakeup: Wakeup) {
         .output::<ProcessEvent>(&event, flags)
         .is_err()
     {
-        count_loss(LossSource::ProcessEvents);
+        count_loss(LossSource::ProcessEvents, LossErrno::None);
     }
 }

@@ -13,7 +13,9 @@ use aya_ebpf::{
     macros::tracepoint,
     programs::TracePointContext,
 };
-use poolscope_shared::{Activity, LossSource, ProcessEvent, ProcessEventKind, Thread, Watched};
+use poolscope_shared::{
+    Activity, LossErrno, LossSource, ProcessEvent, ProcessEventKind, Thread, Watched,
+};
 
 use crate::{
     locks,
@@ -68,8 +70,8 @@ fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
         _pad: 0,
         since_ns,
     };
-    if WATCHED.insert(child, child_watch, 0).is_err() {
-        count_loss(LossSource::WatchedFull);
+    if let Err(code) = WATCHED.insert(child, child_watch, 0) {
+        count_loss(LossSource::WatchedInsert, LossErrno::of(code.into()));
         return Ok(());
     }
     send_process_event(
@@ -90,15 +92,15 @@ fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
 #[inline(always)]
 fn follow_thread(tid: u32, creator_tid: u32, service: u32) {
     let thread = Thread::new(service, Activity::Runnable, now_ns());
-    if THREADS.insert(tid, thread, 0).is_err() {
-        count_loss(LossSource::ThreadsFull);
+    if let Err(code) = THREADS.insert(tid, thread, 0) {
+        count_loss(LossSource::ThreadsInsert, LossErrno::of(code.into()));
         return;
     }
     // SAFETY: copied out at once.
     if let Some(pool) = unsafe { THREAD_POOLS.get(creator_tid).copied() }
-        && THREAD_POOLS.insert(tid, pool, 0).is_err()
+        && let Err(code) = THREAD_POOLS.insert(tid, pool, 0)
     {
-        count_loss(LossSource::ThreadsFull);
+        count_loss(LossSource::ThreadsInsert, LossErrno::of(code.into()));
     }
 }
 

@@ -4,7 +4,9 @@
 //! and its timestamps; every phase change moves one `*_entered`/`*_left` counter pair
 //! (the gauges) and a finished request goes into the service's histograms.
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use poolscope_shared::{Conn, Histogram, LossSource, Phase, ServiceCounters, histogram_bucket};
+use poolscope_shared::{
+    Conn, Histogram, LossErrno, LossSource, Phase, ServiceCounters, histogram_bucket,
+};
 
 use crate::{
     maps::{CONNS, REQUEST_TIMES, count_loss, update_service},
@@ -41,8 +43,8 @@ pub fn connected(key: u64, service: u32, owner_since_ns: u64, now: u64) {
         server_tid: 0,
         _pad: 0,
     };
-    if CONNS.insert(key, conn, 0).is_err() {
-        count_loss(LossSource::ConnsFull);
+    if let Err(code) = CONNS.insert(key, conn, 0) {
+        count_loss(LossSource::ConnsInsert, LossErrno::of(code.into()));
         return;
     }
     update_service(service, |c| {

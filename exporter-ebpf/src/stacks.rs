@@ -19,13 +19,13 @@ use aya_ebpf::{
     programs::{PerfEventContext, RawTracePointContext, tracing::StackIdContext},
 };
 use poolscope_shared::{
-    Activity, LossSource, NO_POOL, STACK_GENERATIONS, StackCount, StackKey, Thread,
+    Activity, LossErrno, LossSource, NO_POOL, STACK_GENERATIONS, StackCount, StackKey, Thread,
 };
 
 use crate::{
     maps::{
         STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, THREAD_POOLS, atomic_add,
-        count_loss,
+        count_loss, inserted_errno,
     },
     sessions,
     threads::thread,
@@ -67,7 +67,7 @@ fn stack_id<C: StackIdContext>(ctx: &C, map: &StackTrace, flags: u64) -> i32 {
         Ok(id) => id as i32,
         Err(error) => {
             if error == -EEXIST {
-                count_loss(LossSource::StacksFull);
+                count_loss(LossSource::StackCollision, LossErrno::Eexist);
             }
             -1
         }
@@ -92,11 +92,11 @@ pub fn add(key: &StackKey, ns: u64) {
         Some(count) => count,
         None => {
             // BPF_NOEXIST: another CPU may have made it meanwhile; then use that one.
-            let _ = STACK_COUNTS.insert(key, StackCount::default(), BPF_NOEXIST);
+            let inserted = STACK_COUNTS.insert(key, StackCount::default(), BPF_NOEXIST);
             match STACK_COUNTS.get_ptr_mut(key) {
                 Some(count) => count,
                 None => {
-                    count_loss(LossSource::StackCountsFull);
+                    count_loss(LossSource::StackCountsInsert, inserted_errno(inserted));
                     return;
                 }
             }
@@ -184,7 +184,7 @@ pub fn unblocked(tid: u32, thread: &mut Thread, now: u64) {
         )
     } else {
         if captured {
-            count_loss(LossSource::OffCpuStacksExpired);
+            count_loss(LossSource::OffCpuStacksExpired, LossErrno::None);
         }
         (epoch % STACK_GENERATIONS, -1, -1)
     };

@@ -15,7 +15,9 @@ use aya_ebpf::{
     macros::raw_tracepoint,
     programs::RawTracePointContext,
 };
-use poolscope_shared::{LossSource, PendingCall, SyscallSlot, fd_conn_key, syscall_counter_index};
+use poolscope_shared::{
+    LossErrno, LossSource, PendingCall, SyscallSlot, fd_conn_key, syscall_counter_index,
+};
 
 use crate::{
     maps::{CONNS, PENDING_CALLS, SYSCALL_SLOTS, add_to_counter, count_loss, watched},
@@ -102,8 +104,8 @@ fn remember_call(tid: u32, slot: SyscallSlot, fd: u32, number: u32) {
         number,
         _pad: 0,
     };
-    if PENDING_CALLS.insert(tid, call, 0).is_err() {
-        count_loss(LossSource::PendingCallsFull);
+    if let Err(code) = PENDING_CALLS.insert(tid, call, 0) {
+        count_loss(LossSource::PendingCallsInsert, LossErrno::of(code.into()));
     }
 }
 

@@ -6,10 +6,11 @@ use std::{
     net::SocketAddr,
 };
 
-use poolscope_shared::{LockPrimitive, LossSource, RequestTimes, ServiceCounters};
+use poolscope_shared::{LockPrimitive, RequestTimes, ServiceCounters};
 
 use crate::{
     encode::{Family, Kind, Value},
+    health::{Loss, LossKind},
     kernel::{Backend, Probe, ProbeState, Readout},
     pools::{COMPONENTS, PoolTotals, REASONS, STATES, sum_of},
     sockdiag::ListenQueue,
@@ -459,19 +460,78 @@ pub fn service_listeners(
 pub struct SelfStats {
     pub version: &'static str,
     pub backend: &'static str,
-    pub series_dropped: u64,
-    pub services_refused: u64,
-    pub watch_errors: u64,
-    pub listen_port_errors: u64,
-    pub pools_refused: u64,
-    /// Updates of `THREADS`/`THREAD_POOLS` from user space that failed.
-    pub thread_errors: u64,
-    /// Processes with the `pthread_mutex_lock` probes attached, and those whose
-    /// probes could not be attached.
+    /// Every loss counter ([`health::losses`]).
+    pub losses: Vec<Loss>,
+    /// Whether any loss makes poolscope degraded now.
+    pub degraded: bool,
+    /// Processes with the `pthread_mutex_lock` probes attached.
     pub lock_probe_processes: usize,
-    pub lock_probe_errors: u64,
     /// (collector, seconds, success)
     pub collectors: Vec<(&'static str, f64, bool)>,
+}
+
+/// One family per kind of loss counter ([`health::losses`]); skipped probes are in
+/// `probe_skipped` already.
+fn loss_families(losses: &[Loss]) -> Vec<Family> {
+    let mut events_lost = Family::new(
+        "events_lost",
+        Kind::Counter,
+        "Events the kernel side could not deliver to user space, by source.",
+    );
+    let mut update_errors = Family::new(
+        "map_update_errors",
+        Kind::Counter,
+        "Inserts into a kernel map that failed, by errno (E2BIG: the map is full); the \
+         entry was not tracked.",
+    );
+    let mut scalars = Vec::new();
+    for loss in losses {
+        let value = loss.value as f64;
+        match &loss.kind {
+            LossKind::MapUpdate { map, errno } => {
+                update_errors.push(&[("map", map), ("errno", errno.name())], value);
+            }
+            LossKind::Events(source) => events_lost.push(&[("source", source)], value),
+            LossKind::SeriesDropped => scalars.push(
+                Family::new(
+                    "series_dropped",
+                    Kind::Counter,
+                    "Series left out of scrapes because limits.max_series was reached.",
+                )
+                .with(&[], value),
+            ),
+            LossKind::ServicesRefused => scalars.push(
+                Family::new(
+                    "services_refused",
+                    Kind::Gauge,
+                    "Processes the last scan left unwatched because limits.max_services was \
+                     reached.",
+                )
+                .with(&[], value),
+            ),
+            LossKind::PoolsRefused => scalars.push(
+                Family::new(
+                    "pools_refused",
+                    Kind::Counter,
+                    "Threads left in their creator's pool because limits.max_pools was reached.",
+                )
+                .with(&[], value),
+            ),
+            LossKind::LockUprobes => scalars.push(
+                Family::new(
+                    "lock_uprobe_errors",
+                    Kind::Counter,
+                    "Processes whose pthread_mutex_lock probes could not be attached (no libc \
+                     mapped, or the kernel refused); the log says which.",
+                )
+                .with(&[], value),
+            ),
+            LossKind::ProbeSkipped { .. } => {}
+        }
+    }
+    let mut families = vec![events_lost, update_errors];
+    families.extend(scalars);
+    families
 }
 
 /// The exporter's own families; never capped.
@@ -510,16 +570,6 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
     families.push(attached);
     families.push(skipped);
 
-    let mut map_errors = HashMap::from([
-        ("WATCHED", stats.watch_errors),
-        ("LISTEN_PORTS", stats.listen_port_errors),
-        ("THREADS", stats.thread_errors),
-    ]);
-    let mut events_lost = Family::new(
-        "events_lost",
-        Kind::Counter,
-        "Events the kernel side could not deliver to user space, by source.",
-    );
     if let Some(kernel) = kernel {
         let mut run_seconds = Family::new(
             "bpf_run_seconds",
@@ -535,35 +585,6 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
             runs.push(&[("program", &program.name)], program.runs as f64);
         }
         families.extend([run_seconds, runs]);
-
-        for (source, lost) in &kernel.losses {
-            match source {
-                LossSource::ConnsFull => *map_errors.entry("CONNS").or_default() += lost,
-                LossSource::PendingCallsFull => {
-                    *map_errors.entry("PENDING_CALLS").or_default() += lost;
-                }
-                LossSource::WatchedFull => *map_errors.entry("WATCHED").or_default() += lost,
-                LossSource::ThreadsFull => *map_errors.entry("THREADS").or_default() += lost,
-                LossSource::LocksFull => *map_errors.entry("LOCKS").or_default() += lost,
-                LossSource::LockStacksFull => {
-                    *map_errors.entry("LOCK_STACKS").or_default() += lost;
-                }
-                LossSource::MutexCallsFull => {
-                    *map_errors.entry("MUTEX_CALLS").or_default() += lost;
-                }
-                LossSource::StacksFull => *map_errors.entry("STACKS").or_default() += lost,
-                LossSource::StackCountsFull => {
-                    *map_errors.entry("STACK_COUNTS").or_default() += lost;
-                }
-                LossSource::ProcessEvents => {
-                    events_lost.push(&[("source", "process_events")], *lost as f64);
-                }
-                // Their time is kept, under a `[stack lost]` frame.
-                LossSource::OffCpuStacksExpired => {
-                    events_lost.push(&[("source", "offcpu_stacks_expired")], *lost as f64);
-                }
-            }
-        }
         let mut entries = Family::new("map_entries", Kind::Gauge, "Entries in each kernel map.");
         let mut capacity = Family::new("map_capacity", Kind::Gauge, "Capacity of each kernel map.");
         for map in &kernel.maps {
@@ -572,25 +593,16 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
         }
         families.extend([entries, capacity]);
     }
-    families.push(events_lost);
-    let mut update_errors = Family::new(
-        "map_update_errors",
-        Kind::Counter,
-        "Inserts into a kernel map that failed (map full); the entry was not tracked.",
-    );
-    let mut map_errors: Vec<_> = map_errors.into_iter().collect();
-    map_errors.sort();
-    for (map, errors) in map_errors {
-        update_errors.push(&[("map", map)], errors as f64);
-    }
-    families.push(update_errors);
+    families.extend(loss_families(&stats.losses));
     families.push(
         Family::new(
-            "series_dropped",
-            Kind::Counter,
-            "Series left out of scrapes because limits.max_series was reached.",
+            "degraded",
+            Kind::Gauge,
+            "1 while poolscope measures less than it should (a loss counter rose within \
+             limits.degraded_for, a refusal gauge is above 0, or a probe is skipped); \
+             /healthz and the log say what to change.",
         )
-        .with(&[], stats.series_dropped as f64),
+        .with(&[], if stats.degraded { 1.0 } else { 0.0 }),
     );
     families.push(
         Family::new(
@@ -599,31 +611,6 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
             "Watched processes with the pthread_mutex_lock probes attached (probes.lock_uprobes).",
         )
         .with(&[], stats.lock_probe_processes as f64),
-    );
-    families.push(
-        Family::new(
-            "lock_uprobe_errors",
-            Kind::Counter,
-            "Processes whose pthread_mutex_lock probes could not be attached (no libc mapped, \
-             or the kernel refused); the log says which.",
-        )
-        .with(&[], stats.lock_probe_errors as f64),
-    );
-    families.push(
-        Family::new(
-            "services_refused",
-            Kind::Gauge,
-            "Processes the last scan left unwatched because limits.max_services was reached.",
-        )
-        .with(&[], stats.services_refused as f64),
-    );
-    families.push(
-        Family::new(
-            "pools_refused",
-            Kind::Counter,
-            "Threads left in their creator's pool because limits.max_pools was reached.",
-        )
-        .with(&[], stats.pools_refused as f64),
     );
     let mut duration = Family::new(
         "scrape_duration_seconds",
@@ -783,6 +770,46 @@ mod tests {
         assert!(text.contains(
             "poolscope_listen_queue_limit{service=\"web\",listener=\"127.0.0.1:80\"} 16\n"
         ));
+    }
+
+    #[test]
+    fn losses_are_exported_by_map_and_errno_with_the_degraded_flag() {
+        let kernel = [
+            (
+                poolscope_shared::LossSource::ConnsInsert,
+                poolscope_shared::LossErrno::E2big,
+                5,
+            ),
+            (
+                poolscope_shared::LossSource::ThreadsInsert,
+                poolscope_shared::LossErrno::Ebusy,
+                2,
+            ),
+        ];
+        let stats = SelfStats {
+            losses: crate::health::losses(&crate::health::LossInputs {
+                kernel: &kernel,
+                series_dropped: 9,
+                ..Default::default()
+            }),
+            degraded: true,
+            ..Default::default()
+        };
+        let text = render(&self_families(&stats, &[], None), Format::Text);
+        for line in [
+            "poolscope_map_update_errors_total{map=\"CONNS\",errno=\"E2BIG\"} 5",
+            "poolscope_map_update_errors_total{map=\"THREADS\",errno=\"E2BIG\"} 0",
+            "poolscope_map_update_errors_total{map=\"THREADS\",errno=\"EBUSY\"} 2",
+            "poolscope_events_lost_total{source=\"process_events\"} 0",
+            "poolscope_series_dropped_total 9",
+            "poolscope_services_refused 0",
+            "poolscope_degraded 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line} missing from\n{text}"
+            );
+        }
     }
 
     #[test]

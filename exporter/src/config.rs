@@ -96,6 +96,7 @@ impl Default for RawConfig {
                 lock_stacks: poolscope_shared::MAX_LOCK_STACKS,
                 stacks: poolscope_shared::MAX_STACKS,
                 stack_counts: poolscope_shared::MAX_STACK_COUNTS,
+                degraded_for: Duration::from_secs(300),
             },
             targets: Vec::new(),
         }
@@ -237,6 +238,9 @@ pub struct RawLimits {
     /// maps, 1 kB per entry); and (stack, pool, reason) counters per drain.
     pub stacks: u32,
     pub stack_counts: u32,
+    /// How long a loss keeps poolscope degraded after its counter last rose.
+    #[serde(with = "humantime_serde")]
+    pub degraded_for: Duration,
 }
 
 /// One `[[targets]]` entry; every selector given must match.
@@ -310,6 +314,7 @@ pub struct Settings {
     pub lock_stacks: u32,
     pub stacks: u32,
     pub stack_counts: u32,
+    pub degraded_for: Duration,
     pub utilization_window: Duration,
     pub snapshots: SnapshotSettings,
     pub profiles: ProfileLimits,
@@ -499,6 +504,13 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
             "must be at least 1s (pools are sampled every second)",
         ));
     }
+    if raw.limits.degraded_for < Duration::from_secs(1) {
+        return Err(invalid(
+            figment,
+            "limits.degraded_for",
+            "must be at least 1s (the loss counters are read every second)",
+        ));
+    }
     if raw.limits.max_services > poolscope_shared::MAX_SERVICES {
         return Err(invalid(
             figment,
@@ -532,6 +544,7 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         lock_stacks: raw.limits.lock_stacks,
         stacks: raw.limits.stacks,
         stack_counts: raw.limits.stack_counts,
+        degraded_for: raw.limits.degraded_for,
         utilization_window: raw.pools.utilization_window,
         snapshots,
         profiles,

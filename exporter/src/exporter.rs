@@ -11,7 +11,9 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use poolscope_shared::{Activity, NO_POOL, ProcessEvent, ProcessEventKind, ProfileSession};
+use poolscope_shared::{
+    Activity, LossErrno, LossSource, NO_POOL, ProcessEvent, ProcessEventKind, ProfileSession,
+};
 use tokio::sync::Notify;
 
 use crate::{
@@ -22,6 +24,7 @@ use crate::{
     config::Settings,
     discovery,
     encode::{Family, cap_series},
+    health::{self, HealthTracker, Loss, LossInputs, LossKind},
     kernel::{Kernel, Probe, Readout},
     locks::{self, LockProbes, top_locks},
     pools::{self, COMPONENTS, PoolView, Pools, sum_of},
@@ -62,6 +65,24 @@ struct Shared {
 
 impl Shared {
     /// Brings the thread pools and lock probes in step with the watched set.
+    /// Every loss counter now; `kernel` is the kernel side's (read by the caller).
+    fn losses(
+        &self,
+        kernel: &[(LossSource, LossErrno, u64)],
+        series_dropped: u64,
+        probes: &[Probe],
+    ) -> Vec<Loss> {
+        health::losses(&LossInputs {
+            kernel,
+            map_errors: [Some(&self.targets.map_errors), Some(&self.pools.map_errors)],
+            series_dropped,
+            services_refused: self.targets.services_refused,
+            pools_refused: self.pools.pools_refused,
+            lock_uprobe_errors: self.lock_probes.errors,
+            probes,
+        })
+    }
+
     fn follow_watch_changes(&mut self, procfs_root: &Path) {
         for change in self.targets.take_changes() {
             match change {
@@ -87,6 +108,7 @@ pub struct Exporter {
     settings: RwLock<Arc<Settings>>,
     probes: Vec<Probe>,
     series_dropped: AtomicU64,
+    health: Mutex<HealthTracker>,
     /// Wakes the rescan loop before its next tick.
     rescan_now: Arc<Notify>,
     /// True once poolscope is stopping: profiling sessions end early, so that the
@@ -111,6 +133,7 @@ pub enum ScanError {
 impl Exporter {
     pub fn new(kernel: Kernel, settings: Settings) -> Self {
         let probes = kernel.probes().to_vec();
+        let health = HealthTracker::new(settings.degraded_for);
         let procfs_root = settings.procfs_root.clone();
         let targets = Targets::new(procfs_root.clone(), settings.max_services);
         let pools = Pools::new(
@@ -133,6 +156,7 @@ impl Exporter {
             settings: RwLock::new(Arc::new(settings)),
             probes,
             series_dropped: AtomicU64::new(0),
+            health: Mutex::new(health),
             stacks: Mutex::new(StackCollector {
                 windows: StackWindows::new(SystemTime::now()),
                 names: RecentNames::default(),
@@ -183,6 +207,8 @@ impl Exporter {
             // Processes watched from now on; those probed already keep their probes.
             shared.lock_probes.set_services(&settings.lock_uprobes);
         }
+        self.health_tracker()
+            .set_degraded_for(settings.degraded_for);
         self.snapshots_mut().set_limits(
             settings.snapshots.keep,
             settings.snapshots.memory_limit_bytes,
@@ -208,6 +234,35 @@ impl Exporter {
         // Pools of services gone go at the next sample, a second at most.
         shared.follow_watch_changes(&self.procfs_root);
         Ok(())
+    }
+
+    fn health_tracker(&self) -> MutexGuard<'_, HealthTracker> {
+        // Its counters stay valid whatever a panic interrupted.
+        self.health
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Reads every loss counter and updates the health (logging what changed); run
+    /// every second, so that `/healthz` and the log follow without a scrape.
+    pub fn check_health(&self) {
+        let shared = self.lock();
+        let kernel = match shared.kernel.losses() {
+            Ok(kernel) => kernel,
+            Err(error) => {
+                tracing::warn!(%error, "reading the kernel's loss counters failed");
+                return;
+            }
+        };
+        let losses = shared.losses(
+            &kernel,
+            self.series_dropped.load(Ordering::Relaxed),
+            &self.probes,
+        );
+        self.health_tracker()
+            .observe(Instant::now(), &losses, |map| {
+                shared.kernel.capacity(map).map(u64::from)
+            });
     }
 
     /// Samples every pool's totals for the utilization window, and names threads the
@@ -741,6 +796,11 @@ impl Gatherer for Exporter {
         self.stopping.subscribe()
     }
 
+    fn health(&self) -> String {
+        let tracker = self.health_tracker();
+        tracker.last().report(tracker.degraded_for())
+    }
+
     fn cancel_profile(&self, ticket: Ticket) {
         if let Err(refusal) = self.stop_in_kernel(&ticket) {
             tracing::warn!(%refusal, "ending a profiling session failed");
@@ -753,7 +813,16 @@ impl Gatherer for Exporter {
         let mut collectors = Vec::new();
 
         let started = Instant::now();
-        let (services, kernel, windows, owners, backend, targets_stats, pool_rows) = {
+        let (
+            services,
+            kernel,
+            windows,
+            owners,
+            backend,
+            shared_losses,
+            lock_probe_processes,
+            pool_rows,
+        ) = {
             let mut shared = self.lock();
             let kernel = shared
                 .kernel
@@ -784,21 +853,20 @@ impl Gatherer for Exporter {
                     Some((view, totals, utilization))
                 })
                 .collect();
+            // Series dropped by this scrape are added below, once capped.
+            let losses = shared.losses(
+                kernel.as_ref().map_or(&[], |k| k.losses.as_slice()),
+                0,
+                &self.probes,
+            );
             (
                 services,
                 kernel.ok(),
                 windows,
                 shared.targets.listener_owners().clone(),
                 shared.kernel.backend(),
-                (
-                    shared.targets.services_refused,
-                    shared.targets.watch_errors,
-                    shared.targets.listen_port_errors,
-                    shared.pools.pools_refused,
-                    shared.pools.thread_errors,
-                    shared.lock_probes.processes(),
-                    shared.lock_probes.errors,
-                ),
+                losses,
+                shared.lock_probes.processes(),
                 pool_rows,
             )
         };
@@ -870,26 +938,21 @@ impl Gatherer for Exporter {
         families.extend(pool_families(&pool_inputs));
         let dropped = cap_series(&mut families, settings.max_series);
         let series_dropped = self.series_dropped.fetch_add(dropped, Ordering::Relaxed) + dropped;
-        let (
-            services_refused,
-            watch_errors,
-            listen_port_errors,
-            pools_refused,
-            thread_errors,
-            lock_probe_processes,
-            lock_probe_errors,
-        ) = targets_stats;
+        let mut losses = shared_losses;
+        for loss in &mut losses {
+            if loss.kind == LossKind::SeriesDropped {
+                loss.value = series_dropped;
+            }
+        }
+        // Also sees the series this scrape dropped.
+        self.check_health();
+        let degraded = self.health_tracker().last().degraded();
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
             backend: backend.name(),
-            series_dropped,
-            services_refused,
-            watch_errors,
-            listen_port_errors,
-            pools_refused,
-            thread_errors,
+            losses,
+            degraded,
             lock_probe_processes,
-            lock_probe_errors,
             collectors,
         };
         families.extend(self_families(&stats, &self.probes, kernel.as_ref()));

@@ -19,10 +19,10 @@ use aya::{
     },
 };
 use poolscope_shared::{
-    Conn, Histogram, LockKey, LockPrimitive, LossSource, MAX_PROFILE_SESSIONS, PendingCall, Phase,
-    PoolStats, ProcessEvent, ProfileSession, RequestTimes, STACK_GENERATIONS, ServiceCounters,
-    StackCount, StackKey, SyscallSlot, Thread, WaitClass, Watched, conn_key_tgid, lock_wait_index,
-    maps, syscall_counter_index,
+    Conn, Histogram, LockKey, LockPrimitive, LossErrno, LossSource, MAX_PROFILE_SESSIONS,
+    PendingCall, Phase, PoolStats, ProcessEvent, ProfileSession, RequestTimes, STACK_GENERATIONS,
+    ServiceCounters, StackCount, StackKey, SyscallSlot, Thread, WaitClass, Watched, conn_key_tgid,
+    lock_wait_index, loss_index, maps, syscall_counter_index,
 };
 
 use crate::btf;
@@ -55,6 +55,9 @@ pub enum KernelError {
     #[error("no profiling session slot {0}")]
     NoSessionSlot(u32),
 }
+
+/// The name the three `STACKS_<generation>` maps are counted under.
+pub const STACK_MAPS: &str = "STACKS";
 
 /// Map update flag of include/uapi/linux/bpf.h: insert only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
@@ -433,7 +436,8 @@ pub struct Readout {
     pub threads_read_ns: u64,
     /// The watched threads: tid, state, pool (if named).
     pub threads: Vec<(u32, Thread, Option<u32>)>,
-    pub losses: Vec<(LossSource, u64)>,
+    /// Every kernel-side loss counter, by source and errno.
+    pub losses: Vec<(LossSource, LossErrno, u64)>,
     pub maps: Vec<MapFill>,
     pub programs: Vec<ProgramStats>,
 }
@@ -913,6 +917,44 @@ impl Kernel {
         self.watched.insert(pid, watch, 0)
     }
 
+    /// The size of kernel map `name` as loaded (all three for `STACKS`).
+    pub fn capacity(&self, name: &str) -> Option<u32> {
+        Some(match name {
+            maps::WATCHED => self.sizes.watched_processes,
+            maps::CONNS => self.sizes.connections,
+            maps::PENDING_CALLS => poolscope_shared::PENDING_CALLS_CAPACITY,
+            maps::THREADS | maps::THREAD_POOLS => self.sizes.threads,
+            maps::LOCKS => self.sizes.locks,
+            maps::LOCK_STACKS => self.sizes.lock_stacks,
+            maps::STACK_COUNTS => self.sizes.stack_counts,
+            maps::MUTEX_CALLS => poolscope_shared::MUTEX_CALLS_CAPACITY,
+            maps::PROFILE_SESSIONS => MAX_PROFILE_SESSIONS,
+            maps::LISTEN_PORTS => poolscope_shared::LISTEN_PORTS_CAPACITY,
+            STACK_MAPS => self.sizes.stacks,
+            _ => return None,
+        })
+    }
+
+    /// Every kernel-side loss counter, summed over CPUs.
+    pub fn losses(&self) -> Result<Vec<(LossSource, LossErrno, u64)>, KernelError> {
+        let mut losses = Vec::new();
+        for source in LossSource::ALL {
+            for errno in LossErrno::ALL {
+                let lost: u64 = self
+                    .losses
+                    .get(&loss_index(source, errno), 0)
+                    .map_err(|source| KernelError::Map {
+                        map: maps::LOSSES,
+                        source,
+                    })?
+                    .iter()
+                    .sum();
+                losses.push((source, errno, lost));
+            }
+        }
+        Ok(losses)
+    }
+
     /// Stops watching `pid` if its entry is still the one made at `since_ns`.
     pub fn unwatch(&mut self, pid: u32, since_ns: u64) {
         if self.watched(pid).is_some_and(|w| w.since_ns == since_ns) {
@@ -1298,65 +1340,40 @@ impl Kernel {
             }
         }
         self.read_pools(pools, &mut readout)?;
-        for source in LossSource::ALL {
-            let lost: u64 = self
-                .losses
-                .get(&(source as u32), 0)
-                .map_err(map_error(maps::LOSSES))?
-                .iter()
-                .sum();
-            readout.losses.push((source, lost));
-        }
+        readout.losses = self.losses()?;
+        let fill = |name: &'static str, entries: usize| MapFill {
+            name,
+            entries: entries as u64,
+            capacity: self.capacity(name).unwrap_or_default(),
+        };
         readout.maps = vec![
-            MapFill {
-                name: maps::WATCHED,
-                entries: readout.watched.len() as u64,
-                capacity: self.sizes.watched_processes,
-            },
-            MapFill {
-                name: maps::CONNS,
-                entries: self.conns.keys().filter(Result::is_ok).count() as u64,
-                capacity: self.sizes.connections,
-            },
-            MapFill {
-                name: maps::PENDING_CALLS,
-                entries: self.pending_calls.keys().filter(Result::is_ok).count() as u64,
-                capacity: poolscope_shared::PENDING_CALLS_CAPACITY,
-            },
-            MapFill {
-                name: maps::THREADS,
-                entries: readout.threads.len() as u64,
-                capacity: self.sizes.threads,
-            },
-            MapFill {
-                name: maps::LOCKS,
-                entries: self.locks.keys().filter(Result::is_ok).count() as u64,
-                capacity: self.sizes.locks,
-            },
-            MapFill {
-                name: maps::STACK_COUNTS,
-                entries: self.stack_counts.keys().filter(Result::is_ok).count() as u64,
-                capacity: self.sizes.stack_counts,
-            },
-            MapFill {
-                name: maps::MUTEX_CALLS,
-                entries: self.mutex_calls.keys().filter(Result::is_ok).count() as u64,
-                capacity: poolscope_shared::MUTEX_CALLS_CAPACITY,
-            },
-            MapFill {
-                name: maps::PROFILE_SESSIONS,
-                entries: self
-                    .profile_sessions
+            fill(maps::WATCHED, readout.watched.len()),
+            fill(maps::CONNS, self.conns.keys().filter(Result::is_ok).count()),
+            fill(
+                maps::PENDING_CALLS,
+                self.pending_calls.keys().filter(Result::is_ok).count(),
+            ),
+            fill(maps::THREADS, readout.threads.len()),
+            fill(maps::LOCKS, self.locks.keys().filter(Result::is_ok).count()),
+            fill(
+                maps::STACK_COUNTS,
+                self.stack_counts.keys().filter(Result::is_ok).count(),
+            ),
+            fill(
+                maps::MUTEX_CALLS,
+                self.mutex_calls.keys().filter(Result::is_ok).count(),
+            ),
+            fill(
+                maps::PROFILE_SESSIONS,
+                self.profile_sessions
                     .iter()
                     .filter(|session| session.as_ref().is_ok_and(|s| s.active != 0))
-                    .count() as u64,
-                capacity: MAX_PROFILE_SESSIONS,
-            },
-            MapFill {
-                name: maps::LISTEN_PORTS,
-                entries: self.listen_ports.keys().filter(Result::is_ok).count() as u64,
-                capacity: poolscope_shared::LISTEN_PORTS_CAPACITY,
-            },
+                    .count(),
+            ),
+            fill(
+                maps::LISTEN_PORTS,
+                self.listen_ports.keys().filter(Result::is_ok).count(),
+            ),
         ];
         for (name, program) in self.ebpf.programs() {
             if let Ok(info) = program.info() {

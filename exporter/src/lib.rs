@@ -8,6 +8,7 @@ pub mod config;
 pub mod discovery;
 pub mod encode;
 pub mod exporter;
+pub mod health;
 pub mod ids;
 pub mod kernel;
 pub mod locks;
@@ -161,8 +162,8 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Samples pool totals for the utilization window, and queue depths for the
-/// saturation snapshots.
+/// Samples pool totals for the utilization window, queue depths for the saturation
+/// snapshots, and the loss counters for the health.
 async fn pool_sample_loop(exporter: Arc<Exporter>) {
     let mut ticks = tokio::time::interval(pools::SAMPLE_INTERVAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -172,6 +173,7 @@ async fn pool_sample_loop(exporter: Arc<Exporter>) {
         let sampled = tokio::task::spawn_blocking(move || {
             worker.sample_pools();
             worker.check_saturation();
+            worker.check_health();
         });
         if let Err(error) = sampled.await {
             tracing::error!(%error, "pool sampling panicked");

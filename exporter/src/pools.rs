@@ -11,9 +11,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use poolscope_shared::{Activity, Histogram, LockPrimitive, PoolStats, Thread};
+use poolscope_shared::{Activity, Histogram, LockPrimitive, PoolStats, Thread, maps};
 
 use crate::{
+    health::MapErrors,
     ids::DenseIds,
     kernel::{Kernel, Readout},
     procfs,
@@ -212,8 +213,9 @@ pub struct Pools {
     procfs_root: PathBuf,
     /// Threads left in their creator's pool because `limits.max_pools` was reached.
     pub pools_refused: u64,
-    /// Inserts into `THREADS`/`THREAD_POOLS` that failed (map full).
-    pub thread_errors: u64,
+    /// Inserts into `THREADS`/`THREAD_POOLS` that failed (counted as `THREADS`, as
+    /// the kernel side does: one limit sizes both).
+    pub map_errors: MapErrors,
 }
 
 /// A thread's process: its tgid and its main thread's name.
@@ -228,7 +230,7 @@ impl Pools {
             window,
             procfs_root,
             pools_refused: 0,
-            thread_errors: 0,
+            map_errors: MapErrors::default(),
         }
     }
 
@@ -289,7 +291,7 @@ impl Pools {
                 self.named.insert(tid, pool);
             }
             Err(error) => {
-                self.thread_errors += 1;
+                self.map_errors.count(maps::THREADS, &error);
                 tracing::warn!(tid, %error, "cannot set the pool of a thread");
             }
         }
@@ -306,7 +308,7 @@ impl Pools {
         for task in &tasks {
             let thread = Thread::new(service, initial_activity(task.state), now);
             if let Err(error) = kernel.follow_thread(task.tid, thread) {
-                self.thread_errors += 1;
+                self.map_errors.count(maps::THREADS, &error);
                 tracing::warn!(tid = task.tid, %error, "cannot follow thread");
                 continue;
             }

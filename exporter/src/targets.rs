@@ -9,10 +9,11 @@ use std::{
     path::PathBuf,
 };
 
-use poolscope_shared::{Phase, ProcessEvent, ProcessEventKind, Watched};
+use poolscope_shared::{Phase, ProcessEvent, ProcessEventKind, Watched, maps};
 
 use crate::{
     discovery::Assignment,
+    health::MapErrors,
     ids::DenseIds,
     kernel::Kernel,
     procfs::{self, ProcSnapshot},
@@ -68,10 +69,8 @@ pub struct Targets {
     procfs_root: PathBuf,
     /// Processes the last scan left unwatched because `limits.max_services` was reached.
     pub services_refused: u64,
-    /// Inserts into `WATCHED` that failed (map full).
-    pub watch_errors: u64,
-    /// Updates of `LISTEN_PORTS` that failed (map full).
-    pub listen_port_errors: u64,
+    /// Failed inserts into `WATCHED` and updates of `LISTEN_PORTS`.
+    pub map_errors: MapErrors,
 }
 
 /// CLOCK_MONOTONIC in ns, the clock of `bpf_ktime_get_ns`.
@@ -94,8 +93,7 @@ impl Targets {
             known_listen_sockets: HashSet::new(),
             procfs_root,
             services_refused: 0,
-            watch_errors: 0,
-            listen_port_errors: 0,
+            map_errors: MapErrors::default(),
         }
     }
 
@@ -171,7 +169,7 @@ impl Targets {
             })
             .collect();
         if let Err(error) = kernel.set_listen_ports(&ports) {
-            self.listen_port_errors += 1;
+            self.map_errors.count(maps::LISTEN_PORTS, &error);
             tracing::warn!(%error, "cannot update the listening ports of watched services");
         }
     }
@@ -198,7 +196,7 @@ impl Targets {
                     since_ns,
                 };
                 if let Err(error) = kernel.watch(pid, watch) {
-                    self.watch_errors += 1;
+                    self.map_errors.count(maps::WATCHED, &error);
                     tracing::warn!(pid, %error, "cannot watch process");
                     return;
                 }

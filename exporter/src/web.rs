@@ -65,6 +65,9 @@ pub trait Gatherer: Send + Sync + 'static {
 
     /// Becomes true when poolscope stops: sessions end early then.
     fn stopping(&self) -> tokio::sync::watch::Receiver<bool>;
+
+    /// Not blocking: `ok`, or `degraded` and one line per cause (see `health`).
+    fn health(&self) -> String;
 }
 
 /// A rendered profiling session.
@@ -204,7 +207,12 @@ pub fn app(gatherer: Arc<dyn Gatherer>, gate: Arc<ScrapeGate>, debug: DebugAcces
             "/metrics",
             get(move |State(gatherer), headers| metrics(gatherer, gate, headers)),
         )
-        .route("/healthz", get(|| async { "ok\n" }))
+        // 200 either way: restarting poolscope does not make a map larger, so a
+        // liveness probe must not act on it; the body (and `degraded`) says why.
+        .route(
+            "/healthz",
+            get(|State(gatherer): State<Arc<dyn Gatherer>>| async move { gatherer.health() }),
+        )
         .route("/", get(|| async { "poolscope: see /metrics\n" }))
         .merge(debug_routes)
         .with_state(gatherer)
@@ -549,6 +557,10 @@ mod tests {
             "tid\n1\n".to_owned()
         }
 
+        fn health(&self) -> String {
+            "degraded\nseries_dropped_total = 3 (rose in the last 5m): raise it\n".to_owned()
+        }
+
         fn debug_locks(&self, query: &LocksQuery) -> Result<String, DebugError> {
             if query.service == "web" {
                 Ok(format!("{:?} {}\n", query.format, query.limit))
@@ -662,7 +674,11 @@ mod tests {
 
     #[tokio::test]
     async fn healthz_and_unknown_paths() {
-        assert_eq!(get("/healthz", None).await.0, StatusCode::OK);
+        let (status, _, body) = get("/healthz", None).await;
+        assert_eq!(
+            (status, body.lines().next()),
+            (StatusCode::OK, Some("degraded"))
+        );
         assert_eq!(get("/debug/threads", None).await.2, "tid\n1\n");
         assert_eq!(get("/nope", None).await.0, StatusCode::NOT_FOUND);
     }

@@ -24,7 +24,7 @@ pub mod maps {
     pub const SYSCALL_COUNTS: &str = "SYSCALL_COUNTS";
     /// per-CPU array, index service id → [`crate::ServiceCounters`].
     pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
-    /// per-CPU array, index [`crate::LossSource`] → events or updates lost.
+    /// per-CPU array, index [`crate::loss_index`] (source, errno) → events or updates lost.
     pub const LOSSES: &str = "LOSSES";
     /// ring buffer of [`crate::ProcessEvent`].
     pub const PROCESS_EVENTS: &str = "PROCESS_EVENTS";
@@ -753,33 +753,35 @@ pub const fn syscall_counter_index(service: u32, slot: SyscallSlot) -> u32 {
 /// Entries of [`maps::SYSCALL_COUNTS`].
 pub const SYSCALL_COUNTS_SIZE: u32 = MAX_SERVICES * SyscallSlot::COUNT;
 
-/// Where the kernel side lost something; index into [`maps::LOSSES`].
+/// Where the kernel side lost something; with a [`LossErrno`], the index of its
+/// counter in [`maps::LOSSES`] ([`loss_index`]).
 #[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LossSource {
-    /// A [`maps::CONNS`] insert failed (map full).
-    ConnsFull = 0,
-    /// A [`maps::PENDING_CALLS`] insert failed.
-    PendingCallsFull,
-    /// A [`maps::WATCHED`] insert for a forked child failed.
-    WatchedFull,
+    /// A [`maps::CONNS`] insert failed: that connection is not measured.
+    ConnsInsert = 0,
+    /// A [`maps::PENDING_CALLS`] insert failed: one syscall not measured.
+    PendingCallsInsert,
+    /// A [`maps::WATCHED`] insert for a forked child failed: the child is found by the
+    /// next rescan instead.
+    WatchedInsert,
     /// The process-event ring buffer was full.
     ProcessEvents,
     /// A [`maps::THREADS`] or [`maps::THREAD_POOLS`] insert for a new thread failed.
-    ThreadsFull,
+    ThreadsInsert,
     /// A [`maps::LOCKS`] insert failed: that wait is in `lock_wait_seconds` but not
     /// in the top locks.
-    LocksFull,
+    LocksInsert,
     /// A lock wait's stack did not fit in [`maps::LOCK_STACKS`] (its hash bucket
     /// held another stack): the wait is kept without a stack.
-    LockStacksFull,
+    LockStackCollision,
     /// A [`maps::MUTEX_CALLS`] insert failed: one `pthread_mutex_lock` call not timed.
-    MutexCallsFull,
+    MutexCallsInsert,
     /// A stack did not fit in its [`maps::STACKS`] map (its hash bucket held another
     /// stack): the sample or block is kept without that stack.
-    StacksFull,
+    StackCollision,
     /// A [`maps::STACK_COUNTS`] insert failed: one sample or block lost.
-    StackCountsFull,
+    StackCountsInsert,
     /// An off-CPU block outlived its stack map (it began two epochs before it
     /// ended): its time is kept without stacks.
     OffCpuStacksExpired,
@@ -788,19 +790,92 @@ pub enum LossSource {
 impl LossSource {
     pub const COUNT: u32 = 11;
     pub const ALL: [LossSource; 11] = [
-        Self::ConnsFull,
-        Self::PendingCallsFull,
-        Self::WatchedFull,
+        Self::ConnsInsert,
+        Self::PendingCallsInsert,
+        Self::WatchedInsert,
         Self::ProcessEvents,
-        Self::ThreadsFull,
-        Self::LocksFull,
-        Self::LockStacksFull,
-        Self::MutexCallsFull,
-        Self::StacksFull,
-        Self::StackCountsFull,
+        Self::ThreadsInsert,
+        Self::LocksInsert,
+        Self::LockStackCollision,
+        Self::MutexCallsInsert,
+        Self::StackCollision,
+        Self::StackCountsInsert,
         Self::OffCpuStacksExpired,
     ];
 }
+
+/// Why a kernel helper failed, by the errno it returned: the advice differs (a full
+/// map wants a larger size; a busy bucket or short memory does not).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LossErrno {
+    /// No errno: a ring buffer with no room, an expired stack.
+    None = 0,
+    /// The map is full.
+    E2big,
+    /// The kernel could not allocate the entry.
+    Enomem,
+    /// The hash bucket was locked by an update this one interrupted.
+    Ebusy,
+    /// The key (or, for a stack map, another stack in its bucket) is already there.
+    Eexist,
+    /// Any other errno.
+    Other,
+}
+
+impl LossErrno {
+    /// Counters per [`LossSource`] in [`maps::LOSSES`] (a power of two: the index is
+    /// a shift the verifier bounds).
+    pub const SLOTS: u32 = 8;
+    pub const ALL: [LossErrno; 6] = [
+        Self::None,
+        Self::E2big,
+        Self::Enomem,
+        Self::Ebusy,
+        Self::Eexist,
+        Self::Other,
+    ];
+
+    /// The class of a helper's return `code` (a negative errno).
+    #[inline(always)]
+    pub const fn of(code: i64) -> Self {
+        const E2BIG: i64 = 7;
+        const ENOMEM: i64 = 12;
+        const EBUSY: i64 = 16;
+        const EEXIST: i64 = 17;
+        match -code {
+            E2BIG => Self::E2big,
+            ENOMEM => Self::Enomem,
+            EBUSY => Self::Ebusy,
+            EEXIST => Self::Eexist,
+            _ => Self::Other,
+        }
+    }
+
+    /// Its name in `map_update_errors_total{errno}`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::E2big => "E2BIG",
+            Self::Enomem => "ENOMEM",
+            Self::Ebusy => "EBUSY",
+            Self::Eexist => "EEXIST",
+            Self::Other => "other",
+        }
+    }
+}
+
+const _: () = assert!(LossErrno::SLOTS.is_power_of_two());
+const _: () = assert!(LossErrno::ALL.len() as u32 <= LossErrno::SLOTS);
+
+/// Index of the counter of `source` failing with `errno` in [`maps::LOSSES`].
+#[inline(always)]
+pub const fn loss_index(source: LossSource, errno: LossErrno) -> u32 {
+    source as u32 * LossErrno::SLOTS + errno as u32
+}
+
+/// Entries of [`maps::LOSSES`].
+pub const LOSSES_SIZE: u32 = LossSource::COUNT * LossErrno::SLOTS;
 
 /// Kind of [`ProcessEvent`].
 #[repr(u32)]
@@ -869,6 +944,30 @@ const _: () = assert!(core::mem::size_of::<ProcessEvent>() == 24);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loss_counters_each_have_their_own_slot() {
+        let mut seen = [false; LOSSES_SIZE as usize];
+        for source in LossSource::ALL {
+            for errno in LossErrno::ALL {
+                let index = loss_index(source, errno);
+                assert!(index < LOSSES_SIZE, "{source:?} {errno:?} → {index}");
+                assert!(!seen[index as usize], "{source:?} {errno:?} shares {index}");
+                seen[index as usize] = true;
+            }
+        }
+        assert_eq!(LossSource::ALL.len() as u32, LossSource::COUNT);
+    }
+
+    #[test]
+    fn helper_errors_are_classed_by_errno() {
+        assert_eq!(LossErrno::of(-7), LossErrno::E2big);
+        assert_eq!(LossErrno::of(-12), LossErrno::Enomem);
+        assert_eq!(LossErrno::of(-16), LossErrno::Ebusy);
+        assert_eq!(LossErrno::of(-17), LossErrno::Eexist);
+        assert_eq!(LossErrno::of(-22), LossErrno::Other);
+        assert_eq!(LossErrno::of(0), LossErrno::Other);
+    }
 
     #[test]
     fn buckets_cover_the_range_without_gaps() {

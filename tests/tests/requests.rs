@@ -336,21 +336,30 @@ fn a_full_connection_map_is_counted_and_spares_the_tracked_connections() -> anyh
         let service = format!("full-{backend}");
         let server = PoolServer::start(CONNECTIONS as u32, Duration::from_millis(5))?;
         let config = format!(
-            "[limits]\nconnections = {CAPACITY}\n{}",
+            "[limits]\nconnections = {CAPACITY}\ndegraded_for = \"2s\"\n{}",
             backend_config(backend, &service, &[server.pid()])
         );
-        let poolscope = Poolscope::start(&config)?;
+        let mut poolscope = Poolscope::start(&config)?;
         scrape_until(&poolscope, |m| {
             m.value("poolscope_targets", &[("service", &service)]) == Some(1.0)
         })?;
         let clients = ClosedLoop::start(server.port, CONNECTIONS, Connections::KeepAlive);
+        let full = [("map", "CONNS"), ("errno", "E2BIG")];
         let during = scrape_until(&poolscope, |m| {
-            m.value("poolscope_map_update_errors_total", &[("map", "CONNS")])
+            m.value("poolscope_map_update_errors_total", &full)
                 == Some((CONNECTIONS - CAPACITY) as f64)
         })?;
         assert_eq!(
             during.value("poolscope_map_entries", &[("map", "CONNS")]),
             Some(CAPACITY as f64)
+        );
+        assert_eq!(during.value("poolscope_degraded", &[]), Some(1.0));
+        let health = poolscope.get("/healthz")?;
+        assert!(
+            health.starts_with("degraded\n")
+                && health.contains("map=\"CONNS\",errno=\"E2BIG\"")
+                && health.contains("raise limits.connections"),
+            "{health}"
         );
         std::thread::sleep(Duration::from_secs(1));
         let seen = clients.stop()?;
@@ -360,6 +369,21 @@ fn a_full_connection_map_is_counted_and_spares_the_tracked_connections() -> anyh
         })?;
         let counted = value(&metrics, "poolscope_requests_total", &service) as u64;
         eprintln!("{backend}: counted {counted} of {:?}", seen.per_client);
+        // No insert failed since the load stopped: healthy again after degraded_for.
+        let recovered = scrape_until(&poolscope, |m| {
+            m.value("poolscope_degraded", &[]) == Some(0.0)
+        })?;
+        assert_eq!(
+            recovered.value("poolscope_map_update_errors_total", &full),
+            Some((CONNECTIONS - CAPACITY) as f64)
+        );
+        assert_eq!(poolscope.get("/healthz")?, "ok\n");
+        let log = poolscope.stop_and_log();
+        assert!(
+            log.contains("poolscope is degraded: kernel map CONNS is full (capacity 4): raise limits.connections")
+                && log.contains("poolscope measures fully again"),
+            "{log}"
+        );
         // Exactly the requests of the connections that got an entry, none of the others.
         assert!(
             some_subset_sums_to(&seen.per_client, CAPACITY, counted),

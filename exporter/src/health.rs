@@ -1,0 +1,551 @@
+//! Every way poolscope can measure less than it should, and whether it does now.
+//! [`Loss`] is one loss counter (or refusal gauge) as exported; [`HealthTracker`]
+//! turns the latest values into [`Health`]: degraded while a counter rose within
+//! `limits.degraded_for`, a refusal gauge is above 0 or a probe the config wants is
+//! skipped, each cause with what to change. It logs when a cause begins and when
+//! the last one ends; `/healthz` and `poolscope_degraded` show the current state.
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+    time::{Duration, Instant},
+};
+
+use aya::maps::MapError;
+use poolscope_shared::{LossErrno, LossSource, maps};
+
+use crate::kernel::{Probe, ProbeState, STACK_MAPS, Skip};
+
+/// Failed inserts into kernel maps from user space, by map and errno.
+#[derive(Clone, Debug, Default)]
+pub struct MapErrors(BTreeMap<(&'static str, LossErrno), u64>);
+
+impl MapErrors {
+    pub fn count(&mut self, map: &'static str, error: &MapError) {
+        *self.0.entry((map, errno_of(error))).or_default() += 1;
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, LossErrno, u64)> + '_ {
+        self.0
+            .iter()
+            .map(|(&(map, errno), &count)| (map, errno, count))
+    }
+}
+
+/// The errno class of a failed map operation from user space.
+fn errno_of(error: &MapError) -> LossErrno {
+    match error {
+        MapError::SyscallError(error) => error
+            .io_error
+            .raw_os_error()
+            .map_or(LossErrno::Other, |errno| LossErrno::of(-i64::from(errno))),
+        _ => LossErrno::Other,
+    }
+}
+
+/// What one loss counter counts (its family and labels).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LossKind {
+    /// `map_update_errors_total{map, errno}`.
+    MapUpdate { map: &'static str, errno: LossErrno },
+    /// `events_lost_total{source}`.
+    Events(&'static str),
+    /// `series_dropped_total`.
+    SeriesDropped,
+    /// `services_refused` (a gauge: processes refused by the last scan).
+    ServicesRefused,
+    /// `pools_refused_total`.
+    PoolsRefused,
+    /// `lock_uprobe_errors_total`.
+    LockUprobes,
+    /// `probe_skipped{probe, reason}` for a probe the config asked for.
+    ProbeSkipped { probe: String, reason: &'static str },
+}
+
+/// Off-CPU blocks longer than two stack drains keep their time without stacks
+/// (`[stack lost]`): expected for long waits, nothing to change.
+const STACKS_EXPIRED: &str = "offcpu_stacks_expired";
+const PROCESS_EVENTS: &str = "process_events";
+
+/// Every loss path's current count, from the kernel and user space.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LossInputs<'a> {
+    pub kernel: &'a [(LossSource, LossErrno, u64)],
+    /// User space's failed map updates (discovery's, the pools').
+    pub map_errors: [Option<&'a MapErrors>; 2],
+    pub series_dropped: u64,
+    pub services_refused: u64,
+    pub pools_refused: u64,
+    pub lock_uprobe_errors: u64,
+    pub probes: &'a [Probe],
+}
+
+/// The loss counters as exported: every path, 0 where nothing was lost (each map's
+/// `E2BIG` included, so that a first rise shows in `increase()`), other errnos once
+/// they happen; user space's and the kernel's failures on one map are summed.
+pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
+    let mut counts: BTreeMap<LossKind, u64> = INSERTED_MAPS
+        .iter()
+        .map(|&map| {
+            let kind = LossKind::MapUpdate {
+                map,
+                errno: LossErrno::E2big,
+            };
+            (kind, 0)
+        })
+        .chain([
+            (LossKind::Events(PROCESS_EVENTS), 0),
+            (LossKind::Events(STACKS_EXPIRED), 0),
+            (LossKind::SeriesDropped, inputs.series_dropped),
+            (LossKind::ServicesRefused, inputs.services_refused),
+            (LossKind::PoolsRefused, inputs.pools_refused),
+            (LossKind::LockUprobes, inputs.lock_uprobe_errors),
+        ])
+        .collect();
+    let kernel = inputs
+        .kernel
+        .iter()
+        .filter(|(_, _, lost)| *lost > 0)
+        .map(|&(source, errno, lost)| (LossKind::of_kernel(source, errno), lost));
+    let user = inputs
+        .map_errors
+        .iter()
+        .flatten()
+        .flat_map(|errors| errors.iter())
+        .map(|(map, errno, count)| (LossKind::MapUpdate { map, errno }, count));
+    for (kind, count) in kernel.chain(user) {
+        *counts.entry(kind).or_default() += count;
+    }
+    for probe in inputs.probes {
+        if let ProbeState::Skipped(skip) = probe.state
+            && skip != Skip::Off
+        {
+            let kind = LossKind::ProbeSkipped {
+                probe: probe.name.clone(),
+                reason: skip.name(),
+            };
+            counts.insert(kind, 1);
+        }
+    }
+    counts
+        .into_iter()
+        .map(|(kind, value)| Loss { kind, value })
+        .collect()
+}
+
+impl LossKind {
+    /// The counter a kernel-side loss goes to.
+    pub fn of_kernel(source: LossSource, errno: LossErrno) -> Self {
+        let map = |map| Self::MapUpdate { map, errno };
+        match source {
+            LossSource::ConnsInsert => map(maps::CONNS),
+            LossSource::PendingCallsInsert => map(maps::PENDING_CALLS),
+            LossSource::WatchedInsert => map(maps::WATCHED),
+            LossSource::ThreadsInsert => map(maps::THREADS),
+            LossSource::LocksInsert => map(maps::LOCKS),
+            LossSource::LockStackCollision => map(maps::LOCK_STACKS),
+            LossSource::MutexCallsInsert => map(maps::MUTEX_CALLS),
+            LossSource::StackCollision => map(STACK_MAPS),
+            LossSource::StackCountsInsert => map(maps::STACK_COUNTS),
+            LossSource::ProcessEvents => Self::Events(PROCESS_EVENTS),
+            LossSource::OffCpuStacksExpired => Self::Events(STACKS_EXPIRED),
+        }
+    }
+
+    /// A gauge: degraded while above 0 (a counter: while it rose recently).
+    fn is_gauge(&self) -> bool {
+        matches!(self, Self::ServicesRefused | Self::ProbeSkipped { .. })
+    }
+
+    /// Whether this loss makes poolscope degraded at all.
+    fn degrades(&self) -> bool {
+        *self != Self::Events(STACKS_EXPIRED)
+    }
+
+    /// What the operator can change; `capacity` is the map's size, if known.
+    fn advice(&self, capacity: Option<u64>) -> String {
+        let size = capacity.map_or_else(String::new, |c| format!(" (capacity {c})"));
+        match self {
+            Self::MapUpdate { map, errno } => match errno {
+                LossErrno::E2big | LossErrno::Eexist => match limit_of(map) {
+                    Some(key) => format!("kernel map {map} is full{size}: raise {key}"),
+                    None => format!(
+                        "kernel map {map} is full{size}; its size is fixed: too many at once \
+                         (see the README's Limits)"
+                    ),
+                },
+                LossErrno::Enomem => {
+                    format!("kernel map {map}: the kernel could not allocate (memory pressure)")
+                }
+                LossErrno::Ebusy => format!(
+                    "kernel map {map}: an update interrupted another on the same bucket \
+                     (rare; nothing to change unless it keeps rising)"
+                ),
+                LossErrno::None | LossErrno::Other => {
+                    format!("kernel map {map}: an insert failed; the log may say why")
+                }
+            },
+            Self::Events(PROCESS_EVENTS) => "the process-event ring buffer was full: forks, \
+                 execs and exits were missed until the next rescan (discovery.rescan_interval)"
+                .to_owned(),
+            Self::Events(source) => format!("events lost from {source}"),
+            Self::SeriesDropped => {
+                "series were cut by limits.max_series: raise it, or narrow [[targets]]".to_owned()
+            }
+            Self::ServicesRefused => {
+                "processes left unwatched by limits.max_services: raise it".to_owned()
+            }
+            Self::PoolsRefused => {
+                "threads left in their creator's pool by limits.max_pools: raise it".to_owned()
+            }
+            Self::LockUprobes => "pthread_mutex_lock probes could not be attached to some \
+                 processes; the log says which"
+                .to_owned(),
+            Self::ProbeSkipped { probe, reason } => format!(
+                "probe {probe} is skipped ({reason}): what it measures is missing; the start \
+                 log says why"
+            ),
+        }
+    }
+}
+
+impl fmt::Display for LossKind {
+    /// The series, as exported.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::MapUpdate { map, errno } => write!(
+                f,
+                "map_update_errors_total{{map=\"{map}\",errno=\"{}\"}}",
+                errno.name()
+            ),
+            Self::Events(source) => write!(f, "events_lost_total{{source=\"{source}\"}}"),
+            Self::SeriesDropped => f.write_str("series_dropped_total"),
+            Self::ServicesRefused => f.write_str("services_refused"),
+            Self::PoolsRefused => f.write_str("pools_refused_total"),
+            Self::LockUprobes => f.write_str("lock_uprobe_errors_total"),
+            Self::ProbeSkipped { probe, reason } => {
+                write!(f, "probe_skipped{{probe={probe:?},reason=\"{reason}\"}}")
+            }
+        }
+    }
+}
+
+/// The config key that sizes `map`, if it is configurable.
+fn limit_of(map: &str) -> Option<&'static str> {
+    Some(match map {
+        maps::CONNS => "limits.connections",
+        maps::WATCHED => "limits.watched_processes",
+        maps::THREADS | maps::THREAD_POOLS => "limits.threads",
+        maps::LOCKS => "limits.locks",
+        maps::LOCK_STACKS => "limits.lock_stacks",
+        maps::STACK_COUNTS => "limits.stack_counts",
+        STACK_MAPS => "limits.stacks",
+        _ => return None,
+    })
+}
+
+/// The maps user space or the kernel inserts into, whose `E2BIG` (full) counter is
+/// always exported so that its first rise shows in `increase()`.
+pub const INSERTED_MAPS: [&str; 10] = [
+    maps::CONNS,
+    maps::LISTEN_PORTS,
+    maps::LOCKS,
+    maps::LOCK_STACKS,
+    maps::MUTEX_CALLS,
+    maps::PENDING_CALLS,
+    STACK_MAPS,
+    maps::STACK_COUNTS,
+    maps::THREADS,
+    maps::WATCHED,
+];
+
+/// One loss counter's current value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Loss {
+    pub kind: LossKind,
+    pub value: u64,
+}
+
+/// Why poolscope is degraded now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cause {
+    pub kind: LossKind,
+    pub value: u64,
+    pub advice: String,
+}
+
+/// Degraded while `causes` is not empty.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Health {
+    pub causes: Vec<Cause>,
+}
+
+impl Health {
+    pub fn degraded(&self) -> bool {
+        !self.causes.is_empty()
+    }
+
+    /// The `/healthz` body: `ok`, or `degraded` and one line per cause.
+    pub fn report(&self, degraded_for: Duration) -> String {
+        if !self.degraded() {
+            return "ok\n".to_owned();
+        }
+        let mut report = "degraded\n".to_owned();
+        for cause in &self.causes {
+            let when = if cause.kind.is_gauge() {
+                "now".to_owned()
+            } else {
+                format!(
+                    "rose in the last {}",
+                    humantime::format_duration(degraded_for)
+                )
+            };
+            report.push_str(&format!(
+                "{} = {} ({when}): {}\n",
+                cause.kind, cause.value, cause.advice
+            ));
+        }
+        report
+    }
+}
+
+/// Remembers each counter's last value and when it last rose.
+#[derive(Debug)]
+pub struct HealthTracker {
+    degraded_for: Duration,
+    counters: HashMap<LossKind, (u64, Option<Instant>)>,
+    /// The last observation (what `/healthz` shows).
+    last: Health,
+}
+
+impl HealthTracker {
+    pub fn new(degraded_for: Duration) -> Self {
+        Self {
+            degraded_for,
+            counters: HashMap::new(),
+            last: Health::default(),
+        }
+    }
+
+    pub fn degraded_for(&self) -> Duration {
+        self.degraded_for
+    }
+
+    /// A new `limits.degraded_for` (SIGHUP).
+    pub fn set_degraded_for(&mut self, degraded_for: Duration) {
+        self.degraded_for = degraded_for;
+    }
+
+    /// The health given the counters' values at `now`. A counter seen for the first
+    /// time counts as risen if above 0: poolscope just started, and it lost already.
+    /// `capacity` gives a map's size for the advice.
+    pub fn observe(
+        &mut self,
+        now: Instant,
+        losses: &[Loss],
+        capacity: impl Fn(&str) -> Option<u64>,
+    ) -> Health {
+        let mut causes = Vec::new();
+        for loss in losses {
+            if !loss.kind.degrades() {
+                continue;
+            }
+            let active = if loss.kind.is_gauge() {
+                loss.value > 0
+            } else {
+                let (last, rose) = self.counters.entry(loss.kind.clone()).or_insert((0, None));
+                if loss.value > *last {
+                    *rose = Some(now);
+                }
+                *last = loss.value;
+                rose.is_some_and(|rose| now.duration_since(rose) < self.degraded_for)
+            };
+            if active {
+                let map_capacity = match &loss.kind {
+                    LossKind::MapUpdate { map, .. } => capacity(map),
+                    _ => None,
+                };
+                causes.push(Cause {
+                    kind: loss.kind.clone(),
+                    value: loss.value,
+                    advice: loss.kind.advice(map_capacity),
+                });
+            }
+        }
+        causes.sort_by(|a, b| a.kind.cmp(&b.kind));
+        let health = Health { causes };
+        self.log_changes(&health);
+        self.last = health.clone();
+        health
+    }
+
+    /// The last observation.
+    pub fn last(&self) -> &Health {
+        &self.last
+    }
+
+    fn log_changes(&self, health: &Health) {
+        let was = |kind: &LossKind| self.last.causes.iter().any(|cause| cause.kind == *kind);
+        for cause in &health.causes {
+            if !was(&cause.kind) {
+                tracing::warn!(
+                    loss = %cause.kind,
+                    value = cause.value,
+                    "poolscope is degraded: {}",
+                    cause.advice
+                );
+            }
+        }
+        if !health.degraded() && self.last.degraded() {
+            tracing::info!(
+                "poolscope measures fully again: no loss counter rose in the last {}",
+                humantime::format_duration(self.degraded_for)
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loss(kind: LossKind, value: u64) -> Loss {
+        Loss { kind, value }
+    }
+
+    const CONNS_FULL: LossKind = LossKind::MapUpdate {
+        map: maps::CONNS,
+        errno: LossErrno::E2big,
+    };
+
+    #[test]
+    fn a_rising_counter_degrades_until_it_has_been_still_long_enough() {
+        let hold = Duration::from_secs(60);
+        let mut tracker = HealthTracker::new(hold);
+        let start = Instant::now();
+        let capacity = |map: &str| (map == maps::CONNS).then_some(1024);
+        let at = |seconds| start + Duration::from_secs(seconds);
+
+        assert!(
+            !tracker
+                .observe(at(0), &[loss(CONNS_FULL, 0)], capacity)
+                .degraded()
+        );
+        let health = tracker.observe(at(1), &[loss(CONNS_FULL, 5)], capacity);
+        assert_eq!(health.causes.len(), 1);
+        assert_eq!(
+            health.causes[0].advice,
+            "kernel map CONNS is full (capacity 1024): raise limits.connections"
+        );
+        // Still at 5: degraded until `hold` after the rise, then not.
+        assert!(
+            tracker
+                .observe(at(60), &[loss(CONNS_FULL, 5)], capacity)
+                .degraded()
+        );
+        assert!(
+            !tracker
+                .observe(at(61), &[loss(CONNS_FULL, 5)], capacity)
+                .degraded()
+        );
+        assert!(
+            tracker
+                .observe(at(62), &[loss(CONNS_FULL, 6)], capacity)
+                .degraded()
+        );
+    }
+
+    #[test]
+    fn a_counter_already_above_zero_at_start_degrades() {
+        let mut tracker = HealthTracker::new(Duration::from_secs(60));
+        let health = tracker.observe(Instant::now(), &[loss(LossKind::SeriesDropped, 3)], |_| {
+            None
+        });
+        assert!(health.degraded());
+    }
+
+    #[test]
+    fn gauges_degrade_while_above_zero_and_expired_stacks_never() {
+        let mut tracker = HealthTracker::new(Duration::from_secs(60));
+        let now = Instant::now();
+        let skipped = LossKind::ProbeSkipped {
+            probe: "sched/sched_switch".into(),
+            reason: "load_refused",
+        };
+        let losses = [
+            loss(LossKind::ServicesRefused, 2),
+            loss(skipped.clone(), 1),
+            loss(LossKind::Events(STACKS_EXPIRED), 100),
+        ];
+        let health = tracker.observe(now, &losses, |_| None);
+        let kinds: Vec<_> = health.causes.iter().map(|c| c.kind.clone()).collect();
+        assert_eq!(kinds, vec![LossKind::ServicesRefused, skipped]);
+        let health = tracker.observe(now, &[loss(LossKind::ServicesRefused, 0)], |_| None);
+        assert!(!health.degraded());
+    }
+
+    #[test]
+    fn the_advice_depends_on_the_errno() {
+        let busy = LossKind::MapUpdate {
+            map: maps::THREADS,
+            errno: LossErrno::Ebusy,
+        };
+        assert!(busy.advice(None).contains("nothing to change"));
+        let fixed = LossKind::MapUpdate {
+            map: maps::PENDING_CALLS,
+            errno: LossErrno::E2big,
+        };
+        assert_eq!(
+            fixed.advice(Some(16384)),
+            "kernel map PENDING_CALLS is full (capacity 16384); its size is fixed: too many \
+             at once (see the README's Limits)"
+        );
+        let collision = LossKind::of_kernel(LossSource::StackCollision, LossErrno::Eexist);
+        assert_eq!(
+            collision.advice(Some(16384)),
+            "kernel map STACKS is full (capacity 16384): raise limits.stacks"
+        );
+    }
+
+    #[test]
+    fn the_report_names_each_series_and_what_to_change() {
+        let mut tracker = HealthTracker::new(Duration::from_secs(300));
+        let health = tracker.observe(
+            Instant::now(),
+            &[
+                loss(CONNS_FULL, 7),
+                loss(LossKind::ServicesRefused, 1),
+                loss(LossKind::Events(PROCESS_EVENTS), 0),
+            ],
+            |_| Some(64),
+        );
+        assert_eq!(
+            health.report(tracker.degraded_for()),
+            "degraded\n\
+             map_update_errors_total{map=\"CONNS\",errno=\"E2BIG\"} = 7 (rose in the last 5m): \
+             kernel map CONNS is full (capacity 64): raise limits.connections\n\
+             services_refused = 1 (now): processes left unwatched by limits.max_services: \
+             raise it\n"
+        );
+        assert_eq!(Health::default().report(Duration::ZERO), "ok\n");
+    }
+
+    #[test]
+    fn user_space_map_errors_keep_their_errno() {
+        let mut errors = MapErrors::default();
+        let full = MapError::SyscallError(aya::sys::SyscallError {
+            call: "bpf_map_update_elem",
+            io_error: std::io::Error::from_raw_os_error(libc::E2BIG),
+        });
+        errors.count(maps::WATCHED, &full);
+        errors.count(maps::WATCHED, &full);
+        errors.count(maps::WATCHED, &MapError::KeyNotFound);
+        let counted: Vec<_> = errors.iter().collect();
+        assert_eq!(
+            counted,
+            vec![
+                (maps::WATCHED, LossErrno::E2big, 2),
+                (maps::WATCHED, LossErrno::Other, 1)
+            ]
+        );
+    }
+}
