@@ -156,9 +156,19 @@ impl LossKind {
         matches!(self, Self::ServicesRefused | Self::ProbeSkipped { .. })
     }
 
-    /// Whether this loss makes poolscope degraded at all.
+    /// Whether this loss makes poolscope degraded: something was not measured. A
+    /// stack that did not fit its stack map (a hash-bucket collision, more frequent
+    /// as the map fills) or that expired keeps its sample's time, under no stack or
+    /// `[stack lost]`: counted, not degrading.
     fn degrades(&self) -> bool {
-        *self != Self::Events(STACKS_EXPIRED)
+        !matches!(
+            self,
+            Self::Events(STACKS_EXPIRED)
+                | Self::MapUpdate {
+                    map: STACK_MAPS | maps::LOCK_STACKS,
+                    errno: LossErrno::Eexist,
+                }
+        )
     }
 
     /// What the operator can change; `capacity` is the map's size, if known.

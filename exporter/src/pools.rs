@@ -274,7 +274,8 @@ impl Pools {
         };
         let Some(pool) = self.get_or_allocate(kernel, &key) else {
             self.pools_refused += 1;
-            tracing::warn!(
+            // Once per thread, possibly thousands: the health check logs the onset.
+            tracing::debug!(
                 tid,
                 comm,
                 "limits.max_pools reached; thread left in its creator's pool"
@@ -292,7 +293,7 @@ impl Pools {
             }
             Err(error) => {
                 self.map_errors.count(maps::THREADS, &error);
-                tracing::warn!(tid, %error, "cannot set the pool of a thread");
+                tracing::debug!(tid, %error, "cannot set the pool of a thread");
             }
         }
     }
@@ -309,7 +310,7 @@ impl Pools {
             let thread = Thread::new(service, initial_activity(task.state), now);
             if let Err(error) = kernel.follow_thread(task.tid, thread) {
                 self.map_errors.count(maps::THREADS, &error);
-                tracing::warn!(tid = task.tid, %error, "cannot follow thread");
+                tracing::debug!(tid = task.tid, %error, "cannot follow thread");
                 continue;
             }
             let process = main_comm.as_deref().map(|main_comm| (pid, main_comm));

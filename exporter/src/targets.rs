@@ -181,7 +181,8 @@ impl Targets {
         }
         let Some((service, _)) = self.ids.get_or_allocate(&assignment.service) else {
             self.services_refused += 1;
-            tracing::warn!(service = %assignment.service, "limits.max_services reached; not watched");
+            // At every scan: the health check logs the onset.
+            tracing::debug!(service = %assignment.service, "limits.max_services reached; not watched");
             return;
         };
         let pid = assignment.pid;

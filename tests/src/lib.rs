@@ -513,6 +513,14 @@ impl Program {
         }
     }
 
+    /// Writes `line` and a newline to its stdin.
+    pub fn send(&mut self, line: &str) -> anyhow::Result<()> {
+        let stdin = self.stdin.as_mut().context("stdin already closed")?;
+        writeln!(stdin, "{line}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+
     /// Closes its stdin (the program stops) and returns the line that starts with `prefix`.
     pub fn finish(&mut self, prefix: &str) -> anyhow::Result<String> {
         drop(self.stdin.take());
@@ -687,6 +695,18 @@ where
 pub fn workers_line(tids: &[i64]) -> String {
     let tids: Vec<String> = tids.iter().map(i64::to_string).collect();
     format!("workers {}", tids.join(","))
+}
+
+/// Names the calling thread (`PR_SET_NAME` takes any bytes but NUL).
+pub fn name_this_thread(name: &[u8]) -> std::io::Result<()> {
+    let mut bytes = name.to_vec();
+    bytes.push(0);
+    // SAFETY: a NUL-terminated buffer that outlives the call; the kernel copies at
+    // most 16 bytes of it.
+    if unsafe { libc::prctl(libc::PR_SET_NAME, bytes.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Blocks until stdin closes: a test program serves until the test closes it.

@@ -8,24 +8,12 @@
 //! stdin closes.
 use std::{io::Write as _, net::TcpListener};
 
-use poolscope_tests::{wait_for_stdin_close, workers_line};
+use poolscope_tests::{name_this_thread, wait_for_stdin_close, workers_line};
 
 /// The comm it gives itself (at most 15 bytes).
 const PROCESS_NAME: &[u8] = b"q\"b\\{}\n\xff";
 /// Its workers' names before `-<index>`.
 const WORKER_PREFIX: &[u8] = b"w\"\\{x}\n\xfe";
-
-/// Names the calling thread (`PR_SET_NAME` takes any bytes but NUL).
-fn name_this_thread(name: &[u8]) -> std::io::Result<()> {
-    let mut bytes = name.to_vec();
-    bytes.push(0);
-    // SAFETY: a NUL-terminated buffer that outlives the call; the kernel copies at
-    // most 16 bytes of it.
-    if unsafe { libc::prctl(libc::PR_SET_NAME, bytes.as_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
 
 fn main() -> std::io::Result<()> {
     let workers = std::env::args()

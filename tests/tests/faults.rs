@@ -1,0 +1,350 @@
+//! poolscope under faults and churn: short-lived processes and threads leave no map
+//! entries or series behind; a full thread map or too many pools is counted, makes
+//! poolscope degraded (with what to change) and spares the other services' numbers;
+//! `kill -9` leaves nothing behind and a new poolscope attaches cleanly.
+use std::{collections::BTreeSet, time::Duration};
+
+use poolscope_tests::{
+    Metrics, PoolServer, Poolscope, Program,
+    load::{ClosedLoop, Connections},
+    one_at_a_time, pids_config, privileged, scrape_until, wait_until,
+};
+
+/// Every series of a scrape but the exporter's own (whose values and, for BPF run
+/// times, label sets follow its own work).
+fn service_series(metrics: &Metrics) -> BTreeSet<String> {
+    metrics
+        .text
+        .lines()
+        .filter(|line| !line.starts_with('#') && !line.is_empty())
+        .filter_map(|line| line.rsplit_once(' ').map(|(series, _)| series.to_owned()))
+        .filter(|series| {
+            !series.starts_with("poolscope_bpf_")
+                && !series.starts_with("poolscope_scrape_")
+                && !series.starts_with("poolscope_map_")
+                && !series.starts_with("poolscope_events_lost")
+        })
+        .collect()
+}
+
+fn value(metrics: &Metrics, name: &str, labels: &[(&str, &str)]) -> f64 {
+    metrics.value(name, labels).unwrap_or(f64::NAN)
+}
+
+/// The `map_entries` of `map`.
+fn entries(metrics: &Metrics, map: &str) -> f64 {
+    value(metrics, "poolscope_map_entries", &[("map", map)])
+}
+
+/// Resident memory of `pid` in kB.
+fn rss_kb(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmRSS in /proc/{pid}/status"))
+}
+
+#[test]
+fn a_thousand_processes_and_ten_thousand_threads_leave_nothing_behind() -> anyhow::Result<()> {
+    if !privileged("a_thousand_processes_and_ten_thousand_threads_leave_nothing_behind") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    const PROCESSES: usize = 1_000;
+    const THREADS: usize = 10_000;
+    let mut churner = Program::start(
+        "churner",
+        &["churn".into(), PROCESSES.to_string(), THREADS.to_string()],
+    )?;
+    churner.line("port")?;
+    let service = "churner";
+    let poolscope = Poolscope::start(&pids_config(service, &[churner.pid()]))?;
+    let targets = [("service", service)];
+    let before = scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &targets) == Some(1.0)
+    })?;
+    // Two scrapes, so that the baseline has every series a scrape can add.
+    let before = scrape_until(&poolscope, |m| service_series(m) == service_series(&before))?;
+    let (watched, threads) = (entries(&before, "WATCHED"), entries(&before, "THREADS"));
+
+    churner.send("go")?;
+    let done = churner.line("done")?;
+    eprintln!("churner: done {done}");
+
+    // Everything back to where it was: entries at once, series by the second scrape.
+    let after = scrape_until(&poolscope, |m| {
+        entries(m, "WATCHED") == watched
+            && entries(m, "THREADS") == threads
+            && m.value("poolscope_targets", &targets) == Some(1.0)
+    })?;
+    let series_after = service_series(&poolscope.scrape()?);
+    let second = poolscope.scrape()?;
+    // The churned threads made at most two pools, whose counters stay with their
+    // service (a thread-per-connection pool's threads come and go all the time):
+    // `churn`, and `churner-threads` for those that ended before poolscope read the
+    // name they gave themselves (they still had the process's). Nothing else.
+    let added: Vec<_> = service_series(&second)
+        .difference(&service_series(&before))
+        .filter(|series| {
+            !series.contains("pool=\"churn\"") && !series.contains("pool=\"churner-threads\"")
+        })
+        .cloned()
+        .collect();
+    let removed: Vec<_> = service_series(&before)
+        .difference(&service_series(&second))
+        .cloned()
+        .collect();
+    eprintln!(
+        "entries: WATCHED {watched} → {}, THREADS {threads} → {}; series {} → {} → {}",
+        entries(&after, "WATCHED"),
+        entries(&after, "THREADS"),
+        service_series(&before).len(),
+        series_after.len(),
+        service_series(&second).len()
+    );
+    assert!(
+        added.is_empty() && removed.is_empty(),
+        "series added {added:#?}\nremoved {removed:#?}"
+    );
+    // Nothing was lost on the way: the churn fits every map and the event ring. (Stacks
+    // that collided in their stack map keep their samples' time, without the stack.)
+    let collision =
+        |s: &poolscope_tests::Sample| s.labels.iter().any(|(k, v)| k == "errno" && v == "EEXIST");
+    for sample in second.samples.iter().filter(|s| {
+        (s.name == "poolscope_map_update_errors_total" && !collision(s))
+            || s.name == "poolscope_events_lost_total"
+    }) {
+        assert_eq!(sample.value, 0.0, "{sample:?}");
+    }
+    assert_eq!(second.value("poolscope_degraded", &[]), Some(0.0));
+    Ok(())
+}
+
+#[test]
+fn a_full_thread_map_is_counted_and_spares_other_services() -> anyhow::Result<()> {
+    if !privileged("a_full_thread_map_is_counted_and_spares_other_services") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    const CAPACITY: usize = 48;
+    const NAMED_THREADS: usize = 64;
+    // The other service first, so that its threads are followed before the map fills.
+    let server = PoolServer::start(2, Duration::from_millis(2))?;
+    let mut crowd = Program::start("churner", &["names".into(), NAMED_THREADS.to_string()])?;
+    crowd.line("workers")?;
+    let config = format!(
+        "[limits]\nthreads = {CAPACITY}\ndegraded_for = \"2s\"\n{}\
+         [[targets]]\nservice = \"crowd\"\npids = [{}]\n",
+        pids_config("other", &[server.pid()]),
+        crowd.pid()
+    );
+    let mut poolscope = Poolscope::start(&config)?;
+    let full = [("map", "THREADS"), ("errno", "E2BIG")];
+    let during = scrape_until(&poolscope, |m| {
+        m.value("poolscope_map_update_errors_total", &full)
+            .is_some_and(|errors| errors > 0.0)
+            && m.value("poolscope_targets", &[("service", "crowd")]) == Some(1.0)
+    })?;
+    assert_eq!(entries(&during, "THREADS"), CAPACITY as f64);
+    let health = poolscope.get("/healthz")?;
+    assert!(
+        health.starts_with("degraded\n") && health.contains("raise limits.threads"),
+        "{health}"
+    );
+
+    // The other service's request numbers do not depend on the thread map.
+    let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
+    std::thread::sleep(Duration::from_secs(2));
+    let made = clients.stop()?.completed;
+    let other = scrape_until(&poolscope, |m| {
+        m.value("poolscope_requests_in_flight", &[("service", "other")]) == Some(0.0)
+    })?;
+    let counted = value(&other, "poolscope_requests_total", &[("service", "other")]);
+    let served = server.finish()?;
+    eprintln!(
+        "other service: counted {counted}, made {made}, served {}",
+        served.count
+    );
+    assert_eq!((counted, made), (served.count as f64, served.count));
+
+    // The crowd leaves: the map empties and, once no insert failed for degraded_for,
+    // poolscope is healthy again.
+    drop(crowd);
+    let recovered = scrape_until(&poolscope, |m| {
+        m.value("poolscope_degraded", &[]) == Some(0.0)
+    })?;
+    assert!(entries(&recovered, "THREADS") < CAPACITY as f64);
+    assert_eq!(poolscope.get("/healthz")?, "ok\n");
+    let log = poolscope.stop_and_log();
+    assert!(
+        log.contains(
+            "poolscope is degraded: kernel map THREADS is full (capacity 48): raise limits.threads"
+        ),
+        "{log}"
+    );
+    Ok(())
+}
+
+#[test]
+fn thousands_of_pools_hit_the_pool_limit_and_series_cap_not_memory() -> anyhow::Result<()> {
+    if !privileged("thousands_of_pools_hit_the_pool_limit_and_series_cap_not_memory") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    const POOLS: usize = 3_000;
+    const MAX_POOLS: usize = 512;
+    const MAX_SERIES: usize = 5_000;
+    let mut crowd = Program::start("churner", &["names".into(), POOLS.to_string()])?;
+    crowd.line("workers")?;
+    let config = format!(
+        "[limits]\nmax_pools = {MAX_POOLS}\nmax_series = {MAX_SERIES}\n{}",
+        pids_config("pools", &[crowd.pid()])
+    );
+    let poolscope = Poolscope::start(&config)?;
+    let metrics = scrape_until(&poolscope, |m| {
+        m.value("poolscope_pools_refused_total", &[])
+            .is_some_and(|refused| refused > 0.0)
+            && m.value("poolscope_series_dropped_total", &[])
+                .is_some_and(|dropped| dropped > 0.0)
+    })?;
+    let pools: BTreeSet<&str> = metrics
+        .samples
+        .iter()
+        .filter_map(|s| {
+            s.labels
+                .iter()
+                .find(|(k, _)| k == "pool")
+                .map(|(_, v)| v.as_str())
+        })
+        .collect();
+    let capped = metrics
+        .samples
+        .iter()
+        .filter(|s| {
+            !s.name.starts_with("poolscope_") || s.labels.iter().any(|(k, _)| k == "service")
+        })
+        .count();
+    let rss = rss_kb(poolscope.pid())?;
+    eprintln!(
+        "{POOLS} named threads: {} pools exported, {capped} service series (cap {MAX_SERIES}), \
+         pools_refused {}, series_dropped {}, RSS {} MB",
+        pools.len(),
+        value(&metrics, "poolscope_pools_refused_total", &[]),
+        value(&metrics, "poolscope_series_dropped_total", &[]),
+        rss / 1024
+    );
+    assert!(pools.len() <= MAX_POOLS, "{} pools", pools.len());
+    assert!(capped <= MAX_SERIES, "{capped} series");
+    assert!(rss < 256 * 1024, "RSS {rss} kB");
+    let health = poolscope.get("/healthz")?;
+    for advice in ["cut by limits.max_series", "limits.max_pools: raise it"] {
+        assert!(health.contains(advice), "{advice} missing from\n{health}");
+    }
+    Ok(())
+}
+
+/// IDs of every BPF program loaded on this host (`BPF_PROG_GET_NEXT_ID`).
+fn loaded_programs() -> BTreeSet<u32> {
+    const BPF_PROG_GET_NEXT_ID: libc::c_long = 11;
+    let mut ids = BTreeSet::new();
+    // union bpf_attr { struct { __u32 start_id; __u32 next_id; __u32 open_flags; } }
+    let mut attr = [0u32; 4];
+    loop {
+        // SAFETY: `attr` is a valid, writable bpf_attr prefix of the size passed.
+        let result = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_PROG_GET_NEXT_ID,
+                attr.as_mut_ptr(),
+                std::mem::size_of_val(&attr),
+            )
+        };
+        if result != 0 {
+            return ids;
+        }
+        ids.insert(attr[1]);
+        attr[0] = attr[1];
+    }
+}
+
+#[test]
+fn kill_minus_nine_leaves_nothing_and_a_restart_attaches_cleanly() -> anyhow::Result<()> {
+    if !privileged("kill_minus_nine_leaves_nothing_and_a_restart_attaches_cleanly") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let server = PoolServer::start(2, Duration::from_millis(2))?;
+    let service = "restarted";
+    let config = pids_config(service, &[server.pid()]);
+    let requests = |m: &Metrics| value(m, "poolscope_requests_total", &[("service", service)]);
+    let attached = |m: &Metrics| {
+        m.samples
+            .iter()
+            .filter(|s| s.name == "poolscope_probe_attached" && s.value == 1.0)
+            .count()
+    };
+    let pinned_before: Vec<_> = std::fs::read_dir("/sys/fs/bpf")?.collect();
+
+    let programs_before = loaded_programs();
+    let mut first = Poolscope::start(&config)?;
+    scrape_until(&first, |m| {
+        m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
+    })?;
+    // Connections are followed from their accept: the clients connect after the start.
+    let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
+    let counted = scrape_until(&first, |m| requests(m) > 100.0)?;
+    let ours: BTreeSet<u32> = loaded_programs()
+        .difference(&programs_before)
+        .copied()
+        .collect();
+    assert!(!ours.is_empty(), "no BPF program appeared with poolscope");
+    first.signal(libc::SIGKILL);
+    first.wait_exit(Duration::from_secs(5))?;
+    // The kernel frees programs and their attachments once the last fd closes.
+    let freed = wait_until(Duration::from_secs(10), || {
+        loaded_programs().is_disjoint(&ours)
+    });
+    assert!(
+        freed,
+        "programs of the killed poolscope still loaded: {:?}",
+        loaded_programs().intersection(&ours).collect::<Vec<_>>()
+    );
+    let pinned_after: Vec<_> = std::fs::read_dir("/sys/fs/bpf")?.collect();
+    assert_eq!(
+        pinned_after.len(),
+        pinned_before.len(),
+        "something was pinned"
+    );
+
+    clients.stop()?;
+
+    let second = Poolscope::start(&config)?;
+    let restarted = scrape_until(&second, |m| {
+        m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
+    })?;
+    assert_eq!(attached(&restarted), attached(&counted));
+    // The counter starts again from zero (Prometheus's rate() sees a reset) and counts
+    // exactly the requests made from then on.
+    assert_eq!(requests(&restarted), 0.0);
+    let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
+    std::thread::sleep(Duration::from_secs(1));
+    let made = clients.stop()?.completed;
+    let later = scrape_until(&second, |m| {
+        m.value("poolscope_requests_in_flight", &[("service", service)]) == Some(0.0)
+            && requests(m) > 0.0
+    })?;
+    eprintln!(
+        "first: {} programs, {} probes attached, {} requests; after kill -9 and a restart: \
+         {} probes attached, {} requests counted of {made} made",
+        ours.len(),
+        attached(&counted),
+        requests(&counted),
+        attached(&restarted),
+        requests(&later)
+    );
+    assert_eq!(requests(&later), made as f64);
+    assert_eq!(later.value("poolscope_degraded", &[]), Some(0.0));
+    Ok(())
+}
