@@ -348,3 +348,103 @@ fn kill_minus_nine_leaves_nothing_and_a_restart_attaches_cleanly() -> anyhow::Re
     assert_eq!(later.value("poolscope_degraded", &[]), Some(0.0));
     Ok(())
 }
+
+/// The soak of the reliability issue, run by hand (it takes `POOLSCOPE_SOAK_MINUTES`,
+/// default 30): a pool at saturation, a process forking 100 children and starting
+/// 1000 threads every 10 s, a scrape every second; prints poolscope's RSS, series and
+/// map entries every minute and fails if, after the first 5 minutes, RSS leaves ±5 %
+/// of its post-warm-up median or series or entries grow.
+/// `cargo test --release -p poolscope-tests --test faults -- --ignored soak --nocapture`
+/// minute, RSS kB, series, THREADS, WATCHED, CONNS entries, degraded.
+type Row = (u64, u64, usize, f64, f64, f64, f64);
+
+#[test]
+#[ignore = "takes 30 minutes; run by hand"]
+fn soak() -> anyhow::Result<()> {
+    if !privileged("soak") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let minutes: u64 = std::env::var("POOLSCOPE_SOAK_MINUTES")
+        .ok()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(30);
+    let server = PoolServer::start(4, Duration::from_millis(5))?;
+    let config = format!(
+        "{}[[targets]]\nservice = \"churn\"\ncomm = \"churner\"\n",
+        pids_config("saturated", &[server.pid()])
+    );
+    let poolscope = Poolscope::start(&config)?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", "saturated")]) == Some(1.0)
+    })?;
+    // 8 clients on 4 workers: always a queue.
+    let clients = ClosedLoop::start(server.port, 8, Connections::KeepAlive);
+    let started = std::time::Instant::now();
+    let mut rows: Vec<Row> = Vec::new();
+    let mut next_churn = started;
+    let mut next_row = started;
+    while started.elapsed() < Duration::from_secs(minutes * 60) {
+        if std::time::Instant::now() >= next_churn {
+            let mut churner =
+                Program::start("churner", &["churn".into(), "100".into(), "1000".into()])?;
+            churner.line("port")?;
+            // Give discovery a rescan to watch it, then churn.
+            std::thread::sleep(Duration::from_millis(1500));
+            churner.send("go")?;
+            churner.line("done")?;
+            next_churn += Duration::from_secs(10);
+        }
+        let metrics = poolscope.scrape()?;
+        if std::time::Instant::now() >= next_row {
+            let row = (
+                started.elapsed().as_secs() / 60,
+                rss_kb(poolscope.pid())?,
+                service_series(&metrics).len(),
+                entries(&metrics, "THREADS"),
+                entries(&metrics, "WATCHED"),
+                entries(&metrics, "CONNS"),
+                value(&metrics, "poolscope_degraded", &[]),
+            );
+            eprintln!(
+                "minute {:>3}: RSS {:>6} kB, series {:>5}, THREADS {:>4}, WATCHED {:>3}, CONNS {:>3}, degraded {}",
+                row.0, row.1, row.2, row.3, row.4, row.5, row.6
+            );
+            rows.push(row);
+            next_row += Duration::from_secs(60);
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let seen = clients.stop()?;
+    eprintln!("requests made: {}", seen.completed);
+    let settled: Vec<_> = rows.iter().filter(|row| row.0 >= 5).collect();
+    anyhow::ensure!(!settled.is_empty(), "the soak ended before its warm-up did");
+    let mut rss: Vec<u64> = settled.iter().map(|row| row.1).collect();
+    rss.sort_unstable();
+    let median = rss[rss.len() / 2] as f64;
+    let (low, high) = (rss[0] as f64, rss[rss.len() - 1] as f64);
+    eprintln!(
+        "RSS after warm-up: min {low} kB, median {median} kB, max {high} kB ({:+.1} % / {:+.1} %)",
+        (low / median - 1.0) * 100.0,
+        (high / median - 1.0) * 100.0
+    );
+    assert!(
+        low >= median * 0.95 && high <= median * 1.05,
+        "RSS not flat"
+    );
+    // The churned service comes and goes: compare the highs of each half.
+    let (early, late) = settled.split_at(settled.len() / 2);
+    let high = |rows: &[&Row], field: fn(&Row) -> f64| {
+        rows.iter().map(|row| field(row)).fold(0.0, f64::max)
+    };
+    for (name, field) in [
+        ("series", (|row: &Row| row.2 as f64) as fn(&Row) -> f64),
+        ("THREADS", |row: &Row| row.3),
+        ("WATCHED", |row: &Row| row.4),
+    ] {
+        let (before, after) = (high(early, field), high(late, field));
+        eprintln!("{name}: high {before} in the first half, {after} in the second");
+        assert!(after <= before, "{name} grew: {before} → {after}");
+    }
+    Ok(())
+}
