@@ -924,3 +924,67 @@ mod tests {
         Ok(())
     }
 }
+
+/// Property tests (the config parser's fuzz target): any file is accepted or refused
+/// with a reason, never a panic; a refused `[limits]` value names its key.
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn load_toml(toml: &str) -> Result<Settings, ConfigError> {
+        let dir = tempfile::tempdir().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let path = dir.path().join("fuzz.toml");
+        std::fs::write(&path, toml).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        Settings::load(&Overrides {
+            config_file: Some(path),
+            ..Overrides::default()
+        })
+    }
+
+    const LIMITS: [&str; 13] = [
+        "max_series",
+        "max_services",
+        "max_pools",
+        "watched_processes",
+        "threads",
+        "connections",
+        "locks",
+        "lock_stacks",
+        "stacks",
+        "stack_counts",
+        "degraded_for",
+        "nonsense",
+        "max_series.x",
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn any_text_is_accepted_or_refused_with_a_reason(text in any::<String>()) {
+            if let Err(error) = load_toml(&text) {
+                prop_assert!(!error.to_string().is_empty());
+            }
+        }
+
+        #[test]
+        fn a_refused_limit_names_its_key(
+            key in proptest::sample::select(LIMITS.as_slice()),
+            value in prop_oneof![
+                any::<i64>().prop_map(|v| v.to_string()),
+                any::<bool>().prop_map(|v| v.to_string()),
+                "\"[a-z0-9 ]{0,8}\"",
+                Just("1.5".to_owned()),
+                Just("[]".to_owned()),
+            ],
+        ) {
+            if let Err(error) = load_toml(&format!("[limits]\n{key} = {value}\n")) {
+                let message = error.to_string();
+                let named = key.split('.').next().unwrap_or(key);
+                prop_assert!(message.contains(named), "{} = {}: {}", key, value, message);
+            }
+        }
+    }
+}

@@ -396,3 +396,114 @@ mod tests {
         assert_eq!(out, "+Inf NaN 0.00000015");
     }
 }
+
+/// Property tests (the exposition fuzz target): any label value and any number make
+/// lines a strict parser reads back to the same values; the cap never lets more
+/// series through than asked.
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// One sample line read back: name, unescaped labels, value text.
+    type Line<'a> = (&'a str, Vec<(String, String)>, &'a str);
+
+    fn parse_line(line: &str) -> Option<Line<'_>> {
+        let brace = line.find('{');
+        let (name, mut rest) = match brace {
+            Some(at) => (&line[..at], &line[at + 1..]),
+            None => {
+                let (name, value) = line.split_once(' ')?;
+                return Some((name, Vec::new(), value));
+            }
+        };
+        let mut labels = Vec::new();
+        loop {
+            let (key, after) = rest.split_once("=\"")?;
+            let mut value = String::new();
+            let mut chars = after.char_indices();
+            let end = loop {
+                match chars.next()? {
+                    (_, '\\') => match chars.next()?.1 {
+                        'n' => value.push('\n'),
+                        escaped @ ('\\' | '"') => value.push(escaped),
+                        _ => return None,
+                    },
+                    (at, '"') => break at,
+                    (_, c) => value.push(c),
+                }
+            };
+            labels.push((key.to_owned(), value));
+            rest = &after[end + 1..];
+            match rest.strip_prefix(',') {
+                Some(next) => rest = next,
+                None => break,
+            }
+        }
+        let value = rest.strip_prefix("} ")?;
+        Some((name, labels, value))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        #[test]
+        fn any_label_value_and_number_reads_back(
+            service in any::<String>(),
+            pool in "[\\\\\"\n{}a-z\u{fffd}]{0,12}",
+            value in any::<f64>(),
+            openmetrics in any::<bool>(),
+        ) {
+            let format = if openmetrics { Format::OpenMetrics } else { Format::Text };
+            let families = [Family::new("queue_depth", Kind::Gauge, "Depth \\ \"of\"\nqueues.")
+                .with(&[("service", &service), ("pool", &pool)], value)];
+            let text = render(&families, format);
+            let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+            prop_assert_eq!(samples.len(), 1, "{}", text);
+            let (name, labels, number) = parse_line(samples[0]).ok_or_else(|| {
+                TestCaseError::fail(format!("unparsable line {:?}", samples[0]))
+            })?;
+            prop_assert_eq!(name, "poolscope_queue_depth");
+            prop_assert_eq!(
+                labels,
+                vec![("service".to_owned(), service), ("pool".to_owned(), pool)]
+            );
+            let read = match number {
+                "NaN" => f64::NAN,
+                "+Inf" => f64::INFINITY,
+                "-Inf" => f64::NEG_INFINITY,
+                other => other.parse().map_err(|_| TestCaseError::fail(other.to_owned()))?,
+            };
+            prop_assert!(
+                read == value || (read.is_nan() && value.is_nan()),
+                "{} read back as {}",
+                value,
+                read
+            );
+            prop_assert_eq!(text.ends_with("# EOF\n"), openmetrics);
+        }
+
+        #[test]
+        fn the_cap_lets_no_more_series_through_than_asked(
+            sizes in proptest::collection::vec(0usize..40, 0..20),
+            max_series in 0usize..400,
+        ) {
+            let mut families: Vec<Family> = sizes
+                .iter()
+                .map(|&size| {
+                    let mut family = Family::new("requests", Kind::Counter, "Requests.");
+                    for index in 0..size {
+                        family.push(&[("service", &index.to_string())], 1.0);
+                    }
+                    family
+                })
+                .collect();
+            let before: usize = families.iter().map(|f| f.samples.len()).sum();
+            let dropped = cap_series(&mut families, max_series);
+            let after: usize = families.iter().map(|f| f.samples.len()).sum();
+            prop_assert!(after <= max_series);
+            prop_assert_eq!(after as u64 + dropped, before as u64);
+        }
+    }
+}

@@ -211,3 +211,41 @@ mod tests {
         assert!(windows.history.is_empty());
     }
 }
+
+/// Property tests (the reducers' fuzz target): a quantile of any histogram lies within
+/// its recorded range and never falls as `q` rises.
+#[cfg(test)]
+mod properties {
+    use poolscope_shared::{HISTOGRAM_BUCKETS, histogram_bucket_bounds};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        #[test]
+        fn quantiles_stay_in_range_and_rise_with_q(
+            counts in proptest::collection::vec((0..HISTOGRAM_BUCKETS, 1u64..1000), 1..30),
+            mut qs in proptest::collection::vec(0.0f64..=1.0, 2..8),
+        ) {
+            let mut histogram = Histogram::default();
+            for &(bucket, count) in &counts {
+                histogram.buckets[bucket] += count;
+            }
+            let lowest = counts.iter().map(|c| c.0).min().unwrap_or_default();
+            let highest = counts.iter().map(|c| c.0).max().unwrap_or_default();
+            let floor = histogram_bucket_bounds(lowest).0 as f64 / 1e9;
+            let ceiling = histogram_bucket_bounds(highest).1 as f64 / 1e9;
+            qs.sort_by(f64::total_cmp);
+            let mut previous = 0.0;
+            for q in qs {
+                let value = quantile(&histogram, q)
+                    .ok_or_else(|| TestCaseError::fail("no quantile of a non-empty histogram"))?;
+                prop_assert!(value >= floor && value <= ceiling, "q {} = {} outside [{}, {}]", q, value, floor, ceiling);
+                prop_assert!(value >= previous, "q {} = {} below {}", q, value, previous);
+                previous = value;
+            }
+        }
+    }
+}
