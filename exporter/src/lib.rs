@@ -3,6 +3,7 @@
 //! config → kernel programs → discovery → HTTP, plus signals (SIGHUP reloads,
 //! SIGTERM/SIGINT stop and detach every probe).
 pub mod btf;
+pub mod caps;
 pub mod collect;
 pub mod config;
 pub mod discovery;
@@ -89,8 +90,10 @@ fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
     }
 }
 
-/// Runs the exporter until SIGTERM or SIGINT.
-pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
+/// Runs the exporter until SIGTERM or SIGINT. Loads the kernel programs and drops the
+/// capabilities it no longer needs on the calling thread, alone, before any other
+/// thread starts: capabilities are per thread, and later threads inherit these.
+pub fn run(overrides: Overrides) -> anyhow::Result<()> {
     let settings = Settings::load(&overrides)?;
     let log = init_logging(settings.log_level);
 
@@ -124,9 +127,35 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
         "kernel probes loaded (each skipped one is logged above with its reason)"
     );
 
-    let listener = tokio::net::TcpListener::bind(settings.listen_address)
-        .await
+    let listener = std::net::TcpListener::bind(settings.listen_address)
         .with_context(|| format!("cannot listen on {}", settings.listen_address))?;
+    listener.set_nonblocking(true)?;
+    match caps::drop_unneeded() {
+        Ok((before, after)) if before != after => tracing::info!(
+            kept = %caps::Names(after.permitted),
+            dropped = %caps::Names(before.permitted & !after.permitted),
+            "capabilities dropped after loading"
+        ),
+        Ok(_) => tracing::debug!("no capability to drop"),
+        Err(error) => tracing::warn!(%error, "cannot drop capabilities; running with them"),
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(serve(settings, kernel, events, listener, overrides, log))
+}
+
+/// Watches, follows and serves until SIGTERM or SIGINT.
+async fn serve(
+    settings: Settings,
+    kernel: Kernel,
+    events: ProcessEvents,
+    listener: std::net::TcpListener,
+    overrides: Overrides,
+    log: LogHandle,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::from_std(listener)?;
     let (scrapes, debug_access) = (settings.scrapes, settings.debug_endpoints);
     let exporter = Arc::new(Exporter::new(kernel, settings));
     if let Err(error) = exporter.rescan() {

@@ -25,8 +25,9 @@ struct Cli {
     config_check: bool,
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+/// Not `#[tokio::main]`: `run` starts the runtime's threads only after dropping
+/// capabilities (see `poolscope::caps`).
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let overrides = Overrides {
         config_file: cli.config_file,
@@ -45,7 +46,7 @@ async fn main() -> ExitCode {
             }
         };
     }
-    match poolscope::run(overrides).await {
+    match poolscope::run(overrides) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("poolscope: {error:#}");

@@ -137,6 +137,59 @@ fn unit_capability_mask() -> anyhow::Result<u64> {
     })
 }
 
+/// The `name:` mask (hex) of `/proc/<pid>/task/<tid>/status`.
+fn capability_field(status: &str, name: &str) -> anyhow::Result<u64> {
+    let hex = status
+        .lines()
+        .find_map(|line| line.strip_prefix(name))
+        .with_context(|| format!("no {name} in {status}"))?;
+    Ok(u64::from_str_radix(hex.trim(), 16)?)
+}
+
+/// Started as root, poolscope drops every capability the unit does not grant once
+/// its programs are loaded, on every thread, and still measures.
+#[test]
+fn started_as_root_it_keeps_only_the_units_capabilities() -> anyhow::Result<()> {
+    if !privileged("started_as_root_it_keeps_only_the_units_capabilities") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let server = PoolServer::start(2, Duration::from_millis(2))?;
+    let mut poolscope = Poolscope::start(&poolscope_tests::pids_config("rooted", &[server.pid()]))?;
+    poolscope_tests::scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", "rooted")]) == Some(1.0)
+    })?;
+    let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
+    let counted = poolscope_tests::scrape_until(&poolscope, |m| {
+        m.value("poolscope_requests_total", &[("service", "rooted")])
+            .is_some_and(|requests| requests > 100.0)
+    })?;
+    clients.stop()?;
+    let expected = unit_capability_mask()?;
+    let mut threads = 0;
+    for task in fs::read_dir(format!("/proc/{}/task", poolscope.pid()))? {
+        let status = fs::read_to_string(task?.path().join("status"))?;
+        for field in ["CapEff:", "CapPrm:"] {
+            let mask = capability_field(&status, field)?;
+            ensure!(
+                mask == expected,
+                "{field} {mask:#x}, the unit grants {expected:#x}:\n{status}"
+            );
+        }
+        ensure!(capability_field(&status, "CapInh:")? == 0, "{status}");
+        threads += 1;
+    }
+    let log = poolscope.stop_and_log();
+    eprintln!(
+        "{threads} threads, each with CapEff = CapPrm = {expected:#x}; {} requests counted",
+        counted
+            .value("poolscope_requests_total", &[("service", "rooted")])
+            .unwrap_or_default()
+    );
+    ensure!(log.contains("capabilities dropped after loading"), "{log}");
+    Ok(())
+}
+
 /// systemd's range for DynamicUser= uids.
 const DYNAMIC_UIDS: std::ops::RangeInclusive<u32> = 61184..=65519;
 

@@ -1,0 +1,176 @@
+//! Least privilege at run time: once the kernel programs are loaded and attached,
+//! poolscope keeps only the capabilities it still uses and drops the rest from its
+//! effective, permitted and inheritable sets for good. Started as root (a container,
+//! a shell), it then runs with what the systemd unit grants and nothing more.
+use std::fmt;
+
+/// What each kept capability is still used for after the start.
+pub const KEPT: [(u32, &str); 5] = [
+    // bpf() on maps (needed on kernels before 6.5 whatever the fd), and the
+    // on-demand uprobes and profiling sessions.
+    (CAP_BPF, "CAP_BPF"),
+    // perf_event_open for the lock uprobes and profiling sessions.
+    (CAP_PERFMON, "CAP_PERFMON"),
+    // /proc/<pid>/fd, maps and environ of other users' processes.
+    (CAP_SYS_PTRACE, "CAP_SYS_PTRACE"),
+    // tracefs and /proc entries not readable by everyone.
+    (CAP_DAC_READ_SEARCH, "CAP_DAC_READ_SEARCH"),
+    // /proc/<pid>/map_files, for the symbolizer.
+    (CAP_CHECKPOINT_RESTORE, "CAP_CHECKPOINT_RESTORE"),
+];
+
+const CAP_DAC_READ_SEARCH: u32 = 2;
+const CAP_SYS_PTRACE: u32 = 19;
+const CAP_PERFMON: u32 = 38;
+const CAP_BPF: u32 = 39;
+const CAP_CHECKPOINT_RESTORE: u32 = 40;
+
+/// `_LINUX_CAPABILITY_VERSION_3` of linux/capability.h: two 32-bit words per set.
+const CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// The three sets, 64 bits each.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sets {
+    pub effective: u64,
+    pub permitted: u64,
+    pub inheritable: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{call} failed: {source}")]
+pub struct CapsError {
+    call: &'static str,
+    source: std::io::Error,
+}
+
+/// The mask of the kept capabilities.
+pub fn kept_mask() -> u64 {
+    KEPT.iter().fold(0, |mask, (cap, _)| mask | (1 << cap))
+}
+
+/// Names of the capabilities in `mask` (numbers for those we do not name).
+pub struct Names(pub u64);
+
+impl fmt::Display for Names {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        for bit in (0..64).filter(|bit| self.0 & (1 << bit) != 0) {
+            if !first {
+                f.write_str(",")?;
+            }
+            first = false;
+            match KEPT.iter().find(|(cap, _)| *cap == bit) {
+                Some((_, name)) => f.write_str(name)?,
+                None => write!(f, "{bit}")?,
+            }
+        }
+        if first {
+            f.write_str("none")?;
+        }
+        Ok(())
+    }
+}
+
+fn get() -> Result<Sets, CapsError> {
+    let mut header = CapHeader {
+        version: CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: capget(2) with a version-3 header and room for its two data words.
+    let result = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+    if result != 0 {
+        return Err(CapsError {
+            call: "capget",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    let join = |field: fn(&CapData) -> u32| {
+        u64::from(field(&data[0])) | (u64::from(field(&data[1])) << 32)
+    };
+    Ok(Sets {
+        effective: join(|d| d.effective),
+        permitted: join(|d| d.permitted),
+        inheritable: join(|d| d.inheritable),
+    })
+}
+
+fn set(sets: Sets) -> Result<(), CapsError> {
+    let mut header = CapHeader {
+        version: CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let split = |mask: u64| (mask as u32, (mask >> 32) as u32);
+    let (effective, permitted, inheritable) = (
+        split(sets.effective),
+        split(sets.permitted),
+        split(sets.inheritable),
+    );
+    let data = [
+        CapData {
+            effective: effective.0,
+            permitted: permitted.0,
+            inheritable: inheritable.0,
+        },
+        CapData {
+            effective: effective.1,
+            permitted: permitted.1,
+            inheritable: inheritable.1,
+        },
+    ];
+    // SAFETY: capset(2) on this thread with a version-3 header and two data words.
+    let result = unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) };
+    if result != 0 {
+        return Err(CapsError {
+            call: "capset",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// Drops every capability but [`KEPT`] from the calling thread; returns the sets
+/// before and after. Threads started later inherit the reduced sets, so this runs
+/// before any other thread starts (tokio's are started before `run`: see `main`).
+pub fn drop_unneeded() -> Result<(Sets, Sets), CapsError> {
+    let before = get()?;
+    let keep = kept_mask();
+    let after = Sets {
+        effective: before.effective & keep,
+        permitted: before.permitted & keep,
+        inheritable: 0,
+    };
+    if after != before {
+        set(after)?;
+    }
+    Ok((before, get()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kept_set_is_named() {
+        assert_eq!(
+            Names(kept_mask()).to_string(),
+            "CAP_DAC_READ_SEARCH,CAP_SYS_PTRACE,CAP_PERFMON,CAP_BPF,CAP_CHECKPOINT_RESTORE"
+        );
+        assert_eq!(Names(1 << 21 | 1 << 39).to_string(), "21,CAP_BPF");
+        assert_eq!(Names(0).to_string(), "none");
+    }
+}
