@@ -19,8 +19,17 @@ pub const KEPT: [(u32, &str); 5] = [
     (CAP_CHECKPOINT_RESTORE, "CAP_CHECKPOINT_RESTORE"),
 ];
 
+/// Kept if held: kernel frames are symbolized from /proc/kallsyms at every snapshot.
+pub const OPTIONAL: [(u32, &str); 1] = [(CAP_SYSLOG, "CAP_SYSLOG")];
+
+/// Kept if held and `probes.lock_uprobes` names a service: the kernel refuses uprobe
+/// perf events to `CAP_PERFMON` alone, and they are attached as processes appear.
+pub const FOR_LOCK_UPROBES: (u32, &str) = (CAP_SYS_ADMIN, "CAP_SYS_ADMIN");
+
 const CAP_DAC_READ_SEARCH: u32 = 2;
 const CAP_SYS_PTRACE: u32 = 19;
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_SYSLOG: u32 = 34;
 const CAP_PERFMON: u32 = 38;
 const CAP_BPF: u32 = 39;
 const CAP_CHECKPOINT_RESTORE: u32 = 40;
@@ -57,9 +66,14 @@ pub struct CapsError {
     source: std::io::Error,
 }
 
-/// The mask of the kept capabilities.
-pub fn kept_mask() -> u64 {
-    KEPT.iter().fold(0, |mask, (cap, _)| mask | (1 << cap))
+/// The mask of the capabilities kept: [`KEPT`], [`OPTIONAL`], and
+/// [`FOR_LOCK_UPROBES`] if `lock_uprobes`.
+pub fn kept_mask(lock_uprobes: bool) -> u64 {
+    let wanted = KEPT
+        .iter()
+        .chain(&OPTIONAL)
+        .chain(lock_uprobes.then_some(&FOR_LOCK_UPROBES));
+    wanted.fold(0, |mask, (cap, _)| mask | (1 << cap))
 }
 
 /// Names of the capabilities in `mask` (numbers for those we do not name).
@@ -73,7 +87,8 @@ impl fmt::Display for Names {
                 f.write_str(",")?;
             }
             first = false;
-            match KEPT.iter().find(|(cap, _)| *cap == bit) {
+            let named = KEPT.iter().chain(&OPTIONAL).chain([&FOR_LOCK_UPROBES]);
+            match named.into_iter().find(|(cap, _)| *cap == bit) {
                 Some((_, name)) => f.write_str(name)?,
                 None => write!(f, "{bit}")?,
             }
@@ -143,12 +158,12 @@ fn set(sets: Sets) -> Result<(), CapsError> {
     Ok(())
 }
 
-/// Drops every capability but [`KEPT`] from the calling thread; returns the sets
-/// before and after. Threads started later inherit the reduced sets, so this runs
-/// before any other thread starts (tokio's are started before `run`: see `main`).
-pub fn drop_unneeded() -> Result<(Sets, Sets), CapsError> {
+/// Drops every capability but [`kept_mask`]'s from the calling thread; returns the
+/// sets before and after. Threads started later inherit the reduced sets, so this
+/// runs before any other thread starts (see `run`).
+pub fn drop_unneeded(lock_uprobes: bool) -> Result<(Sets, Sets), CapsError> {
     let before = get()?;
-    let keep = kept_mask();
+    let keep = kept_mask(lock_uprobes);
     let after = Sets {
         effective: before.effective & keep,
         permitted: before.permitted & keep,
@@ -167,10 +182,16 @@ mod tests {
     #[test]
     fn the_kept_set_is_named() {
         assert_eq!(
-            Names(kept_mask()).to_string(),
-            "CAP_DAC_READ_SEARCH,CAP_SYS_PTRACE,CAP_PERFMON,CAP_BPF,CAP_CHECKPOINT_RESTORE"
+            Names(kept_mask(false)).to_string(),
+            "CAP_DAC_READ_SEARCH,CAP_SYS_PTRACE,CAP_SYSLOG,CAP_PERFMON,CAP_BPF,\
+             CAP_CHECKPOINT_RESTORE"
         );
-        assert_eq!(Names(1 << 21 | 1 << 39).to_string(), "21,CAP_BPF");
+        assert_eq!(
+            kept_mask(true) & !kept_mask(false),
+            1 << CAP_SYS_ADMIN,
+            "lock uprobes keep CAP_SYS_ADMIN"
+        );
+        assert_eq!(Names(1 << 12 | 1 << 39).to_string(), "12,CAP_BPF");
         assert_eq!(Names(0).to_string(), "none");
     }
 }

@@ -130,7 +130,7 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
     let listener = std::net::TcpListener::bind(settings.listen_address)
         .with_context(|| format!("cannot listen on {}", settings.listen_address))?;
     listener.set_nonblocking(true)?;
-    match caps::drop_unneeded() {
+    match caps::drop_unneeded(!settings.lock_uprobes.is_empty()) {
         Ok((before, after)) if before != after => tracing::info!(
             kept = %caps::Names(after.permitted),
             dropped = %caps::Names(before.permitted & !after.permitted),
