@@ -736,7 +736,7 @@ fn validate_target(
 mod tests {
     use super::*;
 
-    fn load_toml(toml: &str) -> Result<Settings, ConfigError> {
+    pub(super) fn load_toml(toml: &str) -> Result<Settings, ConfigError> {
         let dir = tempfile::tempdir().map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let path = dir.path().join("poolscope.toml");
         std::fs::write(&path, toml).map_err(|e| ConfigError::Invalid(e.to_string()))?;
@@ -931,17 +931,7 @@ mod tests {
 mod properties {
     use proptest::prelude::*;
 
-    use super::*;
-
-    fn load_toml(toml: &str) -> Result<Settings, ConfigError> {
-        let dir = tempfile::tempdir().map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        let path = dir.path().join("fuzz.toml");
-        std::fs::write(&path, toml).map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        Settings::load(&Overrides {
-            config_file: Some(path),
-            ..Overrides::default()
-        })
-    }
+    use super::tests::load_toml;
 
     const LIMITS: [&str; 13] = [
         "max_series",

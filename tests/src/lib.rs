@@ -697,6 +697,16 @@ pub fn workers_line(tids: &[i64]) -> String {
     format!("workers {}", tids.join(","))
 }
 
+/// Resident memory of `pid` in kB (`VmRSS`).
+pub fn rss_kb(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmRSS in /proc/{pid}/status"))
+}
+
 /// Names the calling thread (`PR_SET_NAME` takes any bytes but NUL).
 pub fn name_this_thread(name: &[u8]) -> std::io::Result<()> {
     let mut bytes = name.to_vec();

@@ -7,7 +7,7 @@ use std::{collections::BTreeSet, time::Duration};
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, Program,
     load::{ClosedLoop, Connections},
-    one_at_a_time, pids_config, privileged, scrape_until, wait_until,
+    one_at_a_time, pids_config, privileged, rss_kb, scrape_until, wait_until,
 };
 
 /// Every series of a scrape but the exporter's own (whose values and, for BPF run
@@ -34,16 +34,6 @@ fn value(metrics: &Metrics, name: &str, labels: &[(&str, &str)]) -> f64 {
 /// The `map_entries` of `map`.
 fn entries(metrics: &Metrics, map: &str) -> f64 {
     value(metrics, "poolscope_map_entries", &[("map", map)])
-}
-
-/// Resident memory of `pid` in kB.
-fn rss_kb(pid: u32) -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("no VmRSS in /proc/{pid}/status"))
 }
 
 #[test]

@@ -12,18 +12,8 @@ use poolscope_tests::{
     load::{ClosedLoop, Connections},
     one_at_a_time, privileged,
     profiles::http_get,
-    scrape_until,
+    rss_kb, scrape_until,
 };
-
-/// Resident memory of `pid` in kB (`VmRSS`).
-fn rss_kb(pid: u32) -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("no VmRSS in /proc/{pid}/status"))
-}
 
 /// What the scrapers got back.
 #[derive(Debug, Default)]
