@@ -1,6 +1,7 @@
 //! Least privilege at run time: once the kernel programs are loaded and attached,
 //! poolscope keeps only the capabilities it still uses and drops the rest from its
-//! effective, permitted and inheritable sets for good. Started as root (a container,
+//! effective, permitted and inheritable sets for good (under the systemd unit there
+//! is nothing to drop). Started as root (a container,
 //! a shell), it then runs with what the systemd unit grants and nothing more.
 use std::fmt;
 
@@ -167,7 +168,9 @@ pub fn drop_unneeded(lock_uprobes: bool) -> Result<(Sets, Sets), CapsError> {
     let after = Sets {
         effective: before.effective & keep,
         permitted: before.permitted & keep,
-        inheritable: 0,
+        // Lowering it would clear the ambient set, which the unit grants on purpose
+        // (and nothing is exec'd); only what is not kept goes.
+        inheritable: before.inheritable & keep,
     };
     if after != before {
         set(after)?;

@@ -441,3 +441,53 @@ fn soak() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn a_full_watch_map_is_counted_for_a_forked_child_and_recovers() -> anyhow::Result<()> {
+    if !privileged("a_full_watch_map_is_counted_for_a_forked_child_and_recovers") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let mut server = poolscope_tests::TestServer::start(16)?;
+    let service = "forky-full";
+    let config = format!(
+        "[limits]\nwatched_processes = 1\ndegraded_for = \"2s\"\n{}",
+        pids_config(service, &[server.pid()])
+    );
+    let mut poolscope = Poolscope::start(&config)?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
+    })?;
+    let answer = server.command("fork")?;
+    let child: i32 = answer
+        .strip_prefix("child ")
+        .and_then(|pid| pid.trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("testserver said {answer:?}"))?;
+    let full = [("map", "WATCHED"), ("errno", "E2BIG")];
+    let during = scrape_until(&poolscope, |m| {
+        m.value("poolscope_map_update_errors_total", &full)
+            .is_some_and(|errors| errors >= 1.0)
+    })?;
+    assert_eq!(entries(&during, "WATCHED"), 1.0);
+    assert_eq!(during.value("poolscope_degraded", &[]), Some(1.0));
+    let health = poolscope.get("/healthz")?;
+    assert!(
+        health.contains("raise limits.watched_processes"),
+        "{health}"
+    );
+
+    // The child goes: nothing more fails to fit, and poolscope is healthy again.
+    // SAFETY: kill(2) on the test server's child, whose pid it just told us.
+    unsafe { libc::kill(child, libc::SIGKILL) };
+    let recovered = scrape_until(&poolscope, |m| {
+        m.value("poolscope_degraded", &[]) == Some(0.0)
+    })?;
+    eprintln!(
+        "WATCHED of 1, a fork: {} failed inserts, degraded, then healthy",
+        value(&recovered, "poolscope_map_update_errors_total", &full)
+    );
+    assert_eq!(poolscope.get("/healthz")?, "ok\n");
+    let log = poolscope.stop_and_log();
+    assert!(log.contains("raise limits.watched_processes"), "{log}");
+    Ok(())
+}
