@@ -20,6 +20,7 @@ pub mod stacks;
 pub mod symbolize;
 pub mod targets;
 pub mod web;
+pub mod webconfig;
 pub mod window;
 
 use std::{sync::Arc, time::Duration};
