@@ -10,6 +10,7 @@ pub mod encode;
 pub mod exporter;
 pub mod ids;
 pub mod kernel;
+pub mod listener;
 pub mod locks;
 pub mod pools;
 pub mod procfs;
