@@ -1,6 +1,7 @@
 //! poolscope: a Prometheus exporter for queue depth, thread pools and request timing
 //! of every network service on a Linux host, from eBPF. `run` wires the pieces:
-//! config → kernel programs → discovery → HTTP, plus signals (SIGHUP reloads,
+//! config → kernel programs → discovery → HTTP (plain or TLS and basic auth, per
+//! `--web.config.file`), plus signals (SIGHUP reloads both configurations,
 //! SIGTERM/SIGINT stop and detach every probe).
 pub mod btf;
 pub mod collect;
@@ -94,6 +95,9 @@ fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
 pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     let settings = Settings::load(&overrides)?;
     let log = init_logging(settings.log_level);
+    let web_config = Arc::new(webconfig::WebState::load(
+        overrides.web_config_file.as_deref(),
+    )?);
 
     let sizes = MapSizes {
         watched_processes: settings.watched_processes,
@@ -141,11 +145,29 @@ pub async fn run(overrides: Overrides) -> anyhow::Result<()> {
     tokio::spawn(stack_loop(exporter.clone()));
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
-    spawn_signal_thread(exporter.clone(), overrides, log, rescan_now, shutdown_tx)?;
+    spawn_signal_thread(
+        exporter.clone(),
+        overrides,
+        log,
+        web_config.clone(),
+        rescan_now,
+        shutdown_tx,
+    )?;
 
-    tracing::info!(address = %listener.local_addr()?, "serving /metrics");
+    tracing::info!(
+        address = %listener.local_addr()?,
+        web = web_config.current().summary(),
+        "serving /metrics"
+    );
     let gate = Arc::new(web::ScrapeGate::new(scrapes));
-    let app = web::app(exporter.clone(), gate, debug_access);
+    let app = web::app(exporter.clone(), gate.clone(), debug_access).layer(
+        axum::middleware::from_fn_with_state(web_config.clone(), webconfig::authorize),
+    );
+    // The no-op tap makes axum give handlers the client's address (listener.rs).
+    let listener = axum::serve::ListenerExt::tap_io(
+        listener::Listener::spawn(listener, web_config, gate, listener::HANDSHAKE_TIMEOUT)?,
+        |_| {},
+    );
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
@@ -274,6 +296,7 @@ fn spawn_signal_thread(
     exporter: Arc<Exporter>,
     overrides: Overrides,
     log: LogHandle,
+    web_config: Arc<webconfig::WebState>,
     rescan_now: Arc<Notify>,
     shutdown: tokio::sync::oneshot::Sender<()>,
 ) -> anyhow::Result<()> {
@@ -291,6 +314,7 @@ fn spawn_signal_thread(
                     return;
                 }
                 reload(&exporter, &overrides, &log);
+                web_config.reload();
                 rescan_now.notify_one();
             }
         })
