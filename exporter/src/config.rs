@@ -281,6 +281,9 @@ pub struct Overrides {
     pub config_file: Option<PathBuf>,
     pub listen_address: Option<String>,
     pub log_level: Option<String>,
+    /// `--web.config.file`: TLS and basic auth (`webconfig.rs`), not part of the TOML
+    /// configuration.
+    pub web_config_file: Option<PathBuf>,
 }
 
 /// A refused configuration.
@@ -915,6 +918,7 @@ mod tests {
             config_file: Some(path),
             listen_address: Some("127.0.0.1:2".into()),
             log_level: Some("debug".into()),
+            ..Overrides::default()
         })?;
         assert_eq!(settings.listen_address.port(), 2);
         assert_eq!(

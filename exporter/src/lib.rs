@@ -1,6 +1,7 @@
 //! poolscope: a Prometheus exporter for queue depth, thread pools and request timing
 //! of every network service on a Linux host, from eBPF. `run` wires the pieces:
-//! config → kernel programs → discovery → HTTP, plus signals (SIGHUP reloads,
+//! config → kernel programs → discovery → HTTP (plain or TLS and basic auth, per
+//! `--web.config.file`), plus signals (SIGHUP reloads both configurations,
 //! SIGTERM/SIGINT stop and detach every probe).
 pub mod btf;
 pub mod caps;
@@ -12,6 +13,7 @@ pub mod exporter;
 pub mod health;
 pub mod ids;
 pub mod kernel;
+pub mod listener;
 pub mod locks;
 pub mod pools;
 pub mod procfs;
@@ -22,6 +24,7 @@ pub mod stacks;
 pub mod symbolize;
 pub mod targets;
 pub mod web;
+pub mod webconfig;
 pub mod window;
 
 use std::{sync::Arc, time::Duration};
@@ -96,6 +99,9 @@ fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
 pub fn run(overrides: Overrides) -> anyhow::Result<()> {
     let settings = Settings::load(&overrides)?;
     let log = init_logging(settings.log_level);
+    let web_config = Arc::new(webconfig::WebState::load(
+        overrides.web_config_file.as_deref(),
+    )?);
 
     let sizes = MapSizes {
         watched_processes: settings.watched_processes,
@@ -143,7 +149,9 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?
-        .block_on(serve(settings, kernel, events, listener, overrides, log))
+        .block_on(serve(
+            settings, kernel, events, listener, web_config, overrides, log,
+        ))
 }
 
 /// Watches, follows and serves until SIGTERM or SIGINT.
@@ -152,6 +160,7 @@ async fn serve(
     kernel: Kernel,
     events: ProcessEvents,
     listener: std::net::TcpListener,
+    web_config: Arc<webconfig::WebState>,
     overrides: Overrides,
     log: LogHandle,
 ) -> anyhow::Result<()> {
@@ -169,11 +178,29 @@ async fn serve(
     tokio::spawn(stack_loop(exporter.clone()));
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
-    spawn_signal_thread(exporter.clone(), overrides, log, rescan_now, shutdown_tx)?;
+    spawn_signal_thread(
+        exporter.clone(),
+        overrides,
+        log,
+        web_config.clone(),
+        rescan_now,
+        shutdown_tx,
+    )?;
 
-    tracing::info!(address = %listener.local_addr()?, "serving /metrics");
+    tracing::info!(
+        address = %listener.local_addr()?,
+        web = web_config.current().summary(),
+        "serving /metrics"
+    );
     let gate = Arc::new(web::ScrapeGate::new(scrapes));
-    let app = web::app(exporter.clone(), gate, debug_access);
+    let app = web::app(exporter.clone(), gate.clone(), debug_access).layer(
+        axum::middleware::from_fn_with_state(web_config.clone(), webconfig::authorize),
+    );
+    // The no-op tap makes axum give handlers the client's address (listener.rs).
+    let listener = axum::serve::ListenerExt::tap_io(
+        listener::Listener::spawn(listener, web_config, gate, listener::HANDSHAKE_TIMEOUT)?,
+        |_| {},
+    );
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
@@ -303,6 +330,7 @@ fn spawn_signal_thread(
     exporter: Arc<Exporter>,
     overrides: Overrides,
     log: LogHandle,
+    web_config: Arc<webconfig::WebState>,
     rescan_now: Arc<Notify>,
     shutdown: tokio::sync::oneshot::Sender<()>,
 ) -> anyhow::Result<()> {
@@ -320,6 +348,7 @@ fn spawn_signal_thread(
                     return;
                 }
                 reload(&exporter, &overrides, &log);
+                web_config.reload();
                 rescan_now.notify_one();
             }
         })

@@ -17,10 +17,14 @@ struct Cli {
     /// Address to serve /metrics on (default 127.0.0.1:9435).
     #[arg(long = "web.listen-address")]
     web_listen_address: Option<String>,
+    /// Web configuration file (YAML, Prometheus exporter-toolkit format): TLS,
+    /// client certificates, basic auth.
+    #[arg(long = "web.config.file", env = "POOLSCOPE_WEB_CONFIG_FILE")]
+    web_config_file: Option<PathBuf>,
     /// error, warn, info, debug or trace.
     #[arg(long = "log.level")]
     log_level: Option<String>,
-    /// Only check the configuration (file, environment, flags) and exit.
+    /// Only check the configuration (file, environment, flags, web config file) and exit.
     #[arg(long = "config.check")]
     config_check: bool,
 }
@@ -33,11 +37,20 @@ fn main() -> ExitCode {
         config_file: cli.config_file,
         listen_address: cli.web_listen_address,
         log_level: cli.log_level,
+        web_config_file: cli.web_config_file,
     };
     if cli.config_check {
-        return match poolscope::config::Settings::load(&overrides) {
-            Ok(_) => {
-                println!("poolscope: configuration is valid");
+        let checked = poolscope::config::Settings::load(&overrides)
+            .map_err(|error| error.to_string())
+            .and_then(|_| match &overrides.web_config_file {
+                Some(path) => poolscope::webconfig::WebConfig::load(path)
+                    .map(|web| format!(", web config file: {}", web.summary()))
+                    .map_err(|error| error.to_string()),
+                None => Ok(String::new()),
+            });
+        return match checked {
+            Ok(web) => {
+                println!("poolscope: configuration is valid{web}");
                 ExitCode::SUCCESS
             }
             Err(error) => {

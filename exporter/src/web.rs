@@ -12,6 +12,10 @@
 //! before it gets 503; both refusals are counted in `scrapes_refused_total`.
 //!
 //! `/debug/*` answers only loopback clients by default (`web.debug_endpoints`).
+//!
+//! The gate also counts the listener's failed TLS handshakes
+//! (`tls_handshake_errors_total`), so that every web-level counter comes out of one
+//! place at each scrape.
 use std::{
     sync::{
         Arc,
@@ -147,6 +151,17 @@ pub struct ScrapeGate {
     permits: Arc<tokio::sync::Semaphore>,
     refused_busy: AtomicU64,
     refused_timeout: AtomicU64,
+    tls_failed: AtomicU64,
+    tls_timed_out: AtomicU64,
+}
+
+/// Why a TLS handshake failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandshakeError {
+    /// The client did not finish within the handshake timeout.
+    Timeout,
+    /// Anything else: not TLS, no shared version or suite, a refused certificate.
+    Failed,
 }
 
 impl ScrapeGate {
@@ -156,7 +171,27 @@ impl ScrapeGate {
             permits: Arc::new(tokio::sync::Semaphore::new(limits.max_concurrent as usize)),
             refused_busy: AtomicU64::new(0),
             refused_timeout: AtomicU64::new(0),
+            tls_failed: AtomicU64::new(0),
+            tls_timed_out: AtomicU64::new(0),
         }
+    }
+
+    /// Counts a failed TLS handshake of the listener.
+    pub fn count_handshake_error(&self, error: HandshakeError) {
+        let counter = match error {
+            HandshakeError::Timeout => &self.tls_timed_out,
+            HandshakeError::Failed => &self.tls_failed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Failed TLS handshakes counted so far, for one reason.
+    pub fn handshake_errors(&self, error: HandshakeError) -> u64 {
+        match error {
+            HandshakeError::Timeout => &self.tls_timed_out,
+            HandshakeError::Failed => &self.tls_failed,
+        }
+        .load(Ordering::Relaxed)
     }
 
     /// How long a scrape may take: the scraper's timeout less the offset (all of it
@@ -175,20 +210,35 @@ impl ScrapeGate {
         }
     }
 
-    fn families(&self) -> Family {
-        Family::new(
-            "scrapes_refused",
-            Kind::Counter,
-            "Scrapes of /metrics answered 503: too many at once (web.max_concurrent_scrapes) or past their timeout.",
-        )
-        .with(
-            &[("reason", "concurrency")],
-            self.refused_busy.load(Ordering::Relaxed) as f64,
-        )
-        .with(
-            &[("reason", "timeout")],
-            self.refused_timeout.load(Ordering::Relaxed) as f64,
-        )
+    fn families(&self) -> [Family; 2] {
+        [
+            Family::new(
+                "scrapes_refused",
+                Kind::Counter,
+                "Scrapes of /metrics answered 503: too many at once (web.max_concurrent_scrapes) or past their timeout.",
+            )
+            .with(
+                &[("reason", "concurrency")],
+                self.refused_busy.load(Ordering::Relaxed) as f64,
+            )
+            .with(
+                &[("reason", "timeout")],
+                self.refused_timeout.load(Ordering::Relaxed) as f64,
+            ),
+            Family::new(
+                "tls_handshake_errors",
+                Kind::Counter,
+                "TLS handshakes of the listener (--web.config.file) that failed or timed out; the connection was closed.",
+            )
+            .with(
+                &[("reason", "failed")],
+                self.tls_failed.load(Ordering::Relaxed) as f64,
+            )
+            .with(
+                &[("reason", "timeout")],
+                self.tls_timed_out.load(Ordering::Relaxed) as f64,
+            ),
+        ]
     }
 }
 
@@ -275,7 +325,7 @@ async fn metrics(
     let work = tokio::task::spawn_blocking(move || {
         let _permit = permit;
         let mut families = gatherer.gather();
-        families.push(counters.families());
+        families.extend(counters.families());
         render(&families, format)
     });
     match tokio::time::timeout(deadline, work).await {

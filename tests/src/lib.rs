@@ -145,6 +145,28 @@ impl Poolscope {
 
     /// Like `start`, through a wrapper command that execs it (e.g. setpriv ...).
     pub fn start_wrapped(config: &str, wrapper: &[String]) -> anyhow::Result<Self> {
+        Self::launch(config, wrapper, &[], |poolscope| {
+            poolscope.get("/healthz").is_ok()
+        })
+    }
+
+    /// Like `start`, with more command-line arguments (e.g. `--web.config.file`), and
+    /// serving once `ready` says so (a plain-HTTP GET of /healthz may not be
+    /// answered then).
+    pub fn start_with(
+        config: &str,
+        args: &[String],
+        ready: impl FnMut(&Self) -> bool,
+    ) -> anyhow::Result<Self> {
+        Self::launch(config, &[], args, ready)
+    }
+
+    fn launch(
+        config: &str,
+        wrapper: &[String],
+        args: &[String],
+        mut ready: impl FnMut(&Self) -> bool,
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let config_path = dir.path().join("poolscope.toml");
         std::fs::write(&config_path, config)?;
@@ -165,6 +187,7 @@ impl Poolscope {
             .arg(format!("127.0.0.1:{port}"))
             .arg("--log.level")
             .arg("info")
+            .args(args)
             .stderr(Stdio::piped())
             .spawn()
             .context("starting poolscope (build it first: cargo build --bins)")?;
@@ -175,9 +198,9 @@ impl Poolscope {
             _dir: dir,
         };
         let serving = wait_until(Duration::from_secs(30), || {
-            poolscope.get("/healthz").is_ok() || !matches!(poolscope.child.try_wait(), Ok(None))
+            ready(&poolscope) || !matches!(poolscope.child.try_wait(), Ok(None))
         });
-        if !serving || poolscope.get("/healthz").is_err() {
+        if !serving || !ready(&poolscope) {
             let log = poolscope.stop_and_log();
             bail!("poolscope did not serve within 30 s:\n{log}");
         }
