@@ -170,7 +170,8 @@ pub struct WebConfig {
     pub tls: Option<Tls>,
     /// User name → bcrypt hash; empty: no basic auth.
     users: BTreeMap<String, String>,
-    /// Verified for unknown users, so that they take as long as known ones.
+    /// Verified for unknown users (the result ignored), so that they take as long
+    /// as known ones: the hash of the costliest user.
     dummy_hash: String,
     headers: Vec<(HeaderName, HeaderValue)>,
 }
@@ -278,7 +279,7 @@ fn validate(raw: RawWebConfig, file: &File<'_>) -> Result<WebConfig, WebConfigEr
         None => Vec::new(),
     };
     let users = raw.basic_auth_users.unwrap_or_default();
-    let mut highest_cost = None;
+    let mut costliest: Option<(u32, &String)> = None;
     for (user, hash) in &users {
         let key = format!("basic_auth_users.{user}");
         if user.is_empty() || user.contains(':') {
@@ -296,13 +297,11 @@ fn validate(raw: RawWebConfig, file: &File<'_>) -> Result<WebConfig, WebConfigEr
                 ),
             )
         })?;
-        highest_cost = highest_cost.max(Some(parts.get_cost()));
+        if costliest.is_none_or(|(cost, _)| parts.get_cost() > cost) {
+            costliest = Some((parts.get_cost(), hash));
+        }
     }
-    let dummy_hash = match highest_cost {
-        Some(cost) => bcrypt::hash("poolscope: no such user", cost)
-            .map_err(|error| file.invalid("basic_auth_users", error))?,
-        None => String::new(),
-    };
+    let dummy_hash = costliest.map(|(_, hash)| hash.clone()).unwrap_or_default();
     Ok(WebConfig {
         tls,
         users,
