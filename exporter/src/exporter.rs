@@ -64,7 +64,6 @@ struct Shared {
 }
 
 impl Shared {
-    /// Brings the thread pools and lock probes in step with the watched set.
     /// Every loss counter now; `kernel` is the kernel side's (read by the caller).
     fn losses(
         &self,
@@ -83,6 +82,7 @@ impl Shared {
         })
     }
 
+    /// Brings the thread pools and lock probes in step with the watched set.
     fn follow_watch_changes(&mut self, procfs_root: &Path) {
         for change in self.targets.take_changes() {
             match change {
@@ -133,7 +133,12 @@ pub enum ScanError {
 impl Exporter {
     pub fn new(kernel: Kernel, settings: Settings) -> Self {
         let probes = kernel.probes().to_vec();
-        let health = HealthTracker::new(settings.degraded_for);
+        // Map sizes are fixed at load: the advice names them.
+        let capacities = health::ADVISED_MAPS
+            .iter()
+            .filter_map(|&map| Some((map, kernel.capacity(map)?.into())))
+            .collect();
+        let health = HealthTracker::new(settings.degraded_for, capacities);
         let procfs_root = settings.procfs_root.clone();
         let targets = Targets::new(procfs_root.clone(), settings.max_services);
         let pools = Pools::new(
@@ -259,10 +264,7 @@ impl Exporter {
             self.series_dropped.load(Ordering::Relaxed),
             &self.probes,
         );
-        self.health_tracker()
-            .observe(Instant::now(), &losses, |map| {
-                shared.kernel.capacity(map).map(u64::from)
-            });
+        self.health_tracker().observe(Instant::now(), &losses);
     }
 
     /// Samples every pool's totals for the utilization window, and names threads the
@@ -323,24 +325,22 @@ impl Exporter {
         }
         let keys: Vec<_> = counts.iter().map(|(key, _)| *key).collect();
         shared.kernel.clear_stacks(generation, &keys);
-        let service_name = |id: u32| {
-            shared
-                .targets
-                .service_name(id)
-                .unwrap_or_default()
-                .to_owned()
-        };
+        // A pool or process whose service is gone already (its process exited since
+        // the last sample) is left out rather than named "": `RecentNames` then gives
+        // the name it had, as for a pool forgotten already. (Named "", the blocks of
+        // its last seconds went to no service: one snapshot's worth, in CI.)
+        let service_name = |id: u32| shared.targets.service_name(id).map(str::to_owned);
         let pools = shared
             .pools
             .views()
             .into_iter()
-            .map(|view| (view.id, (service_name(view.service), view.name)))
+            .filter_map(|view| Some((view.id, (service_name(view.service)?, view.name))))
             .collect();
         let processes = shared
             .kernel
             .watched_pids()
             .into_iter()
-            .map(|(pid, watch)| (pid, service_name(watch.service)))
+            .filter_map(|(pid, watch)| Some((pid, service_name(watch.service)?)))
             .collect();
         // Mappings are read by `RecentNames::complete`, outside the lock.
         Drained {
@@ -944,9 +944,13 @@ impl Gatherer for Exporter {
                 loss.value = series_dropped;
             }
         }
-        // Also sees the series this scrape dropped.
-        self.check_health();
-        let degraded = self.health_tracker().last().degraded();
+        // With the series this scrape dropped; without the kernel's counters a rise
+        // would be misread, so the last health stands.
+        let degraded = match &kernel {
+            Some(_) => self.health_tracker().observe(Instant::now(), &losses),
+            None => self.health_tracker().last().clone(),
+        }
+        .degraded();
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
             backend: backend.name(),

@@ -501,16 +501,28 @@ fn serving_blocks_are_recorded_by_default() -> anyhow::Result<()> {
         {
             return false;
         }
-        offcpu = all
-            .iter()
-            .filter(|s| ended(s) >= start_unix)
-            .filter_map(|s| {
-                let path = format!("/debug/stacks/offcpu?service=pool&snapshot={}", s["id"]);
-                poolscope.get(&path).ok()
-            })
-            .filter_map(|text| parse_folded(&text).ok())
-            .flatten()
-            .collect();
+        offcpu.clear();
+        for snapshot in all.iter().filter(|s| ended(s) >= start_unix) {
+            let path = format!(
+                "/debug/stacks/offcpu?service=pool&snapshot={}",
+                snapshot["id"]
+            );
+            let Some(folded) = poolscope
+                .get(&path)
+                .ok()
+                .and_then(|t| parse_folded(&t).ok())
+            else {
+                continue;
+            };
+            println!(
+                "snapshot {} {:.3}..{:.3} (load {start_unix:.3}..{done_unix:.3}): {} µs",
+                snapshot["id"],
+                snapshot["started_unix_seconds"].as_f64().unwrap_or(0.0),
+                ended(snapshot),
+                folded.iter().map(|(_, weight)| weight).sum::<u64>()
+            );
+            offcpu.extend(folded);
+        }
         true
     });
     anyhow::ensure!(settled, "no snapshot ended after the load");
