@@ -83,7 +83,7 @@ pub struct LossInputs<'a> {
 /// `E2BIG` included, so that a first rise shows in `increase()`), other errnos once
 /// they happen; user space's and the kernel's failures on one map are summed.
 pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
-    let mut counts: BTreeMap<LossKind, u64> = INSERTED_MAPS
+    let mut counts: BTreeMap<LossKind, u64> = ADVISED_MAPS
         .iter()
         .map(|&map| {
             let kind = LossKind::MapUpdate {
@@ -254,8 +254,9 @@ fn limit_of(map: &str) -> Option<&'static str> {
 }
 
 /// The maps user space or the kernel inserts into, whose `E2BIG` (full) counter is
-/// always exported so that its first rise shows in `increase()`.
-pub const INSERTED_MAPS: [&str; 10] = [
+/// always exported so that its first rise shows in `increase()`; the advice gives
+/// their sizes.
+pub const ADVISED_MAPS: [&str; 10] = [
     maps::CONNS,
     maps::LISTEN_PORTS,
     maps::LOCKS,
@@ -325,14 +326,17 @@ pub struct HealthTracker {
     counters: HashMap<LossKind, (u64, Option<Instant>)>,
     /// The last observation (what `/healthz` shows).
     last: Health,
+    /// Each map's size, for the advice.
+    capacities: BTreeMap<&'static str, u64>,
 }
 
 impl HealthTracker {
-    pub fn new(degraded_for: Duration) -> Self {
+    pub fn new(degraded_for: Duration, capacities: BTreeMap<&'static str, u64>) -> Self {
         Self {
             degraded_for,
             counters: HashMap::new(),
             last: Health::default(),
+            capacities,
         }
     }
 
@@ -347,13 +351,7 @@ impl HealthTracker {
 
     /// The health given the counters' values at `now`. A counter seen for the first
     /// time counts as risen if above 0: poolscope just started, and it lost already.
-    /// `capacity` gives a map's size for the advice.
-    pub fn observe(
-        &mut self,
-        now: Instant,
-        losses: &[Loss],
-        capacity: impl Fn(&str) -> Option<u64>,
-    ) -> Health {
+    pub fn observe(&mut self, now: Instant, losses: &[Loss]) -> Health {
         let mut causes = Vec::new();
         for loss in losses {
             if !loss.kind.degrades() {
@@ -371,7 +369,7 @@ impl HealthTracker {
             };
             if active {
                 let map_capacity = match &loss.kind {
-                    LossKind::MapUpdate { map, .. } => capacity(map),
+                    LossKind::MapUpdate { map, .. } => self.capacities.get(map).copied(),
                     _ => None,
                 };
                 causes.push(Cause {
@@ -430,52 +428,33 @@ mod tests {
     #[test]
     fn a_rising_counter_degrades_until_it_has_been_still_long_enough() {
         let hold = Duration::from_secs(60);
-        let mut tracker = HealthTracker::new(hold);
+        let mut tracker = HealthTracker::new(hold, BTreeMap::from([(maps::CONNS, 1024)]));
         let start = Instant::now();
-        let capacity = |map: &str| (map == maps::CONNS).then_some(1024);
         let at = |seconds| start + Duration::from_secs(seconds);
 
-        assert!(
-            !tracker
-                .observe(at(0), &[loss(CONNS_FULL, 0)], capacity)
-                .degraded()
-        );
-        let health = tracker.observe(at(1), &[loss(CONNS_FULL, 5)], capacity);
+        assert!(!tracker.observe(at(0), &[loss(CONNS_FULL, 0)]).degraded());
+        let health = tracker.observe(at(1), &[loss(CONNS_FULL, 5)]);
         assert_eq!(health.causes.len(), 1);
         assert_eq!(
             health.causes[0].advice,
             "kernel map CONNS is full (capacity 1024): raise limits.connections"
         );
         // Still at 5: degraded until `hold` after the rise, then not.
-        assert!(
-            tracker
-                .observe(at(60), &[loss(CONNS_FULL, 5)], capacity)
-                .degraded()
-        );
-        assert!(
-            !tracker
-                .observe(at(61), &[loss(CONNS_FULL, 5)], capacity)
-                .degraded()
-        );
-        assert!(
-            tracker
-                .observe(at(62), &[loss(CONNS_FULL, 6)], capacity)
-                .degraded()
-        );
+        assert!(tracker.observe(at(60), &[loss(CONNS_FULL, 5)]).degraded());
+        assert!(!tracker.observe(at(61), &[loss(CONNS_FULL, 5)]).degraded());
+        assert!(tracker.observe(at(62), &[loss(CONNS_FULL, 6)]).degraded());
     }
 
     #[test]
     fn a_counter_already_above_zero_at_start_degrades() {
-        let mut tracker = HealthTracker::new(Duration::from_secs(60));
-        let health = tracker.observe(Instant::now(), &[loss(LossKind::SeriesDropped, 3)], |_| {
-            None
-        });
+        let mut tracker = HealthTracker::new(Duration::from_secs(60), BTreeMap::new());
+        let health = tracker.observe(Instant::now(), &[loss(LossKind::SeriesDropped, 3)]);
         assert!(health.degraded());
     }
 
     #[test]
     fn gauges_degrade_while_above_zero_and_expired_stacks_never() {
-        let mut tracker = HealthTracker::new(Duration::from_secs(60));
+        let mut tracker = HealthTracker::new(Duration::from_secs(60), BTreeMap::new());
         let now = Instant::now();
         let skipped = LossKind::ProbeSkipped {
             probe: "sched/sched_switch".into(),
@@ -486,10 +465,10 @@ mod tests {
             loss(skipped.clone(), 1),
             loss(LossKind::Events(STACKS_EXPIRED), 100),
         ];
-        let health = tracker.observe(now, &losses, |_| None);
+        let health = tracker.observe(now, &losses);
         let kinds: Vec<_> = health.causes.iter().map(|c| c.kind.clone()).collect();
         assert_eq!(kinds, vec![LossKind::ServicesRefused, skipped]);
-        let health = tracker.observe(now, &[loss(LossKind::ServicesRefused, 0)], |_| None);
+        let health = tracker.observe(now, &[loss(LossKind::ServicesRefused, 0)]);
         assert!(!health.degraded());
     }
 
@@ -518,7 +497,10 @@ mod tests {
 
     #[test]
     fn the_report_names_each_series_and_what_to_change() {
-        let mut tracker = HealthTracker::new(Duration::from_secs(300));
+        let mut tracker = HealthTracker::new(
+            Duration::from_secs(300),
+            BTreeMap::from([(maps::CONNS, 64)]),
+        );
         let health = tracker.observe(
             Instant::now(),
             &[
@@ -526,7 +508,6 @@ mod tests {
                 loss(LossKind::ServicesRefused, 1),
                 loss(LossKind::Events(PROCESS_EVENTS), 0),
             ],
-            |_| Some(64),
         );
         assert_eq!(
             health.report(tracker.degraded_for()),

@@ -491,3 +491,42 @@ fn a_full_watch_map_is_counted_for_a_forked_child_and_recovers() -> anyhow::Resu
     assert!(log.contains("raise limits.watched_processes"), "{log}");
     Ok(())
 }
+
+#[test]
+fn a_full_stack_count_map_is_counted_and_spares_the_request_numbers() -> anyhow::Result<()> {
+    if !privileged("a_full_stack_count_map_is_counted_and_spares_the_request_numbers") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let server = PoolServer::start(4, Duration::from_millis(2))?;
+    let service = "sampled";
+    let config = format!(
+        "[limits]\nstack_counts = 1\ndegraded_for = \"2s\"\n{}",
+        pids_config(service, &[server.pid()])
+    );
+    let poolscope = Poolscope::start(&config)?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
+    })?;
+    // Four workers' stacks, on CPU and off: more (stack, pool, reason) keys than one.
+    let clients = ClosedLoop::start(server.port, 8, Connections::KeepAlive);
+    let full = [("map", "STACK_COUNTS"), ("errno", "E2BIG")];
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_map_update_errors_total", &full)
+            .is_some_and(|errors| errors > 0.0)
+    })?;
+    let health = poolscope.get("/healthz")?;
+    assert!(health.contains("raise limits.stack_counts"), "{health}");
+    let made = clients.stop()?.completed;
+    let after = scrape_until(&poolscope, |m| {
+        m.value("poolscope_requests_in_flight", &[("service", service)]) == Some(0.0)
+            && m.value("poolscope_degraded", &[]) == Some(0.0)
+    })?;
+    let counted = value(&after, "poolscope_requests_total", &[("service", service)]);
+    eprintln!(
+        "STACK_COUNTS of 1: {} samples lost; requests counted {counted} of {made}; healthy again",
+        value(&after, "poolscope_map_update_errors_total", &full)
+    );
+    assert_eq!(counted, made as f64);
+    Ok(())
+}
