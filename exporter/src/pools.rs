@@ -313,6 +313,13 @@ impl Pools {
                 tracing::debug!(tid = task.tid, %error, "cannot follow thread");
                 continue;
             }
+            // It may have exited between the listing and the insert, after the kernel
+            // dropped its entry: ours would then stay forever. Checked after the
+            // insert: an exit that begins later finds the entry and drops it.
+            if procfs::task_exiting(&self.procfs_root, pid, task.tid) {
+                kernel.forget_thread(task.tid);
+                continue;
+            }
             let process = main_comm.as_deref().map(|main_comm| (pid, main_comm));
             self.name_thread(kernel, task.tid, service, &task.comm, process);
         }

@@ -50,7 +50,20 @@ pub struct Stat {
     /// Field 3: R (running or runnable), S (interruptible sleep), D (uninterruptible), …
     pub state: char,
     pub ppid: u32,
+    /// Field 9: the kernel's `PF_*` flags.
+    pub flags: u64,
     pub start_time: u64,
+}
+
+/// `PF_EXITING` of include/linux/sched.h: set when a task begins to exit, before
+/// `sched_process_exit`.
+const PF_EXITING: u64 = 0x4;
+
+impl Stat {
+    /// The task has begun to exit (or is a zombie, or dead).
+    pub fn exiting(&self) -> bool {
+        self.flags & PF_EXITING != 0 || matches!(self.state, 'Z' | 'X' | 'x')
+    }
 }
 
 /// A procfs text file that may hold a process or thread name: any bytes but NUL, so
@@ -71,11 +84,15 @@ pub fn parse_stat(content: &str) -> Option<Stat> {
     let mut fields = content.get(close + 1..)?.split_ascii_whitespace();
     let state = fields.next()?.chars().next()?;
     let ppid = fields.next()?.parse().ok()?;
-    let start_time = fields.nth(17)?.parse().ok()?;
+    // Fields 5 to 8, then 9.
+    let flags = fields.nth(4)?.parse().ok()?;
+    // Fields 10 to 21, then 22.
+    let start_time = fields.nth(12)?.parse().ok()?;
     Some(Stat {
         comm,
         state,
         ppid,
+        flags,
         start_time,
     })
 }
@@ -374,6 +391,18 @@ pub struct Task {
     pub state: char,
 }
 
+/// Whether thread `tid` of `pid` has begun to exit or is gone.
+pub fn task_exiting(root: &Path, pid: u32, tid: u32) -> bool {
+    let path = root
+        .join(pid.to_string())
+        .join("task")
+        .join(tid.to_string())
+        .join("stat");
+    read_lossy(&path)
+        .and_then(|content| parse_stat(&content))
+        .is_none_or(|stat| stat.exiting())
+}
+
 /// The threads of `pid` (empty if it vanished; threads that exit mid-read are skipped).
 pub fn tasks(root: &Path, pid: u32) -> Vec<Task> {
     let Ok(entries) = fs::read_dir(root.join(pid.to_string()).join("task")) else {
@@ -573,9 +602,13 @@ pub(crate) mod tests {
                 comm: "my (odd) name".into(),
                 state: 'S',
                 ppid: 17,
+                flags: 4194560,
                 start_time: 987654
             })
         );
+        let exiting = content.replace(" 4194560 ", " 4194564 ");
+        assert!(parse_stat(&exiting).is_some_and(|stat| stat.exiting()));
+        assert!(parse_stat(content).is_some_and(|stat| !stat.exiting()));
     }
 
     #[test]
