@@ -350,15 +350,19 @@ fn mutual_tls_serves_only_certificates_of_the_client_ca() -> anyhow::Result<()> 
         .is_ok_and(|a| a.status == 200)
     })?;
 
-    let trusted = curl(&[
-        "--cacert",
-        &ca,
-        "--cert",
-        &client,
-        "--key",
-        &client_key,
-        &https(&poolscope),
-    ])?;
+    // A scrape over mutual TLS with this client certificate.
+    let with_certificate = |cert: &str, key: &str| {
+        curl(&[
+            "--cacert",
+            &ca,
+            "--cert",
+            cert,
+            "--key",
+            key,
+            &https(&poolscope),
+        ])
+    };
+    let trusted = with_certificate(&client, &client_key)?;
     ensure!(
         trusted.status == 200 && trusted.body.contains("poolscope_build_info{"),
         "{trusted:?}"
@@ -369,15 +373,7 @@ fn mutual_tls_serves_only_certificates_of_the_client_ca() -> anyhow::Result<()> 
         "no client certificate: {anonymous:?}"
     );
     let (stranger, stranger_key) = (pki.path("stranger.pem"), pki.path("stranger.key"));
-    let strange = curl(&[
-        "--cacert",
-        &ca,
-        "--cert",
-        &stranger,
-        "--key",
-        &stranger_key,
-        &https(&poolscope),
-    ])?;
+    let strange = with_certificate(&stranger, &stranger_key)?;
     ensure!(
         strange.status == 0 && strange.exit != Some(0),
         "a certificate of another CA: {strange:?}"
@@ -390,15 +386,7 @@ fn mutual_tls_serves_only_certificates_of_the_client_ca() -> anyhow::Result<()> 
         strange.stderr.trim()
     );
 
-    let after = curl(&[
-        "--cacert",
-        &ca,
-        "--cert",
-        &client,
-        "--key",
-        &client_key,
-        &https(&poolscope),
-    ])?;
+    let after = with_certificate(&client, &client_key)?;
     ensure!(after.status == 200, "{after:?}");
     let failed = handshake_errors(&after.body, "failed");
     ensure!(
