@@ -32,7 +32,9 @@ use crate::{
     profile::{self, ProfileMeta, StackRecord, View},
     sessions::{self, ProfileQuery, Refusal, Sessions, Ticket},
     sockdiag,
-    stacks::{Drained, RecentNames, Saturation, Snapshots, StackWindows, Trigger, Window},
+    stacks::{
+        Drained, RecentNames, Saturation, SessionWindows, Snapshots, StackWindows, Trigger, Window,
+    },
     symbolize::Symbols,
     targets::{Targets, WatchChange, monotonic_ns},
     web::{DebugError, Gatherer, LocksFormat, LocksQuery, ProfileOutput, StacksQuery},
@@ -117,6 +119,8 @@ pub struct Exporter {
     /// Fixed at start (a reload does not move it).
     procfs_root: PathBuf,
     stacks: Mutex<StackCollector>,
+    /// The same as `stacks`' session windows, reached without its lock.
+    session_windows: SessionWindows,
     snapshots: RwLock<Snapshots>,
     sessions: Mutex<Sessions>,
 }
@@ -150,6 +154,7 @@ impl Exporter {
             settings.snapshots.keep,
             settings.snapshots.memory_limit_bytes,
         );
+        let session_windows = SessionWindows::default();
         Self {
             shared: Mutex::new(Shared {
                 kernel,
@@ -163,11 +168,12 @@ impl Exporter {
             series_dropped: AtomicU64::new(0),
             health: Mutex::new(health),
             stacks: Mutex::new(StackCollector {
-                windows: StackWindows::new(SystemTime::now()),
+                windows: StackWindows::new(SystemTime::now(), session_windows.clone()),
                 names: RecentNames::default(),
                 saturation: Saturation::default(),
             }),
             snapshots: RwLock::new(snapshots),
+            session_windows,
             sessions: Mutex::new(Sessions::default()),
             rescan_now: Arc::new(Notify::new()),
             stopping: tokio::sync::watch::Sender::new(false),
@@ -423,11 +429,9 @@ impl Exporter {
             self.sessions()
                 .reserve(request, requested_ns, settings.profiles.max_sessions)?;
         // The window first, so that no drain meanwhile drops the session's counts.
-        self.stack_collector()
-            .windows
-            .start_session(ticket.id, SystemTime::now());
+        self.session_windows.start(ticket.id, SystemTime::now());
         if let Err(refusal) = self.start_in_kernel(&ticket) {
-            self.stack_collector().windows.take_session(ticket.id);
+            self.session_windows.take(ticket.id);
             self.sessions().release(ticket.slot);
             return Err(refusal);
         }
@@ -502,7 +506,7 @@ impl Exporter {
             if stopped.is_ok() {
                 self.drain_everything(&mut collector);
             }
-            collector.windows.take_session(ticket.id)
+            self.session_windows.take(ticket.id)
         };
         let session = stopped?;
         let window =
@@ -805,7 +809,7 @@ impl Gatherer for Exporter {
         if let Err(refusal) = self.stop_in_kernel(&ticket) {
             tracing::warn!(%refusal, "ending a profiling session failed");
         }
-        self.stack_collector().windows.take_session(ticket.id);
+        self.session_windows.take(ticket.id);
     }
 
     fn gather(&self) -> Vec<Family> {
