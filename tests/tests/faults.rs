@@ -375,6 +375,7 @@ fn soak() -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let mut rows: Vec<Row> = Vec::new();
     let mut next_churn = started;
+    let (mut churn_rounds, mut churn_rounds_watched, mut churn_series_high) = (0u32, 0u32, 0);
     let mut next_row = started;
     while started.elapsed() < Duration::from_secs(minutes * 60) {
         if std::time::Instant::now() >= next_churn {
@@ -385,6 +386,13 @@ fn soak() -> anyhow::Result<()> {
             std::thread::sleep(Duration::from_millis(1500));
             churner.send("go")?;
             churner.line("done")?;
+            // Before the churner is killed: its service is watched, with its pools.
+            let during = poolscope.scrape()?;
+            churn_rounds += 1;
+            if value(&during, "poolscope_targets", &[("service", "churn")]) == 1.0 {
+                churn_rounds_watched += 1;
+            }
+            churn_series_high = churn_series_high.max(service_series(&during).len());
             next_churn += Duration::from_secs(10);
         }
         let metrics = poolscope.scrape()?;
@@ -409,6 +417,14 @@ fn soak() -> anyhow::Result<()> {
     }
     let seen = clients.stop()?;
     eprintln!("requests made: {}", seen.completed);
+    eprintln!(
+        "churn rounds: {churn_rounds_watched} of {churn_rounds} watched; series high while a churner lived: {churn_series_high}"
+    );
+    // Discovery finds a churner within its 1.5 s wait; a rescan that came late may miss one.
+    assert!(
+        churn_rounds_watched * 10 >= churn_rounds * 9,
+        "the churn was not watched"
+    );
     const WARM_UP_MINUTES: u64 = 11;
     let settled: Vec<_> = rows.iter().filter(|row| row.0 >= WARM_UP_MINUTES).collect();
     anyhow::ensure!(!settled.is_empty(), "the soak ended before its warm-up did");
