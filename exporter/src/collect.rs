@@ -468,6 +468,17 @@ pub struct SelfStats {
     pub lock_probe_processes: usize,
     /// (collector, seconds, success)
     pub collectors: Vec<(&'static str, f64, bool)>,
+    pub reload: ReloadStatus,
+}
+
+/// The last configuration load, exported as Prometheus exports its own, so that a
+/// refused reload (which keeps the running configuration) can be alerted on.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ReloadStatus {
+    /// False from a refused reload until one succeeds.
+    pub successful: bool,
+    /// When the running configuration was loaded, at start or by a reload.
+    pub success_unix_seconds: f64,
 }
 
 /// One family per kind of loss counter ([`health::losses`]); skipped probes are in
@@ -603,6 +614,24 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
              /healthz and the log say what to change.",
         )
         .with(&[], if stats.degraded { 1.0 } else { 0.0 }),
+    );
+    families.push(
+        Family::new(
+            "config_last_reload_successful",
+            Kind::Gauge,
+            "0 after a reload (SIGHUP) was refused and the running configuration kept; \
+             1 once the configuration in use was loaded.",
+        )
+        .with(&[], if stats.reload.successful { 1.0 } else { 0.0 }),
+    );
+    families.push(
+        Family::new(
+            "config_last_reload_success_timestamp_seconds",
+            Kind::Gauge,
+            "When the configuration in use was loaded (at start or by a reload), in Unix \
+             seconds.",
+        )
+        .with(&[], stats.reload.success_unix_seconds),
     );
     families.push(
         Family::new(
@@ -770,6 +799,24 @@ mod tests {
         assert!(text.contains(
             "poolscope_listen_queue_limit{service=\"web\",listener=\"127.0.0.1:80\"} 16\n"
         ));
+    }
+
+    #[test]
+    fn a_refused_reload_is_exported_beside_the_last_good_load() {
+        let stats = SelfStats {
+            reload: ReloadStatus {
+                successful: false,
+                success_unix_seconds: 1_700_000_000.5,
+            },
+            ..Default::default()
+        };
+        let text = render(&self_families(&stats, &[], None), Format::Text);
+        for line in [
+            "poolscope_config_last_reload_successful 0\n",
+            "poolscope_config_last_reload_success_timestamp_seconds 1700000000.5\n",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
     }
 
     #[test]

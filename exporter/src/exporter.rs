@@ -8,7 +8,7 @@ use std::{
         Arc, Mutex, MutexGuard, RwLock,
         atomic::{AtomicU64, Ordering},
     },
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use poolscope_shared::{
@@ -18,8 +18,8 @@ use tokio::sync::Notify;
 
 use crate::{
     collect::{
-        PoolInput, SelfStats, ServiceInput, pool_families, queue_depths, self_families,
-        service_families, service_listeners,
+        PoolInput, ReloadStatus, SelfStats, ServiceInput, pool_families, queue_depths,
+        self_families, service_families, service_listeners,
     },
     config::Settings,
     discovery,
@@ -121,6 +121,7 @@ pub struct Exporter {
     stacks: Mutex<StackCollector>,
     /// The same as `stacks`' session windows, reached without its lock.
     session_windows: SessionWindows,
+    reload_status: Mutex<ReloadStatus>,
     snapshots: RwLock<Snapshots>,
     sessions: Mutex<Sessions>,
 }
@@ -174,6 +175,7 @@ impl Exporter {
             }),
             snapshots: RwLock::new(snapshots),
             session_windows,
+            reload_status: Mutex::new(loaded_now()),
             sessions: Mutex::new(Sessions::default()),
             rescan_now: Arc::new(Notify::new()),
             stopping: tokio::sync::watch::Sender::new(false),
@@ -226,6 +228,24 @@ impl Exporter {
         );
         let mut current = self.settings.write().unwrap_or_else(|p| p.into_inner());
         *current = Arc::new(settings);
+    }
+
+    /// A reload (of the configuration and the web configuration) ended: whole, or
+    /// refused in part, where the running configuration stays.
+    pub fn reload_finished(&self, successful: bool) {
+        let mut status = self.reload_status();
+        if successful {
+            *status = loaded_now();
+        } else {
+            status.successful = false;
+        }
+    }
+
+    fn reload_status(&self) -> MutexGuard<'_, ReloadStatus> {
+        // Two plain values, valid whatever a panic interrupted.
+        self.reload_status
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Scans procfs and makes the watched set match the target rules.
@@ -962,9 +982,21 @@ impl Gatherer for Exporter {
             degraded,
             lock_probe_processes,
             collectors,
+            reload: *self.reload_status(),
         };
         families.extend(self_families(&stats, &self.probes, kernel.as_ref()));
         families.extend(self.sessions().families());
         families
+    }
+}
+
+/// The configuration in use was loaded just now.
+fn loaded_now() -> ReloadStatus {
+    ReloadStatus {
+        successful: true,
+        success_unix_seconds: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64(),
     }
 }

@@ -347,8 +347,9 @@ fn spawn_signal_thread(
                     let _ = shutdown.send(());
                     return;
                 }
-                reload(&exporter, &overrides, &log);
-                web_config.reload();
+                let config_loaded = reload(&exporter, &overrides, &log);
+                let web_config_loaded = web_config.reload();
+                exporter.reload_finished(config_loaded && web_config_loaded);
                 rescan_now.notify_one();
             }
         })
@@ -356,7 +357,8 @@ fn spawn_signal_thread(
     Ok(())
 }
 
-fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) {
+/// Whether the configuration was loaded (a refused one keeps the running one).
+fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) -> bool {
     match Settings::load(overrides) {
         Ok(settings) => {
             let current = exporter.settings();
@@ -426,9 +428,11 @@ fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) {
             }
             tracing::info!(targets = settings.targets.len(), "configuration reloaded");
             exporter.replace_settings(settings);
+            true
         }
         Err(error) => {
             tracing::error!(%error, "reload refused; keeping the running configuration");
+            false
         }
     }
 }

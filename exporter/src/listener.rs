@@ -409,7 +409,7 @@ mod tests {
         let plain = http(&server).await?;
         assert!(plain.ends_with("peer 127.0.0.1"), "{plain}");
         std::fs::write(&path, TLS)?;
-        server.web.reload();
+        assert!(server.web.reload());
         assert!(
             https(&server, &files.ca, None)
                 .await?

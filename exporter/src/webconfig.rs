@@ -676,10 +676,10 @@ impl WebState {
     }
 
     /// Reads the file again (SIGHUP); a bad one keeps the running configuration and
-    /// logs why. New connections and requests get the new one.
-    pub fn reload(&self) {
+    /// logs why. New connections and requests get the new one. Whether it was loaded.
+    pub fn reload(&self) -> bool {
         let Some(path) = &self.path else {
-            return;
+            return true;
         };
         match WebConfig::load(path) {
             Ok(config) => {
@@ -693,9 +693,11 @@ impl WebState {
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .clear();
+                true
             }
             Err(error) => {
                 tracing::error!(%error, "web configuration reload refused; keeping the running one");
+                false
             }
         }
     }
@@ -1253,7 +1255,7 @@ mod tests {
             fixture.path(),
             "tls_server_config:\n  cert_file: gone.pem\n",
         )?;
-        state.reload();
+        assert!(!state.reload());
         assert!(state.current().tls.is_some());
         std::fs::write(
             fixture.path(),
@@ -1264,7 +1266,7 @@ mod tests {
                 bcrypt::hash("pw", 4)?
             ),
         )?;
-        state.reload();
+        assert!(state.reload());
         let current = state.current();
         assert!(current.tls.is_none());
         assert_eq!(current.users().collect::<Vec<_>>(), ["alice"]);
