@@ -94,20 +94,31 @@ session_samplers!(
 /// the snapshots: sessions that want it count it too, from their start at most.
 #[inline(always)]
 pub fn block_ended(service: u32, key: StackKey, blocked_ns: u64, now: u64) {
-    for slot in 0..MAX_PROFILE_SESSIONS {
-        let Some(session) = PROFILE_SESSIONS.get(slot) else {
-            continue;
+    // Unrolled by hand: LLVM entered a loop over the slots in its middle, and Linux
+    // 6.1's verifier refuses a loop closed by a fall-through ("back-edge from insn").
+    macro_rules! each_slot {
+        ($($slot:literal)*) => {
+            $(block_ended_in($slot, service, key, blocked_ns, now);)*
+            const _: () = assert!([$($slot),*].len() == MAX_PROFILE_SESSIONS as usize);
         };
-        if !wants(session, ProfileSession::OFF_CPU, service, key.pool) {
-            continue;
-        }
-        let since_start = now.saturating_sub(session.start_ns);
-        add(
-            &StackKey {
-                session: session.id,
-                ..key
-            },
-            blocked_ns.min(since_start),
-        );
     }
+    each_slot!(0 1 2 3 4 5 6 7);
+}
+
+#[inline(always)]
+fn block_ended_in(slot: u32, service: u32, key: StackKey, blocked_ns: u64, now: u64) {
+    let Some(session) = PROFILE_SESSIONS.get(slot) else {
+        return;
+    };
+    if !wants(session, ProfileSession::OFF_CPU, service, key.pool) {
+        return;
+    }
+    let since_start = now.saturating_sub(session.start_ns);
+    add(
+        &StackKey {
+            session: session.id,
+            ..key
+        },
+        blocked_ns.min(since_start),
+    );
 }
