@@ -94,17 +94,25 @@ impl Symbols {
     }
 
     /// Symbols of `addresses` (already lookup addresses) in process `pid`, in order.
-    /// A process that has exited is symbolized from `remembered`, its mappings as
-    /// last read: each module's ELF file by file offset (its perf map is lost).
+    /// A process that has exited is symbolized from its mappings as last read (here,
+    /// if it exits while being symbolized, or else `remembered`): each module's ELF
+    /// file by file offset (its perf map is lost).
     pub fn user(&self, pid: u32, addresses: &[u64], remembered: &[Mapping]) -> Vec<Symbol> {
         let mappings = procfs::maps(&self.procfs_root, pid);
-        if mappings.is_empty() && !remembered.is_empty() {
-            return self.through_files(addresses, remembered);
+        if !mappings.is_empty() {
+            let source = Source::Process(Process::new(blazesym::Pid::from(pid)));
+            if let Some(symbols) = self.resolve(&source, addresses, |address| {
+                module_offset(&mappings, address)
+            }) {
+                return symbols;
+            }
         }
-        let source = Source::Process(Process::new(blazesym::Pid::from(pid)));
-        self.resolve(&source, addresses, |address| {
-            module_offset(&mappings, address)
-        })
+        let last_read = if mappings.is_empty() {
+            remembered
+        } else {
+            &mappings
+        };
+        self.through_files(addresses, last_read)
     }
 
     /// Symbols of addresses of a process gone, through the files it had mapped.
@@ -150,32 +158,36 @@ impl Symbols {
 
     /// Symbols of kernel `addresses`, in order.
     pub fn kernel(&self, addresses: &[u64]) -> Vec<Symbol> {
-        let source = Source::Kernel(Kernel::default());
-        self.resolve(&source, addresses, |address| Symbol {
+        let unknown = |address: u64| Symbol {
             name: format!("{address:#x}"),
             module: "[kernel]".to_owned(),
             offset: None,
-        })
+        };
+        let source = Source::Kernel(Kernel::default());
+        self.resolve(&source, addresses, unknown)
+            .unwrap_or_else(|| addresses.iter().map(|&address| unknown(address)).collect())
     }
 
+    /// Symbols of `addresses` in `source`, `unknown` naming those no symbol covers;
+    /// `None` if the source cannot be read (a process that just exited).
     fn resolve(
         &self,
         source: &Source<'_>,
         addresses: &[u64],
         unknown: impl Fn(u64) -> Symbol,
-    ) -> Vec<Symbol> {
+    ) -> Option<Vec<Symbol>> {
         if addresses.is_empty() {
-            return Vec::new();
+            return Some(Vec::new());
         }
-        let symbols = self
-            .symbolizer
-            .symbolize(source, Input::AbsAddr(addresses))
-            .unwrap_or_else(|error| {
-                tracing::debug!(%error, "symbolization failed; frames as module+offset");
-                Vec::new()
-            });
+        let symbols = match self.symbolizer.symbolize(source, Input::AbsAddr(addresses)) {
+            Ok(symbols) => symbols,
+            Err(error) => {
+                tracing::debug!(%error, "symbolization failed");
+                return None;
+            }
+        };
         let kernel = matches!(source, Source::Kernel(_));
-        addresses
+        let symbols = addresses
             .iter()
             .enumerate()
             .map(|(index, &address)| match symbols.get(index) {
@@ -194,7 +206,8 @@ impl Symbols {
                 },
                 _ => unknown(address),
             })
-            .collect()
+            .collect();
+        Some(symbols)
     }
 }
 
@@ -237,9 +250,32 @@ mod tests {
             "{found:?}"
         );
         assert_eq!(found[0].offset, Some(0));
-        // A process gone (a pid with no maps): the same, from its remembered mappings.
+        // A process gone (a pid with no maps): the same, from its remembered mappings,
+        // in the program and in a shared library.
+        let in_libc = libc::getpid as *const () as usize as u64;
+        let live = symbols.user(std::process::id(), &[address, in_libc], &[]);
+        assert!(live[1].name.contains("getpid"), "{live:?}");
         let mappings = procfs::maps(Path::new("/proc"), std::process::id());
-        let gone = symbols.user(u32::MAX, &[address], &mappings);
-        assert_eq!(gone, found);
+        let gone = symbols.user(u32::MAX, &[address, in_libc], &mappings);
+        assert_eq!(gone, live);
+    }
+
+    #[test]
+    fn a_process_exiting_while_symbolized_is_named_from_its_maps_just_read() -> std::io::Result<()>
+    {
+        // Its maps are read (here under a fixture root, as this process's), then the
+        // process is gone when the symbolizer reads it (no process has this pid).
+        let address = own_functions_are_named as *const () as usize as u64;
+        let root = tempfile::tempdir()?;
+        let pid = u32::MAX - 1;
+        std::fs::create_dir(root.path().join(pid.to_string()))?;
+        std::fs::copy("/proc/self/maps", root.path().join(format!("{pid}/maps")))?;
+        let found = Symbols::new(root.path()).user(pid, &[address], &[]);
+        assert_eq!(found.len(), 1);
+        assert!(
+            found[0].name.contains("own_functions_are_named"),
+            "{found:?}"
+        );
+        Ok(())
     }
 }
