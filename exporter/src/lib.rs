@@ -237,6 +237,19 @@ async fn pool_sample_loop(exporter: Arc<Exporter>) {
     }
 }
 
+/// Gives the heap's free pages back to the kernel. Each drain symbolizes with a fresh
+/// blazesym cache (the ELF and DWARF of every watched binary) and frees it after;
+/// glibc keeps freed memory in its per-thread arenas, so RSS would otherwise climb
+/// in steps to the largest drain ever seen (a 30-minute soak measured a 29 MB step
+/// at minute 26) instead of following what poolscope holds.
+fn release_freed_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim takes no pointer; it only walks the allocator's free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Drains the kernel's stack counts every few seconds and takes a snapshot every
 /// `[stacks] interval` (both symbolize: blocking work, off the async workers).
 async fn stack_loop(exporter: Arc<Exporter>) {
@@ -259,6 +272,7 @@ async fn stack_loop(exporter: Arc<Exporter>) {
             } else {
                 worker.drain_stacks();
             }
+            release_freed_heap();
         });
         if let Err(error) = work.await {
             tracing::error!(%error, "stack snapshot panicked");
