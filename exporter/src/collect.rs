@@ -495,6 +495,12 @@ fn loss_families(losses: &[Loss]) -> Vec<Family> {
         "Inserts into a kernel map that failed, by errno (E2BIG: the map is full); the \
          entry was not tracked.",
     );
+    let mut unsymbolized = Family::new(
+        "stack_frames_unsymbolized",
+        Kind::Counter,
+        "Stack frame addresses left without a function name (module+offset or a bare \
+         address) by the symbolizer, by space; each distinct address counted once per drain.",
+    );
     let mut scalars = Vec::new();
     for loss in losses {
         let value = loss.value as f64;
@@ -538,9 +544,10 @@ fn loss_families(losses: &[Loss]) -> Vec<Family> {
                 .with(&[], value),
             ),
             LossKind::ProbeSkipped { .. } => {}
+            LossKind::Unsymbolized(space) => unsymbolized.push(&[("space", space)], value),
         }
     }
-    let mut families = vec![events_lost, update_errors];
+    let mut families = vec![events_lost, update_errors, unsymbolized];
     families.extend(scalars);
     families
 }
@@ -837,6 +844,7 @@ mod tests {
             losses: crate::health::losses(&crate::health::LossInputs {
                 kernel: &kernel,
                 series_dropped: 9,
+                unsymbolized: crate::symbolize::Unnamed { user: 3, kernel: 0 },
                 ..Default::default()
             }),
             degraded: true,
@@ -849,6 +857,8 @@ mod tests {
             "poolscope_map_update_errors_total{map=\"THREADS\",errno=\"EBUSY\"} 2",
             "poolscope_events_lost_total{source=\"process_events\"} 0",
             "poolscope_series_dropped_total 9",
+            "poolscope_stack_frames_unsymbolized_total{space=\"user\"} 3",
+            "poolscope_stack_frames_unsymbolized_total{space=\"kernel\"} 0",
             "poolscope_services_refused 0",
             "poolscope_degraded 1",
         ] {

@@ -35,7 +35,7 @@ use crate::{
     stacks::{
         Drained, RecentNames, Saturation, SessionWindows, Snapshots, StackWindows, Trigger, Window,
     },
-    symbolize::Symbols,
+    symbolize::{Symbols, Unnamed},
     targets::{Targets, WatchChange, monotonic_ns},
     web::{DebugError, Gatherer, LocksFormat, LocksQuery, ProfileOutput, StacksQuery},
     window::Windows,
@@ -71,6 +71,7 @@ impl Shared {
         &self,
         kernel: &[(LossSource, LossErrno, u64)],
         series_dropped: u64,
+        unsymbolized: Unnamed,
         probes: &[Probe],
     ) -> Vec<Loss> {
         health::losses(&LossInputs {
@@ -80,6 +81,7 @@ impl Shared {
             services_refused: self.targets.services_refused,
             pools_refused: self.pools.pools_refused,
             lock_uprobe_errors: self.lock_probes.errors,
+            unsymbolized,
             probes,
         })
     }
@@ -110,6 +112,8 @@ pub struct Exporter {
     settings: RwLock<Arc<Settings>>,
     probes: Vec<Probe>,
     series_dropped: AtomicU64,
+    /// Addresses the stack drains and lock reports could not name.
+    unsymbolized: Mutex<Unnamed>,
     health: Mutex<HealthTracker>,
     /// Wakes the rescan loop before its next tick.
     rescan_now: Arc<Notify>,
@@ -167,6 +171,7 @@ impl Exporter {
             settings: RwLock::new(Arc::new(settings)),
             probes,
             series_dropped: AtomicU64::new(0),
+            unsymbolized: Mutex::new(Unnamed::default()),
             health: Mutex::new(health),
             stacks: Mutex::new(StackCollector {
                 windows: StackWindows::new(SystemTime::now(), session_windows.clone()),
@@ -267,6 +272,22 @@ impl Exporter {
         Ok(())
     }
 
+    /// Runs `work` with a symbolizer of its own (blazesym's is not `Send`, so each
+    /// drain or report makes one) and counts the addresses it left unnamed.
+    fn symbolize<T>(&self, work: impl FnOnce(&Symbols) -> T) -> T {
+        let symbols = Symbols::new(&self.procfs_root);
+        let result = work(&symbols);
+        *self.unsymbolized_total() += symbols.unnamed();
+        result
+    }
+
+    fn unsymbolized_total(&self) -> MutexGuard<'_, Unnamed> {
+        // Two counters: nothing a panic could leave half-written.
+        self.unsymbolized
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     fn health_tracker(&self) -> MutexGuard<'_, HealthTracker> {
         // Its counters stay valid whatever a panic interrupted.
         self.health
@@ -288,6 +309,7 @@ impl Exporter {
         let losses = shared.losses(
             &kernel,
             self.series_dropped.load(Ordering::Relaxed),
+            *self.unsymbolized_total(),
             &self.probes,
         );
         self.health_tracker().observe(Instant::now(), &losses);
@@ -384,9 +406,7 @@ impl Exporter {
         let mut collector = self.stack_collector();
         let mut drained = self.drain_generation();
         collector.names.complete(&mut drained, &self.procfs_root);
-        collector
-            .windows
-            .add(&drained, &Symbols::new(&self.procfs_root));
+        self.symbolize(|symbols| collector.windows.add(&drained, symbols));
     }
 
     /// Brings every stack counted up to now into the windows: two epoch advances (an
@@ -398,9 +418,10 @@ impl Exporter {
         std::thread::sleep(EPOCH_SETTLE);
         let mut second = self.drain_generation();
         collector.names.complete(&mut second, &self.procfs_root);
-        let symbols = Symbols::new(&self.procfs_root);
-        collector.windows.add(&first, &symbols);
-        collector.windows.add(&second, &symbols);
+        self.symbolize(|symbols| {
+            collector.windows.add(&first, symbols);
+            collector.windows.add(&second, symbols);
+        });
     }
 
     /// Ends the current window as a snapshot.
@@ -751,7 +772,7 @@ impl Gatherer for Exporter {
             locks
         };
         // Outside the lock: symbolization reads binaries and their debug info.
-        locks::symbolize(&self.procfs_root, &mut locks);
+        self.symbolize(|symbols| locks::symbolize(symbols, &mut locks));
         Ok(match query.format {
             LocksFormat::Text => locks::render_text(&query.service, &locks),
             LocksFormat::Json => locks::render_json(&query.service, &locks),
@@ -881,6 +902,7 @@ impl Gatherer for Exporter {
             let losses = shared.losses(
                 kernel.as_ref().map_or(&[], |k| k.losses.as_slice()),
                 0,
+                *self.unsymbolized_total(),
                 &self.probes,
             );
             (

@@ -13,7 +13,10 @@ use std::{
 use aya::maps::MapError;
 use poolscope_shared::{LossErrno, LossSource, maps};
 
-use crate::kernel::{Probe, ProbeState, STACK_MAPS, Skip};
+use crate::{
+    kernel::{Probe, ProbeState, STACK_MAPS, Skip},
+    symbolize::Unnamed,
+};
 
 /// Failed inserts into kernel maps from user space, by map and errno.
 #[derive(Clone, Debug, Default)]
@@ -59,6 +62,8 @@ pub enum LossKind {
     LockUprobes,
     /// `probe_skipped{probe, reason}` for a probe the config asked for.
     ProbeSkipped { probe: String, reason: &'static str },
+    /// `stack_frames_unsymbolized_total{space}`: `user` or `kernel`.
+    Unsymbolized(&'static str),
 }
 
 /// Off-CPU blocks longer than two stack drains keep their time without stacks
@@ -76,6 +81,7 @@ pub struct LossInputs<'a> {
     pub services_refused: u64,
     pub pools_refused: u64,
     pub lock_uprobe_errors: u64,
+    pub unsymbolized: Unnamed,
     pub probes: &'a [Probe],
 }
 
@@ -99,6 +105,8 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
             (LossKind::ServicesRefused, inputs.services_refused),
             (LossKind::PoolsRefused, inputs.pools_refused),
             (LossKind::LockUprobes, inputs.lock_uprobe_errors),
+            (LossKind::Unsymbolized("user"), inputs.unsymbolized.user),
+            (LossKind::Unsymbolized("kernel"), inputs.unsymbolized.kernel),
         ])
         .collect();
     let kernel = inputs
@@ -159,11 +167,13 @@ impl LossKind {
     /// Whether this loss makes poolscope degraded: something was not measured. A
     /// stack that did not fit its stack map (a hash-bucket collision, more frequent
     /// as the map fills) or that expired keeps its sample's time, under no stack or
-    /// `[stack lost]`: counted, not degrading.
+    /// `[stack lost]`, and a frame without a symbol keeps its module and offset:
+    /// counted, not degrading.
     fn degrades(&self) -> bool {
         !matches!(
             self,
             Self::Events(STACKS_EXPIRED)
+                | Self::Unsymbolized(_)
                 | Self::MapUpdate {
                     map: STACK_MAPS | maps::LOCK_STACKS,
                     errno: LossErrno::Eexist,
@@ -214,6 +224,10 @@ impl LossKind {
                 "probe {probe} is skipped ({reason}): what it measures is missing; the start \
                  log says why"
             ),
+            Self::Unsymbolized(space) => format!(
+                "{space} stack frames without a function name (see the README's Stack \
+                 snapshots)"
+            ),
         }
     }
 }
@@ -234,6 +248,9 @@ impl fmt::Display for LossKind {
             Self::LockUprobes => f.write_str("lock_uprobe_errors_total"),
             Self::ProbeSkipped { probe, reason } => {
                 write!(f, "probe_skipped{{probe={probe:?},reason=\"{reason}\"}}")
+            }
+            Self::Unsymbolized(space) => {
+                write!(f, "stack_frames_unsymbolized_total{{space=\"{space}\"}}")
             }
         }
     }
@@ -453,7 +470,7 @@ mod tests {
     }
 
     #[test]
-    fn gauges_degrade_while_above_zero_and_expired_stacks_never() {
+    fn gauges_degrade_while_above_zero_and_expired_stacks_or_unnamed_frames_never() {
         let mut tracker = HealthTracker::new(Duration::from_secs(60), BTreeMap::new());
         let now = Instant::now();
         let skipped = LossKind::ProbeSkipped {
@@ -464,6 +481,7 @@ mod tests {
             loss(LossKind::ServicesRefused, 2),
             loss(skipped.clone(), 1),
             loss(LossKind::Events(STACKS_EXPIRED), 100),
+            loss(LossKind::Unsymbolized("user"), 40),
         ];
         let health = tracker.observe(now, &losses);
         let kinds: Vec<_> = health.causes.iter().map(|c| c.kind.clone()).collect();

@@ -207,10 +207,9 @@ pub fn read_stacks(kernel: &Kernel, locks: &mut [LockReport]) {
     }
 }
 
-/// Symbolizes the stacks of `locks` (addresses read by [`read_stacks`]). One
-/// symbolizer per call: nothing is cached between requests.
-pub fn symbolize(procfs_root: &Path, locks: &mut [LockReport]) {
-    let symbols = Symbols::new(procfs_root);
+/// Symbolizes the stacks of `locks` (addresses read by [`read_stacks`]) with a
+/// symbolizer of this request: nothing is cached between requests.
+pub fn symbolize(symbols: &Symbols, locks: &mut [LockReport]) {
     for lock in locks {
         for stack in &mut lock.stacks {
             let lookups: Vec<u64> = lookup_addresses(&stack.addresses).collect();

@@ -1,10 +1,13 @@
 //! Addresses to names, with blazesym: ELF symbols and DWARF where present, the perf
 //! maps of JIT runtimes (`/tmp/perf-<pid>.map`) for user stacks, and kallsyms (or a
 //! vmlinux found on the host) for kernel stacks. An address no symbol covers is
-//! named after its module and offset; none is dropped. Lookups are batched per
-//! process; the blazesym cache lives as long as the [`Symbols`] that owns it.
+//! named after its module and offset; none is dropped, and each is counted
+//! ([`Unnamed`]). Lookups are batched per process; the blazesym cache lives as long
+//! as the [`Symbols`] that owns it.
 use std::{
+    cell::Cell,
     collections::BTreeMap,
+    ops::AddAssign,
     path::{Path, PathBuf},
 };
 
@@ -79,10 +82,27 @@ pub fn lookup_addresses(stack: &[u64]) -> impl Iterator<Item = u64> + '_ {
     })
 }
 
-/// A symbolizer with its cache.
+/// Addresses left without a function name (`module+0xoffset` or a bare address),
+/// by space: stripped code, JIT code without a perf map, a process gone before its
+/// maps were read; kernel symbols hidden (no `CAP_SYSLOG`, `kptr_restrict`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Unnamed {
+    pub user: u64,
+    pub kernel: u64,
+}
+
+impl AddAssign for Unnamed {
+    fn add_assign(&mut self, other: Self) {
+        self.user += other.user;
+        self.kernel += other.kernel;
+    }
+}
+
+/// A symbolizer with its cache, and what it could not name.
 pub struct Symbols {
     symbolizer: Symbolizer,
     procfs_root: PathBuf,
+    unnamed: Cell<Unnamed>,
 }
 
 impl Symbols {
@@ -90,7 +110,26 @@ impl Symbols {
         Self {
             symbolizer: Symbolizer::new(),
             procfs_root: procfs_root.to_owned(),
+            unnamed: Cell::new(Unnamed::default()),
         }
+    }
+
+    /// The addresses this symbolizer left unnamed so far, each time it was asked.
+    pub fn unnamed(&self) -> Unnamed {
+        self.unnamed.get()
+    }
+
+    /// Counts the symbols of `symbols` that have no function.
+    fn counted(&self, symbols: Vec<Symbol>, kernel: bool) -> Vec<Symbol> {
+        let unnamed = symbols.iter().filter(|s| s.offset.is_none()).count() as u64;
+        let mut total = self.unnamed.get();
+        if kernel {
+            total.kernel += unnamed;
+        } else {
+            total.user += unnamed;
+        }
+        self.unnamed.set(total);
+        symbols
     }
 
     /// Symbols of `addresses` (already lookup addresses) in process `pid`, in order.
@@ -99,20 +138,23 @@ impl Symbols {
     /// file by file offset (its perf map is lost).
     pub fn user(&self, pid: u32, addresses: &[u64], remembered: &[Mapping]) -> Vec<Symbol> {
         let mappings = procfs::maps(&self.procfs_root, pid);
-        if !mappings.is_empty() {
-            let source = Source::Process(Process::new(blazesym::Pid::from(pid)));
-            if let Some(symbols) = self.resolve(&source, addresses, |address| {
-                module_offset(&mappings, address)
-            }) {
-                return symbols;
-            }
-        }
-        let last_read = if mappings.is_empty() {
-            remembered
+        let live = if mappings.is_empty() {
+            None
         } else {
-            &mappings
+            let source = Source::Process(Process::new(blazesym::Pid::from(pid)));
+            self.resolve(&source, addresses, |address| {
+                module_offset(&mappings, address)
+            })
         };
-        self.through_files(addresses, last_read)
+        let symbols = live.unwrap_or_else(|| {
+            let last_read = if mappings.is_empty() {
+                remembered
+            } else {
+                &mappings
+            };
+            self.through_files(addresses, last_read)
+        });
+        self.counted(symbols, false)
     }
 
     /// Symbols of addresses of a process gone, through the files it had mapped.
@@ -164,8 +206,10 @@ impl Symbols {
             offset: None,
         };
         let source = Source::Kernel(Kernel::default());
-        self.resolve(&source, addresses, unknown)
-            .unwrap_or_else(|| addresses.iter().map(|&address| unknown(address)).collect())
+        let symbols = self
+            .resolve(&source, addresses, unknown)
+            .unwrap_or_else(|| addresses.iter().map(|&address| unknown(address)).collect());
+        self.counted(symbols, true)
     }
 
     /// Symbols of `addresses` in `source`, `unknown` naming those no symbol covers;
@@ -258,6 +302,21 @@ mod tests {
         let mappings = procfs::maps(Path::new("/proc"), std::process::id());
         let gone = symbols.user(u32::MAX, &[address, in_libc], &mappings);
         assert_eq!(gone, live);
+    }
+
+    #[test]
+    fn addresses_without_a_function_are_counted_by_space() {
+        let symbols = Symbols::new(Path::new("/proc"));
+        let named = own_functions_are_named as *const () as usize as u64;
+        // Page 0 is mapped neither in a process nor in the kernel.
+        let found = symbols.user(std::process::id(), &[named, 0x10, 0x20], &[]);
+        assert_eq!(found[1].name, "0x10", "{found:?}");
+        assert_eq!(symbols.unnamed(), Unnamed { user: 2, kernel: 0 });
+        let kernel = symbols.kernel(&[0x10]);
+        assert_eq!(kernel[0].name, "0x10", "{kernel:?}");
+        // A process gone, its maps unknown: every address counts.
+        symbols.user(u32::MAX, &[named], &[]);
+        assert_eq!(symbols.unnamed(), Unnamed { user: 3, kernel: 1 });
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     thread::sleep,
     time::{Duration, Instant},
@@ -503,12 +503,17 @@ pub struct Program {
 
 impl Program {
     pub fn start(name: &str, args: &[String]) -> anyhow::Result<Self> {
-        let mut child = Command::new(bin_dir()?.join(name))
+        Self::start_path(&bin_dir()?.join(name), args)
+    }
+
+    /// A test program at `path` (a copy of one, e.g. stripped).
+    pub fn start_path(path: &Path, args: &[String]) -> anyhow::Result<Self> {
+        let mut child = Command::new(path)
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .with_context(|| format!("starting {name}"))?;
+            .with_context(|| format!("starting {}", path.display()))?;
         let stdin = child.stdin.take().context("no stdin")?;
         let stdout = BufReader::new(child.stdout.take().context("no stdout")?);
         Ok(Self {

@@ -11,13 +11,20 @@
 //!   CPU time does; the wall-clock flame graph SVG, rendered by headless Chromium,
 //!   shows on-CPU (warm) and off-CPU (blue) frames.
 //!
+//! - stripped code: a stripped copy's own frames are `module+0xoffset`, and counted
+//!   in `stack_frames_unsymbolized_total`.
 //! - by default: the blocks of serving threads (`poolserver` sleeping each request's
 //!   service time) are the requests' service time within 10 %, and idle blocks are
 //!   left out.
 //!
 //! One run of the program serves the three tests (it takes ~18 s): the first test to
 //! get there measures, the others wait for it and read the same result.
-use std::{collections::HashMap, sync::OnceLock, time::Duration};
+use std::{
+    collections::{BTreeSet, HashMap},
+    process::Command,
+    sync::OnceLock,
+    time::Duration,
+};
 
 use anyhow::Context as _;
 use poolscope_tests::{
@@ -565,6 +572,77 @@ fn serving_blocks_are_recorded_by_default() -> anyhow::Result<()> {
     anyhow::ensure!(
         in_serve_us >= 0.9 * sleep_us,
         "only {in_serve_us} of {sleep_us} µs attributed to poolserver::serve"
+    );
+    Ok(())
+}
+
+/// A copy of `stackburner` without its symbol table and debug info: its own frames
+/// can only be `stackburner+0xoffset`, and each distinct one is an address that a
+/// drain could not name, so `stack_frames_unsymbolized_total{space="user"}` (counted
+/// since poolscope started, as every snapshot kept) is at least their number.
+#[test]
+fn frames_of_stripped_code_are_counted_unsymbolized() -> anyhow::Result<()> {
+    if !privileged("frames_of_stripped_code_are_counted_unsymbolized") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir()?;
+    let stripped = dir.path().join("stackburner");
+    let status = Command::new("objcopy")
+        .arg("--strip-all")
+        .arg(bin_dir()?.join("stackburner"))
+        .arg(&stripped)
+        .status()
+        .context("running objcopy (binutils)")?;
+    anyhow::ensure!(status.success(), "objcopy --strip-all: {status}");
+    let mut program = Program::start_path(&stripped, &["3".into(), SLEEP_MS.to_string()])?;
+    let port: u16 = program.line("port")?.parse()?;
+    let tids = parse_tids(&program.line("workers")?)?;
+    let burner = *tids.first().context("stackburner printed no workers")?;
+    let poolscope = Poolscope::start(&config(program.pid()))?;
+    wait_followed(&poolscope, &[(burner, BURNER_POOL)])?;
+    let go_unix = unix_now();
+    start_phase(port)?;
+    program.line("done")?;
+    let done_unix = unix_now();
+    let mut own_frames = BTreeSet::new();
+    for snapshot in snapshots_covering(&poolscope, go_unix, done_unix, INTERVAL)? {
+        let path = format!(
+            "/debug/stacks/cpu?service={SERVICE}&snapshot={}",
+            snapshot["id"]
+        );
+        for (frames, _) in parse_folded(&poolscope.get(&path)?)? {
+            anyhow::ensure!(
+                !names(&frames, "burn_"),
+                "a function of the stripped program named: {frames:?}"
+            );
+            own_frames.extend(
+                frames
+                    .into_iter()
+                    .filter(|f| f.starts_with("stackburner+0x")),
+            );
+        }
+    }
+    let counted = poolscope
+        .scrape()?
+        .value(
+            "poolscope_stack_frames_unsymbolized_total",
+            &[("space", "user")],
+        )
+        .context("no stack_frames_unsymbolized_total{space=\"user\"}")?;
+    println!(
+        "{} distinct stackburner+0x frames in the snapshots, {counted} addresses counted \
+         unsymbolized: {own_frames:?}",
+        own_frames.len()
+    );
+    anyhow::ensure!(
+        !own_frames.is_empty(),
+        "no stackburner+0x frame: the stripped program's samples are missing"
+    );
+    anyhow::ensure!(
+        counted >= own_frames.len() as f64,
+        "{counted} unsymbolized addresses counted, fewer than the {} distinct frames shown",
+        own_frames.len()
     );
     Ok(())
 }

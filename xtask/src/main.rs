@@ -39,6 +39,8 @@ const TEST_PACKAGES: &[&str] = &[
     // runs poolscope under its unit; python3-venv for kubernetes-validate's venv.
     "systemd",
     "python3-venv",
+    // objcopy strips a copy of a test program (tests/tests/stacks.rs).
+    "binutils",
 ];
 
 fn main() -> anyhow::Result<()> {
