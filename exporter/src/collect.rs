@@ -499,7 +499,8 @@ fn loss_families(losses: &[Loss]) -> Vec<Family> {
         "stack_frames_unsymbolized",
         Kind::Counter,
         "Stack frame addresses left without a function name (module+offset or a bare \
-         address) by the symbolizer, by space; each distinct address counted once per drain.",
+         address) by the symbolizer, by space; each distinct address once per drain, each \
+         frame of a /debug/locks report.",
     );
     let mut scalars = Vec::new();
     for loss in losses {
