@@ -11,6 +11,7 @@ pub mod discovery;
 pub mod encode;
 pub mod exporter;
 pub mod health;
+pub mod heap;
 pub mod ids;
 pub mod kernel;
 pub mod listener;
@@ -99,6 +100,7 @@ fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
 pub fn run(overrides: Overrides) -> anyhow::Result<()> {
     let settings = Settings::load(&overrides)?;
     let log = init_logging(settings.log_level);
+    heap::map_large_allocations_apart();
     let web_config = Arc::new(webconfig::WebState::load(
         overrides.web_config_file.as_deref(),
     )?);
@@ -237,19 +239,6 @@ async fn pool_sample_loop(exporter: Arc<Exporter>) {
     }
 }
 
-/// Gives the heap's free pages back to the kernel. Each drain symbolizes with a fresh
-/// blazesym cache (the ELF and DWARF of every watched binary) and frees it after;
-/// glibc keeps freed memory in its per-thread arenas, so RSS would otherwise climb
-/// in steps to the largest drain ever seen (a 30-minute soak measured a 29 MB step
-/// at minute 26) instead of following what poolscope holds.
-fn release_freed_heap() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim takes no pointer; it only walks the allocator's free lists.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
 /// Drains the kernel's stack counts every few seconds and takes a snapshot every
 /// `[stacks] interval` (both symbolize: blocking work, off the async workers).
 async fn stack_loop(exporter: Arc<Exporter>) {
@@ -272,7 +261,7 @@ async fn stack_loop(exporter: Arc<Exporter>) {
             } else {
                 worker.drain_stacks();
             }
-            release_freed_heap();
+            heap::release_freed();
         });
         if let Err(error) = work.await {
             tracing::error!(%error, "stack snapshot panicked");
