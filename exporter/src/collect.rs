@@ -527,6 +527,16 @@ fn loss_families(losses: &[Loss]) -> Vec<Family> {
                 )
                 .with(&[], value),
             ),
+            LossKind::ProcessesUnreadable => scalars.push(
+                Family::new(
+                    "processes_unreadable",
+                    Kind::Gauge,
+                    "Processes whose open files the last scan was not allowed to read \
+                     (EACCES, no CAP_SYS_PTRACE): their listening sockets are unknown, so \
+                     discovery cannot find them.",
+                )
+                .with(&[], value),
+            ),
             LossKind::PoolsRefused => scalars.push(
                 Family::new(
                     "pools_refused",

@@ -262,6 +262,7 @@ mod tests {
                 (95, addr("127.0.0.1:9435")),
             ]
             .into(),
+            processes_unreadable: Vec::new(),
         }
     }
 
@@ -480,6 +481,7 @@ mod tests {
                 (70, "0.0.0.0:8080".parse().expect("addr")),
             ]
             .into(),
+            processes_unreadable: Vec::new(),
         };
         assert_eq!(
             services(&assign(&snapshot, &[], 1)),

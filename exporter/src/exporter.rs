@@ -79,6 +79,7 @@ impl Shared {
             map_errors: [Some(&self.targets.map_errors), Some(&self.pools.map_errors)],
             series_dropped,
             services_refused: self.targets.services_refused,
+            processes_unreadable: self.targets.processes_unreadable.len() as u64,
             pools_refused: self.pools.pools_refused,
             lock_uprobe_errors: self.lock_probes.errors,
             unsymbolized,

@@ -56,6 +56,9 @@ pub enum LossKind {
     SeriesDropped,
     /// `services_refused` (a gauge: processes refused by the last scan).
     ServicesRefused,
+    /// `processes_unreadable` (a gauge: processes whose open files the last scan
+    /// was not allowed to read).
+    ProcessesUnreadable,
     /// `pools_refused_total`.
     PoolsRefused,
     /// `lock_uprobe_errors_total`.
@@ -79,6 +82,7 @@ pub struct LossInputs<'a> {
     pub map_errors: [Option<&'a MapErrors>; 2],
     pub series_dropped: u64,
     pub services_refused: u64,
+    pub processes_unreadable: u64,
     pub pools_refused: u64,
     pub lock_uprobe_errors: u64,
     pub unsymbolized: Unnamed,
@@ -103,6 +107,7 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
             (LossKind::Events(STACKS_EXPIRED), 0),
             (LossKind::SeriesDropped, inputs.series_dropped),
             (LossKind::ServicesRefused, inputs.services_refused),
+            (LossKind::ProcessesUnreadable, inputs.processes_unreadable),
             (LossKind::PoolsRefused, inputs.pools_refused),
             (LossKind::LockUprobes, inputs.lock_uprobe_errors),
             (LossKind::Unsymbolized("user"), inputs.unsymbolized.user),
@@ -161,19 +166,25 @@ impl LossKind {
 
     /// A gauge: degraded while above 0 (a counter: while it rose recently).
     fn is_gauge(&self) -> bool {
-        matches!(self, Self::ServicesRefused | Self::ProbeSkipped { .. })
+        matches!(
+            self,
+            Self::ServicesRefused | Self::ProcessesUnreadable | Self::ProbeSkipped { .. }
+        )
     }
 
     /// Whether this loss makes poolscope degraded: something was not measured. A
     /// stack that did not fit its stack map (a hash-bucket collision, more frequent
     /// as the map fills) or that expired keeps its sample's time, under no stack or
     /// `[stack lost]`, and a frame without a symbol keeps its module and offset:
-    /// counted, not degrading.
+    /// counted, not degrading. Processes whose open files poolscope may not follow
+    /// are counted and logged, not degrading: some hosts run one that no exporter
+    /// may read (a sandbox's init, behind a security module), for good.
     fn degrades(&self) -> bool {
         !matches!(
             self,
             Self::Events(STACKS_EXPIRED)
                 | Self::Unsymbolized(_)
+                | Self::ProcessesUnreadable
                 | Self::MapUpdate {
                     map: STACK_MAPS | maps::LOCK_STACKS,
                     errno: LossErrno::Eexist,
@@ -214,6 +225,10 @@ impl LossKind {
             Self::ServicesRefused => {
                 "processes left unwatched by limits.max_services: raise it".to_owned()
             }
+            Self::ProcessesUnreadable => "processes whose open files poolscope may not read, \
+                 so their listening sockets are unknown and discovery cannot find them: give \
+                 it CAP_SYS_PTRACE (the systemd unit and the DaemonSet do)"
+                .to_owned(),
             Self::PoolsRefused => {
                 "threads left in their creator's pool by limits.max_pools: raise it".to_owned()
             }
@@ -244,6 +259,7 @@ impl fmt::Display for LossKind {
             Self::Events(source) => write!(f, "events_lost_total{{source=\"{source}\"}}"),
             Self::SeriesDropped => f.write_str("series_dropped_total"),
             Self::ServicesRefused => f.write_str("services_refused"),
+            Self::ProcessesUnreadable => f.write_str("processes_unreadable"),
             Self::PoolsRefused => f.write_str("pools_refused_total"),
             Self::LockUprobes => f.write_str("lock_uprobe_errors_total"),
             Self::ProbeSkipped { probe, reason } => {

@@ -101,6 +101,13 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
     let settings = Settings::load(&overrides)?;
     let log = init_logging(settings.log_level);
     heap::map_large_allocations_apart();
+    match procfs::check_host_pid_namespace(&settings.procfs_root) {
+        Ok(()) => {}
+        Err(error @ procfs::PidNamespaceError::Unreadable { .. }) => {
+            tracing::warn!(%error, "pids may not match the kernel's");
+        }
+        Err(error) => return Err(error.into()),
+    }
     let web_config = Arc::new(webconfig::WebState::load(
         overrides.web_config_file.as_deref(),
     )?);

@@ -41,6 +41,9 @@ pub struct ProcSnapshot {
     pub processes: Vec<ProcInfo>,
     /// Listening TCP sockets of every network namespace seen, by socket inode.
     pub listen_sockets: HashMap<u64, SocketAddr>,
+    /// Processes whose open files poolscope was not allowed to follow (EACCES):
+    /// their listening sockets are unknown. One that exits mid-scan is not here.
+    pub processes_unreadable: Vec<u32>,
 }
 
 /// Fields of `/proc/<pid>/stat` we use.
@@ -343,17 +346,21 @@ pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
     })
 }
 
-/// Socket inodes among the open fds of a process (empty if it vanished).
-fn socket_inodes(root: &Path, pid: u32) -> Vec<u64> {
-    let Ok(entries) = fs::read_dir(root.join(pid.to_string()).join("fd")) else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|entry| {
-            let link = fs::read_link(entry.ok()?.path()).ok()?;
-            socket_inode(link.to_str()?)
-        })
-        .collect()
+/// Socket inodes among the open fds of a process; `PermissionDenied` when poolscope
+/// may not read them, another error when the process vanished.
+fn socket_inodes(root: &Path, pid: u32) -> io::Result<Vec<u64>> {
+    let mut inodes = Vec::new();
+    for entry in fs::read_dir(root.join(pid.to_string()).join("fd"))? {
+        let Ok(entry) = entry else { continue };
+        // Listing the fds needs only CAP_DAC_READ_SEARCH; following them needs
+        // CAP_SYS_PTRACE. Other failures are fds closed since the listing.
+        match fs::read_link(entry.path()) {
+            Ok(link) => inodes.extend(link.to_str().and_then(socket_inode)),
+            Err(error) if error.kind() == io::ErrorKind::PermissionDenied => return Err(error),
+            Err(_) => {}
+        }
+    }
+    Ok(inodes)
 }
 
 /// The start time of `pid` now, to check that a pid still names the same process.
@@ -468,7 +475,15 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
                 }
             }
         }
-        process.listeners = socket_inodes(root, pid);
+        process.listeners = match socket_inodes(root, pid) {
+            Ok(inodes) => inodes,
+            Err(error) => {
+                if error.kind() == io::ErrorKind::PermissionDenied {
+                    snapshot.processes_unreadable.push(pid);
+                }
+                Vec::new()
+            }
+        };
         snapshot.processes.push(process);
     }
     // Keep only the sockets that listen; other fds were collected unfiltered above
@@ -479,6 +494,49 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
             .retain(|inode| snapshot.listen_sockets.contains_key(inode));
     }
     Ok(snapshot)
+}
+
+/// What `/proc/<pid>/ns/pid` reads for a process of the host's (initial) pid
+/// namespace: its inode is `PROC_PID_INIT_INO` (include/linux/proc_ns.h), fixed since
+/// Linux 3.8.
+const HOST_PID_NAMESPACE: &str = "pid:[4026531836]";
+
+/// The procfs root is not (or may not be) one of the host's pid namespace.
+#[derive(Debug, thiserror::Error)]
+pub enum PidNamespaceError {
+    #[error(
+        "{root} lists the processes of pid namespace {found}, not the host's \
+         ({HOST_PID_NAMESPACE}); the kernel probes report the host's pids, so nothing \
+         poolscope finds there would be measured. Run poolscope in the host's pid \
+         namespace (Kubernetes: hostPID: true; docker: --pid=host), or point \
+         discovery.procfs_root at a mount of the host's /proc"
+    )]
+    Foreign { root: String, found: String },
+    #[error(
+        "cannot tell whether {link} is the host's pid namespace (reading it needs \
+         CAP_SYS_PTRACE): {source}"
+    )]
+    Unreadable { link: String, source: io::Error },
+}
+
+/// Checks that `root` is a procfs of the host's pid namespace, through the
+/// namespace of its pid 1 (the namespace's own init). poolscope itself may run in a
+/// pid namespace of its own, as long as it reads the host's procfs.
+pub fn check_host_pid_namespace(root: &Path) -> Result<(), PidNamespaceError> {
+    let path = root.join("1/ns/pid");
+    let link = fs::read_link(&path).map_err(|source| PidNamespaceError::Unreadable {
+        link: path.display().to_string(),
+        source,
+    })?;
+    let found = link.to_string_lossy();
+    if found == HOST_PID_NAMESPACE {
+        Ok(())
+    } else {
+        Err(PidNamespaceError::Foreign {
+            root: root.display().to_string(),
+            found: found.into_owned(),
+        })
+    }
 }
 
 /// One mapping of /proc/<pid>/maps that has a file.
@@ -978,6 +1036,35 @@ pub(crate) mod tests {
         assert_eq!(snapshot.processes[1].ppid, 10);
         assert!(snapshot.processes[1].listeners.is_empty());
         assert_eq!(snapshot.processes[1].cgroup, "/system.slice/web.service");
+        Ok(())
+    }
+
+    #[test]
+    fn only_a_procfs_of_the_host_pid_namespace_passes() -> io::Result<()> {
+        use std::os::unix::fs::symlink;
+        let root_with_init_in = |namespace: &str| -> io::Result<tempfile::TempDir> {
+            let root = tempfile::tempdir()?;
+            fs::create_dir_all(root.path().join("1/ns"))?;
+            symlink(namespace, root.path().join("1/ns/pid"))?;
+            Ok(root)
+        };
+        let host = root_with_init_in(HOST_PID_NAMESPACE)?;
+        assert!(check_host_pid_namespace(host.path()).is_ok());
+
+        let container = root_with_init_in("pid:[4026532412]")?;
+        let error = check_host_pid_namespace(container.path())
+            .expect_err("a container's procfs passed")
+            .to_string();
+        assert!(
+            error.contains("pid:[4026532412]") && error.contains("hostPID: true"),
+            "{error}"
+        );
+
+        let unreadable = tempfile::tempdir()?;
+        assert!(matches!(
+            check_host_pid_namespace(unreadable.path()),
+            Err(PidNamespaceError::Unreadable { .. })
+        ));
         Ok(())
     }
 }

@@ -5,7 +5,7 @@
 //! new process: the kernel drops an exited process at once, and user space checks the
 //! start time again after every insert.
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     path::PathBuf,
 };
 
@@ -69,6 +69,8 @@ pub struct Targets {
     procfs_root: PathBuf,
     /// Processes the last scan left unwatched because `limits.max_services` was reached.
     pub services_refused: u64,
+    /// Processes whose open files the last scan was not allowed to follow.
+    pub processes_unreadable: BTreeSet<u32>,
     /// Failed inserts into `WATCHED` and updates of `LISTEN_PORTS`.
     pub map_errors: MapErrors,
 }
@@ -93,6 +95,7 @@ impl Targets {
             known_listen_sockets: HashSet::new(),
             procfs_root,
             services_refused: 0,
+            processes_unreadable: BTreeSet::new(),
             map_errors: MapErrors::default(),
         }
     }
@@ -122,6 +125,7 @@ impl Targets {
         }
         self.known_listen_sockets = snapshot.listen_sockets.keys().copied().collect();
         self.services_refused = 0;
+        self.note_unreadable(snapshot);
         let desired: HashMap<u32, &Assignment> = assignments.iter().map(|a| (a.pid, a)).collect();
         // Processes watched since the scan began (forks) are not in it: leave them.
         let gone: Vec<u32> = self
@@ -155,6 +159,36 @@ impl Targets {
         // A stray just unwatched keeps its id busy until the next scan: harmless.
         self.free_idle_services(kernel, &in_kernel);
         self.sync_listen_ports(kernel, snapshot);
+    }
+
+    /// Keeps the processes whose open files the scan could not follow, and logs
+    /// those that were not in the last scan's (once, not at every scan).
+    fn note_unreadable(&mut self, snapshot: &ProcSnapshot) {
+        let unreadable: BTreeSet<u32> = snapshot.processes_unreadable.iter().copied().collect();
+        let new: Vec<String> = snapshot
+            .processes
+            .iter()
+            .filter(|p| unreadable.contains(&p.pid) && !self.processes_unreadable.contains(&p.pid))
+            .map(|p| format!("{} ({})", p.pid, p.comm))
+            .collect();
+        if !new.is_empty() {
+            const SHOWN: usize = 5;
+            let more = new.len().saturating_sub(SHOWN);
+            tracing::warn!(
+                "cannot follow the open files of {} more process(es): {}{}; their listening \
+                 sockets are unknown, so discovery and port targets cannot find them. \
+                 poolscope needs CAP_SYS_PTRACE to follow processes of other users or with \
+                 capabilities it lacks (a security module may also deny it); counted in poolscope_processes_unreadable",
+                new.len(),
+                new[..new.len().min(SHOWN)].join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                },
+            );
+        }
+        self.processes_unreadable = unreadable;
     }
 
     /// Tells the kernel which local ports are the listeners of which service, so that

@@ -129,6 +129,19 @@ pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A command that runs `binary` through `wrapper` (a command and its arguments that
+/// execs or forks what follows them), or directly when `wrapper` is empty.
+fn wrapped(wrapper: &[impl AsRef<std::ffi::OsStr>], binary: &Path) -> Command {
+    match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut command = Command::new(program);
+            command.args(args).arg(binary);
+            command
+        }
+        None => Command::new(binary),
+    }
+}
+
 /// A running `poolscope` process; killed when dropped.
 pub struct Poolscope {
     child: Child,
@@ -172,14 +185,7 @@ impl Poolscope {
         std::fs::write(&config_path, config)?;
         let port = free_port()?;
         let binary = bin_dir()?.join("poolscope");
-        let mut command = match wrapper.split_first() {
-            Some((program, args)) => {
-                let mut command = Command::new(program);
-                command.args(args).arg(&binary);
-                command
-            }
-            None => Command::new(&binary),
-        };
+        let mut command = wrapped(wrapper, &binary);
         let child = command
             .arg("--config.file")
             .arg(&config_path)
@@ -418,6 +424,8 @@ pub fn backend_config(backend: &str, service: &str, pids: &[u32]) -> String {
 /// when dropped.
 pub struct PoolServer {
     child: Child,
+    /// The server's own pid: the child's, or the wrapper's child's.
+    pid: u32,
     stdin: Option<ChildStdin>,
     stdout: BufReader<ChildStdout>,
     pub port: u16,
@@ -438,7 +446,29 @@ impl PoolServer {
 
     /// With one of the server's `style`s (see `poolserver.rs`).
     pub fn start_styled(workers: u32, service: Duration, style: &str) -> anyhow::Result<Self> {
-        let mut child = Command::new(bin_dir()?.join("poolserver"))
+        Self::launch(&[], workers, service, style)
+    }
+
+    /// Through a wrapper command that execs it (`setpriv …`) or forks it once
+    /// (`unshare --pid --fork`); its `pid()` is then the wrapper's only child, as the
+    /// host numbers it.
+    pub fn start_wrapped(
+        wrapper: &[&str],
+        workers: u32,
+        service: Duration,
+    ) -> anyhow::Result<Self> {
+        Self::launch(wrapper, workers, service, "plain")
+    }
+
+    fn launch(
+        wrapper: &[&str],
+        workers: u32,
+        service: Duration,
+        style: &str,
+    ) -> anyhow::Result<Self> {
+        let binary = bin_dir()?.join("poolserver");
+        let mut command = wrapped(wrapper, &binary);
+        let mut child = command
             .arg(workers.to_string())
             .arg(service.as_micros().to_string())
             .arg(style)
@@ -451,8 +481,16 @@ impl PoolServer {
         let mut line = String::new();
         stdout.read_line(&mut line)?;
         let port = parse_port(&line, "poolserver")?;
+        // Serving, so a wrapper that forks has forked it (and the server itself
+        // starts threads, not processes).
+        let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", child.id()))?;
+        let pid = match children.split_whitespace().next() {
+            Some(forked) => forked.parse()?,
+            None => child.id(),
+        };
         Ok(Self {
             child,
+            pid,
             stdin: Some(stdin),
             stdout,
             port,
@@ -460,7 +498,7 @@ impl PoolServer {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.pid
     }
 
     /// Stops serving and returns the server's own count and service times.

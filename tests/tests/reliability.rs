@@ -1,6 +1,9 @@
 //! poolscope under hostile input: many scrapers at once are each answered or refused
 //! cleanly, the refusals counted exactly, memory bounded; process and thread names
-//! with quotes, backslashes, braces, newlines and invalid UTF-8 make valid exposition.
+//! with quotes, backslashes, braces, newlines and invalid UTF-8 make valid exposition;
+//! a server in a pid namespace of its own is measured, and a procfs of another pid
+//! namespace than the host's is refused with how to run poolscope; processes whose
+//! fds poolscope may not follow are counted, with the capability to give.
 use std::{
     sync::{Arc, Mutex},
     thread,
@@ -8,7 +11,7 @@ use std::{
 };
 
 use poolscope_tests::{
-    PoolServer, Poolscope, Program, backend_config,
+    PoolServer, Poolscope, Program, backend_config, backends,
     load::{ClosedLoop, Connections},
     one_at_a_time, privileged,
     profiles::http_get,
@@ -172,6 +175,143 @@ fn hostile_names_make_valid_exposition() -> anyhow::Result<()> {
     poolscope_tests::prometheus::check_metrics(&metrics.text)?;
     eprintln!(
         "hostile names: service=\"{service}\", pool=\"{pool}\"; promtool check metrics passes"
+    );
+    Ok(())
+}
+
+/// A server in a pid namespace of its own, as in a container: poolscope watches it by
+/// the pid the host gives it, which the kernel probes report, and counts exactly the
+/// requests it served.
+#[test]
+fn a_server_in_its_own_pid_namespace_is_counted_exactly() -> anyhow::Result<()> {
+    if !privileged("a_server_in_its_own_pid_namespace_is_counted_exactly") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    for backend in backends() {
+        let server = PoolServer::start_wrapped(
+            &["unshare", "--pid", "--fork", "--kill-child"],
+            2,
+            Duration::from_millis(2),
+        )?;
+        let namespace = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/pid"));
+        assert_ne!(
+            namespace(&server.pid().to_string())?,
+            namespace("self")?,
+            "the server shares the test's pid namespace"
+        );
+        let service = "contained";
+        let poolscope = Poolscope::start(&backend_config(backend, service, &[server.pid()]))?;
+        scrape_until(&poolscope, |m| {
+            m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
+        })?;
+        let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
+        thread::sleep(Duration::from_secs(2));
+        let made = clients.stop()?.completed;
+        let metrics = scrape_until(&poolscope, |m| {
+            m.value("poolscope_requests_in_flight", &[("service", service)]) == Some(0.0)
+        })?;
+        let counted = metrics
+            .value("poolscope_requests_total", &[("service", service)])
+            .unwrap_or(0.0);
+        let served = server.finish()?;
+        eprintln!(
+            "{backend}: server in its own pid namespace: counted {counted}, made {made}, served {}",
+            served.count
+        );
+        assert!(made > 0);
+        assert_eq!((counted, made), (served.count as f64, served.count));
+    }
+    Ok(())
+}
+
+/// poolscope reading the procfs of a pid namespace other than the host's would match
+/// none of the kernel's pids: it refuses to start and says how to run it.
+#[test]
+fn a_procfs_of_another_pid_namespace_is_refused_at_start() -> anyhow::Result<()> {
+    if !privileged("a_procfs_of_another_pid_namespace_is_refused_at_start") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    // unshare's child, poolscope, is pid 1 of the new namespace and of its /proc.
+    let wrapper = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"].map(String::from);
+    let Err(error) = Poolscope::start_wrapped("", &wrapper) else {
+        anyhow::bail!("poolscope served from another pid namespace's procfs");
+    };
+    let error = format!("{error:#}");
+    assert!(
+        error.contains("/proc lists the processes of pid namespace")
+            && error.contains("hostPID: true"),
+        "{error}"
+    );
+    Ok(())
+}
+
+/// Without CAP_SYS_PTRACE, poolscope may not follow the fds of another user's
+/// process: that process's listening sockets are unknown, so a port target cannot
+/// find it. poolscope counts it in `processes_unreadable` and logs the capability to
+/// give; with the capability the same target is found.
+#[test]
+fn processes_whose_fds_cannot_be_read_are_counted_and_logged() -> anyhow::Result<()> {
+    if !privileged("processes_whose_fds_cannot_be_read_are_counted_and_logged") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let server = PoolServer::start_wrapped(
+        &[
+            "setpriv",
+            "--reuid=nobody",
+            "--regid=nogroup",
+            "--clear-groups",
+        ],
+        1,
+        Duration::from_millis(1),
+    )?;
+    let service = "by-port";
+    let config = format!(
+        "[[targets]]\nservice = \"{service}\"\nport = [{}]\n",
+        server.port
+    );
+    let watched = [("service", service)];
+    let unreadable = |m: &poolscope_tests::Metrics| {
+        m.value("poolscope_processes_unreadable", &[])
+            .unwrap_or(-1.0)
+    };
+
+    // Some hosts have processes even root may not follow (a sandbox's init): the
+    // baseline, with every capability.
+    let mut poolscope = Poolscope::start(&config)?;
+    let metrics = scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &watched) == Some(1.0)
+    })?;
+    let baseline = unreadable(&metrics);
+    assert!(baseline >= 0.0, "no poolscope_processes_unreadable");
+    let log = poolscope.stop_and_log();
+    assert!(
+        !log.contains(&format!("{} (poolserver)", server.pid())),
+        "the server was reported unreadable with every capability:\n{log}"
+    );
+
+    let without_ptrace = [
+        "setpriv",
+        "--bounding-set=-sys_ptrace",
+        "--inh-caps=-sys_ptrace",
+    ]
+    .map(String::from);
+    let mut poolscope = Poolscope::start_wrapped(&config, &without_ptrace)?;
+    let metrics = scrape_until(&poolscope, |m| unreadable(m) > baseline)?;
+    assert_ne!(metrics.value("poolscope_targets", &watched), Some(1.0));
+    let log = poolscope.stop_and_log();
+    let warning = log
+        .lines()
+        .find(|line| line.contains("cannot follow the open files"))
+        .unwrap_or_default();
+    // The warning names the first few processes only: without CAP_SYS_PTRACE, root's
+    // processes with more capabilities than poolscope are closed to it too.
+    assert!(warning.contains("CAP_SYS_PTRACE"), "{log}");
+    eprintln!(
+        "processes unreadable: {baseline} with every capability, {} without CAP_SYS_PTRACE; {warning}",
+        unreadable(&metrics)
     );
     Ok(())
 }
