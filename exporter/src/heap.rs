@@ -8,9 +8,9 @@
 /// glibc's default threshold starts here too but rises with each large block freed
 /// (up to 32 MiB): the symbolizer's buffers then come from the per-thread arenas,
 /// grow them to 30+ MB, and the small allocations that outlive a drain, spread
-/// across those arenas, keep their pages resident. A 30-minute soak measured the
-/// lowest RSS of each minute creeping 32.5 → 35 MB with the default, and flat at
-/// 24.4-24.9 MB with this fixed threshold, side by side.
+/// across those arenas, keep their pages resident. Side by side for 28 minutes, the
+/// lowest RSS of each minute after warm-up was 31.1-35.0 MB and creeping with the
+/// default, 23.0-25.0 MB and flat with this fixed threshold (README, Limits).
 const MMAP_THRESHOLD_BYTES: i32 = 128 * 1024;
 
 /// Fixes the mmap threshold (see [`MMAP_THRESHOLD_BYTES`]); call once, at start-up.

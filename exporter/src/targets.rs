@@ -178,7 +178,8 @@ impl Targets {
                 "cannot follow the open files of {} more process(es): {}{}; their listening \
                  sockets are unknown, so discovery and port targets cannot find them. \
                  poolscope needs CAP_SYS_PTRACE to follow processes of other users or with \
-                 capabilities it lacks (a security module may also deny it); counted in poolscope_processes_unreadable",
+                 capabilities it lacks (a security module may also deny it); counted in \
+                 poolscope_processes_unreadable",
                 new.len(),
                 new[..new.len().min(SHOWN)].join(", "),
                 if more > 0 {
