@@ -486,7 +486,7 @@ mod tests {
     }
 
     #[test]
-    fn gauges_degrade_while_above_zero_and_expired_stacks_or_unnamed_frames_never() {
+    fn gauges_degrade_while_above_zero_and_informational_losses_never() {
         let mut tracker = HealthTracker::new(Duration::from_secs(60), BTreeMap::new());
         let now = Instant::now();
         let skipped = LossKind::ProbeSkipped {
@@ -498,6 +498,7 @@ mod tests {
             loss(skipped.clone(), 1),
             loss(LossKind::Events(STACKS_EXPIRED), 100),
             loss(LossKind::Unsymbolized("user"), 40),
+            loss(LossKind::ProcessesUnreadable, 3),
         ];
         let health = tracker.observe(now, &losses);
         let kinds: Vec<_> = health.causes.iter().map(|c| c.kind.clone()).collect();

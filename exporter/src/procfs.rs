@@ -501,7 +501,7 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
 /// Linux 3.8.
 const HOST_PID_NAMESPACE: &str = "pid:[4026531836]";
 
-/// The procfs root is not (or may not be) one of the host's pid namespace.
+/// The procfs root is not (or may not be) the host pid namespace's.
 #[derive(Debug, thiserror::Error)]
 pub enum PidNamespaceError {
     #[error(
@@ -513,7 +513,7 @@ pub enum PidNamespaceError {
     )]
     Foreign { root: String, found: String },
     #[error(
-        "cannot tell whether {link} is the host's pid namespace (reading it needs \
+        "cannot tell whether {link} is the host's pid namespace (reading it may need \
          CAP_SYS_PTRACE): {source}"
     )]
     Unreadable { link: String, source: io::Error },
