@@ -450,8 +450,8 @@ impl PoolServer {
     }
 
     /// Through a wrapper command that execs it (`setpriv …`) or forks it once
-    /// (`unshare --pid --fork`); its `pid()` is then the wrapper's only child, as the
-    /// host numbers it.
+    /// (`unshare --pid --fork`); its `pid()` is the server's either way (the forked
+    /// child's, as the host numbers it).
     pub fn start_wrapped(
         wrapper: &[&str],
         workers: u32,
