@@ -5,11 +5,12 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
 };
 use poolscope_shared::{
-    Conn, Histogram, LISTEN_PORTS_CAPACITY, LOSSES_SIZE, LockKey, LockPrimitive, LossErrno,
-    LossSource, MAX_LOCK_STACKS, MAX_LOCKS, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES,
-    MAX_STACK_COUNTS, MAX_STACKS, MAX_THREADS, MUTEX_CALLS_CAPACITY, PENDING_CALLS_CAPACITY,
-    PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes, SYSCALL_COUNTS_SIZE,
-    SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, Thread, Watched, loss_index,
+    Conn, Histogram, LISTEN_PORTS_CAPACITY, LOSSES_SIZE, ListenKey, LockKey, LockPrimitive,
+    LossErrno, LossSource, MAX_LOCK_STACKS, MAX_LOCKS, MAX_POOLS, MAX_PROFILE_SESSIONS,
+    MAX_SERVICES, MAX_STACK_COUNTS, MAX_STACKS, MAX_THREADS, MUTEX_CALLS_CAPACITY,
+    PENDING_CALLS_CAPACITY, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
+    SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, Thread,
+    Watched, loss_index,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -18,7 +19,8 @@ pub static WATCHED: HashMap<u32, Watched> = HashMap::with_max_entries(16384, 0);
 #[map]
 pub static CONNS: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
 #[map]
-pub static LISTEN_PORTS: HashMap<u32, u32> = HashMap::with_max_entries(LISTEN_PORTS_CAPACITY, 0);
+pub static LISTEN_PORTS: HashMap<ListenKey, u32> =
+    HashMap::with_max_entries(LISTEN_PORTS_CAPACITY, 0);
 #[map]
 pub static PENDING_CALLS: HashMap<u32, PendingCall> =
     HashMap::with_max_entries(PENDING_CALLS_CAPACITY, 0);

@@ -7,9 +7,11 @@
 //! tracepoints: their arguments come as they are, with no record to build, and a
 //! socket that is not ours costs one failed lookup in `CONNS`.
 use aya_ebpf::{
+    helpers::bpf_probe_read_kernel,
     macros::{raw_tracepoint, tracepoint},
     programs::{RawTracePointContext, TracePointContext},
 };
+use poolscope_shared::ListenKey;
 
 use crate::{
     maps::{CONNS, LISTEN_PORTS},
@@ -23,6 +25,14 @@ const STATE_OLD: usize = 16;
 const STATE_NEW: usize = 20;
 const STATE_SPORT: usize = 24;
 const STATE_PROTOCOL: usize = 30;
+
+/// Offset of the `struct net *` in `struct sock` (`__sk_common.skc_net.net`), and of
+/// the namespace's inode number in `struct net` (`ns.inum`), from the kernel's BTF;
+/// 0 where it has none, and then every connection is claimed by port alone.
+#[unsafe(no_mangle)]
+static SOCK_NET_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static NET_INUM_OFFSET: u32 = 0;
 
 const IPPROTO_TCP: u16 = 6;
 const TCP_ESTABLISHED: i32 = 1;
@@ -53,8 +63,12 @@ fn try_sock_state(ctx: &TracePointContext) -> Result<(), i64> {
                 return Ok(());
             }
             let port: u16 = unsafe { ctx.read_at(STATE_SPORT)? };
+            let listener = ListenKey {
+                netns: namespace(key as *const u8)?,
+                port: u32::from(port),
+            };
             // SAFETY: copied out at once.
-            if let Some(service) = unsafe { LISTEN_PORTS.get(u32::from(port)).copied() } {
+            if let Some(service) = unsafe { LISTEN_PORTS.get(listener).copied() } {
                 requests::connected(key, service, 0, now_ns());
             }
         }
@@ -68,6 +82,26 @@ fn try_sock_state(ctx: &TracePointContext) -> Result<(), i64> {
         _ => {}
     }
     Ok(())
+}
+
+/// The inode number of the network namespace of socket `sk`, or
+/// [`ListenKey::ANY_NAMESPACE`] where the offsets are unknown.
+#[inline(always)]
+fn namespace(sk: *const u8) -> Result<u32, i64> {
+    // SAFETY: load-time constants; volatile so that the compiler does not fold them.
+    let (net_at, inum_at) = unsafe {
+        (
+            core::ptr::read_volatile(&SOCK_NET_OFFSET),
+            core::ptr::read_volatile(&NET_INUM_OFFSET),
+        )
+    };
+    if inum_at == 0 {
+        return Ok(ListenKey::ANY_NAMESPACE);
+    }
+    // SAFETY: `sk` is the tracepoint's socket; the helper checks both reads.
+    let net: *const u8 = unsafe { bpf_probe_read_kernel(sk.add(net_at as usize).cast())? };
+    // SAFETY: as above.
+    Ok(unsafe { bpf_probe_read_kernel(net.add(inum_at as usize).cast::<u32>())? })
 }
 
 /// sk_data_ready(const struct sock *sk)

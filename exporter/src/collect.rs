@@ -303,7 +303,9 @@ pub fn service_families(
             ("listener", address.as_str()),
         ];
         listen_depth.push(&labels, listener.queue.depth.into());
-        limit.push(&labels, listener.queue.limit.into());
+        if let Some(size) = listener.queue.limit {
+            limit.push(&labels, size.into());
+        }
     }
     // Gauges and counters first: when the series cap bites, histograms go before them.
     let mut families = vec![
@@ -445,7 +447,7 @@ pub fn service_listeners(
             .entry((service, queue.addr))
             .and_modify(|sum| {
                 sum.depth += queue.depth;
-                sum.limit += queue.limit;
+                sum.limit = sum.limit.zip(queue.limit).map(|(a, b)| a + b);
             })
             .or_insert(*queue);
     }
@@ -792,7 +794,7 @@ mod tests {
             inode,
             addr: format!("127.0.0.1:{port}").parse().expect("addr"),
             depth: 4,
-            limit: 16,
+            limit: Some(16),
         };
         let listeners = service_listeners(&[queue(1, 80), queue(2, 81)], |inode| {
             (inode == 1).then(|| "web".to_owned())
@@ -805,8 +807,14 @@ mod tests {
         assert_eq!(reuseport.len(), 1);
         assert_eq!(
             (reuseport[0].queue.depth, reuseport[0].queue.limit),
-            (12, 48)
+            (12, Some(48))
         );
+        // A queue read from procfs (another namespace's) has no known limit, and
+        // neither has the sum it is part of.
+        let mut foreign = queue(5, 80);
+        foreign.limit = None;
+        let mixed = service_listeners(&[queue(1, 80), foreign], |_| Some("web".to_owned()));
+        assert_eq!((mixed[0].queue.depth, mixed[0].queue.limit), (8, None));
         let text = render(
             &service_families(Backend::Syscall, &[], &BTreeMap::new(), &listeners),
             Format::Text,

@@ -262,7 +262,7 @@ mod tests {
                 (95, addr("127.0.0.1:9435")),
             ]
             .into(),
-            processes_unreadable: Vec::new(),
+            ..ProcSnapshot::default()
         }
     }
 
@@ -481,7 +481,7 @@ mod tests {
                 (70, "0.0.0.0:8080".parse().expect("addr")),
             ]
             .into(),
-            processes_unreadable: Vec::new(),
+            ..ProcSnapshot::default()
         };
         assert_eq!(
             services(&assign(&snapshot, &[], 1)),

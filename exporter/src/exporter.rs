@@ -617,13 +617,44 @@ impl Exporter {
         })
     }
 
+    /// The listen queues of poolscope's own network namespace (sock_diag, with their
+    /// limits) and of every other namespace with watched listeners (procfs, through
+    /// a process inside it: depths only). A namespace whose process is gone is left
+    /// out, and a rescan finds another process in it.
+    fn listen_queues(
+        &self,
+        namespaces: &BTreeMap<u32, u32>,
+    ) -> Result<Vec<sockdiag::ListenQueue>, sockdiag::SockDiagError> {
+        let mut queues = sockdiag::listen_queues()?;
+        let own = procfs::network_namespace(Path::new("/proc"), "self");
+        for (&netns, &pid) in namespaces {
+            if Some(netns) == own {
+                continue;
+            }
+            match procfs::listen_queues_of(&self.procfs_root, pid) {
+                // The pid may have been reused by a process of another namespace.
+                Ok(found)
+                    if procfs::network_namespace(&self.procfs_root, &pid.to_string())
+                        == Some(netns) =>
+                {
+                    queues.extend(found);
+                }
+                Ok(_) | Err(_) => {
+                    tracing::debug!(netns, pid, "network namespace's process gone; rescanning");
+                    self.rescan_now.notify_one();
+                }
+            }
+        }
+        Ok(queues)
+    }
+
     /// Takes a saturation snapshot when a service's queue depth has stayed above
     /// the threshold long enough (checked every second).
     pub fn check_saturation(&self) {
         let Some((threshold, duration)) = self.settings().snapshots.saturation else {
             return;
         };
-        let (backend, counters, views, owners) = {
+        let (backend, counters, views, owners, namespaces) = {
             let shared = self.lock();
             let ids = shared.targets.service_ids();
             let counters = match shared.kernel.read_services(&ids) {
@@ -644,9 +675,10 @@ impl Exporter {
                 counters,
                 shared.targets.services(&watched),
                 shared.targets.listener_owners().clone(),
+                shared.targets.listener_namespaces().clone(),
             )
         };
-        let queues = sockdiag::listen_queues().unwrap_or_default();
+        let queues = self.listen_queues(&namespaces).unwrap_or_default();
         let listeners = service_listeners(&queues, |inode| owners.get(&inode).cloned());
         let services: Vec<_> = views
             .iter()
@@ -864,6 +896,7 @@ impl Gatherer for Exporter {
             kernel,
             windows,
             owners,
+            namespaces,
             backend,
             shared_losses,
             lock_probe_processes,
@@ -911,6 +944,7 @@ impl Gatherer for Exporter {
                 kernel.ok(),
                 windows,
                 shared.targets.listener_owners().clone(),
+                shared.targets.listener_namespaces().clone(),
                 shared.kernel.backend(),
                 losses,
                 shared.lock_probes.processes(),
@@ -920,7 +954,7 @@ impl Gatherer for Exporter {
         collectors.push(("kernel", started.elapsed().as_secs_f64(), kernel.is_some()));
 
         let started = Instant::now();
-        let queues = sockdiag::listen_queues();
+        let queues = self.listen_queues(&namespaces);
         if let Err(error) = &queues {
             tracing::warn!(%error, "reading listen queues failed");
         }

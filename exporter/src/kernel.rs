@@ -19,10 +19,10 @@ use aya::{
     },
 };
 use poolscope_shared::{
-    Conn, Histogram, LockKey, LockPrimitive, LossErrno, LossSource, MAX_PROFILE_SESSIONS,
-    PendingCall, Phase, PoolStats, ProcessEvent, ProfileSession, RequestTimes, STACK_GENERATIONS,
-    ServiceCounters, StackCount, StackKey, SyscallSlot, Thread, WaitClass, Watched, conn_key_tgid,
-    lock_wait_index, loss_index, maps, syscall_counter_index,
+    Conn, Histogram, ListenKey, LockKey, LockPrimitive, LossErrno, LossSource,
+    MAX_PROFILE_SESSIONS, PendingCall, Phase, PoolStats, ProcessEvent, ProfileSession,
+    RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot, Thread,
+    WaitClass, Watched, conn_key_tgid, lock_wait_index, loss_index, maps, syscall_counter_index,
 };
 
 use crate::btf;
@@ -384,7 +384,8 @@ pub struct Kernel {
     ebpf: Ebpf,
     watched: HashMap<MapData, u32, Watched>,
     conns: HashMap<MapData, u64, Conn>,
-    listen_ports: HashMap<MapData, u32, u32>,
+    listen_ports: HashMap<MapData, ListenKey, u32>,
+    socket_namespaces: bool,
     request_times: PerCpuArray<MapData, RequestTimes>,
     pending_calls: HashMap<MapData, u32, PendingCall>,
     syscall_counts: PerCpuArray<MapData, u64>,
@@ -702,21 +703,46 @@ where
     })
 }
 
-/// `task_struct.pid`'s offset from the kernel's BTF; `None` (logged) without BTF.
-fn task_pid_offset() -> Option<u32> {
-    let vmlinux = match std::fs::read(BTF_VMLINUX) {
-        Ok(vmlinux) => vmlinux,
+/// The kernel's BTF, `None` (logged) where it has none.
+fn vmlinux_btf() -> Option<Vec<u8>> {
+    match std::fs::read(BTF_VMLINUX) {
+        Ok(vmlinux) => Some(vmlinux),
         Err(error) => {
             tracing::warn!(
                 %error,
                 "no kernel BTF at {BTF_VMLINUX} (a kernel built without \
                  CONFIG_DEBUG_INFO_BTF): thread states, pool utilization and lock waits \
-                 are not measured"
+                 are not measured, and the socket backend claims connections by port \
+                 alone, in whatever network namespace"
             );
-            return None;
+            None
         }
-    };
-    match btf::member_offset(&vmlinux, "task_struct", "pid") {
+    }
+}
+
+/// Where the socket backend finds a socket's network namespace: the offset of the
+/// `struct net *` in `struct sock` (`__sk_common.skc_net`, a `possible_net_t` whose
+/// only member is that pointer), and of the inode number in `struct net` (`ns.inum`).
+fn socket_namespace_offsets(vmlinux: &[u8]) -> Option<(u32, u32)> {
+    let offsets = (|| {
+        let sock_net = btf::member_offset(vmlinux, "sock", "__sk_common")?
+            + btf::member_offset(vmlinux, "sock_common", "skc_net")?;
+        let net_inum = btf::member_offset(vmlinux, "net", "ns")?
+            + btf::member_offset(vmlinux, "ns_common", "inum")?;
+        Ok::<_, btf::BtfError>((sock_net, net_inum))
+    })();
+    match offsets {
+        Ok(offsets) => Some(offsets),
+        Err(error) => {
+            tracing::warn!(%error, "cannot find a socket's network namespace in {BTF_VMLINUX}: the socket backend claims connections by port alone, in whatever network namespace");
+            None
+        }
+    }
+}
+
+/// `task_struct.pid`'s offset from the kernel's BTF; `None` (logged) without it.
+fn task_pid_offset(vmlinux: &[u8]) -> Option<u32> {
+    match btf::member_offset(vmlinux, "task_struct", "pid") {
         Ok(offset) => Some(offset),
         Err(error) => {
             tracing::warn!(%error, "cannot read task_struct.pid from {BTF_VMLINUX}: thread states, pool utilization and lock waits are not measured");
@@ -745,7 +771,11 @@ impl Kernel {
     ) -> Result<(Self, ProcessEvents), KernelError> {
         ensure_tracefs()?;
         let group_dead_offset = exit_group_dead_offset();
-        let task_pid_offset = task_pid_offset();
+        let vmlinux = vmlinux_btf();
+        let task_pid_offset = vmlinux.as_deref().and_then(task_pid_offset);
+        let socket_namespace = vmlinux.as_deref().and_then(socket_namespace_offsets);
+        drop(vmlinux);
+        let (sock_net_offset, net_inum_offset) = socket_namespace.unwrap_or((0, 0));
         if group_dead_offset == 0 {
             tracing::info!("sched_process_exit has no group_dead: a process ends with its leader");
         }
@@ -759,6 +789,8 @@ impl Kernel {
         let mut ebpf = loader
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
             .override_global("TASK_PID_OFFSET", &task_pid_offset.unwrap_or(0), true)
+            .override_global("SOCK_NET_OFFSET", &sock_net_offset, true)
+            .override_global("NET_INUM_OFFSET", &net_inum_offset, true)
             .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
             .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
             .map_max_entries(maps::STACK_COUNTS, sizes.stack_counts)
@@ -845,6 +877,7 @@ impl Kernel {
             watched: take(&mut ebpf, maps::WATCHED)?,
             conns: take(&mut ebpf, maps::CONNS)?,
             listen_ports: take(&mut ebpf, maps::LISTEN_PORTS)?,
+            socket_namespaces: socket_namespace.is_some(),
             request_times: take(&mut ebpf, maps::REQUEST_TIMES)?,
             pending_calls: take(&mut ebpf, maps::PENDING_CALLS)?,
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
@@ -881,23 +914,28 @@ impl Kernel {
         self.backend
     }
 
-    /// Makes `LISTEN_PORTS` equal to `ports` (local port → service id).
-    pub fn set_listen_ports(&mut self, ports: &BTreeMap<u16, u32>) -> Result<(), MapError> {
-        let stale: Vec<u32> = self
+    /// Whether the socket backend tells listeners apart by network namespace (the
+    /// kernel's BTF gave the offsets it reads); if not, keys carry
+    /// [`ListenKey::ANY_NAMESPACE`].
+    pub fn claims_by_namespace(&self) -> bool {
+        self.socket_namespaces
+    }
+
+    /// Makes `LISTEN_PORTS` equal to `ports` ((namespace, local port) → service id).
+    pub fn set_listen_ports(&mut self, ports: &BTreeMap<ListenKey, u32>) -> Result<(), MapError> {
+        let stale: Vec<ListenKey> = self
             .listen_ports
             .iter()
             .filter_map(Result::ok)
-            .filter(|(port, service)| {
-                u16::try_from(*port).map_or(true, |port| ports.get(&port) != Some(service))
-            })
-            .map(|(port, _)| port)
+            .filter(|(key, service)| ports.get(key) != Some(service))
+            .map(|(key, _)| key)
             .collect();
-        for port in stale {
-            self.listen_ports.remove(&port)?;
+        for key in stale {
+            self.listen_ports.remove(&key)?;
         }
-        for (&port, &service) in ports {
-            if self.listen_ports.get(&u32::from(port), 0).ok() != Some(service) {
-                self.listen_ports.insert(u32::from(port), service, 0)?;
+        for (key, &service) in ports {
+            if self.listen_ports.get(key, 0).ok() != Some(service) {
+                self.listen_ports.insert(key, service, 0)?;
             }
         }
         Ok(())

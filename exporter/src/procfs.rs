@@ -8,6 +8,7 @@
 //! `spec.hostname` (kubelet cuts it to 63 characters). It is only trusted when the
 //! process has a UTS namespace of its own: a `hostNetwork` pod shares the host's, and
 //! its HOSTNAME is the node's name.
+use crate::sockdiag::ListenQueue;
 use std::{
     collections::{HashMap, HashSet},
     fs,
@@ -41,6 +42,11 @@ pub struct ProcSnapshot {
     pub processes: Vec<ProcInfo>,
     /// Listening TCP sockets of every network namespace seen, by socket inode.
     pub listen_sockets: HashMap<u64, SocketAddr>,
+    /// The network namespace (inode number) of each of `listen_sockets`, where the
+    /// namespace link could be read.
+    pub listen_namespaces: HashMap<u64, u32>,
+    /// One process of each network namespace seen, to read its listen queues through.
+    pub namespace_pids: HashMap<u32, u32>,
     /// Processes whose open files poolscope was not allowed to follow (EACCES):
     /// their listening sockets are unknown. One that exits mid-scan is not here.
     pub processes_unreadable: Vec<u32>,
@@ -129,8 +135,10 @@ pub fn parse_cgroup(content: &str) -> String {
 
 const TCP_LISTEN: &str = "0A";
 
-/// Listening sockets (state `0A`) in `/proc/net/tcp` or `/proc/net/tcp6`, by inode.
-pub fn parse_net_tcp(content: &str) -> Vec<(u64, SocketAddr)> {
+/// Listening sockets (state `0A`) in `/proc/net/tcp` or `/proc/net/tcp6`. For a
+/// listener the kernel prints `sk_ack_backlog` as `rx_queue`: the connections waiting
+/// for accept(), as sock_diag reports them. The backlog's size is not in the file.
+pub fn parse_net_tcp(content: &str) -> Vec<ListenQueue> {
     content
         .lines()
         .skip(1)
@@ -140,10 +148,41 @@ pub fn parse_net_tcp(content: &str) -> Vec<(u64, SocketAddr)> {
                 return None;
             }
             let addr = parse_hex_socket_addr(fields.get(1)?)?;
-            let inode = fields.get(9)?.parse().ok()?;
-            Some((inode, addr))
+            let (_, rx_queue) = fields.get(4)?.split_once(':')?;
+            Some(ListenQueue {
+                inode: fields.get(9)?.parse().ok()?,
+                addr,
+                depth: u32::from_str_radix(rx_queue, 16).ok()?,
+                limit: None,
+            })
         })
         .collect()
+}
+
+/// The listen queues of the network namespace of process `pid`, from its
+/// `/proc/<pid>/net/tcp` and `tcp6`: what sock_diag cannot read outside poolscope's
+/// own namespace without `CAP_SYS_ADMIN` (to enter the namespace).
+pub fn listen_queues_of(root: &Path, pid: u32) -> io::Result<Vec<ListenQueue>> {
+    let dir = root.join(pid.to_string()).join("net");
+    let mut queues = parse_net_tcp(&fs::read_to_string(dir.join("tcp"))?);
+    // A kernel without IPv6 has no tcp6.
+    if let Ok(content) = fs::read_to_string(dir.join("tcp6")) {
+        queues.extend(parse_net_tcp(&content));
+    }
+    Ok(queues)
+}
+
+/// The inode number of a namespace link such as `net:[4026531840]`: the `inum` the
+/// kernel's own structures carry.
+pub fn namespace_inode(link: &Path) -> Option<u32> {
+    let link = link.to_str()?;
+    let (_, number) = link.split_once(":[")?;
+    number.strip_suffix(']')?.parse().ok()
+}
+
+/// The network namespace of process `pid` (`None` if it exited or may not be read).
+pub fn network_namespace(root: &Path, pid: &str) -> Option<u32> {
+    namespace_inode(&fs::read_link(root.join(pid).join("ns/net")).ok()?)
 }
 
 /// `0100007F:1F90` (IPv4) or 32 hex digits `:` port (IPv6). The address is printed as
@@ -468,10 +507,19 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
         };
         let dir = root.join(pid.to_string());
         let namespace = fs::read_link(dir.join("ns/net")).ok();
+        let inum = namespace.as_deref().and_then(namespace_inode);
         if namespaces_seen.insert(namespace) {
+            if let Some(inum) = inum {
+                snapshot.namespace_pids.insert(inum, pid);
+            }
             for file in ["net/tcp", "net/tcp6"] {
                 if let Ok(content) = fs::read_to_string(dir.join(file)) {
-                    snapshot.listen_sockets.extend(parse_net_tcp(&content));
+                    for queue in parse_net_tcp(&content) {
+                        snapshot.listen_sockets.insert(queue.inode, queue.addr);
+                        if let Some(inum) = inum {
+                            snapshot.listen_namespaces.insert(queue.inode, inum);
+                        }
+                    }
                 }
             }
         }
@@ -686,13 +734,33 @@ pub(crate) mod tests {
         let v4 = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 0100007F:1F90 00000000:0000 0A 00000000:00000003 00:00000000 00000000     0        0 31337 1 0000000000000000 100 0 0 10 0\n   1: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 31338 1 0000000000000000 20 4 30 10 -1\n";
         assert_eq!(
             parse_net_tcp(v4),
-            vec![(31337, "127.0.0.1:8080".parse().expect("addr"))]
+            vec![ListenQueue {
+                inode: 31337,
+                addr: "127.0.0.1:8080".parse().expect("addr"),
+                depth: 3,
+                limit: None,
+            }]
         );
         let v6 = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000000000000000000001000000:0050 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4444 1 0000000000000000 100 0 0 10 0\n";
         assert_eq!(
             parse_net_tcp(v6),
-            vec![(4444, "[::1]:80".parse().expect("addr"))]
+            vec![ListenQueue {
+                inode: 4444,
+                addr: "[::1]:80".parse().expect("addr"),
+                depth: 0,
+                limit: None,
+            }]
         );
+    }
+
+    #[test]
+    fn namespace_links() {
+        assert_eq!(
+            namespace_inode(Path::new("net:[4026531840]")),
+            Some(4026531840)
+        );
+        assert_eq!(namespace_inode(Path::new("net:[x]")), None);
+        assert_eq!(namespace_inode(Path::new("/dev/null")), None);
     }
 
     #[test]
@@ -1029,6 +1097,8 @@ pub(crate) mod tests {
             snapshot.listen_sockets.get(&777),
             Some(&"0.0.0.0:8080".parse().expect("addr"))
         );
+        assert_eq!(snapshot.listen_namespaces.get(&777), Some(&4026531840));
+        assert_eq!(snapshot.namespace_pids.len(), 1);
         assert_eq!(snapshot.processes.len(), 2);
         assert_eq!(snapshot.processes[0].listeners, vec![777]);
         assert_eq!(snapshot.processes[0].start_time, 1010);

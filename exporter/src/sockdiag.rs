@@ -4,7 +4,8 @@
 //! `sk_max_ack_backlog`. One dump per address family per scrape; the parser is a pure
 //! function over the reply bytes.
 //!
-//! Sees the exporter's own network namespace only.
+//! Sees the exporter's own network namespace only; `procfs::listen_queues_of` reads
+//! the others'.
 use std::{
     io,
     net::{Ipv4Addr, Ipv6Addr, SocketAddr},
@@ -18,8 +19,9 @@ pub struct ListenQueue {
     pub addr: SocketAddr,
     /// Connections completed and waiting for accept().
     pub depth: u32,
-    /// The backlog given to listen(), capped by net.core.somaxconn.
-    pub limit: u32,
+    /// The backlog given to listen(), capped by net.core.somaxconn; unknown for a
+    /// queue read from procfs (another network namespace's).
+    pub limit: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -181,7 +183,7 @@ fn parse_message(payload: &[u8]) -> Result<ListenQueue, SockDiagError> {
     Ok(ListenQueue {
         addr: SocketAddr::new(ip, port),
         depth: field(56)?,
-        limit: field(60)?,
+        limit: Some(field(60)?),
         inode: field(68)?.into(),
     })
 }
@@ -230,13 +232,13 @@ mod tests {
                     inode: 99,
                     addr: "127.0.0.1:8080".parse().expect("addr"),
                     depth: 3,
-                    limit: 128
+                    limit: Some(128)
                 },
                 ListenQueue {
                     inode: 100,
                     addr: "[::1]:443".parse().expect("addr"),
                     depth: 0,
-                    limit: 4096
+                    limit: Some(4096)
                 },
             ]
         );

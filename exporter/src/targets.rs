@@ -9,7 +9,7 @@ use std::{
     path::PathBuf,
 };
 
-use poolscope_shared::{Phase, ProcessEvent, ProcessEventKind, Watched, maps};
+use poolscope_shared::{ListenKey, Phase, ProcessEvent, ProcessEventKind, Watched, maps};
 
 use crate::{
     discovery::Assignment,
@@ -66,6 +66,9 @@ pub struct Targets {
     listeners: HashMap<u64, String>,
     /// Every listening socket the last scan saw, watched or not.
     known_listen_sockets: HashSet<u64>,
+    /// The network namespaces of watched listeners, each with one process inside it
+    /// (from the last scan), to read their listen queues through.
+    listener_namespaces: BTreeMap<u32, u32>,
     procfs_root: PathBuf,
     /// Processes the last scan left unwatched because `limits.max_services` was reached.
     pub services_refused: u64,
@@ -93,6 +96,7 @@ impl Targets {
             purged: HashMap::new(),
             listeners: HashMap::new(),
             known_listen_sockets: HashSet::new(),
+            listener_namespaces: BTreeMap::new(),
             procfs_root,
             services_refused: 0,
             processes_unreadable: BTreeSet::new(),
@@ -192,15 +196,36 @@ impl Targets {
         self.processes_unreadable = unreadable;
     }
 
-    /// Tells the kernel which local ports are the listeners of which service, so that
-    /// the socket backend can claim a connection when its handshake completes.
+    /// Tells the kernel which (network namespace, local port) pairs are the listeners
+    /// of which service, so that the socket backend can claim a connection when its
+    /// handshake completes.
     fn sync_listen_ports(&mut self, kernel: &mut Kernel, snapshot: &ProcSnapshot) {
-        let ports: BTreeMap<u16, u32> = self
+        let by_namespace = kernel.claims_by_namespace();
+        self.listener_namespaces = self
+            .listeners
+            .keys()
+            .filter_map(|inode| {
+                let netns = *snapshot.listen_namespaces.get(inode)?;
+                Some((netns, *snapshot.namespace_pids.get(&netns)?))
+            })
+            .collect();
+        let ports: BTreeMap<ListenKey, u32> = self
             .listeners
             .iter()
             .filter_map(|(inode, service)| {
                 let addr = snapshot.listen_sockets.get(inode)?;
-                Some((addr.port(), self.ids.get(service)?))
+                let netns = if by_namespace {
+                    // A listener whose namespace is unknown cannot be told from another
+                    // namespace's on the same port: it claims nothing.
+                    *snapshot.listen_namespaces.get(inode)?
+                } else {
+                    ListenKey::ANY_NAMESPACE
+                };
+                let key = ListenKey {
+                    netns,
+                    port: u32::from(addr.port()),
+                };
+                Some((key, self.ids.get(service)?))
             })
             .collect();
         if let Err(error) = kernel.set_listen_ports(&ports) {
@@ -401,6 +426,11 @@ impl Targets {
     /// Listening socket inode → owning service, from the last scan.
     pub fn listener_owners(&self) -> &HashMap<u64, String> {
         &self.listeners
+    }
+
+    /// The network namespaces of watched listeners (inode number → a process in it).
+    pub fn listener_namespaces(&self) -> &BTreeMap<u32, u32> {
+        &self.listener_namespaces
     }
 
     /// True if the last scan saw this listening socket (watched or not).

@@ -10,8 +10,9 @@ pub mod maps {
     /// Connection key (u64, see [`crate::fd_conn_key`]) → [`crate::Conn`]: the open
     /// connections of watched services and the phase of their current request.
     pub const CONNS: &str = "CONNS";
-    /// Local TCP port (u32) → service id: the listeners of watched services, so that
-    /// the socket backend knows a handshake is one of ours (it runs in softirq).
+    /// [`crate::ListenKey`] (network namespace, local TCP port) → service id: the
+    /// listeners of watched services, so that the socket backend knows a handshake is
+    /// one of ours (it runs in softirq, in no process's context).
     pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
     /// per-CPU array, index service id → [`crate::RequestTimes`].
     pub const REQUEST_TIMES: &str = "REQUEST_TIMES";
@@ -534,6 +535,24 @@ pub const fn lock_wait_index(pool: u32, primitive: LockPrimitive) -> u32 {
     pool * LockPrimitive::COUNT + primitive as u32
 }
 
+/// Key of [`maps::LISTEN_PORTS`]: a listening port in one network namespace, so that
+/// pods that listen on the same port never claim each other's connections.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ListenKey {
+    /// Inode number of the network namespace (`/proc/<pid>/ns/net`, `net->ns.inum`);
+    /// [`ListenKey::ANY_NAMESPACE`] where the kernel's BTF does not say where it is.
+    pub netns: u32,
+    /// Local port, in host byte order.
+    pub port: u32,
+}
+
+impl ListenKey {
+    /// The namespace of every key when the namespace cannot be read (no kernel BTF):
+    /// connections are then claimed by port alone.
+    pub const ANY_NAMESPACE: u32 = 0;
+}
+
 /// Key of [`maps::LOCKS`]: one lock (a futex address in one process) waited on from
 /// one call stack.
 #[repr(C)]
@@ -917,6 +936,7 @@ mod pod {
     unsafe impl aya::Pod for super::Thread {}
     unsafe impl aya::Pod for super::PoolStats {}
     unsafe impl aya::Pod for super::LockKey {}
+    unsafe impl aya::Pod for super::ListenKey {}
     unsafe impl aya::Pod for super::Histogram {}
     unsafe impl aya::Pod for super::StackKey {}
     unsafe impl aya::Pod for super::StackCount {}
@@ -925,6 +945,7 @@ mod pod {
 
 const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
+const _: () = assert!(core::mem::size_of::<ListenKey>() == 8);
 const _: () = assert!(core::mem::size_of::<Conn>() == 56);
 const _: () = assert!(core::mem::size_of::<Thread>() == 104);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 28);

@@ -142,6 +142,73 @@ fn wrapped(wrapper: &[impl AsRef<std::ffi::OsStr>], binary: &Path) -> Command {
     }
 }
 
+/// A network namespace of the test's own (`ip netns add`), with its loopback up, as a
+/// Kubernetes pod has; deleted when dropped.
+pub struct Netns {
+    name: String,
+}
+
+impl Netns {
+    pub fn new(tag: &str) -> anyhow::Result<Self> {
+        let name = format!("poolscope-{tag}-{}", std::process::id());
+        // Left over by a killed run of the same pid: start afresh.
+        if Path::new("/run/netns").join(&name).exists() {
+            let _ = Command::new("ip").args(["netns", "delete", &name]).status();
+        }
+        let namespace = Self { name };
+        for args in [
+            &["netns", "add", namespace.name()][..],
+            &["-n", namespace.name(), "link", "set", "lo", "up"],
+        ] {
+            let status = Command::new("ip")
+                .args(args)
+                .status()
+                .context("running ip")?;
+            if !status.success() {
+                bail!("ip {} failed: {status}", args.join(" "));
+            }
+        }
+        Ok(namespace)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The namespace's inode number, as `/proc/<pid>/ns/net` names it.
+    pub fn inode(&self) -> anyhow::Result<u64> {
+        use std::os::unix::fs::MetadataExt as _;
+        Ok(std::fs::metadata(format!("/run/netns/{}", self.name))?.ino())
+    }
+
+    /// Runs `work` on a thread inside the namespace (threads it starts are inside too,
+    /// and sockets it opens stay there).
+    pub fn run<T: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> anyhow::Result<T> + Send + 'static,
+    ) -> anyhow::Result<T> {
+        use std::os::fd::AsRawFd as _;
+        let file = std::fs::File::open(format!("/run/netns/{}", self.name))?;
+        std::thread::spawn(move || {
+            // SAFETY: setns on this thread only, with a namespace fd we hold open.
+            if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error().into());
+            }
+            work()
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("a thread in the namespace panicked"))?
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "delete", &self.name])
+            .status();
+    }
+}
+
 /// A running `poolscope` process; killed when dropped.
 pub struct Poolscope {
     child: Child,
@@ -279,7 +346,16 @@ pub struct TestServer {
 
 impl TestServer {
     pub fn start(backlog: u32) -> anyhow::Result<Self> {
-        let mut child = Command::new(bin_dir()?.join("testserver"))
+        Self::launch(&[], backlog)
+    }
+
+    /// In network namespace `netns`: connect to it from [`Netns::run`].
+    pub fn start_in(netns: &Netns, backlog: u32) -> anyhow::Result<Self> {
+        Self::launch(&["ip", "netns", "exec", netns.name()], backlog)
+    }
+
+    fn launch(wrapper: &[&str], backlog: u32) -> anyhow::Result<Self> {
+        let mut child = wrapped(wrapper, &bin_dir()?.join("testserver"))
             .arg(backlog.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -446,7 +522,7 @@ impl PoolServer {
 
     /// With one of the server's `style`s (see `poolserver.rs`).
     pub fn start_styled(workers: u32, service: Duration, style: &str) -> anyhow::Result<Self> {
-        Self::launch(&[], workers, service, style)
+        Self::launch(&[], workers, service, style, 0)
     }
 
     /// Through a wrapper command that execs it (`setpriv …`) or forks it once
@@ -457,7 +533,18 @@ impl PoolServer {
         workers: u32,
         service: Duration,
     ) -> anyhow::Result<Self> {
-        Self::launch(wrapper, workers, service, "plain")
+        Self::launch(wrapper, workers, service, "plain", 0)
+    }
+
+    /// In network namespace `netns` on a given `port`, as a pod's server is.
+    pub fn start_in(
+        netns: &Netns,
+        port: u16,
+        workers: u32,
+        service: Duration,
+    ) -> anyhow::Result<Self> {
+        let wrapper = ["ip", "netns", "exec", netns.name()];
+        Self::launch(&wrapper, workers, service, "plain", port)
     }
 
     fn launch(
@@ -465,6 +552,7 @@ impl PoolServer {
         workers: u32,
         service: Duration,
         style: &str,
+        port: u16,
     ) -> anyhow::Result<Self> {
         let binary = bin_dir()?.join("poolserver");
         let mut command = wrapped(wrapper, &binary);
@@ -472,6 +560,7 @@ impl PoolServer {
             .arg(workers.to_string())
             .arg(service.as_micros().to_string())
             .arg(style)
+            .arg(port.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

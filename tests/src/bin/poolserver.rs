@@ -5,7 +5,7 @@
 //! connection) or arrived and unread (keep-alive).
 //!
 //! Protocol: a request is `req\n`; the response is `ok\n`. Usage:
-//! `poolserver <workers> <service_us> [style]`; prints `port <n>`, then serves until
+//! `poolserver <workers> <service_us> [style] [port]`; prints `port <n>`, then serves until
 //! stdin closes, then prints `served <count> <mean service ns> <p50 service ns>`: its
 //! own measure of each request from its first read's return to its last write.
 //!
@@ -236,13 +236,17 @@ fn main() -> std::io::Result<()> {
     let workers = args.first().and_then(|a| a.parse::<usize>().ok());
     let service_us = args.get(1).and_then(|a| a.parse::<u64>().ok());
     let style = Style::parse(args.get(2).map_or("plain", String::as_str));
-    let (Some(workers), Some(service_us), Some(style)) = (workers, service_us, style) else {
+    // A given port lets two servers in two network namespaces share it, as pods do.
+    let port = args.get(3).map_or(Some(0), |a| a.parse::<u16>().ok());
+    let (Some(workers), Some(service_us), Some(style), Some(port)) =
+        (workers, service_us, style, port)
+    else {
         eprintln!(
-            "usage: poolserver <workers> <service_us> [plain|split|early|nonblocking|handoff|server-close]"
+            "usage: poolserver <workers> <service_us> [plain|split|early|nonblocking|handoff|server-close] [port]"
         );
         std::process::exit(2);
     };
-    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let listener = TcpListener::bind(("127.0.0.1", port))?;
     println!("port {}", listener.local_addr()?.port());
     let slots = Arc::new(Slots {
         free: Mutex::new(workers),

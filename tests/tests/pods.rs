@@ -1,0 +1,154 @@
+//! Servers shaped like Kubernetes pods: each in a network namespace of its own (made by
+//! the test with `ip netns`), listening on the same port. The truth is each server's
+//! own count of what it served and the clients' count of what they sent, and, for a
+//! backlog, the number of connections the test left unaccepted. Every number is
+//! checked exactly, on both backends.
+use std::{net::TcpStream, time::Duration};
+
+use poolscope_tests::{
+    Metrics, Netns, PoolServer, Poolscope, TestServer, backends,
+    load::{ClosedLoop, Connections},
+    one_at_a_time, privileged, scrape_until,
+};
+
+/// Both pods listen here, as two replicas of one deployment do.
+const PORT: u16 = 8080;
+const SERVICE: Duration = Duration::from_millis(2);
+const LOAD: Duration = Duration::from_millis(1500);
+
+fn requests(metrics: &Metrics, service: &str) -> Option<f64> {
+    metrics.value("poolscope_requests_total", &[("service", service)])
+}
+
+fn config(backend: &str, services: &[(&str, u32)]) -> String {
+    let mut config =
+        format!("[probes]\nbackend = \"{backend}\"\n[discovery]\nrescan_interval = \"500ms\"\n");
+    for (service, pid) in services {
+        config.push_str(&format!(
+            "[[targets]]\nservice = \"{service}\"\npids = [{pid}]\n"
+        ));
+    }
+    config
+}
+
+/// Pod B takes twice pod A's clients; only A is watched, or both are. Connections are
+/// opened per request, so that every request's connection is claimed at its handshake.
+fn same_port(backend: &str, watch_both: bool) -> anyhow::Result<()> {
+    let _serial = one_at_a_time();
+    let (pod_a, pod_b) = (Netns::new("pod-a")?, Netns::new("pod-b")?);
+    let server_a = PoolServer::start_in(&pod_a, PORT, 4, SERVICE)?;
+    let server_b = PoolServer::start_in(&pod_b, PORT, 4, SERVICE)?;
+    let mut watched = vec![("pod-a", server_a.pid())];
+    if watch_both {
+        watched.push(("pod-b", server_b.pid()));
+    }
+    let poolscope = Poolscope::start(&config(backend, &watched))?;
+    scrape_until(&poolscope, |m| {
+        watched
+            .iter()
+            .all(|(service, _)| m.value("poolscope_targets", &[("service", service)]) == Some(1.0))
+            && m.has_label("backend", backend)
+    })?;
+
+    let load_b = pod_b.run(|| Ok(ClosedLoop::start(PORT, 4, Connections::PerRequest)))?;
+    let load_a = pod_a.run(|| Ok(ClosedLoop::start(PORT, 2, Connections::PerRequest)))?;
+    std::thread::sleep(LOAD);
+    let (sent_a, sent_b) = (load_a.stop()?.completed, load_b.stop()?.completed);
+    assert!(
+        sent_a > 50 && sent_b > 50,
+        "too little load to tell the pods apart"
+    );
+    let metrics = scrape_until(&poolscope, |m| {
+        requests(m, "pod-a") == Some(sent_a as f64)
+            && (!watch_both || requests(m, "pod-b") == Some(sent_b as f64))
+    });
+    // Settled: nothing of B's arrives later under A's name.
+    std::thread::sleep(Duration::from_millis(300));
+    let later = poolscope.scrape()?;
+    eprintln!(
+        "{backend}: pod A sent {sent_a}, pod B {sent_b}; poolscope counted pod A {:?}, pod B {:?}",
+        requests(&later, "pod-a"),
+        requests(&later, "pod-b")
+    );
+    let metrics = metrics?;
+    assert_eq!(requests(&later, "pod-a"), requests(&metrics, "pod-a"));
+    assert_eq!(requests(&later, "pod-b"), requests(&metrics, "pod-b"));
+    let (served_a, served_b) = (server_a.finish()?.count, server_b.finish()?.count);
+    assert_eq!((served_a, served_b), (sent_a, sent_b));
+    Ok(())
+}
+
+#[test]
+fn same_port_in_two_namespaces_only_one_watched() -> anyhow::Result<()> {
+    if !privileged("same_port_in_two_namespaces_only_one_watched") {
+        return Ok(());
+    }
+    for backend in backends() {
+        same_port(backend, false)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn same_port_in_two_namespaces_both_watched() -> anyhow::Result<()> {
+    if !privileged("same_port_in_two_namespaces_both_watched") {
+        return Ok(());
+    }
+    for backend in backends() {
+        same_port(backend, true)?;
+    }
+    Ok(())
+}
+
+/// A server in its own namespace accepts nothing while 6 clients connect: they wait
+/// in its listen backlog, which sock_diag in poolscope's namespace cannot see.
+#[test]
+fn listen_backlog_of_a_pod() -> anyhow::Result<()> {
+    if !privileged("listen_backlog_of_a_pod") {
+        return Ok(());
+    }
+    const WAITING: usize = 6;
+    let _serial = one_at_a_time();
+    for backend in backends() {
+        let pod = Netns::new("backlog")?;
+        let mut server = TestServer::start_in(&pod, 16)?;
+        let service = "pod";
+        let poolscope = Poolscope::start(&config(backend, &[(service, server.pid())]))?;
+        scrape_until(&poolscope, |m| {
+            m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
+                && m.has_label("backend", backend)
+        })?;
+        let port = server.port;
+        let clients: Vec<TcpStream> = pod.run(move || {
+            (0..WAITING)
+                .map(|_| Ok(TcpStream::connect(("127.0.0.1", port))?))
+                .collect()
+        })?;
+        let waiting = WAITING as f64;
+        let listener = format!("127.0.0.1:{port}");
+        let metrics = scrape_until(&poolscope, |m| {
+            m.value(
+                "poolscope_listen_queue_depth",
+                &[("service", service), ("listener", &listener)],
+            ) == Some(waiting)
+                && m.value("poolscope_queue_depth", &[("service", service)]) == Some(waiting)
+        });
+        eprintln!("{backend}: {WAITING} connections in the backlog of a pod");
+        metrics?;
+        // Accepted and unread: they leave the backlog and stay in the queue.
+        assert_eq!(server.command(&format!("accept {WAITING}"))?, "ok");
+        let metrics = scrape_until(&poolscope, |m| {
+            m.value(
+                "poolscope_listen_queue_depth",
+                &[("service", service), ("listener", &listener)],
+            ) == Some(0.0)
+                && m.value("poolscope_connections_unserved", &[("service", service)])
+                    == Some(waiting)
+                && m.value("poolscope_queue_depth", &[("service", service)]) == Some(waiting)
+        });
+        metrics?;
+        drop(clients);
+        server.exit()?;
+    }
+    Ok(())
+}
