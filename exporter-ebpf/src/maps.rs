@@ -19,6 +19,10 @@ pub static WATCHED: HashMap<u32, Watched> = HashMap::with_max_entries(16384, 0);
 #[map]
 pub static CONNS: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
 #[map]
+pub static ADOPT: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
+#[map]
+pub static ADOPTING: Array<u32> = Array::with_max_entries(1, 0);
+#[map]
 pub static LISTEN_PORTS: HashMap<ListenKey, u32> =
     HashMap::with_max_entries(LISTEN_PORTS_CAPACITY, 0);
 #[map]

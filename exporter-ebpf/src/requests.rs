@@ -3,6 +3,10 @@
 //! (tgid, fd). A connection's entry in `CONNS` holds the phase of its current request
 //! and its timestamps; every phase change moves one `*_entered`/`*_left` counter pair
 //! (the gauges) and a finished request goes into the service's histograms.
+//!
+//! A connection open before its service was watched is adopted: user space makes its
+//! entry `Unserved` (unread bytes wait) or `Responded` with `start_ns` 0 (between
+//! requests, or a request read before the watch and not answered yet).
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use poolscope_shared::{
     Conn, Histogram, LossErrno, LossSource, Phase, ServiceCounters, histogram_bucket,
@@ -81,6 +85,16 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
     match Phase::from_u32(conn.phase) {
         Phase::Unserved => start(conn, now, |c| c.unserved_left += 1),
         Phase::Waiting => start(conn, now, |c| c.waiting_left += 1),
+        // Adopted between requests (open before the watch): a new request starts,
+        // whose arrival is the one seen since, if any.
+        Phase::Responded if conn.start_ns == 0 => {
+            conn.arrive_ns = if conn.next_arrive_ns != 0 {
+                conn.next_arrive_ns
+            } else {
+                now
+            };
+            start(conn, now, |_| {});
+        }
         Phase::Responded => match arrivals {
             // Bytes arrived while the request was served and nothing read them: the
             // client sent its next request before our write's tracepoint ran.
@@ -132,6 +146,16 @@ pub fn wrote(conn: &mut Conn, now: u64) {
             conn.server_tid = 0;
             update_service(conn.service, |c| c.serving_left += 1);
         }
+        // Adopted between a read before the watch and its response: the request in
+        // progress counts, from the adoption on (its true start is unknown).
+        Phase::Responded if conn.start_ns == 0 => {
+            conn.start_ns = conn.arrive_ns;
+            conn.end_ns = now;
+            update_service(conn.service, |c| {
+                c.serving_entered += 1;
+                c.serving_left += 1;
+            });
+        }
         Phase::Responded => conn.end_ns = now,
         // Bytes sent before any request (a greeting) are not a response.
         _ => {}
@@ -175,9 +199,13 @@ pub fn closed(key: u64, now: u64) {
     }
 }
 
-/// Records a finished request in its service's histograms.
+/// Records a finished request in its service's histograms; a connection adopted
+/// between requests (`start_ns` 0) has none to record.
 #[inline(always)]
 fn finish(conn: &Conn) {
+    if conn.start_ns == 0 {
+        return;
+    }
     let Some(times) = REQUEST_TIMES.get_ptr_mut(conn.service) else {
         return;
     };

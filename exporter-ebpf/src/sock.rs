@@ -13,8 +13,10 @@ use aya_ebpf::{
 };
 use poolscope_shared::ListenKey;
 
+use poolscope_shared::Conn;
+
 use crate::{
-    maps::{CONNS, LISTEN_PORTS},
+    maps::{ADOPT, ADOPTING, CONNS, LISTEN_PORTS},
     requests::{self, Arrivals, now_ns},
 };
 
@@ -33,6 +35,15 @@ const STATE_PROTOCOL: usize = 30;
 static SOCK_NET_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static NET_INUM_OFFSET: u32 = 0;
+/// Where a socket's inode number is: `sk->sk_socket`, the `struct inode` that follows
+/// that `struct socket` in its `socket_alloc`, and `i_ino` in it (kernel BTF; 0 where
+/// there is none, and then nothing is adopted).
+#[unsafe(no_mangle)]
+static SOCK_SOCKET_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static SOCKET_INODE_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static INODE_INO_OFFSET: u32 = 0;
 
 const IPPROTO_TCP: u16 = 6;
 const TCP_ESTABLISHED: i32 = 1;
@@ -104,11 +115,59 @@ fn namespace(sk: *const u8) -> Result<u32, i64> {
     Ok(unsafe { bpf_probe_read_kernel(net.add(inum_at as usize).cast::<u32>())? })
 }
 
+/// The entry of socket `key`, adopting it first if it was open before its service
+/// was watched. Sockets of no watched service cost one failed lookup, plus one array
+/// read while user space has connections to adopt.
+#[inline(always)]
+fn conn(key: u64) -> Option<*mut Conn> {
+    if let Some(conn) = CONNS.get_ptr_mut(key) {
+        return Some(conn);
+    }
+    if ADOPTING.get(0).copied().unwrap_or(0) == 0 {
+        return None;
+    }
+    adopt(key).ok()?;
+    CONNS.get_ptr_mut(key)
+}
+
+#[inline(never)]
+fn adopt(key: u64) -> Result<(), i64> {
+    // SAFETY: load-time constants; volatile so that the compiler does not fold them.
+    let (socket_at, inode_at, ino_at) = unsafe {
+        (
+            core::ptr::read_volatile(&SOCK_SOCKET_OFFSET),
+            core::ptr::read_volatile(&SOCKET_INODE_OFFSET),
+            core::ptr::read_volatile(&INODE_INO_OFFSET),
+        )
+    };
+    if socket_at == 0 {
+        return Err(0);
+    }
+    let sk = key as *const u8;
+    // SAFETY: `sk` is the tracepoint's socket; the helper checks both reads.
+    let socket: *const u8 = unsafe { bpf_probe_read_kernel(sk.add(socket_at as usize).cast())? };
+    if socket.is_null() {
+        return Err(0);
+    }
+    // SAFETY: as above.
+    let inode: u64 =
+        unsafe { bpf_probe_read_kernel(socket.add((inode_at + ino_at) as usize).cast::<u64>())? };
+    // SAFETY: copied out at once.
+    let Some(adopted) = (unsafe { ADOPT.get(inode).copied() }) else {
+        return Err(0);
+    };
+    // Whoever removes the entry accounts for it: user space prunes closed ones.
+    ADOPT.remove(inode).map_err(i64::from)?;
+    CONNS
+        .insert(key, adopted, u64::from(aya_ebpf::bindings::BPF_NOEXIST))
+        .map_err(i64::from)
+}
+
 /// sk_data_ready(const struct sock *sk)
 #[raw_tracepoint(tracepoint = "sk_data_ready")]
 pub fn sock_data_ready(ctx: RawTracePointContext) -> i32 {
     let key: u64 = ctx.arg(0);
-    if let Some(conn) = CONNS.get_ptr_mut(key) {
+    if let Some(conn) = conn(key) {
         // SAFETY: as above.
         requests::data_arrived(unsafe { &mut *conn }, now_ns());
     }
@@ -124,7 +183,7 @@ pub fn sock_recv(ctx: RawTracePointContext) -> i32 {
         return 0;
     }
     let key: u64 = ctx.arg(0);
-    if let Some(conn) = CONNS.get_ptr_mut(key) {
+    if let Some(conn) = conn(key) {
         // SAFETY: as above.
         requests::read(unsafe { &mut *conn }, now_ns(), Arrivals::Seen);
     }
@@ -139,7 +198,7 @@ pub fn sock_send(ctx: RawTracePointContext) -> i32 {
         return 0;
     }
     let key: u64 = ctx.arg(0);
-    if let Some(conn) = CONNS.get_ptr_mut(key) {
+    if let Some(conn) = conn(key) {
         // SAFETY: as above.
         requests::wrote(unsafe { &mut *conn }, now_ns());
     }

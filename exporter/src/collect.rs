@@ -14,7 +14,7 @@ use crate::{
     kernel::{Backend, Probe, ProbeState, Readout},
     pools::{COMPONENTS, PoolTotals, REASONS, STATES, sum_of},
     sockdiag::ListenQueue,
-    targets::{Purged, ServiceView},
+    targets::{Corrections, ServiceView},
     window::{QUANTILES, coarse_buckets, quantile},
 };
 
@@ -56,24 +56,24 @@ pub struct Gauges {
     pub in_flight: u64,
 }
 
-pub fn gauges(counters: &ServiceCounters, purged: &Purged) -> Gauges {
+pub fn gauges(counters: &ServiceCounters, corrections: &Corrections) -> Gauges {
     let open =
         |entered: u64, left: u64, purged: u64| entered.saturating_sub(left).saturating_sub(purged);
     Gauges {
         unserved: open(
-            counters.unserved_entered,
+            counters.unserved_entered + corrections.adopted_unserved,
             counters.unserved_left,
-            purged.unserved,
+            corrections.unserved,
         ),
         waiting: open(
             counters.waiting_entered,
             counters.waiting_left,
-            purged.waiting,
+            corrections.waiting,
         ),
         in_flight: open(
             counters.serving_entered,
             counters.serving_left,
-            purged.serving,
+            corrections.serving,
         ),
     }
 }
@@ -111,7 +111,7 @@ pub fn queue_depths(
         .iter()
         .map(|(view, counters)| {
             let backlog = backlog_of.get(view.name.as_str()).copied().unwrap_or(0);
-            let (_, depth) = queue_depth(backend, &gauges(counters, &view.purged), backlog);
+            let (_, depth) = queue_depth(backend, &gauges(counters, &view.corrections), backlog);
             (view.name.clone(), depth)
         })
         .collect()
@@ -256,7 +256,7 @@ pub fn service_families(
         targets.push(&labels, service.processes as f64);
         let counters = input.counters;
         accepted.push(&labels, counters.accepted as f64);
-        let gauges = gauges(counters, &service.purged);
+        let gauges = gauges(counters, &service.corrections);
         let backlog = backlog_of.get(service.name.as_str()).copied().unwrap_or(0);
         let (unserved_now, depth_now) = queue_depth(backend, &gauges, backlog);
         unserved.push(&labels, unserved_now as f64);
@@ -690,12 +690,12 @@ mod tests {
         kernel::Skip,
     };
 
-    fn view(id: u32, name: &str, purged: Purged) -> ServiceView {
+    fn view(id: u32, name: &str, corrections: Corrections) -> ServiceView {
         ServiceView {
             id,
             name: name.into(),
             processes: 2,
-            purged,
+            corrections,
         }
     }
 
@@ -713,26 +713,33 @@ mod tests {
 
     #[test]
     fn gauges_are_entered_minus_left_minus_purged() {
-        let purged = Purged {
+        let purged = Corrections {
             unserved: 1,
             waiting: 0,
             serving: 2,
+            adopted_unserved: 0,
         };
-        let gauges = gauges(&counters(), &purged);
+        let open = gauges(&counters(), &purged);
         assert_eq!(
-            gauges,
+            open,
             Gauges {
                 unserved: 3,
                 waiting: 3,
                 in_flight: 3
             }
         );
+        // Adopted with a request unread: in the gauge until the kernel's read.
+        let adopted = Corrections {
+            adopted_unserved: 2,
+            ..purged
+        };
+        assert_eq!(gauges(&counters(), &adopted).unserved, 5);
         // Syscall backend: the backlog is not in the kernel's count.
-        assert_eq!(queue_depth(Backend::Syscall, &gauges, 4), (3, 10));
+        assert_eq!(queue_depth(Backend::Syscall, &open, 4), (3, 10));
         // Socket backend: it is (the count starts at the handshake).
-        assert_eq!(queue_depth(Backend::Socket, &gauges, 2), (1, 6));
+        assert_eq!(queue_depth(Backend::Socket, &open, 2), (1, 6));
         // A backlog read a moment later than the kernel's counters never goes negative.
-        assert_eq!(queue_depth(Backend::Socket, &gauges, 5), (0, 8));
+        assert_eq!(queue_depth(Backend::Socket, &open, 5), (0, 8));
     }
 
     #[test]
@@ -742,7 +749,7 @@ mod tests {
         times.queue.sum_ns = 8_000_000;
         times.duration.buckets[poolscope_shared::histogram_bucket(5_000_000)] = 4;
         times.duration.sum_ns = 20_000_000;
-        let view = view(3, "web", Purged::default());
+        let view = view(3, "web", Corrections::default());
         let counters = counters();
         let inputs = [ServiceInput {
             view: &view,

@@ -275,7 +275,7 @@ impl fmt::Display for LossKind {
 /// The config key that sizes `map`, if it is configurable.
 fn limit_of(map: &str) -> Option<&'static str> {
     Some(match map {
-        maps::CONNS => "limits.connections",
+        maps::CONNS | maps::ADOPT => "limits.connections",
         maps::WATCHED => "limits.watched_processes",
         maps::THREADS | maps::THREAD_POOLS => "limits.threads",
         maps::LOCKS => "limits.locks",
@@ -289,7 +289,8 @@ fn limit_of(map: &str) -> Option<&'static str> {
 /// The maps user space or the kernel inserts into, whose `E2BIG` (full) counter is
 /// always exported so that its first rise shows in `increase()`; the advice gives
 /// their sizes.
-pub const ADVISED_MAPS: [&str; 10] = [
+pub const ADVISED_MAPS: [&str; 11] = [
+    maps::ADOPT,
     maps::CONNS,
     maps::LISTEN_PORTS,
     maps::LOCKS,

@@ -22,10 +22,11 @@ use poolscope_shared::{
     Conn, Histogram, ListenKey, LockKey, LockPrimitive, LossErrno, LossSource,
     MAX_PROFILE_SESSIONS, PendingCall, Phase, PoolStats, ProcessEvent, ProfileSession,
     RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot, Thread,
-    WaitClass, Watched, conn_key_tgid, lock_wait_index, loss_index, maps, syscall_counter_index,
+    WaitClass, Watched, conn_key_tgid, fd_conn_key, lock_wait_index, loss_index, maps,
+    syscall_counter_index,
 };
 
-use crate::btf;
+use crate::{btf, procfs::ServedConnection};
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -386,6 +387,10 @@ pub struct Kernel {
     conns: HashMap<MapData, u64, Conn>,
     listen_ports: HashMap<MapData, ListenKey, u32>,
     socket_namespaces: bool,
+    adopt: HashMap<MapData, u64, Conn>,
+    adopting: Array<MapData, u32>,
+    /// The kernel's BTF says where a socket's inode is (socket backend adoption).
+    socket_inodes: bool,
     request_times: PerCpuArray<MapData, RequestTimes>,
     pending_calls: HashMap<MapData, u32, PendingCall>,
     syscall_counts: PerCpuArray<MapData, u64>,
@@ -740,6 +745,30 @@ fn socket_namespace_offsets(vmlinux: &[u8]) -> Option<(u32, u32)> {
     }
 }
 
+/// Where the socket backend finds a socket's inode number (what `/proc/<pid>/fd`
+/// shows), to adopt connections open before the watch: `sock.sk_socket`, the
+/// `struct inode` after that `struct socket` in its `socket_alloc`, and `inode.i_ino`.
+fn socket_inode_offsets(vmlinux: &[u8]) -> Option<(u32, u32, u32)> {
+    let offsets = (|| {
+        let socket = btf::member_offset(vmlinux, "sock", "sk_socket")?;
+        let inode = btf::member_offset(vmlinux, "socket_alloc", "vfs_inode")?
+            .checked_sub(btf::member_offset(vmlinux, "socket_alloc", "socket")?)
+            .ok_or_else(|| btf::BtfError::NoMember {
+                strukt: "socket_alloc".into(),
+                member: "socket before vfs_inode".into(),
+            })?;
+        let ino = btf::member_offset(vmlinux, "inode", "i_ino")?;
+        Ok::<_, btf::BtfError>((socket, inode, ino))
+    })();
+    match offsets {
+        Ok(offsets) => Some(offsets),
+        Err(error) => {
+            tracing::warn!(%error, "cannot find a socket's inode in {BTF_VMLINUX}: the socket backend does not follow connections opened before their service was watched");
+            None
+        }
+    }
+}
+
 /// `task_struct.pid`'s offset from the kernel's BTF; `None` (logged) without it.
 fn task_pid_offset(vmlinux: &[u8]) -> Option<u32> {
     match btf::member_offset(vmlinux, "task_struct", "pid") {
@@ -752,6 +781,15 @@ fn task_pid_offset(vmlinux: &[u8]) -> Option<u32> {
 }
 
 const BTF_VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+
+/// What [`Kernel::adopt_connections`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Adopted {
+    /// Socket inodes waiting in `ADOPT` for their first event (socket backend).
+    pub pending: Vec<u64>,
+    /// Entries made `Unserved` (a request waits unread) without a kernel counter.
+    pub unserved: u64,
+}
 
 /// This kernel's release (`uname -r`), for the start-up log.
 pub fn release() -> String {
@@ -774,8 +812,11 @@ impl Kernel {
         let vmlinux = vmlinux_btf();
         let task_pid_offset = vmlinux.as_deref().and_then(task_pid_offset);
         let socket_namespace = vmlinux.as_deref().and_then(socket_namespace_offsets);
+        let socket_inode = vmlinux.as_deref().and_then(socket_inode_offsets);
         drop(vmlinux);
         let (sock_net_offset, net_inum_offset) = socket_namespace.unwrap_or((0, 0));
+        let (sock_socket_offset, socket_inode_offset, inode_ino_offset) =
+            socket_inode.unwrap_or((0, 0, 0));
         if group_dead_offset == 0 {
             tracing::info!("sched_process_exit has no group_dead: a process ends with its leader");
         }
@@ -791,6 +832,10 @@ impl Kernel {
             .override_global("TASK_PID_OFFSET", &task_pid_offset.unwrap_or(0), true)
             .override_global("SOCK_NET_OFFSET", &sock_net_offset, true)
             .override_global("NET_INUM_OFFSET", &net_inum_offset, true)
+            .override_global("SOCK_SOCKET_OFFSET", &sock_socket_offset, true)
+            .override_global("SOCKET_INODE_OFFSET", &socket_inode_offset, true)
+            .override_global("INODE_INO_OFFSET", &inode_ino_offset, true)
+            .map_max_entries(maps::ADOPT, sizes.connections)
             .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
             .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
             .map_max_entries(maps::STACK_COUNTS, sizes.stack_counts)
@@ -878,6 +923,9 @@ impl Kernel {
             conns: take(&mut ebpf, maps::CONNS)?,
             listen_ports: take(&mut ebpf, maps::LISTEN_PORTS)?,
             socket_namespaces: socket_namespace.is_some(),
+            adopt: take(&mut ebpf, maps::ADOPT)?,
+            adopting: take(&mut ebpf, maps::ADOPTING)?,
+            socket_inodes: socket_inode.is_some(),
             request_times: take(&mut ebpf, maps::REQUEST_TIMES)?,
             pending_calls: take(&mut ebpf, maps::PENDING_CALLS)?,
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
@@ -959,7 +1007,7 @@ impl Kernel {
     pub fn capacity(&self, name: &str) -> Option<u32> {
         Some(match name {
             maps::WATCHED => self.sizes.watched_processes,
-            maps::CONNS => self.sizes.connections,
+            maps::CONNS | maps::ADOPT => self.sizes.connections,
             maps::PENDING_CALLS => poolscope_shared::PENDING_CALLS_CAPACITY,
             maps::THREADS | maps::THREAD_POOLS => self.sizes.threads,
             maps::LOCKS => self.sizes.locks,
@@ -1027,6 +1075,90 @@ impl Kernel {
             // BPF_NOEXIST: an entry made by the syscall itself is newer than our look.
             let _ = self.pending_calls.insert(tid, call, BPF_NOEXIST);
         }
+    }
+
+    /// Follows connections that process `(pid, since_ns)` of `service` held before it
+    /// was watched: the syscall backend gets their entries at once (keyed by fd), the
+    /// socket backend in `ADOPT` (keyed by inode) for its first event on each. An
+    /// entry with unread bytes is `Unserved` from now; the rest are between requests.
+    /// Returns the inodes put in `ADOPT` and the number of `Unserved` entries made,
+    /// which no kernel counter entered.
+    pub fn adopt_connections(
+        &mut self,
+        service: u32,
+        since_ns: u64,
+        pid: u32,
+        connections: &[ServedConnection],
+        now_ns: u64,
+    ) -> Result<Adopted, MapError> {
+        let mut adopted = Adopted::default();
+        for connection in connections {
+            let phase = if connection.unread {
+                Phase::Unserved
+            } else {
+                Phase::Responded
+            };
+            let conn = Conn {
+                service,
+                phase: phase as u32,
+                owner_since_ns: match self.backend {
+                    Backend::Syscall => since_ns,
+                    Backend::Socket => 0,
+                },
+                arrive_ns: now_ns,
+                start_ns: 0,
+                end_ns: 0,
+                next_arrive_ns: 0,
+                server_tid: 0,
+                _pad: 0,
+            };
+            // BPF_NOEXIST: an entry the kernel made itself is newer than our look.
+            let inserted = match self.backend {
+                Backend::Syscall => {
+                    self.conns
+                        .insert(fd_conn_key(pid, connection.fd), conn, BPF_NOEXIST)
+                }
+                Backend::Socket if self.socket_inodes => {
+                    self.adopt.insert(connection.inode, conn, BPF_NOEXIST)
+                }
+                Backend::Socket => continue,
+            };
+            match inserted {
+                Ok(()) => {
+                    if self.backend == Backend::Socket {
+                        adopted.pending.push(connection.inode);
+                    }
+                    if phase == Phase::Unserved {
+                        adopted.unserved += 1;
+                    }
+                }
+                Err(MapError::SyscallError(error))
+                    if error.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        if !adopted.pending.is_empty() {
+            self.set_adopting(true)?;
+        }
+        Ok(adopted)
+    }
+
+    /// Drops the `ADOPT` entry of a connection that closed before any event adopted
+    /// it. Returns its phase if this call removed it (the kernel had not taken it).
+    pub fn forget_adoption(&mut self, inode: u64) -> Option<Phase> {
+        let conn = self.adopt.get(&inode, 0).ok()?;
+        self.adopt.remove(&inode).ok()?;
+        Some(Phase::from_u32(conn.phase))
+    }
+
+    /// Whether the kernel has yet to take the `ADOPT` entry of `inode`.
+    pub fn awaits_adoption(&self, inode: u64) -> bool {
+        self.adopt.get(&inode, 0).is_ok()
+    }
+
+    /// Tells the socket programs whether `ADOPT` may hold entries.
+    pub fn set_adopting(&mut self, adopting: bool) -> Result<(), MapError> {
+        self.adopting.set(0, u32::from(adopting), 0)
     }
 
     /// Removes the connections of the process `(pid, since_ns)`, which exited without
@@ -1412,6 +1544,7 @@ impl Kernel {
                 maps::LISTEN_PORTS,
                 self.listen_ports.keys().filter(Result::is_ok).count(),
             ),
+            fill(maps::ADOPT, self.adopt.keys().filter(Result::is_ok).count()),
         ];
         for (name, program) in self.ebpf.programs() {
             if let Ok(info) = program.info() {

@@ -15,7 +15,7 @@ use crate::{
     discovery::Assignment,
     health::MapErrors,
     ids::DenseIds,
-    kernel::Kernel,
+    kernel::{Backend, Kernel},
     procfs::{self, ProcSnapshot},
 };
 
@@ -33,17 +33,20 @@ pub struct ServiceView {
     pub id: u32,
     pub name: String,
     pub processes: u64,
-    /// Connections removed when their process exited (user space's purge).
-    pub purged: Purged,
+    /// What user space moved in or out of the gauges without a kernel event.
+    pub corrections: Corrections,
 }
 
-/// Connections user space removed from the kernel's map because their process exited
-/// without closing them (syscall backend), by the gauge they were in.
+/// The gauges' moves that user space made, not the kernel: connections it removed
+/// from the kernel's maps (their process exited without closing them, syscall
+/// backend; or they closed before the socket backend adopted them), by the gauge
+/// they left, and connections it adopted with a request unread.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Purged {
+pub struct Corrections {
     pub unserved: u64,
     pub waiting: u64,
     pub serving: u64,
+    pub adopted_unserved: u64,
 }
 
 /// A change of the watched set that the thread pools follow.
@@ -61,7 +64,9 @@ pub struct Targets {
     ids: DenseIds<String>,
     changes: Vec<WatchChange>,
     processes: HashMap<u32, Tracked>,
-    purged: HashMap<u32, Purged>,
+    corrections: HashMap<u32, Corrections>,
+    /// Connections in the kernel's `ADOPT` map: socket inode → (pid, service).
+    adoptions: HashMap<u64, (u32, u32)>,
     /// Listening socket inode → service name, from the last scan.
     listeners: HashMap<u64, String>,
     /// Every listening socket the last scan saw, watched or not.
@@ -93,7 +98,8 @@ impl Targets {
             ids: DenseIds::new(max_services),
             changes: Vec::new(),
             processes: HashMap::new(),
-            purged: HashMap::new(),
+            corrections: HashMap::new(),
+            adoptions: HashMap::new(),
             listeners: HashMap::new(),
             known_listen_sockets: HashSet::new(),
             listener_namespaces: BTreeMap::new(),
@@ -161,6 +167,7 @@ impl Targets {
             }
         }
         // A stray just unwatched keeps its id busy until the next scan: harmless.
+        self.prune_adoptions(kernel);
         self.free_idle_services(kernel, &in_kernel);
         self.sync_listen_ports(kernel, snapshot);
     }
@@ -271,6 +278,7 @@ impl Targets {
             return;
         }
         kernel.adopt_blocked_accepts(&procfs::blocked_syscalls(&self.procfs_root, pid));
+        self.adopt(kernel, pid, service, since_ns);
         self.changes.push(WatchChange::Watched { pid, service });
         self.processes.insert(
             pid,
@@ -297,13 +305,82 @@ impl Targets {
 
     fn purge(&mut self, kernel: &mut Kernel, pid: u32, since_ns: u64) {
         for (service, phase) in kernel.purge_connections(pid, since_ns) {
-            let purged = self.purged.entry(service).or_default();
-            match phase {
-                Phase::Unserved => purged.unserved += 1,
-                Phase::Waiting => purged.waiting += 1,
-                Phase::Serving => purged.serving += 1,
-                Phase::Responded | Phase::Closing => {}
+            self.left_without_event(service, phase);
+        }
+    }
+
+    /// Counts a connection that user space took out of its gauge.
+    fn left_without_event(&mut self, service: u32, phase: Phase) {
+        let corrections = self.corrections.entry(service).or_default();
+        match phase {
+            Phase::Unserved => corrections.unserved += 1,
+            Phase::Waiting => corrections.waiting += 1,
+            Phase::Serving => corrections.serving += 1,
+            Phase::Responded | Phase::Closing => {}
+        }
+    }
+
+    /// Follows the connections a newly watched process already holds on its own
+    /// listening ports (open before poolscope, or before a reload watched it).
+    fn adopt(&mut self, kernel: &mut Kernel, pid: u32, service: u32, since_ns: u64) {
+        let connections = match procfs::served_connections_of(&self.procfs_root, pid) {
+            Ok(connections) => connections,
+            // Gone, or its fds unreadable (counted in processes_unreadable).
+            Err(_) => return,
+        };
+        match kernel.adopt_connections(service, since_ns, pid, &connections, monotonic_ns()) {
+            Ok(adopted) => {
+                self.corrections
+                    .entry(service)
+                    .or_default()
+                    .adopted_unserved += adopted.unserved;
+                for inode in adopted.pending {
+                    self.adoptions.insert(inode, (pid, service));
+                }
             }
+            Err(error) => {
+                let map = match kernel.backend() {
+                    Backend::Syscall => maps::CONNS,
+                    Backend::Socket => maps::ADOPT,
+                };
+                self.map_errors.count(map, &error);
+                tracing::warn!(pid, %error, "cannot follow connections opened before the watch");
+            }
+        }
+    }
+
+    /// Drops the adoptions the kernel has taken, and those whose socket closed (or
+    /// whose process is gone) before any event: these leave their gauge here.
+    fn prune_adoptions(&mut self, kernel: &mut Kernel) {
+        if self.adoptions.is_empty() {
+            return;
+        }
+        let mut open: HashMap<u32, Option<HashSet<u64>>> = HashMap::new();
+        let adoptions: Vec<(u64, (u32, u32))> =
+            self.adoptions.iter().map(|(&i, &v)| (i, v)).collect();
+        for (inode, (pid, service)) in adoptions {
+            let still_open = self.processes.contains_key(&pid)
+                && open
+                    .entry(pid)
+                    .or_insert_with(|| {
+                        procfs::socket_fds(&self.procfs_root, pid)
+                            .ok()
+                            .map(|fds| fds.into_values().collect())
+                    })
+                    .as_ref()
+                    .is_some_and(|inodes| inodes.contains(&inode));
+            if still_open && kernel.awaits_adoption(inode) {
+                continue;
+            }
+            self.adoptions.remove(&inode);
+            if !still_open && let Some(phase) = kernel.forget_adoption(inode) {
+                self.left_without_event(service, phase);
+            }
+        }
+        if self.adoptions.is_empty()
+            && let Err(error) = kernel.set_adopting(false)
+        {
+            tracing::warn!(%error, "cannot update ADOPTING");
         }
     }
 
@@ -326,7 +403,7 @@ impl Targets {
             match kernel.reset_service(id) {
                 Ok(()) => {
                     self.ids.free(id);
-                    self.purged.remove(&id);
+                    self.corrections.remove(&id);
                 }
                 Err(error) => tracing::warn!(id, %error, "cannot reset counters of a service"),
             }
@@ -415,7 +492,7 @@ impl Targets {
                     id,
                     name: self.ids.key(id)?.clone(),
                     processes,
-                    purged: self.purged.get(&id).copied().unwrap_or_default(),
+                    corrections: self.corrections.get(&id).copied().unwrap_or_default(),
                 })
             })
             .collect();

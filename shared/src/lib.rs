@@ -14,6 +14,14 @@ pub mod maps {
     /// listeners of watched services, so that the socket backend knows a handshake is
     /// one of ours (it runs in softirq, in no process's context).
     pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
+    /// Socket inode (u64) → [`crate::Conn`]: connections of watched services that
+    /// were open before they were watched (socket backend). The first event on such a
+    /// socket moves its entry to `CONNS`, keyed by the socket's address.
+    pub const ADOPT: &str = "ADOPT";
+    /// Array of one u32: non-zero while `ADOPT` may hold entries, so that events on
+    /// sockets of no watched service skip the inode read when there is nothing to
+    /// adopt.
+    pub const ADOPTING: &str = "ADOPTING";
     /// per-CPU array, index service id → [`crate::RequestTimes`].
     pub const REQUEST_TIMES: &str = "REQUEST_TIMES";
     /// tid (u32) → [`crate::PendingCall`]: an accept, or a read or write of a tracked

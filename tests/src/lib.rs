@@ -175,12 +175,6 @@ impl Netns {
         &self.name
     }
 
-    /// The namespace's inode number, as `/proc/<pid>/ns/net` names it.
-    pub fn inode(&self) -> anyhow::Result<u64> {
-        use std::os::unix::fs::MetadataExt as _;
-        Ok(std::fs::metadata(format!("/run/netns/{}", self.name))?.ino())
-    }
-
     /// Runs `work` on a thread inside the namespace (threads it starts are inside too,
     /// and sockets it opens stay there).
     pub fn run<T: Send + 'static>(

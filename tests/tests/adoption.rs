@@ -1,0 +1,233 @@
+//! Connections older than the watch: opened before poolscope started (a DaemonSet
+//! rollout restarts it under running services), or before a reload made their
+//! service watched. The truth is what the test's own clients did after the watch
+//! began, and the requests the test left unread; each is checked exactly, on both
+//! backends.
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::TcpStream,
+    time::{Duration, Instant},
+};
+
+use poolscope_tests::{
+    Metrics, PoolServer, Poolscope, TestServer, backend_config, backends, one_at_a_time,
+    privileged, scrape_until,
+};
+
+fn value(metrics: &Metrics, name: &str, service: &str) -> Option<f64> {
+    metrics.value(name, &[("service", service)])
+}
+
+fn watching(poolscope: &Poolscope, service: &str, backend: &str) -> anyhow::Result<Metrics> {
+    scrape_until(poolscope, |m| {
+        value(m, "poolscope_targets", service) == Some(1.0) && m.has_label("backend", backend)
+    })
+}
+
+/// A keep-alive client of `poolserver`.
+struct Client(BufReader<TcpStream>);
+
+impl Client {
+    fn connect(port: u16) -> anyhow::Result<Self> {
+        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        stream.set_nodelay(true)?;
+        Ok(Self(BufReader::new(stream)))
+    }
+
+    fn send(&mut self) -> anyhow::Result<()> {
+        self.0.get_mut().write_all(b"req\n")?;
+        Ok(())
+    }
+
+    fn answer(&mut self) -> anyhow::Result<()> {
+        let mut line = String::new();
+        self.0.read_line(&mut line)?;
+        anyhow::ensure!(line == "ok\n", "unexpected response {line:?}");
+        Ok(())
+    }
+
+    fn request(&mut self) -> anyhow::Result<()> {
+        self.send()?;
+        self.answer()
+    }
+}
+
+/// Five clients connect and send a request; the server accepts them and reads
+/// nothing; then poolscope starts. The five unread requests are the queue.
+#[test]
+fn accepted_unread_connections_older_than_poolscope_are_queued() -> anyhow::Result<()> {
+    if !privileged("accepted_unread_connections_older_than_poolscope_are_queued") {
+        return Ok(());
+    }
+    const CLIENTS: usize = 5;
+    let _serial = one_at_a_time();
+    for backend in backends() {
+        let mut server = TestServer::start(16)?;
+        let mut clients = Vec::new();
+        for _ in 0..CLIENTS {
+            let mut client = server.connect()?;
+            client.write_all(b"req\n")?;
+            clients.push(client);
+        }
+        assert_eq!(server.command(&format!("accept {CLIENTS}"))?, "ok");
+        let service = "old";
+        let poolscope = Poolscope::start(&backend_config(backend, service, &[server.pid()]))?;
+        // Within the scrape that first shows the service watched.
+        let metrics = watching(&poolscope, service, backend)?;
+        let queued = CLIENTS as f64;
+        eprintln!(
+            "{backend}: unserved {:?}, queue depth {:?} (truth {CLIENTS})",
+            value(&metrics, "poolscope_connections_unserved", service),
+            value(&metrics, "poolscope_queue_depth", service)
+        );
+        assert_eq!(
+            value(&metrics, "poolscope_connections_unserved", service),
+            Some(queued)
+        );
+        assert_eq!(
+            value(&metrics, "poolscope_queue_depth", service),
+            Some(queued)
+        );
+        // The server reads them: no longer queued, in flight (it never answers).
+        assert_eq!(server.command("read")?, "ok");
+        scrape_until(&poolscope, |m| {
+            value(m, "poolscope_connections_unserved", service) == Some(0.0)
+                && value(m, "poolscope_queue_depth", service) == Some(0.0)
+                && value(m, "poolscope_requests_in_flight", service) == Some(queued)
+        })?;
+        drop(clients);
+        server.exit()?;
+    }
+    Ok(())
+}
+
+/// Four keep-alive connections carry requests before poolscope starts and more
+/// after: every request made after the watch began is counted, none before.
+#[test]
+fn keep_alive_connections_older_than_poolscope_are_followed() -> anyhow::Result<()> {
+    if !privileged("keep_alive_connections_older_than_poolscope_are_followed") {
+        return Ok(());
+    }
+    const CONNECTIONS: usize = 4;
+    const BEFORE: usize = 3;
+    const AFTER: usize = 250;
+    let _serial = one_at_a_time();
+    for backend in backends() {
+        let server = PoolServer::start(2, Duration::from_micros(200))?;
+        let mut clients = (0..CONNECTIONS)
+            .map(|_| Client::connect(server.port))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        for client in &mut clients {
+            for _ in 0..BEFORE {
+                client.request()?;
+            }
+        }
+        let service = "kv";
+        let poolscope = Poolscope::start(&backend_config(backend, service, &[server.pid()]))?;
+        watching(&poolscope, service, backend)?;
+        for _ in 0..AFTER {
+            for client in &mut clients {
+                client.request()?;
+            }
+        }
+        // The last request of each connection ends at its close.
+        drop(clients);
+        let truth = (CONNECTIONS * AFTER) as f64;
+        let metrics = scrape_until(&poolscope, |m| {
+            value(m, "poolscope_requests_total", service) == Some(truth)
+        });
+        let counted = poolscope.scrape()?;
+        eprintln!(
+            "{backend}: {truth} requests after the watch, poolscope counted {:?}",
+            value(&counted, "poolscope_requests_total", service)
+        );
+        metrics?;
+        let served = server.finish()?;
+        assert_eq!(served.count as usize, CONNECTIONS * (BEFORE + AFTER));
+    }
+    Ok(())
+}
+
+/// A request read before poolscope started and answered after: counted once, with a
+/// duration from the watch's start (its true start is unknown), so at most its own.
+#[test]
+fn request_in_progress_when_poolscope_starts_is_counted() -> anyhow::Result<()> {
+    if !privileged("request_in_progress_when_poolscope_starts_is_counted") {
+        return Ok(());
+    }
+    const SERVICE: Duration = Duration::from_secs(3);
+    let _serial = one_at_a_time();
+    for backend in backends() {
+        let server = PoolServer::start(1, SERVICE)?;
+        let mut client = Client::connect(server.port)?;
+        client.send()?;
+        let sent = Instant::now();
+        let service = "slow";
+        let poolscope = Poolscope::start(&backend_config(backend, service, &[server.pid()]))?;
+        watching(&poolscope, service, backend)?;
+        let watched_after = sent.elapsed();
+        anyhow::ensure!(
+            watched_after < SERVICE,
+            "poolscope took {watched_after:?} to watch, longer than the request"
+        );
+        client.answer()?;
+        drop(client);
+        let metrics = scrape_until(&poolscope, |m| {
+            value(m, "poolscope_requests_total", service) == Some(1.0)
+        })?;
+        let duration =
+            value(&metrics, "poolscope_request_duration_seconds_sum", service).unwrap_or(f64::NAN);
+        eprintln!(
+            "{backend}: in progress for {watched_after:?} before the watch; duration {duration:.3} s of {SERVICE:?}"
+        );
+        assert!(
+            duration > 0.0
+                && duration <= SERVICE.as_secs_f64() - watched_after.as_secs_f64() + 0.05,
+            "duration {duration} s"
+        );
+    }
+    Ok(())
+}
+
+/// A server with open keep-alive connections becomes watched by a reload: its
+/// connections are followed from then on, exactly.
+#[test]
+fn connections_of_a_service_watched_after_a_reload_are_followed() -> anyhow::Result<()> {
+    if !privileged("connections_of_a_service_watched_after_a_reload_are_followed") {
+        return Ok(());
+    }
+    const CONNECTIONS: usize = 3;
+    const AFTER: usize = 200;
+    let _serial = one_at_a_time();
+    for backend in backends() {
+        let other = TestServer::start(4)?;
+        let server = PoolServer::start(2, Duration::from_micros(200))?;
+        let poolscope = Poolscope::start(&backend_config(backend, "other", &[other.pid()]))?;
+        watching(&poolscope, "other", backend)?;
+        let mut clients = (0..CONNECTIONS)
+            .map(|_| Client::connect(server.port))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        for client in &mut clients {
+            client.request()?;
+        }
+        let service = "reloaded";
+        std::fs::write(
+            &poolscope.config_path,
+            backend_config(backend, service, &[server.pid()]),
+        )?;
+        poolscope.signal(libc::SIGHUP);
+        watching(&poolscope, service, backend)?;
+        for _ in 0..AFTER {
+            for client in &mut clients {
+                client.request()?;
+            }
+        }
+        drop(clients);
+        let truth = (CONNECTIONS * AFTER) as f64;
+        scrape_until(&poolscope, |m| {
+            value(m, "poolscope_requests_total", service) == Some(truth)
+        })?;
+        eprintln!("{backend}: {truth} requests after the reload, all counted");
+    }
+    Ok(())
+}
