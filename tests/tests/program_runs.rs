@@ -1,0 +1,134 @@
+//! The regression gate on what the request path costs that does not depend on the
+//! machine's speed: how many times each kernel program runs per request, counted by
+//! the kernel (`kernel.bpf_stats_enabled`, poolscope's `[probes] bpf_stats`) over a
+//! fixed scripted workload on loopback, net of what the scrapes themselves cause.
+//! Wall-clock costs stay in `cargo xtask bench`.
+//!
+//! A change that adds a program run per request (a new hook on the hot path, a second
+//! event per read) fails here. The budgets are the counts of a request on loopback,
+//! where client and server are on one host: each side sends once, has data queued
+//! once and reads once (the client's socket belongs to no watched service, so its
+//! runs return at their first check). A change that removes runs lowers the budget
+//! here with it.
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader, Write as _},
+    net::TcpStream,
+    time::Duration,
+};
+
+use poolscope_tests::{Metrics, PoolServer, Poolscope, one_at_a_time, privileged, scrape_until};
+
+const CONNECTIONS: usize = 4;
+const REQUESTS_PER_CONNECTION: usize = 1000;
+
+/// Socket backend: runs per keep-alive request on loopback, per program.
+const SOCKET_BUDGET: [(&str, f64); 4] = [
+    ("sock_data_ready", 2.0),
+    ("sock_recv", 2.0),
+    ("sock_send", 2.0),
+    // Handshake and close of each connection only: 10 state changes per connection
+    // over both sides, amortized over its requests.
+    ("sock_state", 0.0),
+];
+/// How far a measured count may be from its budget: the connections' handshakes and
+/// closes amortized (≈ 0.01 per request), and other sockets of the host.
+const TOLERANCE: f64 = 0.05;
+
+fn runs(metrics: &Metrics) -> BTreeMap<String, f64> {
+    metrics
+        .samples
+        .iter()
+        .filter(|s| s.name == "poolscope_bpf_runs_total")
+        .filter_map(|s| {
+            let program = s.labels.iter().find(|(k, _)| k == "program")?;
+            Some((program.1.clone(), s.value))
+        })
+        .collect()
+}
+
+fn delta(after: &BTreeMap<String, f64>, before: &BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+    after
+        .iter()
+        .map(|(name, runs)| {
+            (
+                name.clone(),
+                runs - before.get(name).copied().unwrap_or(0.0),
+            )
+        })
+        .collect()
+}
+
+fn workload(port: u16) -> anyhow::Result<usize> {
+    let mut clients = (0..CONNECTIONS)
+        .map(|_| -> anyhow::Result<_> {
+            let stream = TcpStream::connect(("127.0.0.1", port))?;
+            stream.set_nodelay(true)?;
+            Ok(BufReader::new(stream))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut line = String::new();
+    for _ in 0..REQUESTS_PER_CONNECTION {
+        for client in &mut clients {
+            client.get_mut().write_all(b"req\n")?;
+            line.clear();
+            client.read_line(&mut line)?;
+            anyhow::ensure!(line == "ok\n", "unexpected response {line:?}");
+        }
+    }
+    Ok(CONNECTIONS * REQUESTS_PER_CONNECTION)
+}
+
+#[test]
+fn socket_backend_runs_per_request_stay_within_budget() -> anyhow::Result<()> {
+    if !privileged("socket_backend_runs_per_request_stay_within_budget") {
+        return Ok(());
+    }
+    if !poolscope_tests::backends().contains(&"socket") {
+        poolscope_tests::skip(
+            "socket_backend_runs_per_request_stay_within_budget",
+            "the socket backend needs Linux 6.3",
+        );
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let server = PoolServer::start(2, Duration::ZERO)?;
+    let service = "gate";
+    // No periodic rescans during the workload: only the scrapes and the requests run
+    // the programs.
+    let config = format!(
+        "[probes]\nbackend = \"socket\"\nbpf_stats = true\n[discovery]\nrescan_interval = \"1h\"\n\
+         [[targets]]\nservice = \"{service}\"\npids = [{}]\n",
+        server.pid()
+    );
+    let poolscope = Poolscope::start(&config)?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
+    })?;
+    // What two scrapes cost with nothing between them, then with the workload.
+    let idle_before = runs(&poolscope.scrape()?);
+    let idle = delta(&runs(&poolscope.scrape()?), &idle_before);
+    let before = poolscope.scrape()?;
+    let requests = workload(server.port)? as f64;
+    // The last request of each connection ends at its close.
+    let after = scrape_until(&poolscope, |m| {
+        m.value("poolscope_requests_total", &[("service", service)])
+            .zip(before.value("poolscope_requests_total", &[("service", service)]))
+            .is_some_and(|(after, before)| after - before == requests)
+    })?;
+    let measured = delta(&delta(&runs(&after), &runs(&before)), &idle);
+    let mut over = Vec::new();
+    for (program, budget) in SOCKET_BUDGET {
+        let per_request = measured.get(program).copied().unwrap_or(0.0) / requests;
+        eprintln!("{program}: {per_request:.3} runs/request (budget {budget})");
+        if (per_request - budget).abs() > TOLERANCE {
+            over.push(format!("{program} {per_request:.3} (budget {budget})"));
+        }
+    }
+    assert!(
+        over.is_empty(),
+        "runs per request off budget: {}",
+        over.join(", ")
+    );
+    Ok(())
+}
