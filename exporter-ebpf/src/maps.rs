@@ -10,7 +10,7 @@ use poolscope_shared::{
     MAX_SERVICES, MAX_STACK_COUNTS, MAX_STACKS, MAX_THREADS, MUTEX_CALLS_CAPACITY,
     PENDING_CALLS_CAPACITY, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
     SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, Thread,
-    Watched, loss_index,
+    WATCHED_PORT_WORDS, Watched, loss_index,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -18,6 +18,8 @@ use poolscope_shared::{
 pub static WATCHED: HashMap<u32, Watched> = HashMap::with_max_entries(16384, 0);
 #[map]
 pub static CONNS: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
+#[map]
+pub static WATCHED_PORTS: Array<u64> = Array::with_max_entries(WATCHED_PORT_WORDS, 0);
 #[map]
 pub static ADOPT: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
 #[map]

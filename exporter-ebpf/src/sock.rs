@@ -3,20 +3,22 @@
 //! count alike. `inet_sock_set_state` tells when a connection to a watched port enters
 //! the accept queue and when it is gone; `sk_data_ready` when request bytes arrive.
 //!
-//! The three hot events (every receive, send and arrival on the host) are raw
-//! tracepoints: their arguments come as they are, with no record to build, and a
-//! socket that is not ours costs one failed lookup in `CONNS`.
+//! The three hot events (every receive, send and arrival on the host) are BTF
+//! tracepoints: their arguments come as they are, with no record to build, and the
+//! socket's fields are plain loads. A socket whose local port is no watched
+//! listener's (a client's, most of the host's) costs one load and one array read in
+//! `WATCHED_PORTS`, and no hash lookup.
 use aya_ebpf::{
     helpers::bpf_probe_read_kernel,
-    macros::{raw_tracepoint, tracepoint},
-    programs::{RawTracePointContext, TracePointContext},
+    macros::{btf_tracepoint, tracepoint},
+    programs::{BtfTracePointContext, TracePointContext},
 };
-use poolscope_shared::ListenKey;
+use poolscope_shared::{ListenKey, watched_port_bit};
 
 use poolscope_shared::Conn;
 
 use crate::{
-    maps::{ADOPT, ADOPTING, CONNS, LISTEN_PORTS},
+    maps::{ADOPT, ADOPTING, CONNS, LISTEN_PORTS, WATCHED_PORTS},
     requests::{self, Arrivals, now_ns},
 };
 
@@ -35,6 +37,10 @@ const STATE_PROTOCOL: usize = 30;
 static SOCK_NET_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static NET_INUM_OFFSET: u32 = 0;
+/// Offset of the local port in `struct sock` (`__sk_common.skc_num`, host order),
+/// from the kernel's BTF; the loader refuses the socket backend without it.
+#[unsafe(no_mangle)]
+static SOCK_PORT_OFFSET: u32 = 0;
 /// Where a socket's inode number is: `sk->sk_socket`, the `struct inode` that follows
 /// that `struct socket` in its `socket_alloc`, and `i_ino` in it (kernel BTF; 0 where
 /// there is none, and then nothing is adopted).
@@ -115,11 +121,23 @@ fn namespace(sk: *const u8) -> Result<u32, i64> {
     Ok(unsafe { bpf_probe_read_kernel(net.add(inum_at as usize).cast::<u32>())? })
 }
 
-/// The entry of socket `key`, adopting it first if it was open before its service
-/// was watched. Sockets of no watched service cost one failed lookup, plus one array
+/// The entry of socket `sk`, adopting it first if it was open before its service
+/// was watched. A socket on a port no watched service listens on is none of ours:
+/// one load and one array read; the others cost a lookup in `CONNS`, plus an array
 /// read while user space has connections to adopt.
 #[inline(always)]
-fn conn(key: u64) -> Option<*mut Conn> {
+fn conn(sk: *const u8) -> Option<*mut Conn> {
+    // SAFETY: a load-time constant, read volatile so that it is not folded; `sk` is
+    // the tracepoint's `struct sock *`, which the verifier lets us read directly.
+    let port = unsafe {
+        let at = core::ptr::read_volatile(&SOCK_PORT_OFFSET);
+        core::ptr::read_volatile(sk.add(at as usize).cast::<u16>())
+    };
+    let (word, bit) = watched_port_bit(port);
+    if WATCHED_PORTS.get(word).copied().unwrap_or(0) & bit == 0 {
+        return None;
+    }
+    let key = sk as u64;
     if let Some(conn) = CONNS.get_ptr_mut(key) {
         return Some(conn);
     }
@@ -164,26 +182,24 @@ fn adopt(key: u64) -> Result<(), i64> {
 }
 
 /// sk_data_ready(const struct sock *sk)
-#[raw_tracepoint(tracepoint = "sk_data_ready")]
-pub fn sock_data_ready(ctx: RawTracePointContext) -> i32 {
-    let key: u64 = ctx.arg(0);
-    if let Some(conn) = conn(key) {
-        // SAFETY: as above.
+#[btf_tracepoint(function = "sk_data_ready")]
+pub fn sock_data_ready(ctx: BtfTracePointContext) -> i32 {
+    if let Some(conn) = conn(ctx.arg(0)) {
+        // SAFETY: a live entry; races with its own reader are tolerated (README).
         requests::data_arrived(unsafe { &mut *conn }, now_ns());
     }
     0
 }
 
 /// sock_recv_length(struct sock *sk, int ret, int flags)
-#[raw_tracepoint(tracepoint = "sock_recv_length")]
-pub fn sock_recv(ctx: RawTracePointContext) -> i32 {
-    let ret: u64 = ctx.arg(1);
+#[btf_tracepoint(function = "sock_recv_length")]
+pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
+    let ret: i32 = ctx.arg(1);
     // EAGAIN (non-blocking sockets) and EOF carry no request bytes.
-    if ret as i32 <= 0 {
+    if ret <= 0 {
         return 0;
     }
-    let key: u64 = ctx.arg(0);
-    if let Some(conn) = conn(key) {
+    if let Some(conn) = conn(ctx.arg(0)) {
         // SAFETY: as above.
         requests::read(unsafe { &mut *conn }, now_ns(), Arrivals::Seen);
     }
@@ -191,14 +207,13 @@ pub fn sock_recv(ctx: RawTracePointContext) -> i32 {
 }
 
 /// sock_send_length(struct sock *sk, int ret, int flags)
-#[raw_tracepoint(tracepoint = "sock_send_length")]
-pub fn sock_send(ctx: RawTracePointContext) -> i32 {
-    let ret: u64 = ctx.arg(1);
-    if ret as i32 <= 0 {
+#[btf_tracepoint(function = "sock_send_length")]
+pub fn sock_send(ctx: BtfTracePointContext) -> i32 {
+    let ret: i32 = ctx.arg(1);
+    if ret <= 0 {
         return 0;
     }
-    let key: u64 = ctx.arg(0);
-    if let Some(conn) = conn(key) {
+    if let Some(conn) = conn(ctx.arg(0)) {
         // SAFETY: as above.
         requests::wrote(unsafe { &mut *conn }, now_ns());
     }

@@ -22,6 +22,7 @@ pub enum BtfError {
 
 const MAGIC: u16 = 0xeb9f;
 const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
 
 fn u32_at(data: &[u8], at: usize) -> Option<u32> {
     let bytes = data.get(at..at + 4)?;
@@ -68,47 +69,101 @@ pub fn member_offset(btf: &[u8], strukt: &str, member: &str) -> Result<u32, BtfE
         .get(header_len + str_off..header_len + str_off + str_len)
         .ok_or(BtfError::Header)?;
 
+    // Every type record's start, by type id (ids count from 1).
+    let mut records = Vec::new();
     let mut at = 0;
     while at < types.len() {
-        let (Some(name), Some(info)) = (u32_at(types, at), u32_at(types, at + 4)) else {
-            return Err(BtfError::Truncated(at));
-        };
+        let info = u32_at(types, at + 4).ok_or(BtfError::Truncated(at))?;
         let kind = (info >> 24) & 0x1f;
         let vlen = (info & 0xffff) as usize;
+        records.push(at);
+        at += 12 + trailer_len(kind, vlen).ok_or(BtfError::UnknownKind { kind, at })?;
+    }
+    let structs = records.iter().copied().filter(|&at| {
+        u32_at(types, at + 4).is_some_and(|info| (info >> 24) & 0x1f == KIND_STRUCT)
+            && u32_at(types, at).is_some_and(|name| name_at(strings, name) == strukt.as_bytes())
+    });
+    let Some(found) = structs.into_iter().next() else {
+        return Err(BtfError::NoStruct(strukt.to_owned()));
+    };
+    let members = Members {
+        types,
+        strings,
+        records: &records,
+    };
+    match members.find(found, member, 0, 0)? {
+        Some(bits) => Ok(bits / 8),
+        None => Err(BtfError::NoMember {
+            strukt: strukt.to_owned(),
+            member: member.to_owned(),
+        }),
+    }
+}
+
+/// Member lookup through anonymous structs and unions, as C sees their members.
+struct Members<'a> {
+    types: &'a [u8],
+    strings: &'a [u8],
+    records: &'a [usize],
+}
+
+impl Members<'_> {
+    /// The bit offset of `member` in the struct or union whose record starts at `at`,
+    /// itself at bit `base`; `depth` bounds the descent into anonymous members.
+    fn find(
+        &self,
+        at: usize,
+        member: &str,
+        base: u32,
+        depth: u32,
+    ) -> Result<Option<u32>, BtfError> {
+        let info = u32_at(self.types, at + 4).ok_or(BtfError::Truncated(at))?;
+        let vlen = (info & 0xffff) as usize;
         let bitfield_offsets = info >> 31 == 1;
-        let trailer = trailer_len(kind, vlen).ok_or(BtfError::UnknownKind { kind, at })?;
-        let members = at + 12;
-        if kind == KIND_STRUCT && name_at(strings, name) == strukt.as_bytes() {
-            for index in 0..vlen {
-                let record = members + 12 * index;
-                let (Some(member_name), Some(offset)) =
-                    (u32_at(types, record), u32_at(types, record + 8))
-                else {
-                    return Err(BtfError::Truncated(record));
-                };
-                if name_at(strings, member_name) != member.as_bytes() {
-                    continue;
-                }
-                // With the kind flag, the top 8 bits are a bitfield size.
-                let (bits, bitfield_size) = if bitfield_offsets {
-                    (offset & 0x00ff_ffff, offset >> 24)
-                } else {
-                    (offset, 0)
-                };
+        for index in 0..vlen {
+            let record = at + 12 + 12 * index;
+            let (Some(name), Some(type_id), Some(offset)) = (
+                u32_at(self.types, record),
+                u32_at(self.types, record + 4),
+                u32_at(self.types, record + 8),
+            ) else {
+                return Err(BtfError::Truncated(record));
+            };
+            // With the kind flag, the top 8 bits are a bitfield size.
+            let (bits, bitfield_size) = if bitfield_offsets {
+                (offset & 0x00ff_ffff, offset >> 24)
+            } else {
+                (offset, 0)
+            };
+            let name = name_at(self.strings, name);
+            if name == member.as_bytes() {
                 if bitfield_size != 0 || bits % 8 != 0 {
                     return Err(BtfError::Bitfield(member.to_owned()));
                 }
-                return Ok(bits / 8);
+                return Ok(Some(base + bits));
             }
-            return Err(BtfError::NoMember {
-                strukt: strukt.to_owned(),
-                member: member.to_owned(),
-            });
+            if !name.is_empty() || depth >= MAX_ANONYMOUS_DEPTH {
+                continue;
+            }
+            let Some(&inner) = (type_id as usize)
+                .checked_sub(1)
+                .and_then(|index| self.records.get(index))
+            else {
+                continue;
+            };
+            let inner_kind = u32_at(self.types, inner + 4).map(|info| (info >> 24) & 0x1f);
+            if matches!(inner_kind, Some(KIND_STRUCT | KIND_UNION))
+                && let Some(found) = self.find(inner, member, base + bits, depth + 1)?
+            {
+                return Ok(Some(found));
+            }
         }
-        at = members + trailer;
+        Ok(None)
     }
-    Err(BtfError::NoStruct(strukt.to_owned()))
 }
+
+/// How deep anonymous structs and unions may nest (the kernel's go 3 deep).
+const MAX_ANONYMOUS_DEPTH: u32 = 8;
 
 #[cfg(test)]
 mod tests {
@@ -207,5 +262,11 @@ mod tests {
         let tgid = member_offset(&vmlinux, "task_struct", "tgid");
         // pid_t pid; pid_t tgid; are adjacent in every kernel since 2.6.
         assert!(matches!((pid, tgid), (Ok(p), Ok(t)) if t == p + 4));
+        // In an anonymous struct in an anonymous union: `__be16 skc_dport; __u16
+        // skc_num;` make up `skc_portpair`.
+        let portpair = member_offset(&vmlinux, "sock_common", "skc_portpair");
+        let dport = member_offset(&vmlinux, "sock_common", "skc_dport");
+        let num = member_offset(&vmlinux, "sock_common", "skc_num");
+        assert!(matches!((portpair, dport, num), (Ok(p), Ok(d), Ok(n)) if p == d && n == d + 2));
     }
 }

@@ -5,13 +5,13 @@
 use std::{collections::BTreeMap, num::NonZeroU32, os::fd::OwnedFd, path::Path, time::Duration};
 
 use aya::{
-    Ebpf, EbpfLoader,
+    Btf, Ebpf, EbpfLoader,
     maps::{
         Array, HashMap, MapData, MapError, PerCpuArray, PerCpuValues, RingBuf,
         stack_trace::StackTraceMap,
     },
     programs::{
-        PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe,
+        BtfTracePoint, PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe,
         perf_event::{
             PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent,
         },
@@ -23,7 +23,7 @@ use poolscope_shared::{
     MAX_PROFILE_SESSIONS, PendingCall, Phase, PoolStats, ProcessEvent, ProfileSession,
     RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot, Thread,
     WaitClass, Watched, conn_key_tgid, fd_conn_key, lock_wait_index, loss_index, maps,
-    syscall_counter_index,
+    syscall_counter_index, watched_port_bit,
 };
 
 use crate::{btf, procfs::ServedConnection};
@@ -63,6 +63,17 @@ pub const STACK_MAPS: &str = "STACKS";
 /// Map update flag of include/uapi/linux/bpf.h: insert only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TracepointKind {
+    /// A tracefs event, with its record.
+    Classic,
+    /// A raw tracepoint (`category` is then only part of the probe's name).
+    Raw,
+    /// A raw tracepoint typed by the kernel's BTF: its pointer arguments can be read
+    /// directly (`tp_btf`).
+    Btf,
+}
+
 /// Where each program is attached at start. A probe the kernel cannot take (no such
 /// tracepoint, no BTF, the verifier refuses the program) is skipped, logged and
 /// exported as `probe_skipped`; the rest still measure.
@@ -70,8 +81,7 @@ struct Attachment {
     program: &'static str,
     category: &'static str,
     event: &'static str,
-    /// A raw tracepoint (`category` is then only part of the probe's name).
-    raw: bool,
+    kind: TracepointKind,
     /// The program reads `task_struct` at an offset that only the kernel's BTF gives.
     needs_btf: bool,
 }
@@ -85,7 +95,7 @@ const fn tracepoint(
         program,
         category,
         event,
-        raw: false,
+        kind: TracepointKind::Classic,
         needs_btf: false,
     }
 }
@@ -99,7 +109,21 @@ const fn raw_tracepoint(
         program,
         category,
         event,
-        raw: true,
+        kind: TracepointKind::Raw,
+        needs_btf: false,
+    }
+}
+
+const fn btf_tracepoint(
+    program: &'static str,
+    category: &'static str,
+    event: &'static str,
+) -> Attachment {
+    Attachment {
+        program,
+        category,
+        event,
+        kind: TracepointKind::Btf,
         needs_btf: false,
     }
 }
@@ -146,9 +170,9 @@ const THREAD_ATTACHMENTS: [Attachment; 3] = [
 
 const SOCKET_ATTACHMENTS: [Attachment; 4] = [
     tracepoint("sock_state", "sock", "inet_sock_set_state"),
-    raw_tracepoint("sock_data_ready", "sock", "sk_data_ready"),
-    raw_tracepoint("sock_recv", "sock", "sock_recv_length"),
-    raw_tracepoint("sock_send", "sock", "sock_send_length"),
+    btf_tracepoint("sock_data_ready", "sock", "sk_data_ready"),
+    btf_tracepoint("sock_recv", "sock", "sock_recv_length"),
+    btf_tracepoint("sock_send", "sock", "sock_send_length"),
 ];
 
 const SYSCALL_ATTACHMENTS: [Attachment; 2] = [
@@ -387,6 +411,7 @@ pub struct Kernel {
     conns: HashMap<MapData, u64, Conn>,
     listen_ports: HashMap<MapData, ListenKey, u32>,
     socket_namespaces: bool,
+    watched_ports: Array<MapData, u64>,
     adopt: HashMap<MapData, u64, Conn>,
     adopting: Array<MapData, u32>,
     /// The kernel's BTF says where a socket's inode is (socket backend adoption).
@@ -635,11 +660,12 @@ fn attach_sampler(ebpf: &mut Ebpf, hz: u32) -> Result<Probe, KernelError> {
 fn attach_tracepoint(
     ebpf: &mut Ebpf,
     attachment: &Attachment,
-    btf: bool,
+    task_offsets: bool,
+    btf: Option<&Btf>,
 ) -> Result<Probe, KernelError> {
     let name = attachment.probe_name();
     let program_name = attachment.program;
-    if attachment.needs_btf && !btf {
+    if attachment.needs_btf && !task_offsets {
         let detail = "the kernel has no BTF (/sys/kernel/btf/vmlinux)";
         return Ok(Probe::skipped(name, program_name, Skip::NoBtf, &detail));
     }
@@ -652,22 +678,36 @@ fn attach_tracepoint(
             &detail,
         ));
     }
-    let outcome = if attachment.raw {
-        let program: &mut RawTracePoint = typed_program(ebpf, program_name)?;
-        program.load().map_err(Refusal::Load).and_then(|()| {
+    let outcome = match (attachment.kind, btf) {
+        (TracepointKind::Raw, _) => {
+            let program: &mut RawTracePoint = typed_program(ebpf, program_name)?;
+            program.load().map_err(Refusal::Load).and_then(|()| {
+                program
+                    .attach(attachment.event)
+                    .map(drop)
+                    .map_err(Refusal::Attach)
+            })
+        }
+        (TracepointKind::Btf, Some(btf)) => {
+            let program: &mut BtfTracePoint = typed_program(ebpf, program_name)?;
             program
-                .attach(attachment.event)
-                .map(drop)
-                .map_err(Refusal::Attach)
-        })
-    } else {
-        let program: &mut TracePoint = typed_program(ebpf, program_name)?;
-        program.load().map_err(Refusal::Load).and_then(|()| {
-            program
-                .attach(attachment.category, attachment.event)
-                .map(drop)
-                .map_err(Refusal::Attach)
-        })
+                .load(attachment.event, btf)
+                .map_err(Refusal::Load)
+                .and_then(|()| program.attach().map(drop).map_err(Refusal::Attach))
+        }
+        (TracepointKind::Btf, None) => {
+            let detail = "the kernel has no BTF (/sys/kernel/btf/vmlinux)";
+            return Ok(Probe::skipped(name, program_name, Skip::NoBtf, &detail));
+        }
+        (TracepointKind::Classic, _) => {
+            let program: &mut TracePoint = typed_program(ebpf, program_name)?;
+            program.load().map_err(Refusal::Load).and_then(|()| {
+                program
+                    .attach(attachment.category, attachment.event)
+                    .map(drop)
+                    .map_err(Refusal::Attach)
+            })
+        }
     };
     Ok(match outcome {
         Ok(()) => Probe {
@@ -720,6 +760,19 @@ fn vmlinux_btf() -> Option<Vec<u8>> {
                  are not measured, and the socket backend claims connections by port \
                  alone, in whatever network namespace"
             );
+            None
+        }
+    }
+}
+
+/// The offset of a socket's local port (`__sk_common.skc_num`) in `struct sock`.
+fn socket_port_offset(vmlinux: &[u8]) -> Option<u32> {
+    let offset = btf::member_offset(vmlinux, "sock", "__sk_common")
+        .and_then(|common| Ok(common + btf::member_offset(vmlinux, "sock_common", "skc_num")?));
+    match offset {
+        Ok(offset) => Some(offset),
+        Err(error) => {
+            tracing::warn!(%error, "cannot find a socket's port in {BTF_VMLINUX}: the socket backend's read, write and arrival probes are skipped");
             None
         }
     }
@@ -813,6 +866,15 @@ impl Kernel {
         let task_pid_offset = vmlinux.as_deref().and_then(task_pid_offset);
         let socket_namespace = vmlinux.as_deref().and_then(socket_namespace_offsets);
         let socket_inode = vmlinux.as_deref().and_then(socket_inode_offsets);
+        let socket_port = vmlinux.as_deref().and_then(socket_port_offset);
+        // The BTF tracepoints read the socket's port at its offset: they load only
+        // where it was found.
+        let btf = match socket_port {
+            Some(_) => Btf::from_sys_fs()
+                .map_err(|error| tracing::warn!(%error, "cannot parse {BTF_VMLINUX}"))
+                .ok(),
+            None => None,
+        };
         drop(vmlinux);
         let (sock_net_offset, net_inum_offset) = socket_namespace.unwrap_or((0, 0));
         let (sock_socket_offset, socket_inode_offset, inode_ino_offset) =
@@ -832,6 +894,7 @@ impl Kernel {
             .override_global("TASK_PID_OFFSET", &task_pid_offset.unwrap_or(0), true)
             .override_global("SOCK_NET_OFFSET", &sock_net_offset, true)
             .override_global("NET_INUM_OFFSET", &net_inum_offset, true)
+            .override_global("SOCK_PORT_OFFSET", &socket_port.unwrap_or(0), true)
             .override_global("SOCK_SOCKET_OFFSET", &sock_socket_offset, true)
             .override_global("SOCKET_INODE_OFFSET", &socket_inode_offset, true)
             .override_global("INODE_INO_OFFSET", &inode_ino_offset, true)
@@ -898,6 +961,7 @@ impl Kernel {
                 &mut ebpf,
                 attachment,
                 task_pid_offset.is_some(),
+                btf.as_ref(),
             )?);
         }
         probes.push(attach_sampler(&mut ebpf, sampling.hz)?);
@@ -923,6 +987,7 @@ impl Kernel {
             conns: take(&mut ebpf, maps::CONNS)?,
             listen_ports: take(&mut ebpf, maps::LISTEN_PORTS)?,
             socket_namespaces: socket_namespace.is_some(),
+            watched_ports: take(&mut ebpf, maps::WATCHED_PORTS)?,
             adopt: take(&mut ebpf, maps::ADOPT)?,
             adopting: take(&mut ebpf, maps::ADOPTING)?,
             socket_inodes: socket_inode.is_some(),
@@ -969,21 +1034,43 @@ impl Kernel {
         self.socket_namespaces
     }
 
-    /// Makes `LISTEN_PORTS` equal to `ports` ((namespace, local port) → service id).
+    /// Makes `LISTEN_PORTS` equal to `ports` ((namespace, local port) → service id),
+    /// and `WATCHED_PORTS` hold their ports. A new port's bit is set before its
+    /// listener is, and an old one's cleared after, so that no handshake's later
+    /// events are filtered out.
     pub fn set_listen_ports(&mut self, ports: &BTreeMap<ListenKey, u32>) -> Result<(), MapError> {
-        let stale: Vec<ListenKey> = self
-            .listen_ports
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(key, service)| ports.get(key) != Some(service))
-            .map(|(key, _)| key)
-            .collect();
-        for key in stale {
-            self.listen_ports.remove(&key)?;
+        let current: Vec<(ListenKey, u32)> =
+            self.listen_ports.iter().filter_map(Result::ok).collect();
+        let bits = |keys: &mut dyn Iterator<Item = &ListenKey>| {
+            let mut words: BTreeMap<u32, u64> = BTreeMap::new();
+            for key in keys {
+                let (word, bit) = watched_port_bit(u16::try_from(key.port).unwrap_or(0));
+                *words.entry(word).or_default() |= bit;
+            }
+            words
+        };
+        let old_words = bits(&mut current.iter().map(|(key, _)| key));
+        let new_words = bits(&mut ports.keys());
+        for (&word, &value) in &new_words {
+            let old = old_words.get(&word).copied().unwrap_or(0);
+            if value & !old != 0 {
+                self.watched_ports.set(word, old | value, 0)?;
+            }
+        }
+        for (key, service) in current {
+            if ports.get(&key) != Some(&service) {
+                self.listen_ports.remove(&key)?;
+            }
         }
         for (key, &service) in ports {
             if self.listen_ports.get(key, 0).ok() != Some(service) {
                 self.listen_ports.insert(key, service, 0)?;
+            }
+        }
+        for (&word, &old) in &old_words {
+            let value = new_words.get(&word).copied().unwrap_or(0);
+            if old & !value != 0 {
+                self.watched_ports.set(word, value, 0)?;
             }
         }
         Ok(())

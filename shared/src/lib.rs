@@ -14,6 +14,11 @@ pub mod maps {
     /// listeners of watched services, so that the socket backend knows a handshake is
     /// one of ours (it runs in softirq, in no process's context).
     pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
+    /// Array of [`crate::WATCHED_PORT_WORDS`] u64: a bit per local TCP port on which
+    /// some watched service listens, in any namespace. The socket programs check it
+    /// first, so that an event on any other socket (a client's, most of the host's)
+    /// costs one load and one array read, and no hash lookup.
+    pub const WATCHED_PORTS: &str = "WATCHED_PORTS";
     /// Socket inode (u64) → [`crate::Conn`]: connections of watched services that
     /// were open before they were watched (socket backend). The first event on such a
     /// socket moves its entry to `CONNS`, keyed by the socket's address.
@@ -101,6 +106,13 @@ pub const MUTEX_CALLS_CAPACITY: u32 = 16384;
 pub const PENDING_CALLS_CAPACITY: u32 = 16384;
 /// Capacity of [`maps::LISTEN_PORTS`].
 pub const LISTEN_PORTS_CAPACITY: u32 = 4096;
+/// Words of [`maps::WATCHED_PORTS`]: 64 ports each, every port.
+pub const WATCHED_PORT_WORDS: u32 = 65536 / 64;
+
+/// The word of [`maps::WATCHED_PORTS`] that holds `port`, and its bit there.
+pub const fn watched_port_bit(port: u16) -> (u32, u64) {
+    ((port / 64) as u32, 1 << (port % 64))
+}
 /// Size of the syscall-number → slot table (covers every x86_64 and aarch64 number).
 pub const SYSCALL_TABLE_SIZE: u32 = 512;
 
