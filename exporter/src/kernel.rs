@@ -1521,8 +1521,33 @@ impl Kernel {
         Ok(())
     }
 
-    /// Zeroes the counters of a service id before it is reused for another service.
+    /// Zeroes the counters of a service id, and drops its connections, before the id
+    /// is reused for another service.
     pub fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
+        // Its connections may outlive its watch (a reload unwatched a process that
+        // still serves them): left here, their events would count under whichever
+        // service gets the id next.
+        let conns: Vec<u64> = self
+            .conns
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, conn)| conn.service == service)
+            .map(|(key, _)| key)
+            .collect();
+        for key in conns {
+            // Gone meanwhile (closed): fine.
+            let _ = self.conns.remove(&key);
+        }
+        let adoptions: Vec<u64> = self
+            .adopt
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, conn)| conn.service == service)
+            .map(|(inode, _)| inode)
+            .collect();
+        for inode in adoptions {
+            let _ = self.adopt.remove(&inode);
+        }
         let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;
         self.service_counters.set(service, zero_counters, 0)?;
         let zero_times = PerCpuValues::try_from(vec![RequestTimes::default(); self.cpus])?;

@@ -167,9 +167,10 @@ impl Targets {
             }
         }
         // A stray just unwatched keeps its id busy until the next scan: harmless.
+        // Listeners first: no handshake claims a connection for an id being freed.
+        self.sync_listen_ports(kernel, snapshot);
         self.prune_adoptions(kernel);
         self.free_idle_services(kernel, &in_kernel);
-        self.sync_listen_ports(kernel, snapshot);
     }
 
     /// Keeps the processes whose open files the scan could not follow, and logs
@@ -384,7 +385,8 @@ impl Targets {
         }
     }
 
-    /// Frees the ids of services with no process left, zeroing their kernel counters.
+    /// Frees the ids of services with no process left, zeroing their kernel counters
+    /// and dropping their connections.
     fn free_idle_services(&mut self, kernel: &mut Kernel, in_kernel: &[(u32, Watched)]) {
         // Kernel entries count too: a fork whose event we have not read yet still
         // counts under its parent's id, which must not pass to another service.

@@ -231,3 +231,67 @@ fn connections_of_a_service_watched_after_a_reload_are_followed() -> anyhow::Res
     }
     Ok(())
 }
+
+/// A reload stops watching a server that keeps serving its keep-alive connections;
+/// another reload watches a new service, which gets the freed id. The old server's
+/// connections must not count under it.
+#[test]
+fn a_reused_service_id_inherits_no_connections() -> anyhow::Result<()> {
+    if !privileged("a_reused_service_id_inherits_no_connections") {
+        return Ok(());
+    }
+    const CONNECTIONS: usize = 3;
+    const REQUESTS: usize = 200;
+    let _serial = one_at_a_time();
+    for backend in backends() {
+        let old = PoolServer::start(2, Duration::from_micros(200))?;
+        let new = PoolServer::start(2, Duration::from_micros(200))?;
+        let other = TestServer::start(4)?;
+        let poolscope = Poolscope::start(&backend_config(backend, "old", &[old.pid()]))?;
+        watching(&poolscope, "old", backend)?;
+        let mut old_clients = (0..CONNECTIONS)
+            .map(|_| Client::connect(old.port))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        for client in &mut old_clients {
+            client.request()?;
+        }
+        // Only `other` watched: "old" and its id are gone, its server still serves.
+        let reload = |service: &str, pid: u32| -> anyhow::Result<()> {
+            std::fs::write(
+                &poolscope.config_path,
+                backend_config(backend, service, &[pid]),
+            )?;
+            poolscope.signal(libc::SIGHUP);
+            scrape_until(&poolscope, |m| {
+                value(m, "poolscope_targets", service) == Some(1.0)
+                    && value(m, "poolscope_targets", "old").is_none()
+            })?;
+            Ok(())
+        };
+        reload("other", other.pid())?;
+        // "fresh" takes the lowest free id: the one "old" had.
+        reload("fresh", new.pid())?;
+        let mut new_clients = (0..CONNECTIONS)
+            .map(|_| Client::connect(new.port))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        for _ in 0..REQUESTS {
+            for client in old_clients.iter_mut().chain(&mut new_clients) {
+                client.request()?;
+            }
+        }
+        drop(old_clients);
+        drop(new_clients);
+        let truth = (CONNECTIONS * REQUESTS) as f64;
+        let metrics = scrape_until(&poolscope, |m| {
+            value(m, "poolscope_requests_total", "fresh") >= Some(truth)
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let counted = value(&poolscope.scrape()?, "poolscope_requests_total", "fresh");
+        eprintln!(
+            "{backend}: the new service made {truth} requests, the old one as many; counted {counted:?}"
+        );
+        metrics?;
+        assert_eq!(counted, Some(truth));
+    }
+    Ok(())
+}
