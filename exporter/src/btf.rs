@@ -79,11 +79,11 @@ pub fn member_offset(btf: &[u8], strukt: &str, member: &str) -> Result<u32, BtfE
         records.push(at);
         at += 12 + trailer_len(kind, vlen).ok_or(BtfError::UnknownKind { kind, at })?;
     }
-    let structs = records.iter().copied().filter(|&at| {
+    let found = records.iter().copied().find(|&at| {
         u32_at(types, at + 4).is_some_and(|info| (info >> 24) & 0x1f == KIND_STRUCT)
             && u32_at(types, at).is_some_and(|name| name_at(strings, name) == strukt.as_bytes())
     });
-    let Some(found) = structs.into_iter().next() else {
+    let Some(found) = found else {
         return Err(BtfError::NoStruct(strukt.to_owned()));
     };
     let members = Members {

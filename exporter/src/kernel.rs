@@ -835,6 +835,20 @@ fn task_pid_offset(vmlinux: &[u8]) -> Option<u32> {
 
 const BTF_VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 
+/// Removes the entries of `service` from a map of connections (`CONNS`, `ADOPT`).
+fn drop_service_connections(map: &mut HashMap<MapData, u64, Conn>, service: u32) {
+    let keys: Vec<u64> = map
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, conn)| conn.service == service)
+        .map(|(key, _)| key)
+        .collect();
+    for key in keys {
+        // Gone meanwhile (closed or adopted): fine.
+        let _ = map.remove(&key);
+    }
+}
+
 /// What [`Kernel::adopt_connections`] did.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Adopted {
@@ -1527,27 +1541,8 @@ impl Kernel {
         // Its connections may outlive its watch (a reload unwatched a process that
         // still serves them): left here, their events would count under whichever
         // service gets the id next.
-        let conns: Vec<u64> = self
-            .conns
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, conn)| conn.service == service)
-            .map(|(key, _)| key)
-            .collect();
-        for key in conns {
-            // Gone meanwhile (closed): fine.
-            let _ = self.conns.remove(&key);
-        }
-        let adoptions: Vec<u64> = self
-            .adopt
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, conn)| conn.service == service)
-            .map(|(inode, _)| inode)
-            .collect();
-        for inode in adoptions {
-            let _ = self.adopt.remove(&inode);
-        }
+        drop_service_connections(&mut self.conns, service);
+        drop_service_connections(&mut self.adopt, service);
         let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;
         self.service_counters.set(service, zero_counters, 0)?;
         let zero_times = PerCpuValues::try_from(vec![RequestTimes::default(); self.cpus])?;

@@ -177,13 +177,17 @@ pub fn parse_net_tcp(content: &str) -> Vec<ListenQueue> {
 /// `/proc/<pid>/net/tcp` and `tcp6`: what sock_diag cannot read outside poolscope's
 /// own namespace without `CAP_SYS_ADMIN` (to enter the namespace).
 pub fn listen_queues_of(root: &Path, pid: u32) -> io::Result<Vec<ListenQueue>> {
-    let dir = root.join(pid.to_string()).join("net");
-    let mut queues = parse_net_tcp(&fs::read_to_string(dir.join("tcp"))?);
-    // A kernel without IPv6 has no tcp6.
-    if let Ok(content) = fs::read_to_string(dir.join("tcp6")) {
-        queues.extend(parse_net_tcp(&content));
-    }
+    let [v4, v6] = net_tcp_tables(root, pid)?;
+    let mut queues = parse_net_tcp(&v4);
+    queues.extend(parse_net_tcp(&v6));
     Ok(queues)
+}
+
+/// `/proc/<pid>/net/tcp` and `tcp6` (empty on a kernel without IPv6).
+fn net_tcp_tables(root: &Path, pid: u32) -> io::Result<[String; 2]> {
+    let dir = root.join(pid.to_string()).join("net");
+    let v4 = fs::read_to_string(dir.join("tcp"))?;
+    Ok([v4, fs::read_to_string(dir.join("tcp6")).unwrap_or_default()])
 }
 
 /// The inode number of a namespace link such as `net:[4026531840]`: the `inum` the
@@ -471,9 +475,7 @@ pub fn served_connections(tables: &[&str], sockets: &HashMap<u32, u64>) -> Vec<S
 /// [`served_connections`] of process `pid`, read from `root`.
 pub fn served_connections_of(root: &Path, pid: u32) -> io::Result<Vec<ServedConnection>> {
     let sockets = socket_fds(root, pid)?;
-    let dir = root.join(pid.to_string()).join("net");
-    let v4 = fs::read_to_string(dir.join("tcp"))?;
-    let v6 = fs::read_to_string(dir.join("tcp6")).unwrap_or_default();
+    let [v4, v6] = net_tcp_tables(root, pid)?;
     Ok(served_connections(&[&v4, &v6], &sockets))
 }
 

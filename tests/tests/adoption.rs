@@ -34,6 +34,11 @@ impl Client {
         Ok(Self(BufReader::new(stream)))
     }
 
+    /// `count` connections to `port`.
+    fn connect_all(port: u16, count: usize) -> anyhow::Result<Vec<Self>> {
+        (0..count).map(|_| Self::connect(port)).collect()
+    }
+
     fn send(&mut self) -> anyhow::Result<()> {
         self.0.get_mut().write_all(b"req\n")?;
         Ok(())
@@ -114,9 +119,7 @@ fn keep_alive_connections_older_than_poolscope_are_followed() -> anyhow::Result<
     let _serial = one_at_a_time();
     for backend in backends() {
         let server = PoolServer::start(2, Duration::from_micros(200))?;
-        let mut clients = (0..CONNECTIONS)
-            .map(|_| Client::connect(server.port))
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut clients = Client::connect_all(server.port, CONNECTIONS)?;
         for client in &mut clients {
             for _ in 0..BEFORE {
                 client.request()?;
@@ -204,9 +207,7 @@ fn connections_of_a_service_watched_after_a_reload_are_followed() -> anyhow::Res
         let server = PoolServer::start(2, Duration::from_micros(200))?;
         let poolscope = Poolscope::start(&backend_config(backend, "other", &[other.pid()]))?;
         watching(&poolscope, "other", backend)?;
-        let mut clients = (0..CONNECTIONS)
-            .map(|_| Client::connect(server.port))
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut clients = Client::connect_all(server.port, CONNECTIONS)?;
         for client in &mut clients {
             client.request()?;
         }
@@ -249,9 +250,7 @@ fn a_reused_service_id_inherits_no_connections() -> anyhow::Result<()> {
         let other = TestServer::start(4)?;
         let poolscope = Poolscope::start(&backend_config(backend, "old", &[old.pid()]))?;
         watching(&poolscope, "old", backend)?;
-        let mut old_clients = (0..CONNECTIONS)
-            .map(|_| Client::connect(old.port))
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut old_clients = Client::connect_all(old.port, CONNECTIONS)?;
         for client in &mut old_clients {
             client.request()?;
         }
@@ -271,9 +270,7 @@ fn a_reused_service_id_inherits_no_connections() -> anyhow::Result<()> {
         reload("other", other.pid())?;
         // "fresh" takes the lowest free id: the one "old" had.
         reload("fresh", new.pid())?;
-        let mut new_clients = (0..CONNECTIONS)
-            .map(|_| Client::connect(new.port))
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut new_clients = Client::connect_all(new.port, CONNECTIONS)?;
         for _ in 0..REQUESTS {
             for client in old_clients.iter_mut().chain(&mut new_clients) {
                 client.request()?;
