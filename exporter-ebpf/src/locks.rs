@@ -19,7 +19,9 @@ use aya_ebpf::{
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RawTracePointContext, RetProbeContext, tracing::StackIdContext as _},
 };
-use poolscope_shared::{LockKey, LockPrimitive, LossErrno, LossSource, Thread, lock_wait_index};
+use poolscope_shared::{
+    LockKey, LockPrimitive, LossErrno, LossSource, Serving, Thread, lock_wait_index,
+};
 
 use crate::{
     maps::{
@@ -28,7 +30,7 @@ use crate::{
     },
     requests::now_ns,
     syscalls::{FIRST_ARG_OFFSET, SECOND_ARG_OFFSET, SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV},
-    threads::{thread, waits_for_request},
+    threads::{self, thread},
 };
 
 /// futex(2) operations that block (include/uapi/linux/futex.h): WAIT, LOCK_PI,
@@ -187,7 +189,7 @@ fn record(tid: u32, primitive: LockPrimitive, waited: u64) {
 #[uprobe]
 pub fn mutex_lock_enter(_ctx: ProbeContext) -> u32 {
     let tid = bpf_get_current_pid_tgid() as u32;
-    if thread(tid).is_some_and(|thread| waits_for_request(thread))
+    if thread(tid).is_some_and(|thread| threads::serving(thread) != Serving::Nothing)
         && let Err(code) = MUTEX_CALLS.insert(tid, now_ns(), 0)
     {
         count_loss(LossSource::MutexCallsInsert, LossErrno::of(code.into()));

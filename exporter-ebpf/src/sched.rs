@@ -5,8 +5,9 @@
 //! is built, and a thread we do not watch costs a failed lookup in `THREADS` (two per
 //! switch, one per wakeup). A task's tid is read from its `task_struct` at the offset
 //! user space found in the kernel's BTF. What a blocking thread waits for comes from
-//! the syscall it is in (its saved registers) and from whether it holds a request;
-//! a futex wait while serving is also a lock wait (`locks.rs`).
+//! the syscall it is in (its saved registers: the number, and a poll's fd count) and
+//! from what it holds (one request, several, none); a futex wait while serving is
+//! also a lock wait (`locks.rs`).
 use aya_ebpf::{
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_probe_read_kernel, bpf_task_pt_regs,
@@ -14,14 +15,14 @@ use aya_ebpf::{
     macros::raw_tracepoint,
     programs::RawTracePointContext,
 };
-use poolscope_shared::{Activity, WaitClass};
+use poolscope_shared::{Activity, Serving, WaitClass};
 
 use crate::{
     locks,
     maps::WAIT_CLASSES,
     requests::now_ns,
     stacks,
-    syscalls::NUMBER_OFFSET,
+    syscalls::{NUMBER_OFFSET, SECOND_ARG_OFFSET},
     threads::{self, thread},
 };
 
@@ -67,9 +68,12 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
             threads::change(prev_tid, prev, Activity::Runnable, now);
         } else {
             let call = current_syscall();
+            let class = call.map_or(WaitClass::Other, |(_, class, _)| class);
+            let serving = threads::serving(prev);
             let next = Activity::blocked(
-                call.map_or(WaitClass::Other, |(_, class, _)| class),
-                threads::waits_for_request(prev),
+                class,
+                serving,
+                polled_fds(call, serving),
                 state & TASK_UNINTERRUPTIBLE != 0,
             );
             threads::change(prev_tid, prev, next, now);
@@ -104,6 +108,20 @@ fn current_syscall() -> Option<(*const u8, WaitClass, u64)> {
         None => WaitClass::Other,
     };
     Some((regs, class, number))
+}
+
+/// The fd count of a `poll` that the rule of [`Activity::blocked`] needs: read only
+/// for a thread that serves one request at a time (0 otherwise, and 0 if the
+/// register cannot be read, which classifies the poll as a worker's).
+#[inline(always)]
+fn polled_fds(call: Option<(*const u8, WaitClass, u64)>, serving: Serving) -> u64 {
+    match call {
+        Some((regs, WaitClass::Poll, _)) if serving == Serving::OneAtATime => {
+            // SAFETY: the helper checks the read.
+            unsafe { bpf_probe_read_kernel(regs.add(SECOND_ARG_OFFSET).cast::<u64>()) }.unwrap_or(0)
+        }
+        _ => 0,
+    }
 }
 
 /// sched_wakeup(struct task_struct *p)

@@ -4,7 +4,7 @@
 //! closes the interval into the per-CPU stats of the thread's pool, and, while the
 //! thread holds requests, into their components too.
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
-use poolscope_shared::{Activity, PoolStats, Thread, histogram_bucket};
+use poolscope_shared::{Activity, PoolStats, Serving, Thread, histogram_bucket};
 
 use crate::{
     locks,
@@ -119,6 +119,9 @@ pub fn request_started(now: u64) -> u32 {
     let activity = Activity::from_u32(thread.activity);
     // Cut the interval so that only its part from now on is the request's.
     change(tid, thread, activity, now);
+    if thread.serving > 0 {
+        thread.multiplexes = 1;
+    }
     if thread.serving < MAX_SERVING {
         thread.serving += 1;
     }
@@ -151,8 +154,15 @@ pub fn request_ended(server_tid: u32, now: u64, end: End) {
     }
 }
 
-/// Whether a blocking wait of `thread` is on behalf of a request it holds.
+/// What `thread` holds when it blocks: its waits are a request's only if it holds
+/// one that it did not hand to another thread.
 #[inline(always)]
-pub fn waits_for_request(thread: &Thread) -> bool {
-    thread.serving > 0 && thread.hands_off == 0
+pub fn serving(thread: &Thread) -> Serving {
+    if thread.serving == 0 || thread.hands_off != 0 {
+        Serving::Nothing
+    } else if thread.multiplexes != 0 {
+        Serving::Multiplexing
+    } else {
+        Serving::OneAtATime
+    }
 }

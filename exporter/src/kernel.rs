@@ -250,8 +250,8 @@ fn wait_classes() -> Vec<(libc::c_long, WaitClass)> {
     let mut classes = vec![
         (libc::SYS_epoll_pwait, WaitClass::Idle),
         (libc::SYS_epoll_pwait2, WaitClass::Idle),
-        (libc::SYS_ppoll, WaitClass::Idle),
-        (libc::SYS_pselect6, WaitClass::Idle),
+        (libc::SYS_ppoll, WaitClass::Poll),
+        (libc::SYS_pselect6, WaitClass::Select),
         (libc::SYS_accept4, WaitClass::Idle),
         (libc::SYS_io_uring_enter, WaitClass::Idle),
         (libc::SYS_futex, WaitClass::Futex),
@@ -282,8 +282,8 @@ fn wait_classes() -> Vec<(libc::c_long, WaitClass)> {
     #[cfg(target_arch = "x86_64")]
     classes.extend([
         (libc::SYS_epoll_wait, WaitClass::Idle),
-        (libc::SYS_poll, WaitClass::Idle),
-        (libc::SYS_select, WaitClass::Idle),
+        (libc::SYS_poll, WaitClass::Poll),
+        (libc::SYS_select, WaitClass::Select),
         (libc::SYS_accept, WaitClass::Idle),
     ]);
     classes

@@ -366,12 +366,13 @@ pub enum Activity {
     OffLock,
     /// Uninterruptible sleep (disk, page faults).
     OffDisk,
-    /// Waiting in a socket or pipe read or write while serving.
+    /// Waiting on the network while serving: a socket or pipe read or write, or a
+    /// worker's `poll`/`select` on a downstream (see [`Activity::blocked`]).
     OffNetwork,
     /// nanosleep / clock_nanosleep while serving.
     OffSleep,
-    /// Waiting for work: epoll, poll, select, accept, io_uring, or any wait while
-    /// holding no request.
+    /// Waiting for work: epoll, accept, io_uring, an event loop's poll or select, or
+    /// any wait while holding no request.
     OffIdle,
     /// Any other wait while serving.
     OffOther,
@@ -414,20 +415,52 @@ impl Activity {
         !matches!(self, Self::OffIdle)
     }
 
-    /// The activity of a thread that blocks in a syscall of class `wait`.
-    pub const fn blocked(wait: WaitClass, serving: bool, uninterruptible: bool) -> Self {
+    /// The activity of a thread that blocks in a syscall of class `wait`, while it
+    /// holds what `serving` says; `polled_fds` is the fd count of a
+    /// [`WaitClass::Poll`]. The rule that tells a worker waiting on a downstream from
+    /// an event loop waiting for work: a `poll` on at most [`MAX_DOWNSTREAM_FDS`]
+    /// fds, or a `select`, by a thread that holds a request and has never held two
+    /// at once, waits on the network; any other poll, select or epoll waits for work.
+    pub const fn blocked(
+        wait: WaitClass,
+        serving: Serving,
+        polled_fds: u64,
+        uninterruptible: bool,
+    ) -> Self {
         if uninterruptible {
             return Self::OffDisk;
         }
-        match wait {
-            WaitClass::Idle => Self::OffIdle,
-            _ if !serving => Self::OffIdle,
-            WaitClass::Futex => Self::OffLock,
-            WaitClass::Network => Self::OffNetwork,
-            WaitClass::Sleep => Self::OffSleep,
-            WaitClass::Other => Self::OffOther,
+        match (wait, serving) {
+            (WaitClass::Idle, _) | (_, Serving::Nothing) => Self::OffIdle,
+            (WaitClass::Poll, Serving::OneAtATime) if polled_fds <= MAX_DOWNSTREAM_FDS => {
+                Self::OffNetwork
+            }
+            (WaitClass::Select, Serving::OneAtATime) => Self::OffNetwork,
+            (WaitClass::Poll | WaitClass::Select, _) => Self::OffIdle,
+            (WaitClass::Futex, _) => Self::OffLock,
+            (WaitClass::Network, _) => Self::OffNetwork,
+            (WaitClass::Sleep, _) => Self::OffSleep,
+            (WaitClass::Other, _) => Self::OffOther,
         }
     }
+}
+
+/// A `poll` on more fds than this is an event loop's, whoever calls it: a worker
+/// waiting on a downstream polls its socket, perhaps with a wakeup pipe or two
+/// (libcurl polls the socket and a socketpair).
+pub const MAX_DOWNSTREAM_FDS: u64 = 8;
+
+/// What a blocking thread holds, for [`Activity::blocked`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Serving {
+    /// No request, or only requests it handed to another thread.
+    Nothing,
+    /// A request, and it never held two at once: a worker of a thread-per-request
+    /// pool, whose waits are its request's.
+    OneAtATime,
+    /// A request, and it once held two at once: an event loop, whose poll waits for
+    /// whichever of its connections is ready.
+    Multiplexing,
 }
 
 /// What a thread waits for in a syscall, by syscall number ([`maps::WAIT_CLASSES`]).
@@ -436,8 +469,7 @@ impl Activity {
 pub enum WaitClass {
     /// Not classified (table default).
     Other = 0,
-    /// Waiting for work whatever the thread holds: epoll, poll, select, accept,
-    /// io_uring_enter.
+    /// Waiting for work whatever the thread holds: epoll, accept, io_uring_enter.
     Idle,
     /// futex, futex_wait, futex_waitv: a lock when serving, the pool's queue otherwise.
     Futex,
@@ -445,6 +477,11 @@ pub enum WaitClass {
     Network,
     /// nanosleep, clock_nanosleep.
     Sleep,
+    /// poll, ppoll: the fd count is the second argument.
+    Poll,
+    /// select, pselect6: the fd count is not known (the first argument is the
+    /// highest fd + 1).
+    Select,
 }
 
 impl WaitClass {
@@ -454,6 +491,8 @@ impl WaitClass {
             2 => Self::Futex,
             3 => Self::Network,
             4 => Self::Sleep,
+            5 => Self::Poll,
+            6 => Self::Select,
             _ => Self::Other,
         }
     }
@@ -474,6 +513,10 @@ pub struct Thread {
     /// runtime such as Go, or a hand-off): its waits then do not count as the
     /// request's, since the request may be served elsewhere meanwhile.
     pub hands_off: u32,
+    /// 1 once this thread held two requests at once: it multiplexes connections (an
+    /// event loop), so its poll or select waits for any of them, not a downstream.
+    pub multiplexes: u32,
+    pub _pad: u32,
     pub since_ns: u64,
     /// This thread's time on CPU and in the run queue, closed intervals only
     /// (`/debug/threads`, comparable with /proc/<pid>/task/<tid>/schedstat).
@@ -510,6 +553,8 @@ impl Thread {
             activity: activity as u32,
             serving: 0,
             hands_off: 0,
+            multiplexes: 0,
+            _pad: 0,
             since_ns,
             running_ns: 0,
             runnable_ns: 0,
@@ -967,7 +1012,7 @@ const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() =
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<ListenKey>() == 8);
 const _: () = assert!(core::mem::size_of::<Conn>() == 56);
-const _: () = assert!(core::mem::size_of::<Thread>() == 104);
+const _: () = assert!(core::mem::size_of::<Thread>() == 112);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 28);
 const _: () = assert!(core::mem::size_of::<ProfileSession>() == 40);
 const _: () = assert!(core::mem::size_of::<StackCount>() == 16);
@@ -1031,22 +1076,57 @@ mod tests {
     #[test]
     fn blocked_threads_are_classified_by_wait_and_request() {
         use Activity::*;
+        use Serving::*;
+        let blocked = |wait, serving| Activity::blocked(wait, serving, 1, false);
         // Waiting for work whatever the thread holds.
-        assert_eq!(Activity::blocked(WaitClass::Idle, true, false), OffIdle);
+        assert_eq!(blocked(WaitClass::Idle, OneAtATime), OffIdle);
         // A futex is the pool's queue when idle, a lock when serving.
-        assert_eq!(Activity::blocked(WaitClass::Futex, false, false), OffIdle);
-        assert_eq!(Activity::blocked(WaitClass::Futex, true, false), OffLock);
-        assert_eq!(
-            Activity::blocked(WaitClass::Network, true, false),
-            OffNetwork
-        );
-        assert_eq!(Activity::blocked(WaitClass::Network, false, false), OffIdle);
-        assert_eq!(Activity::blocked(WaitClass::Sleep, true, false), OffSleep);
-        assert_eq!(Activity::blocked(WaitClass::Other, true, false), OffOther);
+        assert_eq!(blocked(WaitClass::Futex, Nothing), OffIdle);
+        assert_eq!(blocked(WaitClass::Futex, OneAtATime), OffLock);
+        assert_eq!(blocked(WaitClass::Futex, Multiplexing), OffLock);
+        assert_eq!(blocked(WaitClass::Network, OneAtATime), OffNetwork);
+        assert_eq!(blocked(WaitClass::Network, Nothing), OffIdle);
+        assert_eq!(blocked(WaitClass::Sleep, OneAtATime), OffSleep);
+        assert_eq!(blocked(WaitClass::Other, OneAtATime), OffOther);
         // Uninterruptible sleep is disk whether serving or not.
-        assert_eq!(Activity::blocked(WaitClass::Idle, false, true), OffDisk);
+        assert_eq!(
+            Activity::blocked(WaitClass::Idle, Nothing, 0, true),
+            OffDisk
+        );
         for activity in Activity::ALL {
             assert_eq!(Activity::from_u32(activity as u32), activity);
+        }
+    }
+
+    #[test]
+    fn a_worker_polling_a_downstream_is_busy_and_an_event_loop_is_not() {
+        use Activity::*;
+        use Serving::*;
+        let poll = |serving, fds| Activity::blocked(WaitClass::Poll, serving, fds, false);
+        // A worker holding one request polls its backend socket (and a wakeup pipe).
+        assert_eq!(poll(OneAtATime, 1), OffNetwork);
+        assert_eq!(poll(OneAtATime, MAX_DOWNSTREAM_FDS), OffNetwork);
+        // Many fds: an event loop, whatever it holds.
+        assert_eq!(poll(OneAtATime, MAX_DOWNSTREAM_FDS + 1), OffIdle);
+        assert_eq!(poll(OneAtATime, 5000), OffIdle);
+        // A thread that once held two requests at once is an event loop.
+        assert_eq!(poll(Multiplexing, 1), OffIdle);
+        // Holding nothing: waiting for work.
+        assert_eq!(poll(Nothing, 1), OffIdle);
+        let select = |serving| Activity::blocked(WaitClass::Select, serving, 0, false);
+        assert_eq!(select(OneAtATime), OffNetwork);
+        assert_eq!(select(Multiplexing), OffIdle);
+        assert_eq!(select(Nothing), OffIdle);
+        for class in [
+            WaitClass::Other,
+            WaitClass::Idle,
+            WaitClass::Futex,
+            WaitClass::Network,
+            WaitClass::Sleep,
+            WaitClass::Poll,
+            WaitClass::Select,
+        ] {
+            assert_eq!(WaitClass::from_u32(class as u32), class);
         }
     }
 

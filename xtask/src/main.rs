@@ -41,6 +41,11 @@ const TEST_PACKAGES: &[&str] = &[
     "python3-venv",
     // objcopy strips a copy of a test program (tests/tests/stacks.rs).
     "binutils",
+    // tests/tests/downstream.rs: its C server (cc, libcurl) and its Java server, run
+    // from source by the JDK's launcher (the JRE that Tomcat pulls in has no javac).
+    "gcc",
+    "libcurl4-openssl-dev",
+    "default-jdk-headless",
 ];
 
 fn main() -> anyhow::Result<()> {

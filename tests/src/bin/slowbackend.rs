@@ -1,0 +1,52 @@
+//! The slow downstream of the `tests/downstream` servers: an unwatched process that
+//! answers each request after a fixed delay, as a database or a backend service would.
+//!
+//! Usage: `slowbackend <delay_ms>`. Prints `port <n>`, then serves until stdin closes.
+//! Each connection carries one request: a line `req\n`, answered `ok\n`, or an HTTP
+//! request (first line `GET …`, headers to the blank line), answered with an HTTP/1.0
+//! 200 whose body is `ok\n`; then the connection closes.
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::{TcpListener, TcpStream},
+    time::Duration,
+};
+
+use poolscope_tests::wait_for_stdin_close;
+
+const HTTP_RESPONSE: &[u8] = b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nok\n";
+
+fn answer(stream: TcpStream, delay: Duration) -> std::io::Result<()> {
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let http = line.starts_with("GET ");
+    if http {
+        // The headers, to the blank line.
+        loop {
+            line.clear();
+            if reader.read_line(&mut line)? == 0 || line.trim_end().is_empty() {
+                break;
+            }
+        }
+    }
+    std::thread::sleep(delay);
+    let mut stream = stream;
+    stream.write_all(if http { HTTP_RESPONSE } else { b"ok\n" })
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, delay_ms] = args.as_slice() else {
+        anyhow::bail!("usage: slowbackend <delay_ms>");
+    };
+    let delay = Duration::from_millis(delay_ms.parse()?);
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    println!("port {}", listener.local_addr()?.port());
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            std::thread::spawn(move || answer(stream, delay));
+        }
+    });
+    wait_for_stdin_close()?;
+    Ok(())
+}

@@ -1,0 +1,296 @@
+//! Busy means busy: workers that wait on a slow downstream (an unwatched backend
+//! answering after 40 ms) through a client with a timeout are busy, not idle, and
+//! their wait is network time. Each server's own clock is the truth: the busy time
+//! of its workers (request read → response written) and the time inside its backend
+//! calls. Servers (tests/downstream):
+//! - C, workers `poll()` the one backend socket before each read (on both request
+//!   backends);
+//! - C, workers call the backend through libcurl (which polls its socket and a
+//!   socketpair);
+//! - Python, a ThreadPoolExecutor whose workers use `socket.create_connection(timeout=)`;
+//! - Java, a fixed thread pool whose workers read the backend with `setSoTimeout`.
+//!
+//! Over each load (below saturation and beyond it), between two scrapes with the load
+//! drained before the second: the worker pool's busy share from
+//! `thread_seconds_total` within 3 points of the server's busy time / (workers ×
+//! wall), its `offcpu_seconds_total{reason="network"}` within 5 % of the server's
+//! time in backend calls, and once the load stops, no worker is left busy.
+//!
+//! The numbers go to stderr (`--nocapture`).
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use poolscope_tests::{
+    Metrics, Poolscope, Program, backends, load::OpenLoop, one_at_a_time, parse_debug_threads,
+    privileged, scrape_until,
+};
+
+const WORKERS: u32 = 8;
+/// The backend's answer delay.
+const BACKEND_DELAY_MS: u64 = 40;
+/// The load's clients: enough in flight to saturate the pool.
+const SENDERS: usize = 64;
+const POOL: &str = "worker";
+/// Offered loads, as shares of the pool's capacity (workers / backend delay); 1.3
+/// saturates it.
+const LOADS: [f64; 3] = [0.3, 0.6, 1.3];
+const RUN: Duration = Duration::from_secs(5);
+
+fn sources() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("downstream")
+}
+
+/// Builds downstream.c into `dir`.
+fn c_server(dir: &Path) -> anyhow::Result<PathBuf> {
+    let binary = dir.join("downstream");
+    let output = Command::new("cc")
+        .args(["-O2", "-g", "-Wall", "-Werror", "-pthread", "-o"])
+        .arg(&binary)
+        .arg(sources().join("downstream.c"))
+        .arg("-lcurl")
+        .output()
+        .context("running cc (are gcc and libcurl4-openssl-dev installed?)")?;
+    anyhow::ensure!(
+        output.status.success(),
+        "cc downstream.c failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(binary)
+}
+
+/// What a server's own clock said at one moment.
+#[derive(Clone, Copy, Debug, Default)]
+struct Stats {
+    served: u64,
+    busy_ns: u64,
+    wait_ns: u64,
+    errors: u64,
+}
+
+fn stats(server: &mut Program) -> anyhow::Result<Stats> {
+    server.send("stats")?;
+    let line = server.line("stats")?;
+    let numbers: Vec<u64> = line
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("stats {line:?}"))?;
+    let [served, busy_ns, wait_ns, errors] = numbers[..] else {
+        anyhow::bail!("stats {line:?}");
+    };
+    Ok(Stats {
+        served,
+        busy_ns,
+        wait_ns,
+        errors,
+    })
+}
+
+fn pool_sum(metrics: &Metrics, name: &str, service: &str, label: (&str, &[&str])) -> f64 {
+    label
+        .1
+        .iter()
+        .map(|value| {
+            metrics
+                .value(
+                    name,
+                    &[("service", service), ("pool", POOL), (label.0, value)],
+                )
+                .unwrap_or(0.0)
+        })
+        .sum()
+}
+
+const BUSY_STATES: [&str; 4] = ["running", "runnable", "blocked_lock", "blocked_io"];
+
+/// One load's truth and poolscope's numbers.
+struct Reading {
+    truth_utilization: f64,
+    utilization: f64,
+    truth_wait: f64,
+    network_wait: f64,
+}
+
+fn run_load(
+    poolscope: &Poolscope,
+    server: &mut Program,
+    port: u16,
+    service: &str,
+    load: f64,
+) -> anyhow::Result<Reading> {
+    let rate = load * f64::from(WORKERS) * 1000.0 / BACKEND_DELAY_MS as f64;
+    let before_stats = stats(server)?;
+    let before = poolscope.scrape()?;
+    let started = Instant::now();
+    let clients = OpenLoop::start(port, rate, SENDERS);
+    std::thread::sleep(RUN);
+    let sent = clients.stop()?;
+    // The last responses were read by the clients; let their workers finish the
+    // bookkeeping after the write.
+    std::thread::sleep(Duration::from_millis(100));
+    let after = poolscope.scrape()?;
+    let wall = started.elapsed().as_secs_f64();
+    let after_stats = stats(server)?;
+    anyhow::ensure!(
+        sent.errors == 0 && after_stats.errors == before_stats.errors,
+        "errors: clients {sent:?}, server {after_stats:?}"
+    );
+    let delta = |name: &str, label: (&str, &[&str])| {
+        pool_sum(&after, name, service, label) - pool_sum(&before, name, service, label)
+    };
+    let busy = delta("poolscope_thread_seconds_total", ("state", &BUSY_STATES));
+    let idle = delta("poolscope_thread_seconds_total", ("state", &["idle"]));
+    let network_wait = delta("poolscope_offcpu_seconds_total", ("reason", &["network"]));
+    let truth_busy = (after_stats.busy_ns - before_stats.busy_ns) as f64 / 1e9;
+    let reading = Reading {
+        truth_utilization: truth_busy / (f64::from(WORKERS) * wall),
+        utilization: busy / (busy + idle),
+        truth_wait: (after_stats.wait_ns - before_stats.wait_ns) as f64 / 1e9,
+        network_wait,
+    };
+    eprintln!(
+        "{service:>12} {load:>5.1} {:>7} {:>11.3} {:>11.3} {:>12.3} {:>12.3}",
+        after_stats.served - before_stats.served,
+        reading.truth_utilization,
+        reading.utilization,
+        reading.truth_wait,
+        reading.network_wait,
+    );
+    Ok(reading)
+}
+
+/// Every worker's activity once the load is gone: none may stay busy.
+fn workers_are_idle(poolscope: &Poolscope, service: &str) -> anyhow::Result<()> {
+    let rows = parse_debug_threads(&poolscope.get("/debug/threads")?)?;
+    let busy: Vec<_> = rows
+        .iter()
+        .filter(|row| row.service == service && row.pool == POOL && row.activity != "OffIdle")
+        .collect();
+    anyhow::ensure!(
+        busy.is_empty(),
+        "workers left busy after the load: {busy:?}"
+    );
+    Ok(())
+}
+
+fn check(name: &str, backend: &str, mut server: Program) -> anyhow::Result<()> {
+    let port: u16 = server.line("port")?.parse()?;
+    let service = name.to_owned();
+    let poolscope = Poolscope::start(&format!(
+        "[probes]\nbackend = \"{backend}\"\n[pools]\nutilization_window = \"5s\"\n\
+         [discovery]\nrescan_interval = \"500ms\"\n\
+         [[targets]]\nservice = \"{service}\"\npids = [{}]\n",
+        server.pid()
+    ))?;
+    scrape_until(&poolscope, |m| {
+        m.value(
+            "poolscope_pool_threads",
+            &[("service", &service), ("pool", POOL)],
+        ) == Some(f64::from(WORKERS))
+    })?;
+    let mut failures = Vec::new();
+    for load in LOADS {
+        let reading = run_load(&poolscope, &mut server, port, &service, load)?;
+        if (reading.utilization - reading.truth_utilization).abs() > 0.03 {
+            failures.push(format!(
+                "load {load}: utilization {:.3}, truth {:.3} ± 0.03",
+                reading.utilization, reading.truth_utilization
+            ));
+        }
+        if (reading.network_wait - reading.truth_wait).abs() > 0.05 * reading.truth_wait {
+            failures.push(format!(
+                "load {load}: network wait {:.3} s, truth {:.3} s ± 5 %",
+                reading.network_wait, reading.truth_wait
+            ));
+        }
+        workers_are_idle(&poolscope, &service)?;
+    }
+    anyhow::ensure!(failures.is_empty(), "{name}: {}", failures.join("; "));
+    Ok(())
+}
+
+fn backend() -> anyhow::Result<(Program, u16)> {
+    let mut backend = Program::start("slowbackend", &[BACKEND_DELAY_MS.to_string()])?;
+    let port = backend.line("port")?.parse()?;
+    Ok((backend, port))
+}
+
+fn header() {
+    eprintln!(
+        "{:>12} {:>5} {:>7} {:>11} {:>11} {:>12} {:>12}",
+        "server", "load", "served", "util truth", "util", "wait truth", "network"
+    );
+}
+
+#[test]
+fn c_workers_polling_a_backend_are_busy() -> anyhow::Result<()> {
+    if !privileged("c_workers_polling_a_backend_are_busy") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir()?;
+    let binary = c_server(dir.path())?;
+    let (_backend, backend_port) = backend()?;
+    header();
+    // The rule does not depend on the request backend; the poll server checks both.
+    let mut runs: Vec<(&str, &str)> = backends().into_iter().map(|b| ("poll", b)).collect();
+    runs.push(("curl", "auto"));
+    for (mode, request_backend) in runs {
+        let server = Program::start_path(
+            &binary,
+            &[
+                WORKERS.to_string(),
+                backend_port.to_string(),
+                mode.to_owned(),
+            ],
+        )?;
+        check(
+            &format!("c-{mode}-{request_backend}"),
+            request_backend,
+            server,
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn python_workers_with_a_socket_timeout_are_busy() -> anyhow::Result<()> {
+    if !privileged("python_workers_with_a_socket_timeout_are_busy") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let (_backend, backend_port) = backend()?;
+    header();
+    let server = Program::start_path(
+        Path::new("/usr/bin/python3"),
+        &[
+            sources().join("downstream.py").display().to_string(),
+            WORKERS.to_string(),
+            backend_port.to_string(),
+        ],
+    )?;
+    check("python", "auto", server)
+}
+
+#[test]
+fn java_workers_with_so_timeout_are_busy() -> anyhow::Result<()> {
+    if !privileged("java_workers_with_so_timeout_are_busy") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let (_backend, backend_port) = backend()?;
+    header();
+    let server = Program::start_path(
+        Path::new("/usr/bin/java"),
+        &[
+            sources().join("Downstream.java").display().to_string(),
+            WORKERS.to_string(),
+            backend_port.to_string(),
+        ],
+    )?;
+    check("java", "auto", server)
+}
