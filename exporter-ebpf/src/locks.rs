@@ -26,7 +26,7 @@ use poolscope_shared::{
 use crate::{
     maps::{
         LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, THREAD_POOLS, ZERO_HISTOGRAM,
-        add_to_shared_histogram, count_loss, inserted_errno,
+        add_to_shared_histogram, count_loss, get_or_insert,
     },
     requests::now_ns,
     syscalls::{FIRST_ARG_OFFSET, SECOND_ARG_OFFSET, SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV},
@@ -151,22 +151,11 @@ fn record_lock_wait(tid: u32, thread: &mut Thread) {
         stack: thread.lock_stack,
         address: thread.lock_address,
     };
-    let lock = match LOCKS.get_ptr_mut(key) {
-        Some(lock) => lock,
-        None => {
-            let Some(zero) = ZERO_HISTOGRAM.get(0) else {
-                return;
-            };
-            // BPF_NOEXIST: another CPU may have made it meanwhile; then use that one.
-            let inserted = LOCKS.insert(key, zero, 1);
-            match LOCKS.get_ptr_mut(key) {
-                Some(lock) => lock,
-                None => {
-                    count_loss(LossSource::LocksInsert, inserted_errno(inserted));
-                    return;
-                }
-            }
-        }
+    let Some(zero) = ZERO_HISTOGRAM.get(0) else {
+        return;
+    };
+    let Some(lock) = get_or_insert(&LOCKS, &key, zero, LossSource::LocksInsert) else {
+        return;
     };
     // SAFETY: a live map value; concurrent updates are atomic adds.
     add_to_shared_histogram(unsafe { &mut *lock }, waited);

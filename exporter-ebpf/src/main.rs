@@ -11,6 +11,7 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features, reason = "core_intrinsics, see above")]
 
+mod downstream;
 mod locks;
 mod maps;
 mod process;

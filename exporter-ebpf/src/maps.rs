@@ -5,12 +5,12 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
 };
 use poolscope_shared::{
-    Conn, Histogram, LISTEN_PORTS_CAPACITY, LOSSES_SIZE, ListenKey, LockKey, LockPrimitive,
-    LossErrno, LossSource, MAX_LOCK_STACKS, MAX_LOCKS, MAX_POOLS, MAX_PROFILE_SESSIONS,
-    MAX_SERVICES, MAX_STACK_COUNTS, MAX_STACKS, MAX_THREADS, MUTEX_CALLS_CAPACITY,
-    PENDING_CALLS_CAPACITY, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
-    SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, Thread,
-    WATCHED_PORT_WORDS, Watched, loss_index,
+    Conn, DownstreamKey, DownstreamWait, Histogram, LISTEN_PORTS_CAPACITY, LOSSES_SIZE, ListenKey,
+    LockKey, LockPrimitive, LossErrno, LossSource, MAX_DOWNSTREAMS, MAX_LOCK_STACKS, MAX_LOCKS,
+    MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS, MAX_STACKS, MAX_THREADS,
+    MUTEX_CALLS_CAPACITY, PENDING_CALLS_CAPACITY, PendingCall, PoolStats, ProcessEvent,
+    ProfileSession, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters,
+    StackCount, StackKey, Thread, WATCHED_PORT_WORDS, Watched, loss_index,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -55,6 +55,9 @@ pub static LOCK_WAITS: Array<Histogram> =
     Array::with_max_entries(MAX_POOLS * LockPrimitive::COUNT, 0);
 #[map]
 pub static LOCKS: HashMap<LockKey, Histogram> = HashMap::with_max_entries(MAX_LOCKS, 0);
+#[map]
+pub static DOWNSTREAM_WAITS: HashMap<DownstreamKey, DownstreamWait> =
+    HashMap::with_max_entries(MAX_DOWNSTREAMS, 0);
 #[map]
 pub static LOCK_STACKS: StackTrace = StackTrace::with_max_entries(MAX_LOCK_STACKS, 0);
 #[map]
@@ -102,6 +105,27 @@ pub fn inserted_errno(inserted: Result<(), i32>) -> LossErrno {
         Err(code) => LossErrno::of(code.into()),
         Ok(()) => LossErrno::Other,
     }
+}
+
+/// The entry of `key` in a map shared by all CPUs, made from `initial` if absent;
+/// `None` (counted under `loss`) if it cannot be made, e.g. the map is full.
+#[inline(always)]
+pub fn get_or_insert<K, V>(
+    map: &HashMap<K, V>,
+    key: &K,
+    initial: &V,
+    loss: LossSource,
+) -> Option<*mut V> {
+    if let Some(value) = map.get_ptr_mut(key) {
+        return Some(value);
+    }
+    // BPF_NOEXIST: another CPU may have made it meanwhile; then use that one.
+    let inserted = map.insert(key, initial, u64::from(aya_ebpf::bindings::BPF_NOEXIST));
+    let value = map.get_ptr_mut(key);
+    if value.is_none() {
+        count_loss(loss, inserted_errno(inserted));
+    }
+    value
 }
 
 /// Adds `value` to a counter that other CPUs may update at the same time.

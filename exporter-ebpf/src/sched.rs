@@ -15,10 +15,10 @@ use aya_ebpf::{
     macros::raw_tracepoint,
     programs::RawTracePointContext,
 };
-use poolscope_shared::{Activity, Serving, WaitClass};
+use poolscope_shared::{Activity, Peer, Serving, WaitClass};
 
 use crate::{
-    locks,
+    downstream, locks,
     maps::WAIT_CLASSES,
     requests::now_ns,
     stacks,
@@ -70,13 +70,15 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
             let call = current_syscall();
             let class = call.map_or(WaitClass::Other, |(_, class, _)| class);
             let serving = threads::serving(prev);
-            let next = Activity::blocked(
-                class,
-                serving,
-                polled_fds(call, serving),
-                state & TASK_UNINTERRUPTIBLE != 0,
-            );
+            let polled = polled_fds(call, serving);
+            let next = Activity::blocked(class, serving, polled, state & TASK_UNINTERRUPTIBLE != 0);
             threads::change(prev_tid, prev, next, now);
+            prev.downstream = match call {
+                Some((regs, _, _)) if next == Activity::OffNetwork => {
+                    downstream::peer_of_wait(regs, class, polled)
+                }
+                _ => Peer::NONE,
+            };
             stacks::blocked(ctx, prev, now);
             if next == Activity::OffLock {
                 lock_wait = call.map(|(regs, _, number)| (regs, number));

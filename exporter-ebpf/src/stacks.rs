@@ -25,7 +25,7 @@ use poolscope_shared::{
 use crate::{
     maps::{
         STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, THREAD_POOLS, atomic_add,
-        count_loss, inserted_errno,
+        count_loss, get_or_insert,
     },
     sessions,
     threads::thread,
@@ -45,8 +45,6 @@ static OFFCPU_IDLE: u32 = 0;
 const BPF_F_USER_STACK: u64 = 1 << 8;
 /// bpf_get_stackid's error when the stack's bucket holds another stack.
 const EEXIST: i32 = 17;
-/// Map update flag: insert only if absent.
-const BPF_NOEXIST: u64 = 1;
 
 #[inline(always)]
 fn offcpu_min_ns() -> u64 {
@@ -88,19 +86,13 @@ pub fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
 /// Adds one sample or block of `ns` to `key`'s count.
 #[inline(always)]
 pub fn add(key: &StackKey, ns: u64) {
-    let count = match STACK_COUNTS.get_ptr_mut(key) {
-        Some(count) => count,
-        None => {
-            // BPF_NOEXIST: another CPU may have made it meanwhile; then use that one.
-            let inserted = STACK_COUNTS.insert(key, StackCount::default(), BPF_NOEXIST);
-            match STACK_COUNTS.get_ptr_mut(key) {
-                Some(count) => count,
-                None => {
-                    count_loss(LossSource::StackCountsInsert, inserted_errno(inserted));
-                    return;
-                }
-            }
-        }
+    let Some(count) = get_or_insert(
+        &STACK_COUNTS,
+        key,
+        &StackCount::default(),
+        LossSource::StackCountsInsert,
+    ) else {
+        return;
     };
     // SAFETY: a live map value; concurrent updates are atomic adds.
     let count = unsafe { &mut *count };

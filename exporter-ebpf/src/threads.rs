@@ -4,10 +4,10 @@
 //! closes the interval into the per-CPU stats of the thread's pool, and, while the
 //! thread holds requests, into their components too.
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
-use poolscope_shared::{Activity, PoolStats, Serving, Thread, histogram_bucket};
+use poolscope_shared::{Activity, Peer, Serving, Thread, histogram_bucket};
 
 use crate::{
-    locks,
+    downstream, locks,
     maps::{POOL_STATS, THREAD_POOLS, THREADS},
     requests::now_ns,
     stacks,
@@ -44,7 +44,23 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
         Activity::Runnable => thread.runnable_ns += elapsed,
         _ => {}
     }
-    let Some(stats) = pool_stats(tid) else {
+    let downstream = thread.downstream;
+    let wait_ended = activity == Activity::OffNetwork && next != Activity::OffNetwork;
+    if wait_ended {
+        thread.downstream = Peer::NONE;
+    }
+    // SAFETY: copied out at once.
+    let Some(pool) = (unsafe { THREAD_POOLS.get(tid).copied() }) else {
+        return;
+    };
+    if activity == Activity::OffNetwork && downstream.port != 0 {
+        downstream::waited(pool, downstream, elapsed, wait_ended);
+    }
+    // SAFETY: per-CPU slot, no other writer while we run on this CPU.
+    let Some(stats) = POOL_STATS
+        .get_ptr_mut(pool)
+        .map(|stats| unsafe { &mut *stats })
+    else {
         return;
     };
     // The stored value masked, not `activity as usize`: the compiler knows the enum's
@@ -61,17 +77,6 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
         *bucket += 1;
         stats.runqueue.sum_ns += elapsed;
     }
-}
-
-/// This CPU's stats of the pool of `tid`.
-#[inline(always)]
-fn pool_stats(tid: u32) -> Option<&'static mut PoolStats> {
-    // SAFETY: copied out at once.
-    let pool = unsafe { *THREAD_POOLS.get(tid)? };
-    // SAFETY: per-CPU slot, no other writer while we run on this CPU.
-    POOL_STATS
-        .get_ptr_mut(pool)
-        .map(|stats| unsafe { &mut *stats })
 }
 
 /// `tid` goes on CPU at `now` (0: not read yet): a run-queue wait ends.

@@ -12,14 +12,14 @@ use std::{
 };
 
 use poolscope_shared::{
-    Activity, LossErrno, LossSource, NO_POOL, ProcessEvent, ProcessEventKind, ProfileSession,
+    Activity, LossErrno, LossSource, NO_POOL, Peer, ProcessEvent, ProcessEventKind, ProfileSession,
 };
 use tokio::sync::Notify;
 
 use crate::{
     collect::{
-        PoolInput, ReloadStatus, SelfStats, ServiceInput, pool_families, queue_depths,
-        self_families, service_families, service_listeners,
+        PoolInput, ReloadStatus, SelfStats, ServiceInput, downstream_families, peer_label,
+        pool_families, queue_depths, self_families, service_families, service_listeners,
     },
     config::Settings,
     discovery,
@@ -764,19 +764,24 @@ impl Gatherer for Exporter {
             .map(|view| (view.id, view))
             .collect();
         let mut text = String::from(
-            "tid\tservice\tpool\tactivity\tserving\trunning_seconds\trunnable_seconds\n",
+            "tid\tservice\tpool\tactivity\tserving\trunning_seconds\trunnable_seconds\twaiting_on\n",
         );
         for (tid, thread, pool) in &readout.threads {
             let (running_ns, runnable_ns) = pools::thread_times(thread, readout.threads_read_ns);
             let pool = pool.and_then(|id| pools.get(&id));
             let service = shared.targets.service_name(thread.service).unwrap_or("-");
             text.push_str(&format!(
-                "{tid}\t{service}\t{}\t{:?}\t{}\t{:.9}\t{:.9}\n",
+                "{tid}\t{service}\t{}\t{:?}\t{}\t{:.9}\t{:.9}\t{}\n",
                 pool.map_or("-", |p| p.name.as_str()),
                 Activity::from_u32(thread.activity),
                 thread.serving,
                 running_ns as f64 / 1e9,
                 runnable_ns as f64 / 1e9,
+                if thread.downstream == Peer::NONE {
+                    "-".to_owned()
+                } else {
+                    peer_label(&thread.downstream)
+                },
             ));
         }
         text
@@ -1017,6 +1022,18 @@ impl Gatherer for Exporter {
             })
             .collect();
         families.extend(pool_families(&pool_inputs));
+        let pool_names: BTreeMap<u32, (&str, &str)> = pool_rows
+            .iter()
+            .filter_map(|(view, _, _)| {
+                Some((
+                    view.id,
+                    (*service_names.get(&view.service)?, view.name.as_str()),
+                ))
+            })
+            .collect();
+        families.extend(downstream_families(&readout.downstreams, |pool| {
+            pool_names.get(&pool).copied()
+        }));
         let dropped = cap_series(&mut families, settings.max_series);
         let series_dropped = self.series_dropped.fetch_add(dropped, Ordering::Relaxed) + dropped;
         let mut losses = shared_losses;

@@ -159,6 +159,7 @@ impl LossKind {
             LossSource::MutexCallsInsert => map(maps::MUTEX_CALLS),
             LossSource::StackCollision => map(STACK_MAPS),
             LossSource::StackCountsInsert => map(maps::STACK_COUNTS),
+            LossSource::DownstreamInsert => map(maps::DOWNSTREAM_WAITS),
             LossSource::ProcessEvents => Self::Events(PROCESS_EVENTS),
             LossSource::OffCpuStacksExpired => Self::Events(STACKS_EXPIRED),
         }
@@ -289,9 +290,10 @@ fn limit_of(map: &str) -> Option<&'static str> {
 /// The maps user space or the kernel inserts into, whose `E2BIG` (full) counter is
 /// always exported so that its first rise shows in `increase()`; the advice gives
 /// their sizes.
-pub const ADVISED_MAPS: [&str; 11] = [
+pub const ADVISED_MAPS: [&str; 12] = [
     maps::ADOPT,
     maps::CONNS,
+    maps::DOWNSTREAM_WAITS,
     maps::LISTEN_PORTS,
     maps::LOCKS,
     maps::LOCK_STACKS,

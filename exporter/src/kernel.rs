@@ -19,8 +19,8 @@ use aya::{
     },
 };
 use poolscope_shared::{
-    Conn, Histogram, ListenKey, LockKey, LockPrimitive, LossErrno, LossSource,
-    MAX_PROFILE_SESSIONS, PendingCall, Phase, PoolStats, ProcessEvent, ProfileSession,
+    Conn, DownstreamKey, DownstreamWait, Histogram, ListenKey, LockKey, LockPrimitive, LossErrno,
+    LossSource, MAX_PROFILE_SESSIONS, PendingCall, Phase, PoolStats, ProcessEvent, ProfileSession,
     RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot, Thread,
     WaitClass, Watched, conn_key_tgid, fd_conn_key, lock_wait_index, loss_index, maps,
     syscall_counter_index, watched_port_bit,
@@ -427,6 +427,7 @@ pub struct Kernel {
     lock_waits: Array<MapData, Histogram>,
     locks: HashMap<MapData, LockKey, Histogram>,
     lock_stacks: StackTraceMap<MapData>,
+    downstream_waits: HashMap<MapData, DownstreamKey, DownstreamWait>,
     mutex_calls: HashMap<MapData, u32, u64>,
     stack_epoch: Array<MapData, u32>,
     stack_counts: HashMap<MapData, StackKey, StackCount>,
@@ -462,6 +463,8 @@ pub struct Readout {
     pub pools: BTreeMap<u32, PoolStats>,
     /// Lock waits of each pool, per [`LockPrimitive`].
     pub lock_waits: BTreeMap<u32, [Histogram; LockPrimitive::COUNT as usize]>,
+    /// Network waits of each pool's serving threads, per socket peer.
+    pub downstreams: Vec<(DownstreamKey, DownstreamWait)>,
     /// CLOCK_MONOTONIC ns between reading `pools` and `threads`: the end of each
     /// thread's open interval.
     pub threads_read_ns: u64,
@@ -798,6 +801,52 @@ fn socket_namespace_offsets(vmlinux: &[u8]) -> Option<(u32, u32)> {
     }
 }
 
+/// Where the sched programs find the peer of the socket a serving thread waits on
+/// (`downstream.rs`): the fd table of the task, the socket of a file, and the
+/// socket's family, ports and remote address, in that program's order of globals.
+fn downstream_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 12]> {
+    let offsets = (|| {
+        let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
+        let common = member("sock", "__sk_common")?;
+        Ok::<_, btf::BtfError>([
+            ("TASK_FILES_OFFSET", member("task_struct", "files")?),
+            ("FILES_FDT_OFFSET", member("files_struct", "fdt")?),
+            ("FDT_MAX_FDS_OFFSET", member("fdtable", "max_fds")?),
+            ("FDT_FD_OFFSET", member("fdtable", "fd")?),
+            ("FILE_PRIVATE_DATA_OFFSET", member("file", "private_data")?),
+            ("SOCKET_FILE_OFFSET", member("socket", "file")?),
+            ("SOCKET_SK_OFFSET", member("socket", "sk")?),
+            (
+                "SK_FAMILY_OFFSET",
+                common + member("sock_common", "skc_family")?,
+            ),
+            (
+                "SK_LOCAL_PORT_OFFSET",
+                common + member("sock_common", "skc_num")?,
+            ),
+            (
+                "SK_DPORT_OFFSET",
+                common + member("sock_common", "skc_dport")?,
+            ),
+            (
+                "SK_DADDR_OFFSET",
+                common + member("sock_common", "skc_daddr")?,
+            ),
+            (
+                "SK_V6_DADDR_OFFSET",
+                common + member("sock_common", "skc_v6_daddr")?,
+            ),
+        ])
+    })();
+    match offsets {
+        Ok(offsets) => Some(offsets),
+        Err(error) => {
+            tracing::warn!(%error, "cannot find a task's sockets in {BTF_VMLINUX}: network waits are not attributed to their downstream peers");
+            None
+        }
+    }
+}
+
 /// Where the socket backend finds a socket's inode number (what `/proc/<pid>/fd`
 /// shows), to adopt connections open before the watch: `sock.sk_socket`, the
 /// `struct inode` after that `struct socket` in its `socket_alloc`, and `inode.i_ino`.
@@ -881,6 +930,7 @@ impl Kernel {
         let socket_namespace = vmlinux.as_deref().and_then(socket_namespace_offsets);
         let socket_inode = vmlinux.as_deref().and_then(socket_inode_offsets);
         let socket_port = vmlinux.as_deref().and_then(socket_port_offset);
+        let downstream = vmlinux.as_deref().and_then(downstream_offsets);
         // The BTF tracepoints read the socket's port at its offset: they load only
         // where it was found.
         let btf = match socket_port {
@@ -902,6 +952,10 @@ impl Kernel {
         let mut loader = EbpfLoader::new();
         for name in maps::STACKS {
             loader.map_max_entries(name, sizes.stacks);
+        }
+        // Left at 0 (no peer is looked for) where BTF does not have them all.
+        for (name, offset) in downstream.iter().flatten() {
+            loader.override_global(name, offset, true);
         }
         let mut ebpf = loader
             .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
@@ -1016,6 +1070,7 @@ impl Kernel {
             lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,
             locks: take(&mut ebpf, maps::LOCKS)?,
             lock_stacks: take(&mut ebpf, maps::LOCK_STACKS)?,
+            downstream_waits: take(&mut ebpf, maps::DOWNSTREAM_WAITS)?,
             mutex_calls: take(&mut ebpf, maps::MUTEX_CALLS)?,
             stack_epoch: take(&mut ebpf, maps::STACK_EPOCH)?,
             stack_counts: take(&mut ebpf, maps::STACK_COUNTS)?,
@@ -1113,6 +1168,7 @@ impl Kernel {
             maps::THREADS | maps::THREAD_POOLS => self.sizes.threads,
             maps::LOCKS => self.sizes.locks,
             maps::LOCK_STACKS => self.sizes.lock_stacks,
+            maps::DOWNSTREAM_WAITS => poolscope_shared::MAX_DOWNSTREAMS,
             maps::STACK_COUNTS => self.sizes.stack_counts,
             maps::MUTEX_CALLS => poolscope_shared::MUTEX_CALLS_CAPACITY,
             maps::PROFILE_SESSIONS => MAX_PROFILE_SESSIONS,
@@ -1320,6 +1376,16 @@ impl Kernel {
             self.lock_waits
                 .set(lock_wait_index(pool, primitive), Histogram::default(), 0)?;
         }
+        let peers: Vec<DownstreamKey> = self
+            .downstream_waits
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| key.pool == pool)
+            .collect();
+        for key in peers {
+            // Gone already if removed meanwhile; nothing else to do.
+            let _ = self.downstream_waits.remove(&key);
+        }
         Ok(())
     }
 
@@ -1526,6 +1592,11 @@ impl Kernel {
             }
             readout.lock_waits.insert(pool, waits);
         }
+        readout.downstreams = self
+            .downstream_waits
+            .iter()
+            .filter_map(Result::ok)
+            .collect();
         readout.threads_read_ns = crate::targets::monotonic_ns();
         readout.threads = self
             .thread_entries()
@@ -1632,6 +1703,7 @@ impl Kernel {
             ),
             fill(maps::THREADS, readout.threads.len()),
             fill(maps::LOCKS, self.locks.keys().filter(Result::is_ok).count()),
+            fill(maps::DOWNSTREAM_WAITS, readout.downstreams.len()),
             fill(
                 maps::STACK_COUNTS,
                 self.stack_counts.keys().filter(Result::is_ok).count(),

@@ -62,6 +62,10 @@ pub mod maps {
     pub const LOCKS: &str = "LOCKS";
     /// Stack trace map: the user stacks at which lock waits began.
     pub const LOCK_STACKS: &str = "LOCK_STACKS";
+    /// [`crate::DownstreamKey`] (pool, peer) → [`crate::DownstreamWait`]: the network
+    /// waits of serving threads on sockets whose peer is known, per peer (atomic
+    /// adds, as above).
+    pub const DOWNSTREAM_WAITS: &str = "DOWNSTREAM_WAITS";
     /// tid (u32) → CLOCK_MONOTONIC ns of entry into `pthread_mutex_lock` (opt-in
     /// uprobes), until its return.
     pub const MUTEX_CALLS: &str = "MUTEX_CALLS";
@@ -91,6 +95,8 @@ pub const MAX_POOLS: u32 = 1024;
 pub const MAX_THREADS: u32 = 65536;
 /// Default capacity of [`maps::LOCKS`] (each entry holds a 1.8 kB histogram).
 pub const MAX_LOCKS: u32 = 2048;
+/// Capacity of [`maps::DOWNSTREAM_WAITS`]: (pool, peer) pairs.
+pub const MAX_DOWNSTREAMS: u32 = 4096;
 /// Default capacity of [`maps::LOCK_STACKS`].
 pub const MAX_LOCK_STACKS: u32 = 2048;
 /// Default capacity of each [`maps::STACKS`] map.
@@ -517,6 +523,10 @@ pub struct Thread {
     /// event loop), so its poll or select waits for any of them, not a downstream.
     pub multiplexes: u32,
     pub _pad: u32,
+    /// The socket peer of the network wait the thread is in ([`Peer::NONE`]: none
+    /// known), to which the wait's time goes in [`maps::DOWNSTREAM_WAITS`].
+    pub downstream: Peer,
+    pub _pad2: u32,
     pub since_ns: u64,
     /// This thread's time on CPU and in the run queue, closed intervals only
     /// (`/debug/threads`, comparable with /proc/<pid>/task/<tid>/schedstat).
@@ -555,6 +565,8 @@ impl Thread {
             hands_off: 0,
             multiplexes: 0,
             _pad: 0,
+            downstream: Peer::NONE,
+            _pad2: 0,
             since_ns,
             running_ns: 0,
             runnable_ns: 0,
@@ -571,6 +583,45 @@ impl Thread {
             blocked_since_ns: 0,
         }
     }
+}
+
+/// The remote end of a socket: an IPv4 address in the first 4 bytes of `addr`
+/// (family `AF_INET`) or an IPv6 one (`AF_INET6`); `port` in host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Peer {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub family: u16,
+}
+
+impl Peer {
+    /// No peer known.
+    pub const NONE: Self = Self {
+        addr: [0; 16],
+        port: 0,
+        family: 0,
+    };
+    pub const AF_INET: u16 = 2;
+    pub const AF_INET6: u16 = 10;
+}
+
+/// Key of [`maps::DOWNSTREAM_WAITS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DownstreamKey {
+    pub pool: u32,
+    pub peer: Peer,
+}
+
+/// Value of [`maps::DOWNSTREAM_WAITS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DownstreamWait {
+    /// Time blocked on the network with this peer's socket in hand.
+    pub wait_ns: u64,
+    /// Such blocks that ended.
+    pub waits: u64,
 }
 
 /// How a lock wait was seen: the `primitive` label of `lock_wait_seconds`.
@@ -869,11 +920,14 @@ pub enum LossSource {
     /// An off-CPU block outlived its stack map (it began two epochs before it
     /// ended): its time is kept without stacks.
     OffCpuStacksExpired,
+    /// A [`maps::DOWNSTREAM_WAITS`] insert failed: that network wait counts in its
+    /// pool, not under its peer.
+    DownstreamInsert,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 11;
-    pub const ALL: [LossSource; 11] = [
+    pub const COUNT: u32 = 12;
+    pub const ALL: [LossSource; 12] = [
         Self::ConnsInsert,
         Self::PendingCallsInsert,
         Self::WatchedInsert,
@@ -885,6 +939,7 @@ impl LossSource {
         Self::StackCollision,
         Self::StackCountsInsert,
         Self::OffCpuStacksExpired,
+        Self::DownstreamInsert,
     ];
 }
 
@@ -1001,6 +1056,8 @@ mod pod {
     unsafe impl aya::Pod for super::Thread {}
     unsafe impl aya::Pod for super::PoolStats {}
     unsafe impl aya::Pod for super::LockKey {}
+    unsafe impl aya::Pod for super::DownstreamKey {}
+    unsafe impl aya::Pod for super::DownstreamWait {}
     unsafe impl aya::Pod for super::ListenKey {}
     unsafe impl aya::Pod for super::Histogram {}
     unsafe impl aya::Pod for super::StackKey {}
@@ -1012,11 +1069,14 @@ const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() =
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<ListenKey>() == 8);
 const _: () = assert!(core::mem::size_of::<Conn>() == 56);
-const _: () = assert!(core::mem::size_of::<Thread>() == 112);
+const _: () = assert!(core::mem::size_of::<Thread>() == 136);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 28);
 const _: () = assert!(core::mem::size_of::<ProfileSession>() == 40);
 const _: () = assert!(core::mem::size_of::<StackCount>() == 16);
 const _: () = assert!(core::mem::size_of::<LockKey>() == 16);
+const _: () = assert!(core::mem::size_of::<Peer>() == 20);
+const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
+const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);
 const _: () = assert!(
     core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + (HISTOGRAM_BUCKETS + 1) * 8
 );

@@ -15,6 +15,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
+pub mod downstream;
 pub mod load;
 pub mod profiles;
 pub mod prometheus;
@@ -721,6 +722,8 @@ pub struct ThreadRow {
     pub activity: String,
     pub running: f64,
     pub runnable: f64,
+    /// The peer of the socket the thread waits on now (`-`: none).
+    pub waiting_on: String,
 }
 
 pub fn parse_debug_threads(text: &str) -> anyhow::Result<Vec<ThreadRow>> {
@@ -728,7 +731,17 @@ pub fn parse_debug_threads(text: &str) -> anyhow::Result<Vec<ThreadRow>> {
         .skip(1)
         .map(|line| {
             let fields: Vec<&str> = line.split('\t').collect();
-            let [tid, service, pool, activity, _serving, running, runnable] = fields[..] else {
+            let [
+                tid,
+                service,
+                pool,
+                activity,
+                _serving,
+                running,
+                runnable,
+                waiting_on,
+            ] = fields[..]
+            else {
                 bail!("/debug/threads line {line:?}");
             };
             Ok(ThreadRow {
@@ -738,6 +751,7 @@ pub fn parse_debug_threads(text: &str) -> anyhow::Result<Vec<ThreadRow>> {
                 activity: activity.to_owned(),
                 running: running.parse()?,
                 runnable: runnable.parse()?,
+                waiting_on: waiting_on.to_owned(),
             })
         })
         .collect()

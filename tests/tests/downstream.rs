@@ -13,20 +13,20 @@
 //! Over each load (below saturation and beyond it), between two scrapes with the load
 //! drained before the second: the worker pool's busy share from
 //! `thread_seconds_total` within 3 points of the server's busy time / (workers ×
-//! wall), its `offcpu_seconds_total{reason="network"}` within 5 % of the server's
-//! time in backend calls, and once the load stops, no worker is left busy.
+//! wall), its `offcpu_seconds_total{reason="network"}` and its
+//! `downstream_wait_seconds_total{peer="127.0.0.1:<backend port>"}` each within 5 %
+//! of the server's time in backend calls, and once the load stops, no worker is left
+//! busy.
 //!
 //! The numbers go to stderr (`--nocapture`).
-use std::{
-    path::{Path, PathBuf},
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, Program, backends, load::OpenLoop, one_at_a_time, parse_debug_threads,
-    privileged, scrape_until,
+    Metrics, Poolscope, Program, backends,
+    downstream::{self, Backend, Kind},
+    load::OpenLoop,
+    one_at_a_time, parse_debug_threads, privileged, scrape_until,
 };
 
 const WORKERS: u32 = 8;
@@ -39,28 +39,6 @@ const POOL: &str = "worker";
 /// saturates it.
 const LOADS: [f64; 3] = [0.3, 0.6, 1.3];
 const RUN: Duration = Duration::from_secs(5);
-
-fn sources() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("downstream")
-}
-
-/// Builds downstream.c into `dir`.
-fn c_server(dir: &Path) -> anyhow::Result<PathBuf> {
-    let binary = dir.join("downstream");
-    let output = Command::new("cc")
-        .args(["-O2", "-g", "-Wall", "-Werror", "-pthread", "-o"])
-        .arg(&binary)
-        .arg(sources().join("downstream.c"))
-        .arg("-lcurl")
-        .output()
-        .context("running cc (are gcc and libcurl4-openssl-dev installed?)")?;
-    anyhow::ensure!(
-        output.status.success(),
-        "cc downstream.c failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Ok(binary)
-}
 
 /// What a server's own clock said at one moment.
 #[derive(Clone, Copy, Debug, Default)]
@@ -113,12 +91,14 @@ struct Reading {
     utilization: f64,
     truth_wait: f64,
     network_wait: f64,
+    /// `downstream_wait_seconds_total` of the backend's address.
+    backend_wait: f64,
 }
 
 fn run_load(
     poolscope: &Poolscope,
     server: &mut Program,
-    port: u16,
+    (port, backend_port): (u16, u16),
     service: &str,
     load: f64,
 ) -> anyhow::Result<Reading> {
@@ -127,7 +107,16 @@ fn run_load(
     let before = poolscope.scrape()?;
     let started = Instant::now();
     let clients = OpenLoop::start(port, rate, SENDERS);
-    std::thread::sleep(RUN);
+    std::thread::sleep(RUN / 2);
+    // Mid-run, a worker in a backend call shows the backend as what it waits on.
+    let peer = format!("127.0.0.1:{backend_port}");
+    let rows = parse_debug_threads(&poolscope.get("/debug/threads")?)?;
+    let waiting = rows
+        .iter()
+        .filter(|row| row.service == service && row.activity == "OffNetwork")
+        .filter(|row| row.waiting_on == peer)
+        .count();
+    std::thread::sleep(RUN / 2);
     let sent = clients.stop()?;
     // The last responses were read by the clients; let their workers finish the
     // bookkeeping after the write.
@@ -139,26 +128,38 @@ fn run_load(
         sent.errors == 0 && after_stats.errors == before_stats.errors,
         "errors: clients {sent:?}, server {after_stats:?}"
     );
+    // At 30 % load 2.4 workers are in a backend call on average: P(none) ≈ 0.09, so
+    // the check is on the busier loads only.
+    anyhow::ensure!(
+        load < 0.5 || waiting > 0,
+        "no worker of {service} waits on {peer} in /debug/threads mid-run: {rows:?}"
+    );
     let delta = |name: &str, label: (&str, &[&str])| {
         pool_sum(&after, name, service, label) - pool_sum(&before, name, service, label)
     };
     let busy = delta("poolscope_thread_seconds_total", ("state", &BUSY_STATES));
     let idle = delta("poolscope_thread_seconds_total", ("state", &["idle"]));
     let network_wait = delta("poolscope_offcpu_seconds_total", ("reason", &["network"]));
+    let backend_wait = delta(
+        "poolscope_downstream_wait_seconds_total",
+        ("peer", &[peer.as_str()]),
+    );
     let truth_busy = (after_stats.busy_ns - before_stats.busy_ns) as f64 / 1e9;
     let reading = Reading {
         truth_utilization: truth_busy / (f64::from(WORKERS) * wall),
         utilization: busy / (busy + idle),
         truth_wait: (after_stats.wait_ns - before_stats.wait_ns) as f64 / 1e9,
         network_wait,
+        backend_wait,
     };
     eprintln!(
-        "{service:>12} {load:>5.1} {:>7} {:>11.3} {:>11.3} {:>12.3} {:>12.3}",
+        "{service:>16} {load:>5.1} {:>7} {:>11.3} {:>11.3} {:>12.3} {:>12.3} {:>12.3}",
         after_stats.served - before_stats.served,
         reading.truth_utilization,
         reading.utilization,
         reading.truth_wait,
         reading.network_wait,
+        reading.backend_wait,
     );
     Ok(reading)
 }
@@ -177,7 +178,7 @@ fn workers_are_idle(poolscope: &Poolscope, service: &str) -> anyhow::Result<()> 
     Ok(())
 }
 
-fn check(name: &str, backend: &str, mut server: Program) -> anyhow::Result<()> {
+fn check(name: &str, backend: &str, backend_port: u16, mut server: Program) -> anyhow::Result<()> {
     let port: u16 = server.line("port")?.parse()?;
     let service = name.to_owned();
     let poolscope = Poolscope::start(&format!(
@@ -194,7 +195,13 @@ fn check(name: &str, backend: &str, mut server: Program) -> anyhow::Result<()> {
     })?;
     let mut failures = Vec::new();
     for load in LOADS {
-        let reading = run_load(&poolscope, &mut server, port, &service, load)?;
+        let reading = run_load(
+            &poolscope,
+            &mut server,
+            (port, backend_port),
+            &service,
+            load,
+        )?;
         if (reading.utilization - reading.truth_utilization).abs() > 0.03 {
             failures.push(format!(
                 "load {load}: utilization {:.3}, truth {:.3} ± 0.03",
@@ -207,22 +214,22 @@ fn check(name: &str, backend: &str, mut server: Program) -> anyhow::Result<()> {
                 reading.network_wait, reading.truth_wait
             ));
         }
+        if (reading.backend_wait - reading.truth_wait).abs() > 0.05 * reading.truth_wait {
+            failures.push(format!(
+                "load {load}: wait on the backend's address {:.3} s, truth {:.3} s ± 5 %",
+                reading.backend_wait, reading.truth_wait
+            ));
+        }
         workers_are_idle(&poolscope, &service)?;
     }
     anyhow::ensure!(failures.is_empty(), "{name}: {}", failures.join("; "));
     Ok(())
 }
 
-fn backend() -> anyhow::Result<(Program, u16)> {
-    let mut backend = Program::start("slowbackend", &[BACKEND_DELAY_MS.to_string()])?;
-    let port = backend.line("port")?.parse()?;
-    Ok((backend, port))
-}
-
 fn header() {
     eprintln!(
-        "{:>12} {:>5} {:>7} {:>11} {:>11} {:>12} {:>12}",
-        "server", "load", "served", "util truth", "util", "wait truth", "network"
+        "{:>16} {:>5} {:>7} {:>11} {:>11} {:>12} {:>12} {:>12}",
+        "server", "load", "served", "util truth", "util", "wait truth", "network", "on backend"
     );
 }
 
@@ -233,24 +240,18 @@ fn c_workers_polling_a_backend_are_busy() -> anyhow::Result<()> {
     }
     let _serial = one_at_a_time();
     let dir = tempfile::tempdir()?;
-    let binary = c_server(dir.path())?;
-    let (_backend, backend_port) = backend()?;
+    let binary = downstream::build_c(dir.path())?;
+    let backend = Backend::start(BACKEND_DELAY_MS)?;
     header();
     // The rule does not depend on the request backend; the poll server checks both.
-    let mut runs: Vec<(&str, &str)> = backends().into_iter().map(|b| ("poll", b)).collect();
-    runs.push(("curl", "auto"));
-    for (mode, request_backend) in runs {
-        let server = Program::start_path(
-            &binary,
-            &[
-                WORKERS.to_string(),
-                backend_port.to_string(),
-                mode.to_owned(),
-            ],
-        )?;
+    let mut runs: Vec<(Kind, &str)> = backends().into_iter().map(|b| (Kind::CPoll, b)).collect();
+    runs.push((Kind::CCurl, "auto"));
+    for (kind, request_backend) in runs {
+        let server = downstream::start(kind, WORKERS, backend.port, Some(&binary))?;
         check(
-            &format!("c-{mode}-{request_backend}"),
+            &format!("{kind:?}-{request_backend}"),
             request_backend,
+            backend.port,
             server,
         )?;
     }
@@ -263,17 +264,10 @@ fn python_workers_with_a_socket_timeout_are_busy() -> anyhow::Result<()> {
         return Ok(());
     }
     let _serial = one_at_a_time();
-    let (_backend, backend_port) = backend()?;
+    let backend = Backend::start(BACKEND_DELAY_MS)?;
     header();
-    let server = Program::start_path(
-        Path::new("/usr/bin/python3"),
-        &[
-            sources().join("downstream.py").display().to_string(),
-            WORKERS.to_string(),
-            backend_port.to_string(),
-        ],
-    )?;
-    check("python", "auto", server)
+    let server = downstream::start(Kind::Python, WORKERS, backend.port, None)?;
+    check("python", "auto", backend.port, server)
 }
 
 #[test]
@@ -282,15 +276,8 @@ fn java_workers_with_so_timeout_are_busy() -> anyhow::Result<()> {
         return Ok(());
     }
     let _serial = one_at_a_time();
-    let (_backend, backend_port) = backend()?;
+    let backend = Backend::start(BACKEND_DELAY_MS)?;
     header();
-    let server = Program::start_path(
-        Path::new("/usr/bin/java"),
-        &[
-            sources().join("Downstream.java").display().to_string(),
-            WORKERS.to_string(),
-            backend_port.to_string(),
-        ],
-    )?;
-    check("java", "auto", server)
+    let server = downstream::start(Kind::Java, WORKERS, backend.port, None)?;
+    check("java", "auto", backend.port, server)
 }

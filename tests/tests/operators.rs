@@ -6,7 +6,7 @@
 //!   datasource variable, template variables) and name only metrics poolscope exports,
 //!   read from `exporter/src/collect.rs` at test time, so a renamed metric fails here;
 //! - as root: every dashboard query, variable query and rule expression runs against a
-//!   real Prometheus scraping poolscope while two test servers are under load; panels
+//!   real Prometheus scraping poolscope while three test servers are under load; panels
 //!   must return data, rules must evaluate, rule groups be healthy and the scrape up.
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -18,6 +18,7 @@ use std::{
 use anyhow::{Context as _, bail, ensure};
 use poolscope_tests::{
     PoolServer, Poolscope, Program,
+    downstream::{self, Backend, Kind},
     load::{ClosedLoop, Connections},
     one_at_a_time, parse_tids, privileged,
     prometheus::Prometheus,
@@ -951,28 +952,35 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     let _serial = one_at_a_time();
     let started = Instant::now();
 
-    // Two services that give every panel something to show: `pooled`, a pool of 2
+    // Three services that give every panel something to show: `pooled`, a pool of 2
     // workers with 4 keep-alive clients (a queue of 2, sleeps while serving, run-queue
-    // waits), and `locked`, 3 workers contending one mutex (lock waits, CPU).
+    // waits), `locked`, 3 workers contending one mutex (lock waits, CPU), and
+    // `calling`, 2 Python workers that call a 10 ms backend (downstream waits).
     let pooled = PoolServer::start(2, Duration::from_millis(5))?;
     let mut locked = Program::start("lockserver", &["3".to_owned(), "2000".to_owned()])?;
     let locked_port: u16 = locked.line("port")?.parse()?;
     parse_tids(&locked.line("workers")?)?;
+    let backend = Backend::start(10)?;
+    let mut calling = downstream::start(Kind::Python, 2, backend.port, None)?;
+    let calling_port: u16 = calling.line("port")?.parse()?;
     let config = format!(
         "[discovery]\nrescan_interval = \"500ms\"\n[probes]\nbpf_stats = true\n\
          [[targets]]\nservice = \"pooled\"\npids = [{}]\n\
-         [[targets]]\nservice = \"locked\"\npids = [{}]\n",
+         [[targets]]\nservice = \"locked\"\npids = [{}]\n\
+         [[targets]]\nservice = \"calling\"\npids = [{}]\n",
         pooled.pid(),
-        locked.pid()
+        locked.pid(),
+        calling.pid()
     );
     let poolscope = Poolscope::start(&config)?;
     scrape_until(&poolscope, |m| {
-        ["pooled", "locked"]
+        ["pooled", "locked", "calling"]
             .iter()
             .all(|service| m.value("poolscope_targets", &[("service", service)]) == Some(1.0))
     })?;
     let pool_clients = ClosedLoop::start(pooled.port, 4, Connections::KeepAlive);
     let lock_clients = ClosedLoop::start(locked_port, 6, Connections::PerRequest);
+    let calling_clients = ClosedLoop::start(calling_port, 2, Connections::PerRequest);
 
     let instance = format!("127.0.0.1:{}", poolscope.port);
     let rule_files = files("alerts", "yml")?;
@@ -1117,11 +1125,13 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
 
     let pool_load = pool_clients.stop()?;
     let lock_load = lock_clients.stop()?;
+    let calling_load = calling_clients.stop()?;
     assert!(
-        pool_load.completed > 0 && lock_load.completed > 0,
-        "no load: {} pooled, {} locked requests",
+        pool_load.completed > 0 && lock_load.completed > 0 && calling_load.completed > 0,
+        "no load: {} pooled, {} locked, {} calling requests",
         pool_load.completed,
-        lock_load.completed
+        lock_load.completed,
+        calling_load.completed
     );
     eprintln!(
         "evaluated {} rule expressions, {panel_count} panel queries and {variable_count} \

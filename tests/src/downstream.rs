@@ -1,0 +1,88 @@
+//! The servers of `tests/downstream`: thread pools whose workers call a slow
+//! backend (`slowbackend`, an unwatched process) with a timeout, each reporting its
+//! own busy and waiting time (`stats` on stdin). Used by tests/tests/downstream.rs
+//! for the truth, and by operators.rs for a service with downstream waits.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::Context as _;
+
+use crate::Program;
+
+/// A worker pool's server, by language and client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// C, `poll()` on the backend socket before each read.
+    CPoll,
+    /// C, libcurl's easy interface.
+    CCurl,
+    /// Python, a ThreadPoolExecutor with socket timeouts.
+    Python,
+    /// Java, a fixed thread pool with `setSoTimeout`.
+    Java,
+}
+
+/// The backend: answers each request after `delay_ms`.
+pub struct Backend {
+    pub program: Program,
+    pub port: u16,
+}
+
+impl Backend {
+    pub fn start(delay_ms: u64) -> anyhow::Result<Self> {
+        let mut program = Program::start("slowbackend", &[delay_ms.to_string()])?;
+        let port = program.line("port")?.parse()?;
+        Ok(Self { program, port })
+    }
+}
+
+fn sources() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("downstream")
+}
+
+/// Builds downstream.c into `dir`.
+pub fn build_c(dir: &Path) -> anyhow::Result<PathBuf> {
+    let binary = dir.join("downstream");
+    let output = Command::new("cc")
+        .args(["-O2", "-g", "-Wall", "-Werror", "-pthread", "-o"])
+        .arg(&binary)
+        .arg(sources().join("downstream.c"))
+        .arg("-lcurl")
+        .output()
+        .context("running cc (are gcc and libcurl4-openssl-dev installed?)")?;
+    anyhow::ensure!(
+        output.status.success(),
+        "cc downstream.c failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(binary)
+}
+
+/// Starts a server of `kind` with `workers` workers calling 127.0.0.1:`backend_port`;
+/// `c_binary` is what [`build_c`] made, for the C kinds. Its first line is `port <n>`.
+pub fn start(
+    kind: Kind,
+    workers: u32,
+    backend_port: u16,
+    c_binary: Option<&Path>,
+) -> anyhow::Result<Program> {
+    let (workers, backend_port) = (workers.to_string(), backend_port.to_string());
+    let script = |name: &str| sources().join(name).display().to_string();
+    match kind {
+        Kind::CPoll | Kind::CCurl => {
+            let mode = if kind == Kind::CPoll { "poll" } else { "curl" };
+            let binary = c_binary.context("the C servers need build_c's binary")?;
+            Program::start_path(binary, &[workers, backend_port, mode.to_owned()])
+        }
+        Kind::Python => Program::start_path(
+            Path::new("/usr/bin/python3"),
+            &[script("downstream.py"), workers, backend_port],
+        ),
+        Kind::Java => Program::start_path(
+            Path::new("/usr/bin/java"),
+            &[script("Downstream.java"), workers, backend_port],
+        ),
+    }
+}
