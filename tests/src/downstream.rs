@@ -16,6 +16,9 @@ use crate::Program;
 pub enum Kind {
     /// C, `poll()` on the backend socket before each read.
     CPoll,
+    /// C, `poll()` on the backend socket and 15 idle pipes: 16 fds, an event loop's
+    /// poll by the rule.
+    CPollMany,
     /// C, libcurl's easy interface.
     CCurl,
     /// Python, a ThreadPoolExecutor with socket timeouts.
@@ -32,7 +35,16 @@ pub struct Backend {
 
 impl Backend {
     pub fn start(delay_ms: u64) -> anyhow::Result<Self> {
-        let mut program = Program::start("slowbackend", &[delay_ms.to_string()])?;
+        Self::start_with(&[delay_ms.to_string()])
+    }
+
+    /// A backend that closes each connection after `delay_ms` without an answer.
+    pub fn start_closing(delay_ms: u64) -> anyhow::Result<Self> {
+        Self::start_with(&[delay_ms.to_string(), "close".to_owned()])
+    }
+
+    fn start_with(args: &[String]) -> anyhow::Result<Self> {
+        let mut program = Program::start("slowbackend", args)?;
         let port = program.line("port")?.parse()?;
         Ok(Self { program, port })
     }
@@ -71,8 +83,12 @@ pub fn start(
     let (workers, backend_port) = (workers.to_string(), backend_port.to_string());
     let script = |name: &str| sources().join(name).display().to_string();
     match kind {
-        Kind::CPoll | Kind::CCurl => {
-            let mode = if kind == Kind::CPoll { "poll" } else { "curl" };
+        Kind::CPoll | Kind::CPollMany | Kind::CCurl => {
+            let mode = match kind {
+                Kind::CPoll => "poll",
+                Kind::CPollMany => "pollmany",
+                _ => "curl",
+            };
             let binary = c_binary.context("the C servers need build_c's binary")?;
             Program::start_path(binary, &[workers, backend_port, mode.to_owned()])
         }

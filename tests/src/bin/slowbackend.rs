@@ -1,10 +1,12 @@
 //! The slow downstream of the `tests/downstream` servers: an unwatched process that
 //! answers each request after a fixed delay, as a database or a backend service would.
 //!
-//! Usage: `slowbackend <delay_ms>`. Prints `port <n>`, then serves until stdin closes.
-//! Each connection carries one request: a line `req\n`, answered `ok\n`, or an HTTP
-//! request (first line `GET …`, headers to the blank line), answered with an HTTP/1.0
-//! 200 whose body is `ok\n`; then the connection closes.
+//! Usage: `slowbackend <delay_ms> [close]`. Prints `port <n>`, then serves until stdin
+//! closes. Each connection carries one request: a line `req\n`, answered `ok\n`, or
+//! an HTTP request (first line `GET …`, headers to the blank line), answered with an
+//! HTTP/1.0 200 whose body is `ok\n`; then the connection closes. With `close`, the
+//! connection closes after the delay without an answer: a downstream that fails
+//! mid-wait.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::{TcpListener, TcpStream},
@@ -15,7 +17,7 @@ use poolscope_tests::wait_for_stdin_close;
 
 const HTTP_RESPONSE: &[u8] = b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nok\n";
 
-fn answer(stream: TcpStream, delay: Duration) -> std::io::Result<()> {
+fn answer(stream: TcpStream, delay: Duration, close: bool) -> std::io::Result<()> {
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut line = String::new();
     reader.read_line(&mut line)?;
@@ -30,21 +32,26 @@ fn answer(stream: TcpStream, delay: Duration) -> std::io::Result<()> {
         }
     }
     std::thread::sleep(delay);
+    if close {
+        return Ok(());
+    }
     let mut stream = stream;
     stream.write_all(if http { HTTP_RESPONSE } else { b"ok\n" })
 }
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let [_, delay_ms] = args.as_slice() else {
-        anyhow::bail!("usage: slowbackend <delay_ms>");
+    let (delay_ms, close) = match args.as_slice() {
+        [_, delay_ms] => (delay_ms, false),
+        [_, delay_ms, close] if close == "close" => (delay_ms, true),
+        _ => anyhow::bail!("usage: slowbackend <delay_ms> [close]"),
     };
     let delay = Duration::from_millis(delay_ms.parse()?);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     println!("port {}", listener.local_addr()?.port());
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
-            std::thread::spawn(move || answer(stream, delay));
+            std::thread::spawn(move || answer(stream, delay, close));
         }
     });
     wait_for_stdin_close()?;
