@@ -140,6 +140,22 @@ pub fn atomic_add(counter: &mut u64, value: u64) {
     }
 }
 
+/// Sets `value` to `new` if it is `current`, as one step no other CPU can split:
+/// whether it did. 64-bit: the BPF target's generic CPU has no 32-bit cmpxchg.
+#[inline(always)]
+pub fn compare_and_swap(value: &mut u64, current: u64, new: u64) -> bool {
+    // SAFETY: `value` is a valid, aligned u64 in a map value; the intrinsic is one
+    // BPF cmpxchg instruction.
+    unsafe {
+        core::intrinsics::atomic_cxchg::<
+            u64,
+            { core::intrinsics::AtomicOrdering::SeqCst },
+            { core::intrinsics::AtomicOrdering::SeqCst },
+        >(value, current, new)
+    }
+    .1
+}
+
 /// Adds one duration to a histogram shared by all CPUs.
 #[inline(always)]
 pub fn add_to_shared_histogram(histogram: &mut Histogram, ns: u64) {

@@ -2,7 +2,10 @@
 //! it socket events keyed by socket address, `syscalls.rs` syscall results keyed by
 //! (tgid, fd). A connection's entry in `CONNS` holds the phase of its current request
 //! and its timestamps; every phase change moves one `*_entered`/`*_left` counter pair
-//! (the gauges) and a finished request goes into the service's histograms.
+//! (the gauges) and a finished request goes into the service's histograms. Events of
+//! one connection run on several CPUs at once (an arrival in the client's softirq,
+//! the server's read and write), so a phase changes by compare-and-swap: the event
+//! that loses is applied again to the phase the winner left.
 //!
 //! A connection open before its service was watched is adopted: user space makes its
 //! entry `Unserved` (unread bytes wait) or `Responded` with `start_ns` 0 (between
@@ -13,7 +16,7 @@ use poolscope_shared::{
 };
 
 use crate::{
-    maps::{CONNS, REQUEST_TIMES, count_loss, update_service},
+    maps::{CONNS, REQUEST_TIMES, compare_and_swap, count_loss, update_service},
     threads::{self, End},
 };
 
@@ -57,75 +60,128 @@ pub fn connected(key: u64, service: u32, owner_since_ns: u64, now: u64) {
     });
 }
 
-/// Request bytes were queued to the socket (socket backend).
+/// A phase change lost to another CPU: the event is applied again to the phase that
+/// CPU left.
+struct Raced;
+
+/// How many times an event is applied before it gives up (and counts a loss): each
+/// retry follows a phase change by another CPU, which takes an event of its own.
+const ATTEMPTS: usize = 3;
+
+/// Applies `event` to `conn` until it does not lose a phase change to another CPU.
 #[inline(always)]
-pub fn data_arrived(conn: &mut Conn, now: u64) {
-    match Phase::from_u32(conn.phase) {
-        // The client sends its next request only after the response: the last one is done.
-        Phase::Responded => {
-            finish(conn);
-            wait(conn, now);
+fn apply(conn: &mut Conn, mut event: impl FnMut(&mut Conn, Phase) -> Result<(), Raced>) {
+    for _ in 0..ATTEMPTS {
+        // SAFETY: a live map value; volatile, since other CPUs change it.
+        let phase = unsafe { core::ptr::read_volatile(&conn.phase) };
+        if event(conn, Phase::from_u32(phase)).is_ok() {
+            return;
         }
-        // Bytes for the next request, or more of this one: the next read tells.
-        Phase::Serving if conn.next_arrive_ns == 0 => conn.next_arrive_ns = now,
-        _ => {}
+    }
+    count_loss(LossSource::PhaseRetries, LossErrno::None);
+}
+
+/// Moves `conn` from `from` to `to` unless another CPU moved it first: of the events
+/// that see one phase, only the one whose swap succeeds accounts the change, and it
+/// writes the entry's other fields after the swap.
+#[inline(always)]
+fn advance(conn: &mut Conn, from: Phase, to: Phase) -> Result<(), Raced> {
+    // The phase shares its 8 bytes with the service id, which never changes: the
+    // BPF target's generic CPU has only a 64-bit compare-and-swap.
+    let service = u64::from(conn.service);
+    let word = |phase: Phase| service | (phase as u64) << 32;
+    // SAFETY: `Conn` starts with `service` and `phase` (asserted in shared), 8-aligned.
+    let head = unsafe { &mut *core::ptr::from_mut(conn).cast::<u64>() };
+    if compare_and_swap(head, word(from), word(to)) {
+        Ok(())
+    } else {
+        Err(Raced)
     }
 }
 
-fn wait(conn: &mut Conn, now: u64) {
-    conn.phase = Phase::Waiting as u32;
-    conn.arrive_ns = now;
-    conn.next_arrive_ns = 0;
-    update_service(conn.service, |c| c.waiting_entered += 1);
+/// Request bytes were queued to the socket (socket backend).
+#[inline(always)]
+pub fn data_arrived(conn: &mut Conn, now: u64) {
+    apply(conn, |conn, phase| {
+        match phase {
+            // The client sends its next request only after the response: the last one
+            // is done.
+            Phase::Responded => {
+                advance(conn, Phase::Responded, Phase::Waiting)?;
+                finish(conn);
+                conn.arrive_ns = now;
+                conn.next_arrive_ns = 0;
+                update_service(conn.service, |c| c.waiting_entered += 1);
+            }
+            // Bytes for the next request, or more of this one: the next read tells.
+            Phase::Serving if conn.next_arrive_ns == 0 => conn.next_arrive_ns = now,
+            _ => {}
+        }
+        Ok(())
+    });
 }
 
 /// A read returned request bytes.
 #[inline(always)]
 pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
-    match Phase::from_u32(conn.phase) {
-        Phase::Unserved => start(conn, now, |c| c.unserved_left += 1),
-        Phase::Waiting => start(conn, now, |c| c.waiting_left += 1),
-        // Adopted between requests (open before the watch): a new request starts,
-        // whose arrival is the one seen since, if any.
-        Phase::Responded if conn.start_ns == 0 => {
-            conn.arrive_ns = if conn.next_arrive_ns != 0 {
-                conn.next_arrive_ns
-            } else {
-                now
-            };
-            start(conn, now, |_| {});
+    apply(conn, |conn, phase| {
+        match phase {
+            Phase::Unserved => {
+                advance(conn, phase, Phase::Serving)?;
+                start(conn, now, |c| c.unserved_left += 1);
+            }
+            Phase::Waiting => {
+                advance(conn, phase, Phase::Serving)?;
+                start(conn, now, |c| c.waiting_left += 1);
+            }
+            // Adopted between requests (open before the watch): a new request starts,
+            // whose arrival is the one seen since, if any.
+            Phase::Responded if conn.start_ns == 0 => {
+                advance(conn, phase, Phase::Serving)?;
+                conn.arrive_ns = if conn.next_arrive_ns != 0 {
+                    conn.next_arrive_ns
+                } else {
+                    now
+                };
+                start(conn, now, |_| {});
+            }
+            Phase::Responded => {
+                advance(conn, phase, Phase::Serving)?;
+                match arrivals {
+                    // Bytes arrived while the request was served and nothing read them:
+                    // the client sent its next request before our write's tracepoint ran.
+                    Arrivals::Seen if conn.next_arrive_ns != 0 => {
+                        finish(conn);
+                        conn.arrive_ns = conn.next_arrive_ns;
+                        start(conn, now, |_| {});
+                    }
+                    // No bytes arrived since the response began: these were queued
+                    // before it, so the same request goes on (a server that answers
+                    // before reading all).
+                    Arrivals::Seen => {
+                        conn.server_tid = threads::request_started(now);
+                        update_service(conn.service, |c| c.serving_entered += 1);
+                    }
+                    // The next request; its arrival is not seen, so it did not wait.
+                    Arrivals::Unseen => {
+                        finish(conn);
+                        conn.arrive_ns = now;
+                        start(conn, now, |_| {});
+                    }
+                }
+            }
+            // The bytes that arrived meanwhile belong to this request.
+            Phase::Serving => conn.next_arrive_ns = 0,
+            Phase::Closing | Phase::Gone => {}
         }
-        Phase::Responded => match arrivals {
-            // Bytes arrived while the request was served and nothing read them: the
-            // client sent its next request before our write's tracepoint ran.
-            Arrivals::Seen if conn.next_arrive_ns != 0 => {
-                finish(conn);
-                conn.arrive_ns = conn.next_arrive_ns;
-                start(conn, now, |_| {});
-            }
-            // No bytes arrived since the response began: these were queued before it,
-            // so the same request goes on (a server that answers before reading all).
-            Arrivals::Seen => {
-                conn.phase = Phase::Serving as u32;
-                conn.server_tid = threads::request_started(now);
-                update_service(conn.service, |c| c.serving_entered += 1);
-            }
-            // The next request; its arrival is not seen, so it did not wait.
-            Arrivals::Unseen => {
-                finish(conn);
-                conn.arrive_ns = now;
-                start(conn, now, |_| {});
-            }
-        },
-        // The bytes that arrived meanwhile belong to this request.
-        Phase::Serving => conn.next_arrive_ns = 0,
-        Phase::Closing => {}
-    }
+        Ok(())
+    });
 }
 
+/// The fields of a request that starts being served at `now`, once its phase is
+/// `Serving`; `leave` is the gauge it leaves.
 #[inline(always)]
 fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
-    conn.phase = Phase::Serving as u32;
     conn.start_ns = now;
     conn.next_arrive_ns = 0;
     conn.server_tid = threads::request_started(now);
@@ -138,54 +194,72 @@ fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
 /// A write sent response bytes.
 #[inline(always)]
 pub fn wrote(conn: &mut Conn, now: u64) {
-    match Phase::from_u32(conn.phase) {
-        Phase::Serving => {
-            conn.phase = Phase::Responded as u32;
-            conn.end_ns = now;
-            threads::request_ended(conn.server_tid, now, End::Response);
-            conn.server_tid = 0;
-            update_service(conn.service, |c| c.serving_left += 1);
+    apply(conn, |conn, phase| {
+        match phase {
+            Phase::Serving => {
+                advance(conn, phase, Phase::Responded)?;
+                conn.end_ns = now;
+                threads::request_ended(conn.server_tid, now, End::Response);
+                conn.server_tid = 0;
+                update_service(conn.service, |c| c.serving_left += 1);
+            }
+            // Adopted between a read before the watch and its response: the request in
+            // progress counts, from the adoption on (its true start is unknown).
+            Phase::Responded if conn.start_ns == 0 => {
+                conn.start_ns = conn.arrive_ns;
+                conn.end_ns = now;
+                update_service(conn.service, |c| {
+                    c.serving_entered += 1;
+                    c.serving_left += 1;
+                });
+            }
+            Phase::Responded => conn.end_ns = now,
+            // Bytes sent before any request (a greeting) are not a response.
+            _ => {}
         }
-        // Adopted between a read before the watch and its response: the request in
-        // progress counts, from the adoption on (its true start is unknown).
-        Phase::Responded if conn.start_ns == 0 => {
-            conn.start_ns = conn.arrive_ns;
-            conn.end_ns = now;
-            update_service(conn.service, |c| {
-                c.serving_entered += 1;
-                c.serving_left += 1;
-            });
-        }
-        Phase::Responded => conn.end_ns = now,
-        // Bytes sent before any request (a greeting) are not a response.
-        _ => {}
-    }
+        Ok(())
+    });
 }
 
 /// The peer closed its side (socket backend): a finished request is done, and the
 /// bytes that announce the close are no request.
 #[inline(always)]
 pub fn peer_closed(conn: &mut Conn) {
-    if Phase::from_u32(conn.phase) == Phase::Responded {
-        finish(conn);
-        conn.phase = Phase::Closing as u32;
-    }
+    apply(conn, |conn, phase| {
+        if phase == Phase::Responded {
+            advance(conn, phase, Phase::Closing)?;
+            finish(conn);
+        }
+        Ok(())
+    });
 }
 
 /// The connection is gone: whatever it held leaves its gauge, and a request in
-/// progress ends now.
+/// progress ends now. The entry's phase becomes `Gone` first, so that an event on
+/// another CPU that still holds the entry changes nothing after it is accounted.
 #[inline(always)]
 pub fn closed(key: u64, now: u64) {
     let Some(conn) = CONNS.get_ptr_mut(key) else {
         return;
     };
-    // SAFETY: copied out at once; only the remove below decides who accounts it.
-    let mut conn = unsafe { *conn };
-    if CONNS.remove(key).is_err() {
-        // Someone else removed it first and accounted for it.
+    // SAFETY: a live map value (freed only after every program that holds it ends).
+    let conn = unsafe { &mut *conn };
+    let mut left = None;
+    apply(conn, |conn, phase| {
+        if phase != Phase::Gone {
+            advance(conn, phase, Phase::Gone)?;
+            left = Some(phase);
+        }
+        Ok(())
+    });
+    // Gone already: another CPU is accounting for it.
+    let Some(phase) = left else {
         return;
-    }
-    match Phase::from_u32(conn.phase) {
+    };
+    // Copied before the remove: the map may hand the slot to a new entry at once.
+    let mut conn = *conn;
+    let _ = CONNS.remove(key);
+    match phase {
         Phase::Unserved => update_service(conn.service, |c| c.unserved_left += 1),
         Phase::Waiting => update_service(conn.service, |c| c.waiting_left += 1),
         Phase::Serving => {
@@ -195,7 +269,7 @@ pub fn closed(key: u64, now: u64) {
             finish(&conn);
         }
         Phase::Responded => finish(&conn),
-        Phase::Closing => {}
+        Phase::Closing | Phase::Gone => {}
     }
 }
 

@@ -73,6 +73,8 @@ pub enum LossKind {
 /// (`[stack lost]`): expected for long waits, nothing to change.
 const STACKS_EXPIRED: &str = "offcpu_stacks_expired";
 const PROCESS_EVENTS: &str = "process_events";
+/// A connection event that lost its phase change to other CPUs three times.
+const PHASE_RETRIES: &str = "phase_retries";
 
 /// Every loss path's current count, from the kernel and user space.
 #[derive(Clone, Copy, Debug, Default)]
@@ -105,6 +107,7 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
         .chain([
             (LossKind::Events(PROCESS_EVENTS), 0),
             (LossKind::Events(STACKS_EXPIRED), 0),
+            (LossKind::Events(PHASE_RETRIES), 0),
             (LossKind::SeriesDropped, inputs.series_dropped),
             (LossKind::ServicesRefused, inputs.services_refused),
             (LossKind::ProcessesUnreadable, inputs.processes_unreadable),
@@ -162,6 +165,7 @@ impl LossKind {
             LossSource::DownstreamInsert => map(maps::DOWNSTREAM_WAITS),
             LossSource::ProcessEvents => Self::Events(PROCESS_EVENTS),
             LossSource::OffCpuStacksExpired => Self::Events(STACKS_EXPIRED),
+            LossSource::PhaseRetries => Self::Events(PHASE_RETRIES),
         }
     }
 
@@ -218,6 +222,9 @@ impl LossKind {
             },
             Self::Events(PROCESS_EVENTS) => "the process-event ring buffer was full: forks, \
                  execs and exits were missed until the next rescan (discovery.rescan_interval)"
+                .to_owned(),
+            Self::Events(PHASE_RETRIES) => "a connection's events kept racing on several CPUs: \
+                 one transition was dropped and a request gauge may be off by one (report it)"
                 .to_owned(),
             Self::Events(source) => format!("events lost from {source}"),
             Self::SeriesDropped => {

@@ -317,7 +317,7 @@ impl Targets {
             Phase::Unserved => corrections.unserved += 1,
             Phase::Waiting => corrections.waiting += 1,
             Phase::Serving => corrections.serving += 1,
-            Phase::Responded | Phase::Closing => {}
+            Phase::Responded | Phase::Closing | Phase::Gone => {}
         }
     }
 

@@ -163,11 +163,15 @@ pub enum Phase {
     Responded,
     /// The peer closed its side after the last response.
     Closing,
+    /// Closed and accounted: the entry is being removed, and an event that still
+    /// holds it (on another CPU) changes nothing.
+    Gone = 0,
 }
 
 impl Phase {
     pub const fn from_u32(value: u32) -> Self {
         match value {
+            0 => Self::Gone,
             1 => Self::Unserved,
             2 => Self::Waiting,
             3 => Self::Serving,
@@ -923,11 +927,14 @@ pub enum LossSource {
     /// A [`maps::DOWNSTREAM_WAITS`] insert failed: that network wait counts in its
     /// pool, not under its peer.
     DownstreamInsert,
+    /// An event on a connection lost its phase change to other CPUs' events three
+    /// times in a row and was dropped.
+    PhaseRetries,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 12;
-    pub const ALL: [LossSource; 12] = [
+    pub const COUNT: u32 = 13;
+    pub const ALL: [LossSource; 13] = [
         Self::ConnsInsert,
         Self::PendingCallsInsert,
         Self::WatchedInsert,
@@ -940,6 +947,7 @@ impl LossSource {
         Self::StackCountsInsert,
         Self::OffCpuStacksExpired,
         Self::DownstreamInsert,
+        Self::PhaseRetries,
     ];
 }
 
@@ -1074,6 +1082,13 @@ const _: () = assert!(core::mem::size_of::<StackKey>() == 28);
 const _: () = assert!(core::mem::size_of::<ProfileSession>() == 40);
 const _: () = assert!(core::mem::size_of::<StackCount>() == 16);
 const _: () = assert!(core::mem::size_of::<LockKey>() == 16);
+// The kernel swaps a connection's phase with the service id beside it, as one u64
+// (little-endian: the phase is the high half).
+const _: () = assert!(
+    core::mem::offset_of!(Conn, service) == 0
+        && core::mem::offset_of!(Conn, phase) == 4
+        && core::mem::align_of::<Conn>() == 8
+);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
 const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);
