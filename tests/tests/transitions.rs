@@ -9,7 +9,7 @@
 //! this test left `requests_waiting` at 2 and 4 on one closed connection.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    net::TcpStream,
+    net::{Shutdown, TcpStream},
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -25,41 +25,50 @@ const RUN: Duration = Duration::from_secs(10);
 /// Requests in flight on the connection.
 const DEPTH: u64 = 4;
 
-/// Sends `req\n` for `RUN` with up to `DEPTH` unanswered, from CPU 0, and reads every
-/// answer; returns the requests sent. The connection is closed on return.
+/// Sends `req\n` for `RUN` with up to `DEPTH` unanswered, from CPU 0, then shuts its
+/// side down; reads every answer until the server closes. Returns the requests sent
+/// once each was answered.
 fn pipelining_client(port: u16) -> anyhow::Result<u64> {
     pin_to(0)?;
     let stream = TcpStream::connect(("127.0.0.1", port))?;
     stream.set_nodelay(true)?;
+    // A lost answer fails the test instead of hanging it.
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut writer = stream;
     let answered = Arc::new(AtomicU64::new(0));
-    let sent = Arc::new(AtomicU64::new(0));
-    let (answers, sends) = (answered.clone(), sent.clone());
-    let sender = std::thread::spawn(move || -> anyhow::Result<()> {
+    let answers = answered.clone();
+    let sender = std::thread::spawn(move || -> anyhow::Result<u64> {
         pin_to(0)?;
         let started = Instant::now();
+        let mut sent = 0;
         while started.elapsed() < RUN {
-            if sends.load(Ordering::Relaxed) - answers.load(Ordering::Relaxed) < DEPTH {
+            if sent - answers.load(Ordering::Relaxed) < DEPTH {
                 writer.write_all(b"req\n")?;
-                sends.fetch_add(1, Ordering::Relaxed);
+                sent += 1;
             } else {
                 std::thread::yield_now();
             }
         }
-        Ok(())
+        // The server answers what it has and closes: the reader's end of the stream.
+        writer.shutdown(Shutdown::Write)?;
+        Ok(sent)
     });
     let mut line = String::new();
-    while !sender.is_finished() || answered.load(Ordering::Relaxed) < sent.load(Ordering::Relaxed) {
+    loop {
         line.clear();
-        anyhow::ensure!(reader.read_line(&mut line)? > 0, "server closed");
+        if reader.read_line(&mut line)? == 0 {
+            break;
+        }
         anyhow::ensure!(line == "ok\n", "answer {line:?}");
         answered.fetch_add(1, Ordering::Relaxed);
     }
-    sender
+    let sent = sender
         .join()
         .map_err(|_| anyhow::anyhow!("the sender panicked"))??;
-    Ok(sent.load(Ordering::Relaxed))
+    let answered = answered.load(Ordering::Relaxed);
+    anyhow::ensure!(answered == sent, "{sent} sent, {answered} answered");
+    Ok(sent)
 }
 
 const GAUGES: [&str; 3] = [
