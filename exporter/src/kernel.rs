@@ -899,12 +899,14 @@ fn drop_service_connections(map: &mut HashMap<MapData, u64, Conn>, service: u32)
 }
 
 /// What [`Kernel::adopt_connections`] did.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct Adopted {
     /// Socket inodes waiting in `ADOPT` for their first event (socket backend).
     pub pending: Vec<u64>,
     /// Entries made `Unserved` (a request waits unread) without a kernel counter.
     pub unserved: u64,
+    /// The inserts that failed (a full map): those connections are not followed.
+    pub failed: Vec<MapError>,
 }
 
 /// This kernel's release (`uname -r`), for the start-up log.
@@ -1249,6 +1251,8 @@ impl Kernel {
         now_ns: u64,
     ) -> Result<Adopted, MapError> {
         let mut adopted = Adopted::default();
+        // Every connection is tried: one that does not fit is counted and the rest,
+        // already made, must still be accounted for.
         for connection in connections {
             let phase = if connection.unread {
                 Phase::Unserved
@@ -1291,7 +1295,7 @@ impl Kernel {
                 }
                 Err(MapError::SyscallError(error))
                     if error.io_error.raw_os_error() == Some(libc::EEXIST) => {}
-                Err(error) => return Err(error),
+                Err(error) => adopted.failed.push(error),
             }
         }
         if !adopted.pending.is_empty() {

@@ -329,6 +329,10 @@ impl Targets {
             // Gone, or its fds unreadable (counted in processes_unreadable).
             Err(_) => return,
         };
+        let map = match kernel.backend() {
+            Backend::Syscall => maps::CONNS,
+            Backend::Socket => maps::ADOPT,
+        };
         match kernel.adopt_connections(service, since_ns, pid, &connections, monotonic_ns()) {
             Ok(adopted) => {
                 self.corrections
@@ -338,12 +342,20 @@ impl Targets {
                 for inode in adopted.pending {
                     self.adoptions.insert(inode, (pid, service));
                 }
+                if let Some(first) = adopted.failed.first() {
+                    tracing::warn!(
+                        pid,
+                        error = %first,
+                        "{} connection(s) opened before the watch are not followed ({map} \
+                         is full or refused them)",
+                        adopted.failed.len()
+                    );
+                }
+                for error in &adopted.failed {
+                    self.map_errors.count(map, error);
+                }
             }
             Err(error) => {
-                let map = match kernel.backend() {
-                    Backend::Syscall => maps::CONNS,
-                    Backend::Socket => maps::ADOPT,
-                };
                 self.map_errors.count(map, &error);
                 tracing::warn!(pid, %error, "cannot follow connections opened before the watch");
             }

@@ -2,7 +2,8 @@
 //! rollout restarts it under running services), or before a reload made their
 //! service watched. The truth is what the test's own clients did after the watch
 //! began, and the requests the test left unread; each is checked exactly, on both
-//! backends.
+//! backends; more of them than the connection map holds are counted, not lost
+//! silently.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::TcpStream,
@@ -289,6 +290,72 @@ fn a_reused_service_id_inherits_no_connections() -> anyhow::Result<()> {
         );
         metrics?;
         assert_eq!(counted, Some(truth));
+    }
+    Ok(())
+}
+
+/// More connections older than the watch than the connection map holds (`[limits]
+/// connections = 16`, 40 accepted with a request unread): 16 are followed, each of
+/// the other 24 is counted as a failed insert (`E2BIG`) and poolscope says it is
+/// degraded; the 16 followed stay exact when the server reads every request.
+#[test]
+fn old_connections_beyond_the_map_size_are_counted() -> anyhow::Result<()> {
+    if !privileged("old_connections_beyond_the_map_size_are_counted") {
+        return Ok(());
+    }
+    const CLIENTS: usize = 40;
+    const CAPACITY: usize = 16;
+    let _serial = one_at_a_time();
+    for backend in backends() {
+        let mut server = TestServer::start(64)?;
+        let mut clients = Vec::new();
+        for _ in 0..CLIENTS {
+            let mut client = server.connect()?;
+            client.write_all(b"req\n")?;
+            clients.push(client);
+        }
+        assert_eq!(server.command(&format!("accept {CLIENTS}"))?, "ok");
+        let service = "crowded";
+        let config = format!(
+            "{}[limits]\nconnections = {CAPACITY}\n",
+            backend_config(backend, service, &[server.pid()])
+        );
+        let poolscope = Poolscope::start(&config)?;
+        let map = if backend == "socket" {
+            "ADOPT"
+        } else {
+            "CONNS"
+        };
+        let full = [("map", map), ("errno", "E2BIG")];
+        let lost = (CLIENTS - CAPACITY) as f64;
+        // The failed inserts are counted by the scan that watches the process, before
+        // the scrape can show it watched.
+        let metrics = watching(&poolscope, service, backend)?;
+        eprintln!(
+            "{backend}: unserved {:?}, {map} full {:?} (truth {CAPACITY} followed, {lost} lost), \
+             degraded {:?}",
+            value(&metrics, "poolscope_connections_unserved", service),
+            metrics.value("poolscope_map_update_errors_total", &full),
+            metrics.value("poolscope_degraded", &[]),
+        );
+        assert_eq!(
+            metrics.value("poolscope_map_update_errors_total", &full),
+            Some(lost),
+            "{}",
+            metrics.text
+        );
+        assert_eq!(
+            value(&metrics, "poolscope_connections_unserved", service),
+            Some(CAPACITY as f64)
+        );
+        assert_eq!(metrics.value("poolscope_degraded", &[]), Some(1.0));
+        assert_eq!(server.command("read")?, "ok");
+        scrape_until(&poolscope, |m| {
+            value(m, "poolscope_connections_unserved", service) == Some(0.0)
+                && value(m, "poolscope_requests_in_flight", service) == Some(CAPACITY as f64)
+        })?;
+        drop(clients);
+        server.exit()?;
     }
     Ok(())
 }
