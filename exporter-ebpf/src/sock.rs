@@ -29,6 +29,8 @@ const STATE_OLD: usize = 16;
 const STATE_NEW: usize = 20;
 const STATE_SPORT: usize = 24;
 const STATE_PROTOCOL: usize = 30;
+/// The local address as IPv6 (IPv4 mapped, `::ffff:a.b.c.d`).
+const STATE_SADDR_V6: usize = 40;
 
 /// Offset of the `struct net *` in `struct sock` (`__sk_common.skc_net.net`), and of
 /// the namespace's inode number in `struct net` (`ns.inum`), from the kernel's BTF;
@@ -80,12 +82,20 @@ fn try_sock_state(ctx: &TracePointContext) -> Result<(), i64> {
                 return Ok(());
             }
             let port: u16 = unsafe { ctx.read_at(STATE_SPORT)? };
-            let listener = ListenKey {
+            // A listener bound to the connection's own address, else one on every
+            // address (the kernel prefers the same way).
+            let mut listener = ListenKey {
                 netns: namespace(key as *const u8)?,
                 port: u32::from(port),
+                addr: unsafe { ctx.read_at(STATE_SADDR_V6)? },
             };
-            // SAFETY: copied out at once.
-            if let Some(service) = unsafe { LISTEN_PORTS.get(listener).copied() } {
+            // SAFETY (both): copied out at once.
+            let mut service = unsafe { LISTEN_PORTS.get(listener).copied() };
+            if service.is_none() {
+                listener.addr = ListenKey::ANY_ADDRESS;
+                service = unsafe { LISTEN_PORTS.get(listener).copied() };
+            }
+            if let Some(service) = service {
                 requests::connected(key, service, 0, now_ns());
             }
         }

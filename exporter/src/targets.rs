@@ -204,7 +204,7 @@ impl Targets {
         self.processes_unreadable = unreadable;
     }
 
-    /// Tells the kernel which (network namespace, local port) pairs are the listeners
+    /// Tells the kernel which (network namespace, port, address) keys are the listeners
     /// of which service, so that the socket backend can claim a connection when its
     /// handshake completes.
     fn sync_listen_ports(&mut self, kernel: &mut Kernel, snapshot: &ProcSnapshot) {
@@ -232,6 +232,7 @@ impl Targets {
                 let key = ListenKey {
                     netns,
                     port: u32::from(addr.port()),
+                    addr: listen_address(addr.ip()),
                 };
                 Some((key, self.ids.get(service)?))
             })
@@ -527,5 +528,17 @@ impl Targets {
     /// True if the last scan saw this listening socket (watched or not).
     pub fn knows_listen_socket(&self, inode: u64) -> bool {
         self.known_listen_sockets.contains(&inode)
+    }
+}
+
+/// A listener's address as [`ListenKey::addr`]: IPv6, an IPv4 address mapped;
+/// [`ListenKey::ANY_ADDRESS`] for one bound to every address.
+fn listen_address(ip: std::net::IpAddr) -> [u8; 16] {
+    if ip.is_unspecified() {
+        return ListenKey::ANY_ADDRESS;
+    }
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        std::net::IpAddr::V6(v6) => v6.octets(),
     }
 }

@@ -10,7 +10,8 @@ pub mod maps {
     /// Connection key (u64, see [`crate::fd_conn_key`]) → [`crate::Conn`]: the open
     /// connections of watched services and the phase of their current request.
     pub const CONNS: &str = "CONNS";
-    /// [`crate::ListenKey`] (network namespace, local TCP port) → service id: the
+    /// [`crate::ListenKey`] (network namespace, local TCP port, local address) →
+    /// service id: the
     /// listeners of watched services, so that the socket backend knows a handshake is
     /// one of ours (it runs in softirq, in no process's context).
     pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
@@ -655,8 +656,9 @@ pub const fn lock_wait_index(pool: u32, primitive: LockPrimitive) -> u32 {
     pool * LockPrimitive::COUNT + primitive as u32
 }
 
-/// Key of [`maps::LISTEN_PORTS`]: a listening port in one network namespace, so that
-/// pods that listen on the same port never claim each other's connections.
+/// Key of [`maps::LISTEN_PORTS`]: a listening address and port in one network
+/// namespace, so that pods that listen on the same port, or two services bound to
+/// different addresses on one port, never claim each other's connections.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ListenKey {
@@ -665,12 +667,19 @@ pub struct ListenKey {
     pub netns: u32,
     /// Local port, in host byte order.
     pub port: u32,
+    /// The address the listener is bound to, as IPv6 (an IPv4 address mapped,
+    /// `::ffff:a.b.c.d`, as `inet_sock_set_state` gives it);
+    /// [`ListenKey::ANY_ADDRESS`] for a listener on every address (`0.0.0.0`, `::`).
+    pub addr: [u8; 16],
 }
 
 impl ListenKey {
     /// The namespace of every key when the namespace cannot be read (no kernel BTF):
     /// connections are then claimed by port alone.
     pub const ANY_NAMESPACE: u32 = 0;
+    /// The address of a listener bound to every address: a connection whose own
+    /// address no listener is bound to is looked up under it.
+    pub const ANY_ADDRESS: [u8; 16] = [0; 16];
 }
 
 /// Key of [`maps::LOCKS`]: one lock (a futex address in one process) waited on from
@@ -1075,7 +1084,7 @@ mod pod {
 
 const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
-const _: () = assert!(core::mem::size_of::<ListenKey>() == 8);
+const _: () = assert!(core::mem::size_of::<ListenKey>() == 24);
 const _: () = assert!(core::mem::size_of::<Conn>() == 56);
 const _: () = assert!(core::mem::size_of::<Thread>() == 136);
 const _: () = assert!(core::mem::size_of::<StackKey>() == 28);

@@ -6,7 +6,7 @@
 //! message, except under `CI=true`, where a skip is a failure.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
-    net::{TcpListener, TcpStream},
+    net::{Ipv4Addr, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     thread::sleep,
@@ -502,6 +502,8 @@ pub struct PoolServer {
     pub port: u16,
 }
 
+const LOCALHOST: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
 /// What `poolserver` measured itself.
 #[derive(Clone, Copy, Debug)]
 pub struct Served {
@@ -517,7 +519,18 @@ impl PoolServer {
 
     /// With one of the server's `style`s (see `poolserver.rs`).
     pub fn start_styled(workers: u32, service: Duration, style: &str) -> anyhow::Result<Self> {
-        Self::launch(&[], workers, service, style, 0)
+        Self::launch(&[], workers, service, style, (0, LOCALHOST))
+    }
+
+    /// Bound to `address` and `port`, so that two servers share a port in one
+    /// namespace on two addresses.
+    pub fn start_at(
+        address: Ipv4Addr,
+        port: u16,
+        workers: u32,
+        service: Duration,
+    ) -> anyhow::Result<Self> {
+        Self::launch(&[], workers, service, "plain", (port, address))
     }
 
     /// Through a wrapper command that execs it (`setpriv …`) or forks it once
@@ -528,7 +541,7 @@ impl PoolServer {
         workers: u32,
         service: Duration,
     ) -> anyhow::Result<Self> {
-        Self::launch(wrapper, workers, service, "plain", 0)
+        Self::launch(wrapper, workers, service, "plain", (0, LOCALHOST))
     }
 
     /// In network namespace `netns` on a given `port`, as a pod's server is.
@@ -539,7 +552,7 @@ impl PoolServer {
         service: Duration,
     ) -> anyhow::Result<Self> {
         let wrapper = ["ip", "netns", "exec", netns.name()];
-        Self::launch(&wrapper, workers, service, "plain", port)
+        Self::launch(&wrapper, workers, service, "plain", (port, LOCALHOST))
     }
 
     fn launch(
@@ -547,7 +560,7 @@ impl PoolServer {
         workers: u32,
         service: Duration,
         style: &str,
-        port: u16,
+        (port, address): (u16, Ipv4Addr),
     ) -> anyhow::Result<Self> {
         let binary = bin_dir()?.join("poolserver");
         let mut command = wrapped(wrapper, &binary);
@@ -556,6 +569,7 @@ impl PoolServer {
             .arg(service.as_micros().to_string())
             .arg(style)
             .arg(port.to_string())
+            .arg(address.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

@@ -9,7 +9,7 @@
 //! production instead of slowing its clients down.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    net::TcpStream,
+    net::{SocketAddr, TcpStream},
     sync::{
         Arc, Barrier, OnceLock,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -58,11 +58,15 @@ fn one_request(stream: &mut BufReader<TcpStream>, line: &mut String) -> anyhow::
     Ok(())
 }
 
-fn client(port: u16, connections: Connections, stop: &AtomicBool) -> anyhow::Result<ClientStats> {
+fn client(
+    server: SocketAddr,
+    connections: Connections,
+    stop: &AtomicBool,
+) -> anyhow::Result<ClientStats> {
     let mut stats = ClientStats::default();
     let mut line = String::new();
     let connect = || -> anyhow::Result<BufReader<TcpStream>> {
-        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        let stream = TcpStream::connect(server)?;
         stream.set_nodelay(true)?;
         Ok(BufReader::new(stream))
     };
@@ -87,11 +91,20 @@ fn client(port: u16, connections: Connections, stop: &AtomicBool) -> anyhow::Res
 
 impl ClosedLoop {
     pub fn start(port: u16, clients: usize, connections: Connections) -> Self {
+        Self::start_to(
+            SocketAddr::from(([127, 0, 0, 1], port)),
+            clients,
+            connections,
+        )
+    }
+
+    /// Clients of a server at another address than 127.0.0.1.
+    pub fn start_to(server: SocketAddr, clients: usize, connections: Connections) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let clients = (0..clients)
             .map(|_| {
                 let stop = stop.clone();
-                std::thread::spawn(move || client(port, connections, &stop))
+                std::thread::spawn(move || client(server, connections, &stop))
             })
             .collect();
         Self { stop, clients }

@@ -1,9 +1,13 @@
 //! Servers shaped like Kubernetes pods: each in a network namespace of its own (made by
-//! the test with `ip netns`), listening on the same port. The truth is each server's
+//! the test with `ip netns`), listening on the same port; and two servers in one
+//! namespace bound to two addresses on one port. The truth is each server's
 //! own count of what it served and the clients' count of what they sent, and, for a
 //! backlog, the number of connections the test left unaccepted. Every number is
 //! checked exactly, on both backends.
-use std::{net::TcpStream, time::Duration};
+use std::{
+    net::{Ipv4Addr, SocketAddr, TcpStream},
+    time::Duration,
+};
 
 use poolscope_tests::{
     Metrics, Netns, PoolServer, Poolscope, TestServer, backends,
@@ -96,6 +100,74 @@ fn same_port_in_two_namespaces_both_watched() -> anyhow::Result<()> {
     }
     for backend in backends() {
         same_port(backend, true)?;
+    }
+    Ok(())
+}
+
+/// Two servers in one namespace on one port, bound to 127.0.0.1 and 127.0.0.2; B
+/// takes twice A's clients; only A is watched, or both are. Each counts exactly its
+/// own requests: a connection is claimed by the listener bound to its own address.
+fn same_port_two_addresses(backend: &str, watch_both: bool) -> anyhow::Result<()> {
+    let _serial = one_at_a_time();
+    let (address_a, address_b) = (Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 2));
+    let server_a = PoolServer::start_at(address_a, 0, 4, SERVICE)?;
+    let port = server_a.port;
+    let server_b = PoolServer::start_at(address_b, port, 4, SERVICE)?;
+    let mut watched = vec![("addr-a", server_a.pid())];
+    if watch_both {
+        watched.push(("addr-b", server_b.pid()));
+    }
+    let poolscope = Poolscope::start(&config(backend, &watched))?;
+    scrape_until(&poolscope, |m| {
+        watched
+            .iter()
+            .all(|(service, _)| m.value("poolscope_targets", &[("service", service)]) == Some(1.0))
+            && m.has_label("backend", backend)
+    })?;
+    let load_b = ClosedLoop::start_to(
+        SocketAddr::from((address_b, port)),
+        4,
+        Connections::PerRequest,
+    );
+    let load_a = ClosedLoop::start_to(
+        SocketAddr::from((address_a, port)),
+        2,
+        Connections::PerRequest,
+    );
+    std::thread::sleep(LOAD);
+    let (sent_a, sent_b) = (load_a.stop()?.completed, load_b.stop()?.completed);
+    assert!(
+        sent_a > 50 && sent_b > 50,
+        "too little load to tell the servers apart"
+    );
+    let metrics = scrape_until(&poolscope, |m| {
+        requests(m, "addr-a") == Some(sent_a as f64)
+            && (!watch_both || requests(m, "addr-b") == Some(sent_b as f64))
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let later = poolscope.scrape()?;
+    eprintln!(
+        "{backend}: A (127.0.0.1:{port}) sent {sent_a}, B (127.0.0.2:{port}) {sent_b}; \
+         poolscope counted A {:?}, B {:?}",
+        requests(&later, "addr-a"),
+        requests(&later, "addr-b")
+    );
+    let metrics = metrics?;
+    assert_eq!(requests(&later, "addr-a"), requests(&metrics, "addr-a"));
+    assert_eq!(requests(&later, "addr-b"), requests(&metrics, "addr-b"));
+    let (served_a, served_b) = (server_a.finish()?.count, server_b.finish()?.count);
+    assert_eq!((served_a, served_b), (sent_a, sent_b));
+    Ok(())
+}
+
+#[test]
+fn same_port_on_two_addresses_in_one_namespace() -> anyhow::Result<()> {
+    if !privileged("same_port_on_two_addresses_in_one_namespace") {
+        return Ok(());
+    }
+    for backend in backends() {
+        same_port_two_addresses(backend, false)?;
+        same_port_two_addresses(backend, true)?;
     }
     Ok(())
 }

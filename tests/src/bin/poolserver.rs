@@ -5,7 +5,7 @@
 //! connection) or arrived and unread (keep-alive).
 //!
 //! Protocol: a request is `req\n`; the response is `ok\n`. Usage:
-//! `poolserver <workers> <service_us> [style] [port]`; prints `port <n>`, then serves until
+//! `poolserver <workers> <service_us> [style] [port] [address]`; prints `port <n>`, then serves until
 //! stdin closes, then prints `served <count> <mean service ns> <p50 service ns>`: its
 //! own measure of each request from its first read's return to its last write.
 //!
@@ -238,15 +238,19 @@ fn main() -> std::io::Result<()> {
     let style = Style::parse(args.get(2).map_or("plain", String::as_str));
     // A given port lets two servers in two network namespaces share it, as pods do.
     let port = args.get(3).map_or(Some(0), |a| a.parse::<u16>().ok());
-    let (Some(workers), Some(service_us), Some(style), Some(port)) =
-        (workers, service_us, style, port)
+    // A given address lets two servers share a port in one namespace.
+    let address = args
+        .get(4)
+        .map_or(Some(std::net::Ipv4Addr::LOCALHOST), |a| a.parse().ok());
+    let (Some(workers), Some(service_us), Some(style), Some(port), Some(address)) =
+        (workers, service_us, style, port, address)
     else {
         eprintln!(
-            "usage: poolserver <workers> <service_us> [plain|split|early|nonblocking|handoff|server-close] [port]"
+            "usage: poolserver <workers> <service_us> [plain|split|early|nonblocking|handoff|server-close] [port] [address]"
         );
         std::process::exit(2);
     };
-    let listener = TcpListener::bind(("127.0.0.1", port))?;
+    let listener = TcpListener::bind((address, port))?;
     println!("port {}", listener.local_addr()?.port());
     let slots = Arc::new(Slots {
         free: Mutex::new(workers),
