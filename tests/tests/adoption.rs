@@ -25,6 +25,21 @@ fn watching(poolscope: &Poolscope, service: &str, backend: &str) -> anyhow::Resu
     })
 }
 
+/// `count` clients that each send a request, which `server` accepts and leaves unread.
+fn accepted_with_a_request_unread(
+    server: &mut TestServer,
+    count: usize,
+) -> anyhow::Result<Vec<TcpStream>> {
+    let mut clients = Vec::new();
+    for _ in 0..count {
+        let mut client = server.connect()?;
+        client.write_all(b"req\n")?;
+        clients.push(client);
+    }
+    anyhow::ensure!(server.command(&format!("accept {count}"))? == "ok");
+    Ok(clients)
+}
+
 /// A keep-alive client of `poolserver`.
 struct Client(BufReader<TcpStream>);
 
@@ -69,13 +84,7 @@ fn accepted_unread_connections_older_than_poolscope_are_queued() -> anyhow::Resu
     let _serial = one_at_a_time();
     for backend in backends() {
         let mut server = TestServer::start(16)?;
-        let mut clients = Vec::new();
-        for _ in 0..CLIENTS {
-            let mut client = server.connect()?;
-            client.write_all(b"req\n")?;
-            clients.push(client);
-        }
-        assert_eq!(server.command(&format!("accept {CLIENTS}"))?, "ok");
+        let clients = accepted_with_a_request_unread(&mut server, CLIENTS)?;
         let service = "old";
         let poolscope = Poolscope::start(&backend_config(backend, service, &[server.pid()]))?;
         // Within the scrape that first shows the service watched.
@@ -308,13 +317,7 @@ fn old_connections_beyond_the_map_size_are_counted() -> anyhow::Result<()> {
     let _serial = one_at_a_time();
     for backend in backends() {
         let mut server = TestServer::start(64)?;
-        let mut clients = Vec::new();
-        for _ in 0..CLIENTS {
-            let mut client = server.connect()?;
-            client.write_all(b"req\n")?;
-            clients.push(client);
-        }
-        assert_eq!(server.command(&format!("accept {CLIENTS}"))?, "ok");
+        let clients = accepted_with_a_request_unread(&mut server, CLIENTS)?;
         let service = "crowded";
         let config = format!(
             "{}[limits]\nconnections = {CAPACITY}\n",

@@ -35,16 +35,19 @@ fn config(backend: &str, services: &[(&str, u32)]) -> String {
     config
 }
 
-/// Pod B takes twice pod A's clients; only A is watched, or both are. Connections are
-/// opened per request, so that every request's connection is claimed at its handshake.
-fn same_port(backend: &str, watch_both: bool) -> anyhow::Result<()> {
-    let _serial = one_at_a_time();
-    let (pod_a, pod_b) = (Netns::new("pod-a")?, Netns::new("pod-b")?);
-    let server_a = PoolServer::start_in(&pod_a, PORT, 4, SERVICE)?;
-    let server_b = PoolServer::start_in(&pod_b, PORT, 4, SERVICE)?;
-    let mut watched = vec![("pod-a", server_a.pid())];
+/// Servers A and B on one port where only their placement tells them apart; B
+/// takes twice A's clients (from `start_loads`: A's, B's); only A is watched, or both
+/// are. Each service must count exactly its own clients' requests, settled: nothing
+/// of the other's arrives later under its name.
+fn counted_apart(
+    backend: &str,
+    watch_both: bool,
+    [(name_a, server_a), (name_b, server_b)]: [(&str, PoolServer); 2],
+    start_loads: impl FnOnce() -> anyhow::Result<(ClosedLoop, ClosedLoop)>,
+) -> anyhow::Result<()> {
+    let mut watched = vec![(name_a, server_a.pid())];
     if watch_both {
-        watched.push(("pod-b", server_b.pid()));
+        watched.push((name_b, server_b.pid()));
     }
     let poolscope = Poolscope::start(&config(backend, &watched))?;
     scrape_until(&poolscope, |m| {
@@ -53,33 +56,50 @@ fn same_port(backend: &str, watch_both: bool) -> anyhow::Result<()> {
             .all(|(service, _)| m.value("poolscope_targets", &[("service", service)]) == Some(1.0))
             && m.has_label("backend", backend)
     })?;
-
-    let load_b = pod_b.run(|| Ok(ClosedLoop::start(PORT, 4, Connections::PerRequest)))?;
-    let load_a = pod_a.run(|| Ok(ClosedLoop::start(PORT, 2, Connections::PerRequest)))?;
+    let (load_a, load_b) = start_loads()?;
     std::thread::sleep(LOAD);
     let (sent_a, sent_b) = (load_a.stop()?.completed, load_b.stop()?.completed);
     assert!(
         sent_a > 50 && sent_b > 50,
-        "too little load to tell the pods apart"
+        "too little load to tell the servers apart"
     );
     let metrics = scrape_until(&poolscope, |m| {
-        requests(m, "pod-a") == Some(sent_a as f64)
-            && (!watch_both || requests(m, "pod-b") == Some(sent_b as f64))
+        requests(m, name_a) == Some(sent_a as f64)
+            && (!watch_both || requests(m, name_b) == Some(sent_b as f64))
     });
-    // Settled: nothing of B's arrives later under A's name.
     std::thread::sleep(Duration::from_millis(300));
     let later = poolscope.scrape()?;
     eprintln!(
-        "{backend}: pod A sent {sent_a}, pod B {sent_b}; poolscope counted pod A {:?}, pod B {:?}",
-        requests(&later, "pod-a"),
-        requests(&later, "pod-b")
+        "{backend}: {name_a} sent {sent_a}, {name_b} {sent_b}; poolscope counted {name_a} {:?}, \
+         {name_b} {:?}",
+        requests(&later, name_a),
+        requests(&later, name_b)
     );
     let metrics = metrics?;
-    assert_eq!(requests(&later, "pod-a"), requests(&metrics, "pod-a"));
-    assert_eq!(requests(&later, "pod-b"), requests(&metrics, "pod-b"));
+    assert_eq!(requests(&later, name_a), requests(&metrics, name_a));
+    assert_eq!(requests(&later, name_b), requests(&metrics, name_b));
     let (served_a, served_b) = (server_a.finish()?.count, server_b.finish()?.count);
     assert_eq!((served_a, served_b), (sent_a, sent_b));
     Ok(())
+}
+
+/// Pods A and B, each in its own namespace on one port. Connections are opened per
+/// request, so that every request's connection is claimed at its handshake.
+fn same_port(backend: &str, watch_both: bool) -> anyhow::Result<()> {
+    let _serial = one_at_a_time();
+    let (pod_a, pod_b) = (Netns::new("pod-a")?, Netns::new("pod-b")?);
+    let server_a = PoolServer::start_in(&pod_a, PORT, 4, SERVICE)?;
+    let server_b = PoolServer::start_in(&pod_b, PORT, 4, SERVICE)?;
+    counted_apart(
+        backend,
+        watch_both,
+        [("pod-a", server_a), ("pod-b", server_b)],
+        || {
+            let load_b = pod_b.run(|| Ok(ClosedLoop::start(PORT, 4, Connections::PerRequest)))?;
+            let load_a = pod_a.run(|| Ok(ClosedLoop::start(PORT, 2, Connections::PerRequest)))?;
+            Ok((load_a, load_b))
+        },
+    )
 }
 
 #[test]
@@ -104,60 +124,32 @@ fn same_port_in_two_namespaces_both_watched() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Two servers in one namespace on one port, bound to 127.0.0.1 and 127.0.0.2; B
-/// takes twice A's clients; only A is watched, or both are. Each counts exactly its
-/// own requests: a connection is claimed by the listener bound to its own address.
+/// Two servers in one namespace on one port, bound to 127.0.0.1 and 127.0.0.2: a
+/// connection is claimed by the listener bound to its own address.
 fn same_port_two_addresses(backend: &str, watch_both: bool) -> anyhow::Result<()> {
     let _serial = one_at_a_time();
     let (address_a, address_b) = (Ipv4Addr::new(127, 0, 0, 1), Ipv4Addr::new(127, 0, 0, 2));
     let server_a = PoolServer::start_at(address_a, 0, 4, SERVICE)?;
     let port = server_a.port;
     let server_b = PoolServer::start_at(address_b, port, 4, SERVICE)?;
-    let mut watched = vec![("addr-a", server_a.pid())];
-    if watch_both {
-        watched.push(("addr-b", server_b.pid()));
-    }
-    let poolscope = Poolscope::start(&config(backend, &watched))?;
-    scrape_until(&poolscope, |m| {
-        watched
-            .iter()
-            .all(|(service, _)| m.value("poolscope_targets", &[("service", service)]) == Some(1.0))
-            && m.has_label("backend", backend)
-    })?;
-    let load_b = ClosedLoop::start_to(
-        SocketAddr::from((address_b, port)),
-        4,
-        Connections::PerRequest,
-    );
-    let load_a = ClosedLoop::start_to(
-        SocketAddr::from((address_a, port)),
-        2,
-        Connections::PerRequest,
-    );
-    std::thread::sleep(LOAD);
-    let (sent_a, sent_b) = (load_a.stop()?.completed, load_b.stop()?.completed);
-    assert!(
-        sent_a > 50 && sent_b > 50,
-        "too little load to tell the servers apart"
-    );
-    let metrics = scrape_until(&poolscope, |m| {
-        requests(m, "addr-a") == Some(sent_a as f64)
-            && (!watch_both || requests(m, "addr-b") == Some(sent_b as f64))
-    });
-    std::thread::sleep(Duration::from_millis(300));
-    let later = poolscope.scrape()?;
-    eprintln!(
-        "{backend}: A (127.0.0.1:{port}) sent {sent_a}, B (127.0.0.2:{port}) {sent_b}; \
-         poolscope counted A {:?}, B {:?}",
-        requests(&later, "addr-a"),
-        requests(&later, "addr-b")
-    );
-    let metrics = metrics?;
-    assert_eq!(requests(&later, "addr-a"), requests(&metrics, "addr-a"));
-    assert_eq!(requests(&later, "addr-b"), requests(&metrics, "addr-b"));
-    let (served_a, served_b) = (server_a.finish()?.count, server_b.finish()?.count);
-    assert_eq!((served_a, served_b), (sent_a, sent_b));
-    Ok(())
+    counted_apart(
+        backend,
+        watch_both,
+        [("addr-a", server_a), ("addr-b", server_b)],
+        || {
+            let load_b = ClosedLoop::start_to(
+                SocketAddr::from((address_b, port)),
+                4,
+                Connections::PerRequest,
+            );
+            let load_a = ClosedLoop::start_to(
+                SocketAddr::from((address_a, port)),
+                2,
+                Connections::PerRequest,
+            );
+            Ok((load_a, load_b))
+        },
+    )
 }
 
 #[test]
