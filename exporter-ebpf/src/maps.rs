@@ -1,7 +1,8 @@
 //! Every map of the kernel side, and the small helpers that update them. Names and
 //! value types come from `poolscope_shared` so that user space agrees on them.
 use aya_ebpf::{
-    macros::map,
+    btf_maps::SkStorage,
+    macros::{btf_map, map},
     maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
 };
 use poolscope_shared::{
@@ -18,6 +19,12 @@ use poolscope_shared::{
 pub static WATCHED: HashMap<u32, Watched> = HashMap::with_max_entries(16384, 0);
 #[map]
 pub static CONNS: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
+#[btf_map]
+pub static SOCK_CONNS: SkStorage<Conn> = SkStorage::new();
+#[map]
+pub static SOCK_CONN_COUNT: PerCpuArray<i64> = PerCpuArray::with_max_entries(1, 0);
+#[map]
+pub static SERVICE_EPOCHS: Array<u32> = Array::with_max_entries(MAX_SERVICES, 0);
 #[map]
 pub static WATCHED_PORTS: Array<u64> = Array::with_max_entries(WATCHED_PORT_WORDS, 0);
 #[map]

@@ -1,7 +1,7 @@
 //! The request state machine of DESIGN §3, shared by both backends: `sock.rs` feeds
-//! it socket events keyed by socket address, `syscalls.rs` syscall results keyed by
-//! (tgid, fd). A connection's entry in `CONNS` holds the phase of its current request
-//! and its timestamps; every phase change moves one `*_entered`/`*_left` counter pair
+//! it socket events on entries stored in each socket (`SOCK_CONNS`), `syscalls.rs`
+//! syscall results on entries keyed by (tgid, fd) in `CONNS`. A connection's entry
+//! holds the phase of its current request and its timestamps; every phase change moves one `*_entered`/`*_left` counter pair
 //! (the gauges) and a finished request goes into the service's histograms. Events of
 //! one connection run on several CPUs at once (an arrival in the client's softirq,
 //! the server's read and write), so a phase changes by compare-and-swap: the event
@@ -34,12 +34,10 @@ pub fn now_ns() -> u64 {
 }
 
 /// A new connection of `service` entered the queue at `now` (handshake done or
-/// accepted). An entry left under the same key (a socket address or fd reused
-/// without a close we saw) is closed first.
+/// accepted): its entry, to store where the backend keeps them, then [`accepted`].
 #[inline(always)]
-pub fn connected(key: u64, service: u32, owner_since_ns: u64, now: u64) {
-    closed(key, now);
-    let conn = Conn {
+pub fn new_connection(service: u32, owner_since_ns: u64, epoch: u32, now: u64) -> Conn {
+    Conn {
         service,
         phase: Phase::Unserved as u32,
         owner_since_ns,
@@ -48,16 +46,30 @@ pub fn connected(key: u64, service: u32, owner_since_ns: u64, now: u64) {
         end_ns: 0,
         next_arrive_ns: 0,
         server_tid: 0,
-        _pad: 0,
-    };
-    if let Err(code) = CONNS.insert(key, conn, 0) {
-        count_loss(LossSource::ConnsInsert, LossErrno::of(code.into()));
-        return;
+        epoch,
     }
+}
+
+/// The entry of a new connection of `service` was stored: it counts, and waits.
+#[inline(always)]
+pub fn accepted(service: u32) {
     update_service(service, |c| {
         c.accepted += 1;
         c.unserved_entered += 1;
     });
+}
+
+/// A new connection under `key` in `CONNS` (syscall backend). An entry left under
+/// the same key (an fd reused without a close we saw) is closed first.
+#[inline(always)]
+pub fn connected(key: u64, service: u32, owner_since_ns: u64, now: u64) {
+    closed(key, now);
+    let conn = new_connection(service, owner_since_ns, 0, now);
+    if let Err(code) = CONNS.insert(key, conn, 0) {
+        count_loss(LossSource::ConnsInsert, LossErrno::of(code.into()));
+        return;
+    }
+    accepted(service);
 }
 
 /// A phase change lost to another CPU: the event is applied again to the phase that
@@ -234,16 +246,33 @@ pub fn peer_closed(conn: &mut Conn) {
     });
 }
 
-/// The connection is gone: whatever it held leaves its gauge, and a request in
-/// progress ends now. The entry's phase becomes `Gone` first, so that an event on
-/// another CPU that still holds the entry changes nothing after it is accounted.
+/// The connection under `key` in `CONNS` is gone (syscall backend).
 #[inline(always)]
 pub fn closed(key: u64, now: u64) {
     let Some(conn) = CONNS.get_ptr_mut(key) else {
         return;
     };
     // SAFETY: a live map value (freed only after every program that holds it ends).
-    let conn = unsafe { &mut *conn };
+    if let Some(gone) = closing(unsafe { &mut *conn }) {
+        // After the copy: the map may hand the slot to a new entry at once.
+        let _ = CONNS.remove(key);
+        gone.account(now);
+    }
+}
+
+/// A connection whose end this event accounts for: its last phase, and its entry as
+/// it was then.
+pub struct Gone {
+    phase: Phase,
+    conn: Conn,
+}
+
+/// The connection of `conn` is gone. Its phase becomes `Gone` first, so that an
+/// event on another CPU that still holds the entry changes nothing after it is
+/// accounted; `None` if another CPU got there first. The caller removes the entry,
+/// then calls [`Gone::account`].
+#[inline(always)]
+pub fn closing(conn: &mut Conn) -> Option<Gone> {
     let mut left = None;
     apply(conn, |conn, phase| {
         if phase != Phase::Gone {
@@ -252,24 +281,30 @@ pub fn closed(key: u64, now: u64) {
         }
         Ok(())
     });
-    // Gone already: another CPU is accounting for it.
-    let Some(phase) = left else {
-        return;
-    };
-    // Copied before the remove: the map may hand the slot to a new entry at once.
-    let mut conn = *conn;
-    let _ = CONNS.remove(key);
-    match phase {
-        Phase::Unserved => update_service(conn.service, |c| c.unserved_left += 1),
-        Phase::Waiting => update_service(conn.service, |c| c.waiting_left += 1),
-        Phase::Serving => {
-            update_service(conn.service, |c| c.serving_left += 1);
-            threads::request_ended(conn.server_tid, now, End::Close);
-            conn.end_ns = now;
-            finish(&conn);
+    Some(Gone {
+        phase: left?,
+        conn: *conn,
+    })
+}
+
+impl Gone {
+    /// Whatever the connection held leaves its gauge, and a request in progress ends
+    /// at `now`.
+    #[inline(always)]
+    pub fn account(mut self, now: u64) {
+        let conn = &mut self.conn;
+        match self.phase {
+            Phase::Unserved => update_service(conn.service, |c| c.unserved_left += 1),
+            Phase::Waiting => update_service(conn.service, |c| c.waiting_left += 1),
+            Phase::Serving => {
+                update_service(conn.service, |c| c.serving_left += 1);
+                threads::request_ended(conn.server_tid, now, End::Close);
+                conn.end_ns = now;
+                finish(conn);
+            }
+            Phase::Responded => finish(conn),
+            Phase::Closing | Phase::Gone => {}
         }
-        Phase::Responded => finish(&conn),
-        Phase::Closing | Phase::Gone => {}
     }
 }
 

@@ -1,36 +1,34 @@
-//! Socket backend (kernel ≥ 6.3): requests from the `sock:*` tracepoints, keyed by
-//! the socket's kernel address, so reads and writes by any thread, syscall or io_uring
-//! count alike. `inet_sock_set_state` tells when a connection to a watched port enters
-//! the accept queue and when it is gone; `sk_data_ready` when request bytes arrive.
+//! Socket backend (kernel ≥ 6.3): requests from the `sock:*` tracepoints, their
+//! state kept in the socket itself (`SOCK_CONNS`), so reads and writes by any
+//! thread, syscall or io_uring count alike. `inet_sock_set_state` tells when a
+//! connection to a watched port enters the accept queue and when it is gone;
+//! `sk_data_ready` when request bytes arrive.
 //!
-//! The three hot events (every receive, send and arrival on the host) are BTF
-//! tracepoints: their arguments come as they are, with no record to build, and the
-//! socket's fields are plain loads. A socket whose local port is no watched
-//! listener's (a client's, most of the host's) costs one load and one array read in
-//! `WATCHED_PORTS`, and no hash lookup.
-use aya_ebpf::{
-    helpers::bpf_probe_read_kernel,
-    macros::{btf_tracepoint, tracepoint},
-    programs::{BtfTracePointContext, TracePointContext},
-};
-use poolscope_shared::{ListenKey, watched_port_bit};
+//! All four are BTF tracepoints: their arguments come as they are, with no record to
+//! build, the socket's fields are plain loads, and the socket pointer is one the
+//! socket-storage helpers take. A socket whose local port is no watched listener's
+//! (a client's, most of the host's) costs one load and one array read in
+//! `WATCHED_PORTS`; the others a read of their own storage, and no hash lookup.
+use core::{ffi::c_void, ptr};
 
-use poolscope_shared::Conn;
+use aya_ebpf::{
+    bindings::BPF_SK_STORAGE_GET_F_CREATE,
+    helpers::{
+        bpf_probe_read_kernel,
+        generated::{bpf_sk_storage_delete, bpf_sk_storage_get},
+    },
+    macros::btf_tracepoint,
+    programs::BtfTracePointContext,
+};
+use poolscope_shared::{Conn, ListenKey, LossErrno, LossSource, watched_port_bit};
 
 use crate::{
-    maps::{ADOPT, ADOPTING, CONNS, LISTEN_PORTS, WATCHED_PORTS},
+    maps::{
+        ADOPT, ADOPTING, LISTEN_PORTS, SERVICE_EPOCHS, SOCK_CONN_COUNT, SOCK_CONNS, WATCHED_PORTS,
+        count_loss,
+    },
     requests::{self, Arrivals, now_ns},
 };
-
-/// Offsets in `inet_sock_set_state`'s record (/sys/kernel/tracing/events/sock/
-/// inet_sock_set_state/format, unchanged since the tracepoint came in 4.16).
-const STATE_SKADDR: usize = 8;
-const STATE_OLD: usize = 16;
-const STATE_NEW: usize = 20;
-const STATE_SPORT: usize = 24;
-const STATE_PROTOCOL: usize = 30;
-/// The local address as IPv6 (IPv4 mapped, `::ffff:a.b.c.d`).
-const STATE_SADDR_V6: usize = 40;
 
 /// Offset of the `struct net *` in `struct sock` (`__sk_common.skc_net.net`), and of
 /// the namespace's inode number in `struct net` (`ns.inum`), from the kernel's BTF;
@@ -43,6 +41,17 @@ static NET_INUM_OFFSET: u32 = 0;
 /// from the kernel's BTF; the loader refuses the socket backend without it.
 #[unsafe(no_mangle)]
 static SOCK_PORT_OFFSET: u32 = 0;
+/// Offsets in `struct sock` of what a handshake's claim reads (kernel BTF, as the
+/// port): `sk_protocol`, `__sk_common.skc_family`, and the local address as IPv4
+/// (`skc_rcv_saddr`) and IPv6 (`skc_v6_rcv_saddr`).
+#[unsafe(no_mangle)]
+static SOCK_PROTOCOL_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static SOCK_FAMILY_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static SOCK_SADDR_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static SOCK_V6_SADDR_OFFSET: u32 = 0;
 /// Where a socket's inode number is: `sk->sk_socket`, the `struct inode` that follows
 /// that `struct socket` in its `socket_alloc`, and `i_ino` in it (kernel BTF; 0 where
 /// there is none, and then nothing is adopted).
@@ -54,148 +63,242 @@ static SOCKET_INODE_OFFSET: u32 = 0;
 static INODE_INO_OFFSET: u32 = 0;
 
 const IPPROTO_TCP: u16 = 6;
+const AF_INET6: u16 = 10;
 const TCP_ESTABLISHED: i32 = 1;
 const TCP_SYN_RECV: i32 = 3;
 const TCP_CLOSE: i32 = 7;
 const TCP_CLOSE_WAIT: i32 = 8;
 
-#[tracepoint]
-pub fn sock_state(ctx: TracePointContext) -> u32 {
+/// A load-time constant, read volatile so that the compiler does not fold it.
+#[inline(always)]
+fn offset(global: &u32) -> usize {
+    // SAFETY: a static of this program.
+    unsafe { ptr::read_volatile(global) as usize }
+}
+
+/// Reads a `T` at `at` in kernel object `base`; the helper checks the read.
+#[inline(always)]
+fn read_kernel<T>(base: *const u8, at: usize) -> Result<T, i64> {
+    // SAFETY: the helper faults nothing; an offset from BTF names the field.
+    unsafe { bpf_probe_read_kernel(base.wrapping_add(at).cast::<T>()) }.map_err(i64::from)
+}
+
+/// inet_sock_set_state(const struct sock *sk, const int oldstate, const int newstate)
+#[btf_tracepoint(function = "inet_sock_set_state")]
+pub fn sock_state(ctx: BtfTracePointContext) -> i32 {
     match try_sock_state(&ctx) {
         Ok(()) | Err(_) => 0,
     }
 }
 
-fn try_sock_state(ctx: &TracePointContext) -> Result<(), i64> {
-    // SAFETY (all reads): offsets match the tracepoint's format.
-    let protocol: u16 = unsafe { ctx.read_at(STATE_PROTOCOL)? };
+fn try_sock_state(ctx: &BtfTracePointContext) -> Result<(), i64> {
+    let sk: *const u8 = ctx.arg(0);
+    let protocol: u16 = read_kernel(sk, offset(&SOCK_PROTOCOL_OFFSET))?;
     if protocol != IPPROTO_TCP {
         return Ok(());
     }
-    let key: u64 = unsafe { ctx.read_at(STATE_SKADDR)? };
-    let new_state: i32 = unsafe { ctx.read_at(STATE_NEW)? };
+    let new_state: i32 = ctx.arg(2);
     match new_state {
         TCP_ESTABLISHED => {
-            let old_state: i32 = unsafe { ctx.read_at(STATE_OLD)? };
+            let old_state: i32 = ctx.arg(1);
             // SYN_RECV → ESTABLISHED is the server side; clients come from SYN_SENT.
-            if old_state != TCP_SYN_RECV {
-                return Ok(());
-            }
-            let port: u16 = unsafe { ctx.read_at(STATE_SPORT)? };
-            // A listener bound to the connection's own address, else one on every
-            // address (the kernel prefers the same way).
-            let mut listener = ListenKey {
-                netns: namespace(key as *const u8)?,
-                port: u32::from(port),
-                addr: unsafe { ctx.read_at(STATE_SADDR_V6)? },
-            };
-            // SAFETY (both): copied out at once.
-            let mut service = unsafe { LISTEN_PORTS.get(listener).copied() };
-            if service.is_none() {
-                listener.addr = ListenKey::ANY_ADDRESS;
-                service = unsafe { LISTEN_PORTS.get(listener).copied() };
-            }
-            if let Some(service) = service {
-                requests::connected(key, service, 0, now_ns());
+            if old_state == TCP_SYN_RECV
+                && let Some(service) = listener(sk)?
+            {
+                claim(sk, service);
             }
         }
         TCP_CLOSE_WAIT => {
-            if let Some(conn) = CONNS.get_ptr_mut(key) {
-                // SAFETY: a live entry; races with its own reader are tolerated (README).
+            if let Some(conn) = conn(sk) {
+                // SAFETY: a live entry, changed by compare-and-swap.
                 requests::peer_closed(unsafe { &mut *conn });
             }
         }
-        TCP_CLOSE => requests::closed(key, now_ns()),
+        TCP_CLOSE => {
+            if let Some(conn) = current(sk)
+                // SAFETY: as above.
+                && let Some(gone) = requests::closing(unsafe { &mut *conn })
+            {
+                unstore(sk);
+                gone.account(now_ns());
+            }
+        }
         _ => {}
     }
     Ok(())
+}
+
+/// The service whose listener accepted `sk`: one bound to the connection's own
+/// address, else one on every address (the kernel prefers the same way).
+#[inline(always)]
+fn listener(sk: *const u8) -> Result<Option<u32>, i64> {
+    let family: u16 = read_kernel(sk, offset(&SOCK_FAMILY_OFFSET))?;
+    // As the tracepoint's own record has it: IPv4 as `::ffff:a.b.c.d`.
+    let mut addr = [0u8; 16];
+    if family == AF_INET6 {
+        addr = read_kernel(sk, offset(&SOCK_V6_SADDR_OFFSET))?;
+    } else {
+        let v4: [u8; 4] = read_kernel(sk, offset(&SOCK_SADDR_OFFSET))?;
+        addr[10] = 0xff;
+        addr[11] = 0xff;
+        addr[12..].copy_from_slice(&v4);
+    }
+    let mut key = ListenKey {
+        netns: namespace(sk)?,
+        port: u32::from(port(sk)),
+        addr,
+    };
+    // SAFETY (both): copied out at once.
+    if let Some(service) = unsafe { LISTEN_PORTS.get(key).copied() } {
+        return Ok(Some(service));
+    }
+    key.addr = ListenKey::ANY_ADDRESS;
+    Ok(unsafe { LISTEN_PORTS.get(key).copied() })
 }
 
 /// The inode number of the network namespace of socket `sk`, or
 /// [`ListenKey::ANY_NAMESPACE`] where the offsets are unknown.
 #[inline(always)]
 fn namespace(sk: *const u8) -> Result<u32, i64> {
-    // SAFETY: load-time constants; volatile so that the compiler does not fold them.
-    let (net_at, inum_at) = unsafe {
-        (
-            core::ptr::read_volatile(&SOCK_NET_OFFSET),
-            core::ptr::read_volatile(&NET_INUM_OFFSET),
-        )
-    };
+    let inum_at = offset(&NET_INUM_OFFSET);
     if inum_at == 0 {
         return Ok(ListenKey::ANY_NAMESPACE);
     }
-    // SAFETY: `sk` is the tracepoint's socket; the helper checks both reads.
-    let net: *const u8 = unsafe { bpf_probe_read_kernel(sk.add(net_at as usize).cast())? };
-    // SAFETY: as above.
-    Ok(unsafe { bpf_probe_read_kernel(net.add(inum_at as usize).cast::<u32>())? })
+    let net: *const u8 = read_kernel(sk, offset(&SOCK_NET_OFFSET))?;
+    read_kernel(net, inum_at)
+}
+
+/// The local port of `sk`: a plain load, since the BTF tracepoints' `struct sock *`
+/// may be read directly.
+#[inline(always)]
+fn port(sk: *const u8) -> u16 {
+    // SAFETY: `sk` is the tracepoint's socket, the offset a field of it.
+    unsafe { ptr::read_volatile(sk.add(offset(&SOCK_PORT_OFFSET)).cast::<u16>()) }
+}
+
+/// A new connection of `service` enters its queue.
+#[inline(always)]
+fn claim(sk: *const u8, service: u32) {
+    let epoch = SERVICE_EPOCHS.get(service).copied().unwrap_or(0);
+    let mut conn = requests::new_connection(service, 0, epoch, now_ns());
+    if store(sk, &mut conn).is_some() {
+        requests::accepted(service);
+    }
 }
 
 /// The entry of socket `sk`, adopting it first if it was open before its service
 /// was watched. A socket on a port no watched service listens on is none of ours:
-/// one load and one array read; the others cost a lookup in `CONNS`, plus an array
-/// read while user space has connections to adopt.
+/// one load and one array read; the others cost a read of the socket's own storage,
+/// plus an array read while user space has connections to adopt.
 #[inline(always)]
 fn conn(sk: *const u8) -> Option<*mut Conn> {
-    // SAFETY: a load-time constant, read volatile so that it is not folded; `sk` is
-    // the tracepoint's `struct sock *`, which the verifier lets us read directly.
-    let port = unsafe {
-        let at = core::ptr::read_volatile(&SOCK_PORT_OFFSET);
-        core::ptr::read_volatile(sk.add(at as usize).cast::<u16>())
-    };
-    let (word, bit) = watched_port_bit(port);
+    let (word, bit) = watched_port_bit(port(sk));
     if WATCHED_PORTS.get(word).copied().unwrap_or(0) & bit == 0 {
         return None;
     }
-    let key = sk as u64;
-    if let Some(conn) = CONNS.get_ptr_mut(key) {
+    if let Some(conn) = current(sk) {
         return Some(conn);
     }
     if ADOPTING.get(0).copied().unwrap_or(0) == 0 {
         return None;
     }
-    adopt(key).ok()?;
-    CONNS.get_ptr_mut(key)
+    adopt(sk)
+}
+
+/// The entry stored in `sk`, unless it belongs to a service that is gone: its id
+/// went to another service since (a newer epoch), so it is dropped unaccounted.
+#[inline(always)]
+fn current(sk: *const u8) -> Option<*mut Conn> {
+    let conn = stored(sk)?;
+    // SAFETY: a live entry; `service` and `epoch` never change.
+    let (service, epoch) = unsafe { ((*conn).service, (*conn).epoch) };
+    if SERVICE_EPOCHS.get(service).copied() == Some(epoch) {
+        return Some(conn);
+    }
+    unstore(sk);
+    None
 }
 
 #[inline(never)]
-fn adopt(key: u64) -> Result<(), i64> {
-    // SAFETY: load-time constants; volatile so that the compiler does not fold them.
-    let (socket_at, inode_at, ino_at) = unsafe {
-        (
-            core::ptr::read_volatile(&SOCK_SOCKET_OFFSET),
-            core::ptr::read_volatile(&SOCKET_INODE_OFFSET),
-            core::ptr::read_volatile(&INODE_INO_OFFSET),
+fn adopt(sk: *const u8) -> Option<*mut Conn> {
+    let socket_at = offset(&SOCK_SOCKET_OFFSET);
+    if socket_at == 0 {
+        return None;
+    }
+    let socket: *const u8 = read_kernel(sk, socket_at).ok()?;
+    if socket.is_null() {
+        return None;
+    }
+    let inode: u64 = read_kernel(
+        socket,
+        offset(&SOCKET_INODE_OFFSET) + offset(&INODE_INO_OFFSET),
+    )
+    .ok()?;
+    // SAFETY: copied out at once.
+    let mut adopted = unsafe { ADOPT.get(inode).copied() }?;
+    // Whoever removes the entry accounts for it: user space prunes closed ones.
+    ADOPT.remove(inode).ok()?;
+    store(sk, &mut adopted)
+}
+
+/// `SOCK_CONNS` as the helpers take it.
+#[inline(always)]
+fn sock_conns() -> *mut c_void {
+    ptr::from_ref(&SOCK_CONNS).cast_mut().cast()
+}
+
+/// The entry stored in socket `sk`, if any.
+#[inline(always)]
+fn stored(sk: *const u8) -> Option<*mut Conn> {
+    // SAFETY: `sk` is the tracepoint's `struct sock *`, as the helper wants it.
+    let conn =
+        unsafe { bpf_sk_storage_get(sock_conns(), sk.cast_mut().cast(), ptr::null_mut(), 0) };
+    (!conn.is_null()).then_some(conn.cast())
+}
+
+/// Stores `conn` in socket `sk` (counted; a failure too).
+#[inline(always)]
+fn store(sk: *const u8, conn: &mut Conn) -> Option<*mut Conn> {
+    // SAFETY: as above; `conn` is the initial value, copied by the helper.
+    let stored = unsafe {
+        bpf_sk_storage_get(
+            sock_conns(),
+            sk.cast_mut().cast(),
+            ptr::from_mut(conn).cast(),
+            BPF_SK_STORAGE_GET_F_CREATE.into(),
         )
     };
-    if socket_at == 0 {
-        return Err(0);
+    if stored.is_null() {
+        // The helper returns no errno: the socket's memory limit, nearly always.
+        count_loss(LossSource::SockConnsInsert, LossErrno::Enomem);
+        return None;
     }
-    let sk = key as *const u8;
-    // SAFETY: `sk` is the tracepoint's socket; the helper checks both reads.
-    let socket: *const u8 = unsafe { bpf_probe_read_kernel(sk.add(socket_at as usize).cast())? };
-    if socket.is_null() {
-        return Err(0);
-    }
+    count_entries(1);
+    Some(stored.cast())
+}
+
+/// Removes the entry of socket `sk` (counted).
+#[inline(always)]
+fn unstore(sk: *const u8) {
     // SAFETY: as above.
-    let inode: u64 =
-        unsafe { bpf_probe_read_kernel(socket.add((inode_at + ino_at) as usize).cast::<u64>())? };
-    // SAFETY: copied out at once.
-    let Some(adopted) = (unsafe { ADOPT.get(inode).copied() }) else {
-        return Err(0);
-    };
-    // Whoever removes the entry accounts for it: user space prunes closed ones.
-    ADOPT.remove(inode).map_err(i64::from)?;
-    CONNS
-        .insert(key, adopted, u64::from(aya_ebpf::bindings::BPF_NOEXIST))
-        .map_err(i64::from)
+    if unsafe { bpf_sk_storage_delete(sock_conns(), sk.cast_mut().cast()) } == 0 {
+        count_entries(-1);
+    }
+}
+
+#[inline(always)]
+fn count_entries(change: i64) {
+    if let Some(count) = SOCK_CONN_COUNT.get_ptr_mut(0) {
+        // SAFETY: per-CPU slot, no other writer while we run on this CPU.
+        unsafe { *count += change };
+    }
 }
 
 /// sk_data_ready(const struct sock *sk)
 #[btf_tracepoint(function = "sk_data_ready")]
 pub fn sock_data_ready(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn(ctx.arg(0)) {
-        // SAFETY: a live entry; races with its own reader are tolerated (README).
+        // SAFETY: a live entry, changed by compare-and-swap.
         requests::data_arrived(unsafe { &mut *conn }, now_ns());
     }
     0

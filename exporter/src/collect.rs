@@ -674,7 +674,9 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
         let mut capacity = Family::new("map_capacity", Kind::Gauge, "Capacity of each kernel map.");
         for map in &kernel.maps {
             entries.push(&[("map", map.name)], map.entries as f64);
-            capacity.push(&[("map", map.name)], map.capacity.into());
+            if let Some(size) = map.capacity {
+                capacity.push(&[("map", map.name)], size.into());
+            }
         }
         families.extend([entries, capacity]);
     }

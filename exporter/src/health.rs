@@ -154,6 +154,7 @@ impl LossKind {
         let map = |map| Self::MapUpdate { map, errno };
         match source {
             LossSource::ConnsInsert => map(maps::CONNS),
+            LossSource::SockConnsInsert => map(maps::SOCK_CONNS),
             LossSource::PendingCallsInsert => map(maps::PENDING_CALLS),
             LossSource::WatchedInsert => map(maps::WATCHED),
             LossSource::ThreadsInsert => map(maps::THREADS),
@@ -209,6 +210,10 @@ impl LossKind {
                          (see the README's Limits)"
                     ),
                 },
+                LossErrno::Enomem if *map == maps::SOCK_CONNS => format!(
+                    "kernel map {map}: a socket had no room for its entry (its option memory, \
+                     net.core.optmem_max, or memory pressure)"
+                ),
                 LossErrno::Enomem => {
                     format!("kernel map {map}: the kernel could not allocate (memory pressure)")
                 }

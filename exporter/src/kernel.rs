@@ -169,7 +169,7 @@ const THREAD_ATTACHMENTS: [Attachment; 3] = [
 ];
 
 const SOCKET_ATTACHMENTS: [Attachment; 4] = [
-    tracepoint("sock_state", "sock", "inet_sock_set_state"),
+    btf_tracepoint("sock_state", "sock", "inet_sock_set_state"),
     btf_tracepoint("sock_data_ready", "sock", "sk_data_ready"),
     btf_tracepoint("sock_recv", "sock", "sock_recv_length"),
     btf_tracepoint("sock_send", "sock", "sock_send_length"),
@@ -409,6 +409,8 @@ pub struct Kernel {
     ebpf: Ebpf,
     watched: HashMap<MapData, u32, Watched>,
     conns: HashMap<MapData, u64, Conn>,
+    sock_conn_count: PerCpuArray<MapData, i64>,
+    service_epochs: Array<MapData, u32>,
     listen_ports: HashMap<MapData, ListenKey, u32>,
     socket_namespaces: bool,
     watched_ports: Array<MapData, u64>,
@@ -480,7 +482,8 @@ pub struct Readout {
 pub struct MapFill {
     pub name: &'static str,
     pub entries: u64,
-    pub capacity: u32,
+    /// `None` for a map without a size (socket storage).
+    pub capacity: Option<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -768,14 +771,38 @@ fn vmlinux_btf() -> Option<Vec<u8>> {
     }
 }
 
-/// The offset of a socket's local port (`__sk_common.skc_num`) in `struct sock`.
-fn socket_port_offset(vmlinux: &[u8]) -> Option<u32> {
-    let offset = btf::member_offset(vmlinux, "sock", "__sk_common")
-        .and_then(|common| Ok(common + btf::member_offset(vmlinux, "sock_common", "skc_num")?));
-    match offset {
-        Ok(offset) => Some(offset),
+/// Where the socket programs read a socket's fields in `struct sock`, as their
+/// globals name them: the local port (`__sk_common.skc_num`), read on every event,
+/// and what a handshake's claim reads (protocol, family, local address as IPv4 and
+/// IPv6; the last 0 on a kernel without IPv6, whose sockets are never `AF_INET6`).
+fn socket_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 5]> {
+    let offsets = (|| {
+        let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
+        let common = member("sock", "__sk_common")?;
+        Ok::<_, btf::BtfError>([
+            (
+                "SOCK_PORT_OFFSET",
+                common + member("sock_common", "skc_num")?,
+            ),
+            ("SOCK_PROTOCOL_OFFSET", member("sock", "sk_protocol")?),
+            (
+                "SOCK_FAMILY_OFFSET",
+                common + member("sock_common", "skc_family")?,
+            ),
+            (
+                "SOCK_SADDR_OFFSET",
+                common + member("sock_common", "skc_rcv_saddr")?,
+            ),
+            (
+                "SOCK_V6_SADDR_OFFSET",
+                member("sock_common", "skc_v6_rcv_saddr").map_or(0, |at| common + at),
+            ),
+        ])
+    })();
+    match offsets {
+        Ok(offsets) => Some(offsets),
         Err(error) => {
-            tracing::warn!(%error, "cannot find a socket's port in {BTF_VMLINUX}: the socket backend's read, write and arrival probes are skipped");
+            tracing::warn!(%error, "cannot find a socket's port, protocol or address in {BTF_VMLINUX}: the socket backend's probes are skipped");
             None
         }
     }
@@ -931,11 +958,11 @@ impl Kernel {
         let task_pid_offset = vmlinux.as_deref().and_then(task_pid_offset);
         let socket_namespace = vmlinux.as_deref().and_then(socket_namespace_offsets);
         let socket_inode = vmlinux.as_deref().and_then(socket_inode_offsets);
-        let socket_port = vmlinux.as_deref().and_then(socket_port_offset);
+        let socket = vmlinux.as_deref().and_then(socket_offsets);
         let downstream = vmlinux.as_deref().and_then(downstream_offsets);
-        // The BTF tracepoints read the socket's port at its offset: they load only
-        // where it was found.
-        let btf = match socket_port {
+        // The BTF tracepoints read the socket's fields at their offsets: they load
+        // only where those were found.
+        let btf = match socket {
             Some(_) => Btf::from_sys_fs()
                 .map_err(|error| tracing::warn!(%error, "cannot parse {BTF_VMLINUX}"))
                 .ok(),
@@ -955,8 +982,9 @@ impl Kernel {
         for name in maps::STACKS {
             loader.map_max_entries(name, sizes.stacks);
         }
-        // Left at 0 (no peer is looked for) where BTF does not have them all.
-        for (name, offset) in downstream.iter().flatten() {
+        // Left at 0 where BTF does not have them all: no peer is looked for, and the
+        // socket programs are skipped.
+        for (name, offset) in downstream.iter().flatten().chain(socket.iter().flatten()) {
             loader.override_global(name, offset, true);
         }
         let mut ebpf = loader
@@ -964,7 +992,6 @@ impl Kernel {
             .override_global("TASK_PID_OFFSET", &task_pid_offset.unwrap_or(0), true)
             .override_global("SOCK_NET_OFFSET", &sock_net_offset, true)
             .override_global("NET_INUM_OFFSET", &net_inum_offset, true)
-            .override_global("SOCK_PORT_OFFSET", &socket_port.unwrap_or(0), true)
             .override_global("SOCK_SOCKET_OFFSET", &sock_socket_offset, true)
             .override_global("SOCKET_INODE_OFFSET", &socket_inode_offset, true)
             .override_global("INODE_INO_OFFSET", &inode_ino_offset, true)
@@ -975,6 +1002,7 @@ impl Kernel {
             .map_max_entries(maps::WATCHED, sizes.watched_processes)
             .map_max_entries(maps::CONNS, sizes.connections)
             .map_max_entries(maps::SERVICE_COUNTERS, sizes.services)
+            .map_max_entries(maps::SERVICE_EPOCHS, sizes.services)
             .map_max_entries(maps::REQUEST_TIMES, sizes.services)
             .map_max_entries(maps::POOL_STATS, sizes.pools)
             .map_max_entries(maps::THREADS, sizes.threads)
@@ -1055,6 +1083,8 @@ impl Kernel {
         let kernel = Self {
             watched: take(&mut ebpf, maps::WATCHED)?,
             conns: take(&mut ebpf, maps::CONNS)?,
+            sock_conn_count: take(&mut ebpf, maps::SOCK_CONN_COUNT)?,
+            service_epochs: take(&mut ebpf, maps::SERVICE_EPOCHS)?,
             listen_ports: take(&mut ebpf, maps::LISTEN_PORTS)?,
             socket_namespaces: socket_namespace.is_some(),
             watched_ports: take(&mut ebpf, maps::WATCHED_PORTS)?,
@@ -1180,6 +1210,19 @@ impl Kernel {
         })
     }
 
+    /// Entries in `SOCK_CONNS`: the kernel's count of those made less those removed.
+    fn sock_conn_entries(&self) -> Result<usize, KernelError> {
+        let counts = self
+            .sock_conn_count
+            .get(&0, 0)
+            .map_err(|source| KernelError::Map {
+                map: maps::SOCK_CONN_COUNT,
+                source,
+            })?;
+        // Each CPU's count may be negative (made on one CPU, removed on another).
+        Ok(usize::try_from(counts.iter().sum::<i64>()).unwrap_or(0))
+    }
+
     /// Every kernel-side loss counter, summed over CPUs.
     pub fn losses(&self) -> Result<Vec<(LossSource, LossErrno, u64)>, KernelError> {
         let mut losses = Vec::new();
@@ -1251,6 +1294,11 @@ impl Kernel {
         now_ns: u64,
     ) -> Result<Adopted, MapError> {
         let mut adopted = Adopted::default();
+        // The socket programs check it (see `reset_service`).
+        let epoch = match self.backend {
+            Backend::Socket => self.service_epochs.get(&service, 0)?,
+            Backend::Syscall => 0,
+        };
         // Every connection is tried: one that does not fit is counted and the rest,
         // already made, must still be accounted for.
         for connection in connections {
@@ -1271,7 +1319,7 @@ impl Kernel {
                 end_ns: 0,
                 next_arrive_ns: 0,
                 server_tid: 0,
-                _pad: 0,
+                epoch,
             };
             // BPF_NOEXIST: an entry the kernel made itself is newer than our look.
             let inserted = match self.backend {
@@ -1616,8 +1664,12 @@ impl Kernel {
         // Its connections may outlive its watch (a reload unwatched a process that
         // still serves them): left here, their events would count under whichever
         // service gets the id next.
+        // The socket backend's connections live in their sockets, out of our reach:
+        // a new epoch makes the kernel drop them at their next event.
         drop_service_connections(&mut self.conns, service);
         drop_service_connections(&mut self.adopt, service);
+        let epoch = self.service_epochs.get(&service, 0)?;
+        self.service_epochs.set(service, epoch.wrapping_add(1), 0)?;
         let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;
         self.service_counters.set(service, zero_counters, 0)?;
         let zero_times = PerCpuValues::try_from(vec![RequestTimes::default(); self.cpus])?;
@@ -1696,11 +1748,16 @@ impl Kernel {
         let fill = |name: &'static str, entries: usize| MapFill {
             name,
             entries: entries as u64,
-            capacity: self.capacity(name).unwrap_or_default(),
+            capacity: self.capacity(name),
         };
         readout.maps = vec![
             fill(maps::WATCHED, readout.watched.len()),
-            fill(maps::CONNS, self.conns.keys().filter(Result::is_ok).count()),
+            match self.backend {
+                Backend::Syscall => {
+                    fill(maps::CONNS, self.conns.keys().filter(Result::is_ok).count())
+                }
+                Backend::Socket => fill(maps::SOCK_CONNS, self.sock_conn_entries()?),
+            },
             fill(
                 maps::PENDING_CALLS,
                 self.pending_calls.keys().filter(Result::is_ok).count(),

@@ -8,8 +8,22 @@ pub mod maps {
     /// tgid (u32) → [`crate::Watched`]: the processes whose events we keep.
     pub const WATCHED: &str = "WATCHED";
     /// Connection key (u64, see [`crate::fd_conn_key`]) → [`crate::Conn`]: the open
-    /// connections of watched services and the phase of their current request.
+    /// connections of watched services and the phase of their current request
+    /// (syscall backend).
     pub const CONNS: &str = "CONNS";
+    /// Socket-local storage (`BPF_MAP_TYPE_SK_STORAGE`) → [`crate::Conn`]: the same,
+    /// for the socket backend. The entry lives in the socket itself: finding it costs
+    /// no hash lookup, and the kernel frees it with the socket, so none goes stale.
+    /// Unbounded by design (a socket's own memory limit applies).
+    pub const SOCK_CONNS: &str = "SOCK_CONNS";
+    /// per-CPU array of one i64: entries made in [`SOCK_CONNS`] less those removed,
+    /// summed over CPUs (the kernel cannot count a storage map's entries for us).
+    pub const SOCK_CONN_COUNT: &str = "SOCK_CONN_COUNT";
+    /// array, index service id → u32 epoch, raised by user space whenever the id is
+    /// given to another service. A [`SOCK_CONNS`] entry claimed in an earlier epoch
+    /// belongs to a departed service and is dropped at its next event: user space
+    /// cannot walk socket storage to drop them itself.
+    pub const SERVICE_EPOCHS: &str = "SERVICE_EPOCHS";
     /// [`crate::ListenKey`] (network namespace, local TCP port, local address) →
     /// service id: the
     /// listeners of watched services, so that the socket backend knows a handshake is
@@ -22,7 +36,7 @@ pub mod maps {
     pub const WATCHED_PORTS: &str = "WATCHED_PORTS";
     /// Socket inode (u64) → [`crate::Conn`]: connections of watched services that
     /// were open before they were watched (socket backend). The first event on such a
-    /// socket moves its entry to `CONNS`, keyed by the socket's address.
+    /// socket moves its entry to [`SOCK_CONNS`].
     pub const ADOPT: &str = "ADOPT";
     /// Array of one u32: non-zero while `ADOPT` may hold entries, so that events on
     /// sockets of no watched service skip the inode read when there is nothing to
@@ -182,7 +196,7 @@ impl Phase {
     }
 }
 
-/// Value of [`maps::CONNS`].
+/// Value of [`maps::CONNS`] and [`maps::SOCK_CONNS`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Conn {
@@ -206,7 +220,9 @@ pub struct Conn {
     /// The watched thread whose read started the current request (0 if none): it is
     /// serving until the response begins (see [`Thread::serving`]).
     pub server_tid: u32,
-    pub _pad: u32,
+    /// Socket backend: the service's epoch ([`maps::SERVICE_EPOCHS`]) when the
+    /// connection was claimed; 0 in the syscall backend.
+    pub epoch: u32,
 }
 
 /// Value of [`maps::PENDING_CALLS`].
@@ -908,6 +924,9 @@ pub const SYSCALL_COUNTS_SIZE: u32 = MAX_SERVICES * SyscallSlot::COUNT;
 pub enum LossSource {
     /// A [`maps::CONNS`] insert failed: that connection is not measured.
     ConnsInsert = 0,
+    /// A [`maps::SOCK_CONNS`] entry could not be made (the socket's memory limit,
+    /// `net.core.optmem_max`): that connection is not measured.
+    SockConnsInsert,
     /// A [`maps::PENDING_CALLS`] insert failed: one syscall not measured.
     PendingCallsInsert,
     /// A [`maps::WATCHED`] insert for a forked child failed: the child is found by the
@@ -942,9 +961,10 @@ pub enum LossSource {
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 13;
-    pub const ALL: [LossSource; 13] = [
+    pub const COUNT: u32 = 14;
+    pub const ALL: [LossSource; 14] = [
         Self::ConnsInsert,
+        Self::SockConnsInsert,
         Self::PendingCallsInsert,
         Self::WatchedInsert,
         Self::ProcessEvents,

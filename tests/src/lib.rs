@@ -452,6 +452,15 @@ impl Metrics {
         }
     }
 
+    /// The entries of the kernel map that holds the request backend's connections:
+    /// `CONNS` (syscall backend) or `SOCK_CONNS` (socket backend), whichever the
+    /// scrape has.
+    pub fn connection_entries(&self) -> Option<f64> {
+        ["CONNS", "SOCK_CONNS"]
+            .into_iter()
+            .find_map(|map| self.value("poolscope_map_entries", &[("map", map)]))
+    }
+
     /// The value of the one sample named `name` whose labels include `labels`.
     pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         self.samples

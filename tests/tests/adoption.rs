@@ -6,7 +6,7 @@
 //! silently.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    net::TcpStream,
+    net::{Ipv4Addr, SocketAddr, TcpStream},
     time::{Duration, Instant},
 };
 
@@ -44,15 +44,20 @@ fn accepted_with_a_request_unread(
 struct Client(BufReader<TcpStream>);
 
 impl Client {
-    fn connect(port: u16) -> anyhow::Result<Self> {
-        let stream = TcpStream::connect(("127.0.0.1", port))?;
+    fn connect(server: SocketAddr) -> anyhow::Result<Self> {
+        let stream = TcpStream::connect(server)?;
         stream.set_nodelay(true)?;
         Ok(Self(BufReader::new(stream)))
     }
 
-    /// `count` connections to `port`.
+    /// `count` connections to `port` on 127.0.0.1.
     fn connect_all(port: u16, count: usize) -> anyhow::Result<Vec<Self>> {
-        (0..count).map(|_| Self::connect(port)).collect()
+        Self::connect_all_to(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), count)
+    }
+
+    /// `count` connections to `server`.
+    fn connect_all_to(server: SocketAddr, count: usize) -> anyhow::Result<Vec<Self>> {
+        (0..count).map(|_| Self::connect(server)).collect()
     }
 
     fn send(&mut self) -> anyhow::Result<()> {
@@ -172,7 +177,7 @@ fn request_in_progress_when_poolscope_starts_is_counted() -> anyhow::Result<()> 
     let _serial = one_at_a_time();
     for backend in backends() {
         let server = PoolServer::start(1, SERVICE)?;
-        let mut client = Client::connect(server.port)?;
+        let mut client = Client::connect(SocketAddr::from((Ipv4Addr::LOCALHOST, server.port)))?;
         client.send()?;
         let sent = Instant::now();
         let service = "slow";
@@ -245,7 +250,9 @@ fn connections_of_a_service_watched_after_a_reload_are_followed() -> anyhow::Res
 
 /// A reload stops watching a server that keeps serving its keep-alive connections;
 /// another reload watches a new service, which gets the freed id. The old server's
-/// connections must not count under it.
+/// connections must not count under it. The new server listens on the old one's
+/// port (on 127.0.0.2), so that the old connections' events still pass the socket
+/// programs' port filter and reach the entries that name the reused id.
 #[test]
 fn a_reused_service_id_inherits_no_connections() -> anyhow::Result<()> {
     if !privileged("a_reused_service_id_inherits_no_connections") {
@@ -256,7 +263,8 @@ fn a_reused_service_id_inherits_no_connections() -> anyhow::Result<()> {
     let _serial = one_at_a_time();
     for backend in backends() {
         let old = PoolServer::start(2, Duration::from_micros(200))?;
-        let new = PoolServer::start(2, Duration::from_micros(200))?;
+        let new_address = Ipv4Addr::new(127, 0, 0, 2);
+        let new = PoolServer::start_at(new_address, old.port, 2, Duration::from_micros(200))?;
         let other = TestServer::start(4)?;
         let poolscope = Poolscope::start(&backend_config(backend, "old", &[old.pid()]))?;
         watching(&poolscope, "old", backend)?;
@@ -280,7 +288,8 @@ fn a_reused_service_id_inherits_no_connections() -> anyhow::Result<()> {
         reload("other", other.pid())?;
         // "fresh" takes the lowest free id: the one "old" had.
         reload("fresh", new.pid())?;
-        let mut new_clients = Client::connect_all(new.port, CONNECTIONS)?;
+        let mut new_clients =
+            Client::connect_all_to(SocketAddr::from((new_address, new.port)), CONNECTIONS)?;
         for _ in 0..REQUESTS {
             for client in old_clients.iter_mut().chain(&mut new_clients) {
                 client.request()?;

@@ -444,7 +444,7 @@ fn soak() -> anyhow::Result<()> {
                 series: service_series(&metrics).len(),
                 threads: entries(&metrics, "THREADS"),
                 watched: entries(&metrics, "WATCHED"),
-                conns: entries(&metrics, "CONNS"),
+                conns: metrics.connection_entries().unwrap_or(f64::NAN),
                 degraded: value(&metrics, "poolscope_degraded", &[]),
             };
             eprintln!(

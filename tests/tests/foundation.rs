@@ -167,8 +167,7 @@ fn closed_unserved_connections_leave_the_gauge_and_the_map() -> anyhow::Result<(
     drop(clients);
     // The purge runs when the exit event arrives; the map then holds nothing.
     scrape_until(&poolscope, |m| {
-        !m.has_label("service", "closer")
-            && m.value("poolscope_map_entries", &[("map", "CONNS")]) == Some(0.0)
+        !m.has_label("service", "closer") && m.connection_entries() == Some(0.0)
     })?;
     Ok(())
 }

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use poolscope_tests::{
-    Metrics, PoolServer, Poolscope, backend_config,
+    Metrics, Netns, PoolServer, Poolscope, backend_config, backends,
     load::{ClosedLoop, Connections},
     one_at_a_time, privileged, scrape_until,
 };
@@ -224,7 +224,7 @@ fn scenario(backend: &str, style: &str, connections: Connections) -> anyhow::Res
     let expected = (seen.completed * per_request) as f64;
     let metrics = scrape_until(&poolscope, |m| {
         value(m, "poolscope_requests_total", &service) == expected
-            && m.value("poolscope_map_entries", &[("map", "CONNS")]) == Some(0.0)
+            && m.connection_entries() == Some(0.0)
     })?;
     let served = server.finish()?;
     assert_eq!(served.count, seen.completed);
@@ -324,6 +324,8 @@ fn some_subset_sums_to(counts: &[u64], size: usize, total: u64) -> bool {
     }
 }
 
+/// Syscall backend: `CONNS` holds `limits.connections` entries (the socket backend
+/// keeps its entries in the sockets, see the next test).
 #[test]
 fn a_full_connection_map_is_counted_and_spares_the_tracked_connections() -> anyhow::Result<()> {
     if !privileged("a_full_connection_map_is_counted_and_spares_the_tracked_connections") {
@@ -331,7 +333,8 @@ fn a_full_connection_map_is_counted_and_spares_the_tracked_connections() -> anyh
     }
     const CAPACITY: usize = 4;
     const CONNECTIONS: usize = 8;
-    for backend in poolscope_tests::backends() {
+    {
+        let backend = "syscall";
         let _serial = one_at_a_time();
         let service = format!("full-{backend}");
         let server = PoolServer::start(CONNECTIONS as u32, Duration::from_millis(5))?;
@@ -364,7 +367,7 @@ fn a_full_connection_map_is_counted_and_spares_the_tracked_connections() -> anyh
         std::thread::sleep(Duration::from_secs(1));
         let seen = clients.stop()?;
         let metrics = scrape_until(&poolscope, |m| {
-            m.value("poolscope_map_entries", &[("map", "CONNS")]) == Some(0.0)
+            m.connection_entries() == Some(0.0)
                 && value(m, "poolscope_requests_in_flight", &service) == 0.0
         })?;
         let counted = value(&metrics, "poolscope_requests_total", &service) as u64;
@@ -398,5 +401,111 @@ fn a_full_connection_map_is_counted_and_spares_the_tracked_connections() -> anyh
         // CPU (6.2 % measured in vm-test's emulated 6.1 guest).
         assert_within("mean duration", mean, served.mean.as_secs_f64(), 0.10);
     }
+    Ok(())
+}
+
+/// `net.core.optmem_max` of a network namespace, restored when dropped.
+struct OptmemMax<'a> {
+    netns: &'a Netns,
+    saved: String,
+}
+
+impl<'a> OptmemMax<'a> {
+    fn set(netns: &'a Netns, bytes: u64) -> anyhow::Result<Self> {
+        let saved = sysctl(netns, None)?;
+        sysctl(netns, Some(&bytes.to_string()))?;
+        Ok(Self { netns, saved })
+    }
+}
+
+impl Drop for OptmemMax<'_> {
+    fn drop(&mut self) {
+        let _ = sysctl(self.netns, Some(&self.saved));
+    }
+}
+
+/// Reads, or writes, `net.core.optmem_max` in `netns` (per namespace since 6.9).
+fn sysctl(netns: &Netns, value: Option<&str>) -> anyhow::Result<String> {
+    let setting = match value {
+        Some(value) => format!("net.core.optmem_max={value}"),
+        None => "net.core.optmem_max".to_owned(),
+    };
+    let output = std::process::Command::new("ip")
+        .args(["netns", "exec", netns.name(), "sysctl", "-n"])
+        .args(value.map(|_| "-w"))
+        .arg(&setting)
+        .output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "sysctl {setting} in {}: {}",
+        netns.name(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// Socket backend: a connection's entry lives in its socket (`SOCK_CONNS`), charged
+/// to the socket's option memory. In a namespace whose `net.core.optmem_max` has no
+/// room for it, each new connection is counted as a lost entry (`ENOMEM`), `/healthz`
+/// says why, and the connections made before, which have their entries, stay exact.
+#[test]
+fn a_socket_without_room_for_its_entry_is_counted() -> anyhow::Result<()> {
+    if !privileged("a_socket_without_room_for_its_entry_is_counted") {
+        return Ok(());
+    }
+    const PORT: u16 = 8081;
+    const TRACKED: usize = 4;
+    const REFUSED: usize = 4;
+    if !backends().contains(&"socket") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let service = "cramped";
+    let pod = Netns::new("optmem")?;
+    let server = PoolServer::start_in(&pod, PORT, 8, Duration::from_millis(5))?;
+    let config = format!(
+        "[limits]\ndegraded_for = \"2s\"\n{}",
+        backend_config("socket", service, &[server.pid()])
+    );
+    let poolscope = Poolscope::start(&config)?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", service)]) == Some(1.0)
+    })?;
+    let accepted = |m: &Metrics| value(m, "poolscope_connections_accepted_total", service);
+    let tracked = pod.run(|| Ok(ClosedLoop::start(PORT, TRACKED, Connections::KeepAlive)))?;
+    scrape_until(&poolscope, |m| accepted(m) == TRACKED as f64)?;
+    let lost = [("map", "SOCK_CONNS"), ("errno", "ENOMEM")];
+    let refused = {
+        let _cramped = OptmemMax::set(&pod, 0)?;
+        let refused = pod.run(|| Ok(ClosedLoop::start(PORT, REFUSED, Connections::KeepAlive)))?;
+        let during = scrape_until(&poolscope, |m| {
+            m.value("poolscope_map_update_errors_total", &lost) == Some(REFUSED as f64)
+        })?;
+        assert_eq!(accepted(&during), TRACKED as f64);
+        assert_eq!(during.connection_entries(), Some(TRACKED as f64));
+        assert_eq!(during.value("poolscope_degraded", &[]), Some(1.0));
+        let health = poolscope.get("/healthz")?;
+        assert!(
+            health.starts_with("degraded\n")
+                && health.contains("map=\"SOCK_CONNS\",errno=\"ENOMEM\"")
+                && health.contains("net.core.optmem_max"),
+            "{health}"
+        );
+        refused
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    let refused = refused.stop()?;
+    let seen = tracked.stop()?;
+    let metrics = scrape_until(&poolscope, |m| {
+        m.connection_entries() == Some(0.0)
+            && value(m, "poolscope_requests_in_flight", service) == 0.0
+    })?;
+    let counted = value(&metrics, "poolscope_requests_total", service);
+    eprintln!(
+        "counted {counted}: tracked connections {:?}, refused {:?}",
+        seen.per_client, refused.per_client
+    );
+    assert!(refused.completed > 0, "the refused connections were served");
+    assert_eq!(counted, seen.completed as f64);
     Ok(())
 }
