@@ -571,32 +571,38 @@ pub fn thread_comm(root: &Path, tid: u32) -> Option<String> {
 pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
     let mut snapshot = ProcSnapshot::default();
     let mut namespaces_seen = HashSet::new();
+    let mut pids: Vec<u32> = Vec::new();
     for entry in fs::read_dir(root)? {
-        let Some(pid) = entry?
+        if let Some(pid) = entry?
             .file_name()
             .to_str()
             .and_then(|name| name.parse().ok())
-        else {
-            continue;
-        };
+        {
+            pids.push(pid);
+        }
+    }
+    // In pid order, as /proc lists them, whatever the root's file system does.
+    pids.sort_unstable();
+    for pid in pids {
         let Some(mut process) = read_process(root, pid) else {
             continue;
         };
         let dir = root.join(pid.to_string());
         let namespace = fs::read_link(dir.join("ns/net")).ok();
         let inum = namespace.as_deref().and_then(namespace_inode);
-        if namespaces_seen.insert(namespace) {
+        // Seen once its tables are read: a process that exits in between (or a
+        // namespace that vanishes) leaves the namespace to its next process.
+        if !namespaces_seen.contains(&namespace)
+            && let Ok(tables) = net_tcp_tables(root, pid)
+        {
+            namespaces_seen.insert(namespace);
             if let Some(inum) = inum {
                 snapshot.namespace_pids.insert(inum, pid);
             }
-            for file in ["net/tcp", "net/tcp6"] {
-                if let Ok(content) = fs::read_to_string(dir.join(file)) {
-                    for queue in parse_net_tcp(&content) {
-                        snapshot.listen_sockets.insert(queue.inode, queue.addr);
-                        if let Some(inum) = inum {
-                            snapshot.listen_namespaces.insert(queue.inode, inum);
-                        }
-                    }
+            for queue in tables.iter().flat_map(|table| parse_net_tcp(table)) {
+                snapshot.listen_sockets.insert(queue.inode, queue.addr);
+                if let Some(inum) = inum {
+                    snapshot.listen_namespaces.insert(queue.inode, inum);
                 }
             }
         }
@@ -1199,6 +1205,10 @@ pub(crate) mod tests {
         };
         make(10, 1, "web", &["/dev/null", "socket:[777]", "socket:[778]"])?;
         make(11, 10, "web worker", &["pipe:[5]"])?;
+        // Listed first, in the same namespace, and gone before its tables are read:
+        // the namespace's listeners are read through the next process.
+        make(9, 1, "leaving", &[])?;
+        fs::remove_dir_all(root.path().join("9/net"))?;
         fs::create_dir_all(root.path().join("self"))?;
 
         let mut snapshot = scan(root.path())?;
@@ -1209,6 +1219,8 @@ pub(crate) mod tests {
         );
         assert_eq!(snapshot.listen_namespaces.get(&777), Some(&4026531840));
         assert_eq!(snapshot.namespace_pids.len(), 1);
+        assert_ne!(snapshot.namespace_pids.get(&4026531840), Some(&9));
+        snapshot.processes.retain(|p| p.pid != 9);
         assert_eq!(snapshot.processes.len(), 2);
         assert_eq!(snapshot.processes[0].listeners, vec![777]);
         assert_eq!(snapshot.processes[0].start_time, 1010);

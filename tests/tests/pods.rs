@@ -216,3 +216,68 @@ fn listen_backlog_of_a_pod() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Pod B goes away (its server killed, its namespace deleted) while pod A serves
+/// load and poolscope is scraped every 20 ms: every scrape answers, B's series leave,
+/// no listen-queue read fails, and A's count stays exact.
+#[test]
+fn a_pod_that_vanishes_while_scraped() -> anyhow::Result<()> {
+    if !privileged("a_pod_that_vanishes_while_scraped") {
+        return Ok(());
+    }
+    for backend in backends() {
+        let _serial = one_at_a_time();
+        let (pod_a, pod_b) = (Netns::new("stays")?, Netns::new("vanishes")?);
+        let server_a = PoolServer::start_in(&pod_a, PORT, 4, SERVICE)?;
+        let server_b = PoolServer::start_in(&pod_b, PORT, 4, SERVICE)?;
+        let mut poolscope = Poolscope::start(&config(
+            backend,
+            &[("stays", server_a.pid()), ("vanishes", server_b.pid())],
+        ))?;
+        let target = |m: &Metrics, service| m.value("poolscope_targets", &[("service", service)]);
+        scrape_until(&poolscope, |m| {
+            target(m, "stays") == Some(1.0)
+                && target(m, "vanishes") == Some(1.0)
+                && m.has_label("backend", backend)
+        })?;
+        let load = pod_a.run(|| Ok(ClosedLoop::start(PORT, 2, Connections::PerRequest)))?;
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let (scrapes, failures, sent) = std::thread::scope(|scope| {
+            let scraper = scope.spawn(|| {
+                let (mut scrapes, mut failures) = (0, Vec::new());
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    scrapes += 1;
+                    if let Err(error) = poolscope.scrape() {
+                        failures.push(error.to_string());
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                (scrapes, failures)
+            });
+            std::thread::sleep(Duration::from_millis(500));
+            drop(server_b);
+            drop(pod_b);
+            std::thread::sleep(LOAD);
+            let sent = load.stop().map(|seen| seen.completed);
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            let (scrapes, failures) = scraper.join().unwrap_or_default();
+            (scrapes, failures, sent)
+        });
+        let sent = sent?;
+        let metrics = scrape_until(&poolscope, |m| {
+            target(m, "vanishes").is_none() && requests(m, "stays") == Some(sent as f64)
+        });
+        eprintln!(
+            "{backend}: {scrapes} scrapes while pod B vanished, {} failed; A sent {sent}, \
+             counted {:?}",
+            failures.len(),
+            metrics.as_ref().ok().and_then(|m| requests(m, "stays"))
+        );
+        metrics?;
+        assert!(failures.is_empty(), "{failures:?}");
+        assert_eq!(server_a.finish()?.count, sent);
+        let log = poolscope.stop_and_log();
+        assert!(!log.contains("reading listen queues failed"), "{log}");
+    }
+    Ok(())
+}
