@@ -92,8 +92,9 @@ pub struct LossInputs<'a> {
 }
 
 /// The loss counters as exported: every path, 0 where nothing was lost (each map's
-/// `E2BIG` included, so that a first rise shows in `increase()`), other errnos once
-/// they happen; user space's and the kernel's failures on one map are summed.
+/// `E2BIG` included, and `SOCK_CONNS`' `ENOMEM`, the one way it fails, so that a
+/// first rise shows in `increase()`), other errnos once they happen; user space's and
+/// the kernel's failures on one map are summed.
 pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
     let mut counts: BTreeMap<LossKind, u64> = ADVISED_MAPS
         .iter()
@@ -105,6 +106,13 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
             (kind, 0)
         })
         .chain([
+            (
+                LossKind::MapUpdate {
+                    map: maps::SOCK_CONNS,
+                    errno: LossErrno::Enomem,
+                },
+                0,
+            ),
             (LossKind::Events(PROCESS_EVENTS), 0),
             (LossKind::Events(STACKS_EXPIRED), 0),
             (LossKind::Events(PHASE_RETRIES), 0),
