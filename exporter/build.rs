@@ -17,7 +17,7 @@ fn main() -> anyhow::Result<()> {
         .parent()
         .ok_or_else(|| anyhow!("no parent directory for {}", ebpf.manifest_path))?;
     // The pinned stable toolchain builds `core` for the BPF target with -Z build-std,
-    // which needs RUSTC_BOOTSTRAP (see ../shared/notes/ebpf-toolchain.md).
+    // which needs RUSTC_BOOTSTRAP (see docs/toolchain.md).
     // SAFETY: build scripts are single-threaded at this point.
     unsafe { std::env::set_var("RUSTC_BOOTSTRAP", "1") };
     println!("cargo:rerun-if-env-changed=RUSTUP_TOOLCHAIN");

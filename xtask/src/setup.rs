@@ -5,7 +5,7 @@
 //! - kubernetes-validate from PyPI, pinned, in a venv under target/tools (the tests
 //!   validate deploy/'s Kubernetes manifests with it).
 //!
-//! Every check is cheap and silent when satisfied; see ../shared/notes/ebpf-toolchain.md.
+//! Every check is cheap and silent when satisfied; see docs/toolchain.md.
 use std::{
     fs,
     os::unix::fs::symlink,
