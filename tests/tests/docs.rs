@@ -3,7 +3,8 @@
 //! metric family poolscope exports (`Family::new("name", Kind::…)` anywhere in
 //! `exporter/src/`, unit tests left out) has a row naming its exposed name and type
 //! in the metrics reference, every command-line flag is documented, and neither
-//! reference documents a key or metric that no longer exists.
+//! reference documents a key or metric that no longer exists. Nothing the repository
+//! tracks points outside it (its design is in docs/DESIGN.md).
 //!
 //! The sources are read at test time, so a key, metric or flag added without docs
 //! fails here with a message naming it.
@@ -419,4 +420,27 @@ fn parsers_read_what_they_should() -> anyhow::Result<()> {
     };
     ensure!(family.exposed() == "poolscope_requests_total");
     Ok(())
+}
+
+#[test]
+fn nothing_points_outside_the_repository() -> anyhow::Result<()> {
+    let output = std::process::Command::new("git")
+        .arg("-C")
+        .arg(workspace())
+        // Spelled in two pieces, so that this line is not a match itself.
+        .args(["grep", "-n", "--fixed-strings", concat!("../", "shared/")])
+        .output()
+        .context("running git grep")?;
+    // git grep exits 1 when nothing matches, 128 outside a git checkout.
+    match output.status.code() {
+        Some(1) => Ok(()),
+        Some(128) => {
+            eprintln!("not a git checkout: nothing_points_outside_the_repository not checked");
+            Ok(())
+        }
+        _ => bail!(
+            "the repository points outside itself (the design is docs/DESIGN.md):\n{}",
+            String::from_utf8_lossy(&output.stdout)
+        ),
+    }
 }
