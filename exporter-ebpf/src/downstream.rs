@@ -15,8 +15,8 @@ use poolscope_shared::{
 };
 
 use crate::{
+    abi::FIRST_ARG_OFFSET,
     maps::{DOWNSTREAM_WAITS, WATCHED_PORTS, atomic_add, get_or_insert},
-    syscalls::FIRST_ARG_OFFSET,
 };
 
 /// `task_struct.files`, `files_struct.fdt`, `fdtable.max_fds` and `fdtable.fd`.

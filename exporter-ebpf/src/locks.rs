@@ -24,12 +24,12 @@ use poolscope_shared::{
 };
 
 use crate::{
+    abi::{FIRST_ARG_OFFSET, SECOND_ARG_OFFSET, SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV},
+    clock::now_ns,
     maps::{
         LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, THREAD_POOLS, ZERO_HISTOGRAM,
         add_to_shared_histogram, count_loss, get_or_insert,
     },
-    requests::now_ns,
-    syscalls::{FIRST_ARG_OFFSET, SECOND_ARG_OFFSET, SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV},
     threads::{self, thread},
 };
 

@@ -1,16 +1,25 @@
 //! poolscope's kernel programs. Thin by design: each program classifies one event,
 //! updates state or a per-CPU counter in a map, and returns. User space reads the
-//! maps at scrape time. One module per kernel subsystem; `requests.rs` is the state
-//! machine that the two request backends (`sock.rs`, `syscalls.rs`) share, and
-//! `threads.rs` the thread state machine that `sched.rs` and the requests feed;
-//! `locks.rs` times the lock waits that machine sees begin, and `stacks.rs` counts
-//! the stacks of its threads on and off CPU.
+//! maps at scrape time. One module per kernel subsystem, layered so that none reaches
+//! back up:
+//! - leaves: `maps` (every map and its small helpers), `clock`, `abi` (the syscall
+//!   ABI of each architecture);
+//! - `downstream` (the peer of a socket a thread waits on), under `threads`, the thread
+//!   state machine; `stackmaps` (capture and count stacks) and `locks` (lock waits)
+//!   on top of it;
+//! - `requests`, the request state machine that the two request backends (`sock`,
+//!   `syscalls`) share;
+//! - the programs of each subsystem: `sched` (switches and wakeups drive threads,
+//!   stacks and locks), `stacks` and `sessions` (samples and off-CPU blocks),
+//!   `process` (lifecycle), `sock` and `syscalls`.
 #![no_std]
 #![no_main]
 // The BPF target has no `AtomicU64`; the intrinsic compiles to BPF's atomic add.
 #![feature(core_intrinsics)]
 #![allow(internal_features, reason = "core_intrinsics, see above")]
 
+mod abi;
+mod clock;
 mod downstream;
 mod locks;
 mod maps;
@@ -19,6 +28,7 @@ mod requests;
 mod sched;
 mod sessions;
 mod sock;
+mod stackmaps;
 mod stacks;
 mod syscalls;
 mod threads;

@@ -18,12 +18,12 @@ use poolscope_shared::{
 };
 
 use crate::{
+    clock::now_ns,
     locks,
     maps::{
         MUTEX_CALLS, PENDING_CALLS, THREAD_POOLS, THREADS, WATCHED, Wakeup, count_loss,
         send_process_event, watched,
     },
-    requests::now_ns,
     threads::{self, thread},
 };
 

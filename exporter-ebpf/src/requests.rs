@@ -10,7 +10,6 @@
 //! A connection open before its service was watched is adopted: user space makes its
 //! entry `Unserved` (unread bytes wait) or `Responded` with `start_ns` 0 (between
 //! requests, or a request read before the watch and not answered yet).
-use aya_ebpf::helpers::bpf_ktime_get_ns;
 use poolscope_shared::{
     Conn, Histogram, LossErrno, LossSource, Phase, ServiceCounters, histogram_bucket,
 };
@@ -25,12 +24,6 @@ use crate::{
 pub enum Arrivals {
     Seen,
     Unseen,
-}
-
-#[inline(always)]
-pub fn now_ns() -> u64 {
-    // SAFETY: helper without preconditions.
-    unsafe { bpf_ktime_get_ns() }
 }
 
 /// A new connection of `service` entered the queue at `now` (handshake done or

@@ -18,11 +18,11 @@ use aya_ebpf::{
 use poolscope_shared::{Activity, Peer, Serving, WaitClass};
 
 use crate::{
+    abi::{NUMBER_OFFSET, SECOND_ARG_OFFSET},
+    clock::now_ns,
     downstream, locks,
     maps::WAIT_CLASSES,
-    requests::now_ns,
     stacks,
-    syscalls::{NUMBER_OFFSET, SECOND_ARG_OFFSET},
     threads::{self, thread},
 };
 
@@ -87,7 +87,7 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
         locks::switched_out(ctx, prev_tid, prev, lock_wait, now);
     }
     let next: *const u8 = ctx.arg(2);
-    threads::switched_in(task_tid(next)?, now);
+    switched_in(task_tid(next)?, now);
     Ok(())
 }
 
@@ -131,7 +131,41 @@ fn polled_fds(call: Option<(*const u8, WaitClass, u64)>, serving: Serving) -> u6
 pub fn sched_wakeup(ctx: RawTracePointContext) -> i32 {
     let task: *const u8 = ctx.arg(0);
     if let Ok(tid) = task_tid(task) {
-        threads::woken(tid);
+        woken(tid);
     }
     0
+}
+
+/// `tid` goes on CPU at `now` (0: not read yet): a run-queue wait ends.
+#[inline(always)]
+fn switched_in(tid: u32, now: u64) {
+    let Some(thread) = threads::thread(tid) else {
+        return;
+    };
+    // Already running: the switch that put it off CPU was not seen (its entry was
+    // made meanwhile).
+    if Activity::from_u32(thread.activity) == Activity::Running {
+        return;
+    }
+    let now = if now == 0 { now_ns() } else { now };
+    // From a wait whose wakeup we did not see (entry made while it slept), the
+    // interval closes as that wait and no run-queue wait is timed.
+    stacks::unblocked(tid, thread, now);
+    threads::change(tid, thread, Activity::Running, now);
+    locks::switched_in(thread, now);
+}
+
+/// `tid` was woken: it waits for a CPU from now.
+#[inline(always)]
+fn woken(tid: u32) {
+    let Some(thread) = threads::thread(tid) else {
+        return;
+    };
+    // A wakeup of a thread on CPU or already queued (it was woken before it slept,
+    // or preempted) changes nothing.
+    if Activity::from_u32(thread.activity).is_off_cpu() {
+        let now = now_ns();
+        stacks::unblocked(tid, thread, now);
+        threads::change(tid, thread, Activity::Runnable, now);
+    }
 }

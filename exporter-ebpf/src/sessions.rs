@@ -15,8 +15,8 @@ use poolscope_shared::{
 
 use crate::{
     maps::PROFILE_SESSIONS,
-    stacks::{add, capture, current_epoch, pool_of},
-    threads::thread,
+    stackmaps::{add, capture, current_epoch},
+    threads::{pool_of, thread},
 };
 
 /// Whether `session` records `kind` for a thread of `service` in `pool`.

@@ -23,11 +23,12 @@ use aya_ebpf::{
 use poolscope_shared::{Conn, ListenKey, LossErrno, LossSource, watched_port_bit};
 
 use crate::{
+    clock::now_ns,
     maps::{
         ADOPT, ADOPTING, LISTEN_PORTS, SERVICE_EPOCHS, SOCK_CONN_COUNT, SOCK_CONNS, WATCHED_PORTS,
         count_loss,
     },
-    requests::{self, Arrivals, now_ns},
+    requests::{self, Arrivals},
 };
 
 /// Offset of the `struct net *` in `struct sock` (`__sk_common.skc_net.net`), and of

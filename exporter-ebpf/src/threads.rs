@@ -4,13 +4,11 @@
 //! closes the interval into the per-CPU stats of the thread's pool, and, while the
 //! thread holds requests, into their components too.
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
-use poolscope_shared::{Activity, Peer, Serving, Thread, histogram_bucket};
+use poolscope_shared::{Activity, NO_POOL, Peer, Serving, Thread, histogram_bucket};
 
 use crate::{
-    downstream, locks,
+    downstream,
     maps::{POOL_STATS, THREAD_POOLS, THREADS},
-    requests::now_ns,
-    stacks,
 };
 
 /// A thread holding more requests than this is miscounted (a lost end); the cap
@@ -79,40 +77,6 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
     }
 }
 
-/// `tid` goes on CPU at `now` (0: not read yet): a run-queue wait ends.
-#[inline(always)]
-pub fn switched_in(tid: u32, now: u64) {
-    let Some(thread) = thread(tid) else {
-        return;
-    };
-    // Already running: the switch that put it off CPU was not seen (its entry was
-    // made meanwhile).
-    if Activity::from_u32(thread.activity) == Activity::Running {
-        return;
-    }
-    let now = if now == 0 { now_ns() } else { now };
-    // From a wait whose wakeup we did not see (entry made while it slept), the
-    // interval closes as that wait and no run-queue wait is timed.
-    stacks::unblocked(tid, thread, now);
-    change(tid, thread, Activity::Running, now);
-    locks::switched_in(thread, now);
-}
-
-/// `tid` was woken: it waits for a CPU from now.
-#[inline(always)]
-pub fn woken(tid: u32) {
-    let Some(thread) = thread(tid) else {
-        return;
-    };
-    // A wakeup of a thread on CPU or already queued (it was woken before it slept,
-    // or preempted) changes nothing.
-    if Activity::from_u32(thread.activity).is_off_cpu() {
-        let now = now_ns();
-        stacks::unblocked(tid, thread, now);
-        change(tid, thread, Activity::Runnable, now);
-    }
-}
-
 /// The current thread read the first bytes of a request: it serves it until the
 /// response begins. Returns its tid if it is watched, else 0.
 #[inline(always)]
@@ -170,4 +134,11 @@ pub fn serving(thread: &Thread) -> Serving {
     } else {
         Serving::OneAtATime
     }
+}
+
+/// The pool of thread `tid` ([`NO_POOL`] if it has none yet).
+#[inline(always)]
+pub fn pool_of(tid: u32) -> u32 {
+    // SAFETY: copied out at once.
+    unsafe { THREAD_POOLS.get(tid).copied() }.unwrap_or(NO_POOL)
 }
