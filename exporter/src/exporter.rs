@@ -17,6 +17,7 @@ use poolscope_shared::{
 use tokio::sync::Notify;
 
 use crate::{
+    clock::monotonic_ns,
     collect::{
         PoolInput, ReloadStatus, SelfStats, ServiceInput, downstream_families, peer_label,
         pool_families, queue_depths, self_families, service_families, service_listeners,
@@ -36,7 +37,7 @@ use crate::{
         Drained, RecentNames, Saturation, SessionWindows, Snapshots, StackWindows, Trigger, Window,
     },
     symbolize::{Symbols, Unnamed},
-    targets::{Targets, WatchChange, monotonic_ns},
+    targets::{Targets, WatchChange},
     web::{DebugError, Gatherer, LocksFormat, LocksQuery, ProfileOutput, StacksQuery},
     window::Windows,
 };

@@ -1649,7 +1649,7 @@ impl Kernel {
             .iter()
             .filter_map(Result::ok)
             .collect();
-        readout.threads_read_ns = crate::targets::monotonic_ns();
+        readout.threads_read_ns = crate::clock::monotonic_ns();
         readout.threads = self
             .thread_entries()
             .into_iter()

@@ -5,6 +5,7 @@
 //! SIGTERM/SIGINT stop and detach every probe).
 pub mod btf;
 pub mod caps;
+pub mod clock;
 pub mod collect;
 pub mod config;
 pub mod discovery;

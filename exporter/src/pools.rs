@@ -14,11 +14,11 @@ use std::{
 use poolscope_shared::{Activity, Histogram, LockPrimitive, PoolStats, Thread, maps};
 
 use crate::{
+    clock::monotonic_ns,
     health::MapErrors,
     ids::DenseIds,
     kernel::{Kernel, Readout},
     procfs,
-    targets::monotonic_ns,
 };
 
 /// `thread_seconds_total{state}`: the thread states of DESIGN §3 as sums of activities.

@@ -12,6 +12,7 @@ use std::{
 use poolscope_shared::{ListenKey, Phase, ProcessEvent, ProcessEventKind, Watched, maps};
 
 use crate::{
+    clock::monotonic_ns,
     discovery::Assignment,
     health::MapErrors,
     ids::DenseIds,
@@ -81,15 +82,6 @@ pub struct Targets {
     pub processes_unreadable: BTreeSet<u32>,
     /// Failed inserts into `WATCHED` and updates of `LISTEN_PORTS`.
     pub map_errors: MapErrors,
-}
-
-/// CLOCK_MONOTONIC in ns, the clock of `bpf_ktime_get_ns`.
-pub fn monotonic_ns() -> u64 {
-    // SAFETY: zeroed timespec is valid; clock_gettime only writes it.
-    let mut now: libc::timespec = unsafe { std::mem::zeroed() };
-    // SAFETY: valid pointer to a timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
-    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 impl Targets {

@@ -34,11 +34,11 @@ use axum::{
 };
 
 use crate::{
+    clock::monotonic_ns,
     config::{DebugAccess, ScrapeLimits},
     encode::{Family, Format, Kind, render},
     profile::{self, ProfileError, View},
     sessions::{ProfileQuery, Refusal, Ticket},
-    targets::monotonic_ns,
 };
 
 /// Something that reads every metric family for one scrape.
