@@ -18,28 +18,28 @@ use tokio::sync::Notify;
 
 use crate::{
     clock::monotonic_ns,
-    collect::{
+    config::Settings,
+    discovery::procfs,
+    discovery::rules,
+    discovery::sockdiag,
+    discovery::targets::{Targets, WatchChange},
+    kernel::{Kernel, Probe, Readout},
+    metrics::collect::{
         PoolInput, ReloadStatus, SelfStats, ServiceInput, downstream_families, peer_label,
         pool_families, queue_depths, self_families, service_families, service_listeners,
     },
-    config::Settings,
-    discovery,
-    encode::{Family, cap_series},
-    health::{self, HealthTracker, Loss, LossInputs, LossKind},
-    kernel::{Kernel, Probe, Readout},
-    locks::{self, LockProbes, top_locks},
-    pools::{self, COMPONENTS, PoolView, Pools, sum_of},
-    procfs,
-    profile::{self, ProfileMeta, StackRecord, View},
-    sessions::{self, ProfileQuery, Refusal, Sessions, Ticket},
-    sockdiag,
-    stacks::{
+    metrics::encode::{Family, cap_series},
+    metrics::health::{self, HealthTracker, Loss, LossInputs, LossKind},
+    metrics::locks::{self, LockProbes, top_locks},
+    metrics::pools::{self, COMPONENTS, PoolView, Pools, sum_of},
+    metrics::window::Windows,
+    stacks::profile::{self, ProfileMeta, StackRecord, View},
+    stacks::sessions::{self, ProfileQuery, Refusal, Sessions, Ticket},
+    stacks::snapshots::{
         Drained, RecentNames, Saturation, SessionWindows, Snapshots, StackWindows, Trigger, Window,
     },
-    symbolize::{Symbols, Unnamed},
-    targets::{Targets, WatchChange},
-    web::{DebugError, Gatherer, LocksFormat, LocksQuery, ProfileOutput, StacksQuery},
-    window::Windows,
+    stacks::symbolize::{Symbols, Unnamed},
+    web::server::{DebugError, Gatherer, LocksFormat, LocksQuery, ProfileOutput, StacksQuery},
 };
 
 /// Between the two epoch advances of a snapshot: longer than any kernel program
@@ -263,7 +263,7 @@ impl Exporter {
             root: self.procfs_root.display().to_string(),
             source,
         })?;
-        let assignments = discovery::assign(&snapshot, &settings.targets, std::process::id());
+        let assignments = rules::assign(&snapshot, &settings.targets, std::process::id());
         let mut shared = self.lock();
         let Shared {
             kernel, targets, ..
@@ -736,7 +736,7 @@ impl Exporter {
             processes,
             ..Default::default()
         };
-        let assignments = discovery::assign(&snapshot, &settings.targets, std::process::id());
+        let assignments = rules::assign(&snapshot, &settings.targets, std::process::id());
         if assignments.is_empty() {
             return;
         }
@@ -821,7 +821,7 @@ impl Gatherer for Exporter {
     fn debug_snapshots(&self) -> String {
         #[derive(serde::Serialize)]
         struct Body {
-            snapshots: Vec<crate::stacks::SnapshotSummary>,
+            snapshots: Vec<crate::stacks::snapshots::SnapshotSummary>,
         }
         let snapshots = self
             .snapshots

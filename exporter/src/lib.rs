@@ -3,31 +3,14 @@
 //! config → kernel programs → discovery → HTTP (plain or TLS and basic auth, per
 //! `--web.config.file`), plus signals (SIGHUP reloads both configurations,
 //! SIGTERM/SIGINT stop and detach every probe).
-pub mod btf;
-pub mod caps;
 pub mod clock;
-pub mod collect;
 pub mod config;
 pub mod discovery;
-pub mod encode;
 pub mod exporter;
-pub mod health;
-pub mod heap;
-pub mod ids;
 pub mod kernel;
-pub mod listener;
-pub mod locks;
-pub mod pools;
-pub mod procfs;
-pub mod profile;
-pub mod sessions;
-pub mod sockdiag;
+pub mod metrics;
 pub mod stacks;
-pub mod symbolize;
-pub mod targets;
 pub mod web;
-pub mod webconfig;
-pub mod window;
 
 use std::{sync::Arc, time::Duration};
 
@@ -40,9 +23,12 @@ use tracing_subscriber::{
 
 use crate::{
     config::{Overrides, Settings},
+    discovery::procfs,
     exporter::Exporter,
-    kernel::{Kernel, MapSizes, ProbeState, ProcessEvents, Sampling},
-    stacks::Trigger,
+    kernel::{Kernel, MapSizes, ProbeState, ProcessEvents, Sampling, caps},
+    metrics::pools,
+    stacks::{heap, snapshots::Trigger},
+    web::{listener, server, webconfig},
 };
 
 /// How often to look for process events that did not wake us (execs).
@@ -202,8 +188,8 @@ async fn serve(
         web = web_config.current().summary(),
         "serving /metrics"
     );
-    let gate = Arc::new(web::ScrapeGate::new(scrapes));
-    let app = web::app(exporter.clone(), gate.clone(), debug_access).layer(
+    let gate = Arc::new(server::ScrapeGate::new(scrapes));
+    let app = server::app(exporter.clone(), gate.clone(), debug_access).layer(
         axum::middleware::from_fn_with_state(web_config.clone(), webconfig::authorize),
     );
     // The no-op tap makes axum give handlers the client's address (listener.rs).

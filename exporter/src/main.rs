@@ -30,7 +30,7 @@ struct Cli {
 }
 
 /// Not `#[tokio::main]`: `run` starts the runtime's threads only after dropping
-/// capabilities (see `poolscope::caps`).
+/// capabilities (see `poolscope::kernel::caps`).
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let overrides = Overrides {
@@ -43,7 +43,7 @@ fn main() -> ExitCode {
         let checked = poolscope::config::Settings::load(&overrides)
             .map_err(|error| error.to_string())
             .and_then(|_| match &overrides.web_config_file {
-                Some(path) => poolscope::webconfig::WebConfig::load(path)
+                Some(path) => poolscope::web::webconfig::WebConfig::load(path)
                     .map(|web| format!(", web config file: {}", web.summary()))
                     .map_err(|error| error.to_string()),
                 None => Ok(String::new()),

@@ -4,7 +4,7 @@
 //!   rule;
 //! - the Grafana dashboards in `dashboards/` are well-formed (schema, ids, layout,
 //!   datasource variable, template variables) and name only metrics poolscope exports,
-//!   read from `exporter/src/collect.rs` at test time, so a renamed metric fails here;
+//!   read from `exporter/src/metrics/collect.rs` at test time, so a renamed metric fails here;
 //! - as root: every dashboard query, variable query and rule expression runs against a
 //!   real Prometheus scraping poolscope while three test servers are under load; panels
 //!   must return data, rules must evaluate, rule groups be healthy and the scrape up.
@@ -66,17 +66,17 @@ fn files(dir: &str, ext: &str) -> anyhow::Result<Vec<PathBuf>> {
 // ------------------------------------------------------------------ what poolscope exports
 
 /// Every series name poolscope can export: the `Family::new("name", Kind::…` calls of
-/// `exporter/src/collect.rs` (outside its unit tests), with encode.rs's prefix and the
+/// `exporter/src/metrics/collect.rs` (outside its unit tests), with encode.rs's prefix and the
 /// suffixes it writes for each kind.
 fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
     let root = repo_root()?;
-    let collect = std::fs::read_to_string(root.join("exporter/src/collect.rs"))?;
-    let encode = std::fs::read_to_string(root.join("exporter/src/encode.rs"))?;
+    let collect = std::fs::read_to_string(root.join("exporter/src/metrics/collect.rs"))?;
+    let encode = std::fs::read_to_string(root.join("exporter/src/metrics/encode.rs"))?;
     let prefix = encode
         .split("pub const PREFIX: &str = \"")
         .nth(1)
         .and_then(|rest| rest.split('"').next())
-        .context("no PREFIX in exporter/src/encode.rs")?;
+        .context("no PREFIX in exporter/src/metrics/encode.rs")?;
     let code = collect.split("#[cfg(test)]").next().unwrap_or_default();
     let mut names = BTreeSet::new();
     for call in code.split("Family::new(").skip(1) {

@@ -36,9 +36,9 @@ use axum::{
 use crate::{
     clock::monotonic_ns,
     config::{DebugAccess, ScrapeLimits},
-    encode::{Family, Format, Kind, render},
-    profile::{self, ProfileError, View},
-    sessions::{ProfileQuery, Refusal, Ticket},
+    metrics::encode::{Family, Format, Kind, render},
+    stacks::profile::{self, ProfileError, View},
+    stacks::sessions::{ProfileQuery, Refusal, Ticket},
 };
 
 /// Something that reads every metric family for one scrape.
@@ -483,7 +483,7 @@ async fn pprof_profile(
         Err(rejection) => {
             return (
                 StatusCode::BAD_REQUEST,
-                format!("{rejection}\n{}", crate::sessions::USAGE),
+                format!("{rejection}\n{}", crate::stacks::sessions::USAGE),
             )
                 .into_response();
         }
@@ -643,7 +643,7 @@ mod tests {
             Ok(Ticket {
                 slot: 0,
                 id: 1,
-                request: crate::sessions::ProfileRequest {
+                request: crate::stacks::sessions::ProfileRequest {
                     service: query.service.clone().unwrap_or_default(),
                     pool: None,
                     duration: Duration::from_millis(milliseconds),

@@ -15,10 +15,10 @@ use poolscope_shared::{Activity, Histogram, LockPrimitive, PoolStats, Thread, ma
 
 use crate::{
     clock::monotonic_ns,
-    health::MapErrors,
-    ids::DenseIds,
+    discovery::ids::DenseIds,
+    discovery::procfs,
     kernel::{Kernel, Readout},
-    procfs,
+    metrics::health::MapErrors,
 };
 
 /// `thread_seconds_total{state}`: the thread states of DESIGN §3 as sums of activities.

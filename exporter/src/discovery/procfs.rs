@@ -8,7 +8,7 @@
 //! `spec.hostname` (kubelet cuts it to 63 characters). It is only trusted when the
 //! process has a UTS namespace of its own: a `hostNetwork` pod shares the host's, and
 //! its HOSTNAME is the node's name.
-use crate::sockdiag::ListenQueue;
+use crate::discovery::sockdiag::ListenQueue;
 use std::{
     collections::{HashMap, HashSet},
     fs,

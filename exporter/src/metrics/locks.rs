@@ -14,10 +14,10 @@ use poolscope_shared::{Histogram, LockKey};
 use serde::Serialize;
 
 use crate::{
+    discovery::procfs,
     kernel::Kernel,
-    procfs,
-    symbolize::{Symbol, Symbols, lookup_addresses},
-    window::quantile,
+    metrics::window::quantile,
+    stacks::symbolize::{Symbol, Symbols, lookup_addresses},
 };
 
 /// Which services get the `pthread_mutex_lock` probes (`probes.lock_uprobes`).

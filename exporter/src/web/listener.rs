@@ -24,8 +24,8 @@ use tokio::{
 };
 
 use crate::{
-    web::{HandshakeError, ScrapeGate},
-    webconfig::WebState,
+    web::server::{HandshakeError, ScrapeGate},
+    web::webconfig::WebState,
 };
 
 /// The longest a client may take to complete its TLS handshake.
@@ -213,7 +213,7 @@ mod tests {
     use super::*;
     use crate::{
         config::ScrapeLimits,
-        webconfig::{
+        web::webconfig::{
             authorize,
             test_pki::{Ca, Error, Leaf},
         },

@@ -15,9 +15,9 @@ use poolscope_shared::{Activity, StackCount, StackKey};
 use serde::Serialize;
 
 use crate::{
-    procfs::{self, Mapping},
-    profile::{Frame, OffCpuReason, ProfileMeta, StackKind, StackRecord},
-    symbolize::{Symbol, Symbols, lookup_addresses},
+    discovery::procfs::{self, Mapping},
+    stacks::profile::{Frame, OffCpuReason, ProfileMeta, StackKind, StackRecord},
+    stacks::symbolize::{Symbol, Symbols, lookup_addresses},
 };
 
 /// Frame standing for a stack the kernel could not keep (its map bucket was taken,

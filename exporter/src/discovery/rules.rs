@@ -37,7 +37,7 @@ use std::collections::HashMap;
 
 use crate::{
     config::TargetRule,
-    procfs::{ProcInfo, ProcSnapshot, container_id, systemd_service},
+    discovery::procfs::{ProcInfo, ProcSnapshot, container_id, systemd_service},
 };
 
 /// One process and the service it belongs to.

@@ -2,6 +2,9 @@
 //! maps, and offers small typed operations on them (watch a process, purge its
 //! connections) plus one read of every counter for a scrape. No numbers are kept here;
 //! the maps are the state.
+pub mod btf;
+pub mod caps;
+
 use std::{collections::BTreeMap, num::NonZeroU32, os::fd::OwnedFd, path::Path, time::Duration};
 
 use aya::{
@@ -26,7 +29,7 @@ use poolscope_shared::{
     syscall_counter_index, watched_port_bit,
 };
 
-use crate::{btf, procfs::ServedConnection};
+use crate::discovery::procfs::ServedConnection;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {

@@ -15,7 +15,7 @@ use poolscope_shared::{LossErrno, LossSource, maps};
 
 use crate::{
     kernel::{Probe, ProbeState, STACK_MAPS, Skip},
-    symbolize::Unnamed,
+    stacks::symbolize::Unnamed,
 };
 
 /// Failed inserts into kernel maps from user space, by map and errno.

@@ -11,13 +11,13 @@ use poolscope_shared::{
 };
 
 use crate::{
-    encode::{Family, Kind, Value},
-    health::{Loss, LossKind},
+    discovery::sockdiag::ListenQueue,
+    discovery::targets::{Corrections, ServiceView},
     kernel::{Backend, Probe, ProbeState, Readout},
-    pools::{COMPONENTS, PoolTotals, REASONS, STATES, sum_of},
-    sockdiag::ListenQueue,
-    targets::{Corrections, ServiceView},
-    window::{QUANTILES, coarse_buckets, quantile},
+    metrics::encode::{Family, Kind, Value},
+    metrics::health::{Loss, LossKind},
+    metrics::pools::{COMPONENTS, PoolTotals, REASONS, STATES, sum_of},
+    metrics::window::{QUANTILES, coarse_buckets, quantile},
 };
 
 /// A listening socket that belongs to a watched service.
@@ -742,8 +742,8 @@ mod tests {
 
     use super::*;
     use crate::{
-        encode::{Format, render},
         kernel::Skip,
+        metrics::encode::{Format, render},
     };
 
     fn view(id: u32, name: &str, corrections: Corrections) -> ServiceView {
@@ -969,10 +969,10 @@ mod tests {
             ),
         ];
         let stats = SelfStats {
-            losses: crate::health::losses(&crate::health::LossInputs {
+            losses: crate::metrics::health::losses(&crate::metrics::health::LossInputs {
                 kernel: &kernel,
                 series_dropped: 9,
-                unsymbolized: crate::symbolize::Unnamed { user: 3, kernel: 0 },
+                unsymbolized: crate::stacks::symbolize::Unnamed { user: 3, kernel: 0 },
                 ..Default::default()
             }),
             degraded: true,

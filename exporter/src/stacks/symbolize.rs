@@ -16,7 +16,7 @@ use blazesym::symbolize::{
     source::{Elf, Kernel, Process, Source},
 };
 
-use crate::procfs::{self, Mapping};
+use crate::discovery::procfs::{self, Mapping};
 
 /// What one address resolved to.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -13,11 +13,11 @@ use poolscope_shared::{ListenKey, Phase, ProcessEvent, ProcessEventKind, Watched
 
 use crate::{
     clock::monotonic_ns,
-    discovery::Assignment,
-    health::MapErrors,
-    ids::DenseIds,
+    discovery::ids::DenseIds,
+    discovery::procfs::{self, ProcSnapshot},
+    discovery::rules::Assignment,
     kernel::{Backend, Kernel},
-    procfs::{self, ProcSnapshot},
+    metrics::health::MapErrors,
 };
 
 /// One watched process.

@@ -1,0 +1,9 @@
+//! Stacks, off the scrape path: drained generations become snapshots
+//! (`snapshots`), symbolized by `symbolize`, rendered as folded stacks, flame graphs
+//! and pprof (`profile`); on-demand profiling sessions (`sessions`); and how the heap
+//! gives the symbolizer's memory back (`heap`).
+pub mod heap;
+pub mod profile;
+pub mod sessions;
+pub mod snapshots;
+pub mod symbolize;
