@@ -8,6 +8,7 @@ use figment::{
     Figment,
     providers::{Env, Format as _, Serialized, Toml},
 };
+use poolscope_shared::maps;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 
@@ -308,21 +309,72 @@ pub struct Settings {
     pub bpf_stats: bool,
     pub lock_uprobes: Vec<String>,
     pub max_series: usize,
-    pub max_services: u32,
-    pub max_pools: u32,
-    pub watched_processes: u32,
-    pub threads: u32,
-    pub connections: u32,
-    pub locks: u32,
-    pub lock_stacks: u32,
-    pub stacks: u32,
-    pub stack_counts: u32,
+    pub limits: Limits,
     pub degraded_for: Duration,
     pub utilization_window: Duration,
     pub snapshots: SnapshotSettings,
     pub profiles: ProfileLimits,
     /// Empty: auto-discover every process with a listening TCP socket.
     pub targets: Vec<TargetRule>,
+}
+
+/// The sizes of the kernel's maps and arrays (`[limits]`), fixed when the programs
+/// load: one type for the configuration, the loader, the capacities the health advice
+/// names, and the reload's list of what needs a restart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub watched_processes: u32,
+    /// `CONNS` (syscall backend) and `ADOPT`.
+    pub connections: u32,
+    /// Entries of the per-service arrays.
+    pub max_services: u32,
+    /// Entries of the per-pool arrays.
+    pub max_pools: u32,
+    pub threads: u32,
+    pub locks: u32,
+    pub lock_stacks: u32,
+    /// Each of the three `STACKS` maps.
+    pub stacks: u32,
+    pub stack_counts: u32,
+}
+
+impl Limits {
+    /// Each limit under its configuration key.
+    pub fn keyed(&self) -> [(&'static str, u32); 9] {
+        [
+            ("limits.watched_processes", self.watched_processes),
+            ("limits.connections", self.connections),
+            ("limits.max_services", self.max_services),
+            ("limits.max_pools", self.max_pools),
+            ("limits.threads", self.threads),
+            ("limits.locks", self.locks),
+            ("limits.lock_stacks", self.lock_stacks),
+            ("limits.stacks", self.stacks),
+            ("limits.stack_counts", self.stack_counts),
+        ]
+    }
+
+    /// The key of the limit that sizes kernel map `map`, if one does.
+    pub fn key_of(map: &str) -> Option<&'static str> {
+        Some(match map {
+            maps::CONNS | maps::ADOPT => "limits.connections",
+            maps::WATCHED => "limits.watched_processes",
+            maps::THREADS | maps::THREAD_POOLS => "limits.threads",
+            maps::LOCKS => "limits.locks",
+            maps::LOCK_STACKS => "limits.lock_stacks",
+            maps::STACK_COUNTS => "limits.stack_counts",
+            maps::STACK_MAPS => "limits.stacks",
+            _ => return None,
+        })
+    }
+
+    /// The size of kernel map `map`, if a limit sets it.
+    pub fn size_of(&self, map: &str) -> Option<u32> {
+        let key = Self::key_of(map)?;
+        self.keyed()
+            .into_iter()
+            .find_map(|(limit, size)| (limit == key).then_some(size))
+    }
 }
 
 /// Stack sampling and snapshots (`[probes] sampling_hz`, `[stacks]`).
@@ -371,6 +423,56 @@ pub struct TargetRule {
     pub exe: Option<Regex>,
     pub ports: Vec<u16>,
     pub cgroup: Option<String>,
+}
+
+impl Settings {
+    /// The keys whose values differ from the `running` settings' and take effect only
+    /// on restart (the programs and the listener are set up once).
+    pub fn restart_changes(&self, running: &Settings) -> Vec<&'static str> {
+        let mut changed: Vec<&'static str> = [
+            (
+                "web.listen_address",
+                self.listen_address != running.listen_address,
+            ),
+            (
+                "web.max_concurrent_scrapes, web.scrape_timeout, web.scrape_timeout_offset",
+                self.scrapes != running.scrapes,
+            ),
+            (
+                "web.debug_endpoints",
+                self.debug_endpoints != running.debug_endpoints,
+            ),
+            (
+                "discovery.procfs_root",
+                self.procfs_root != running.procfs_root,
+            ),
+            ("probes.backend", self.backend != running.backend),
+            ("probes.bpf_stats", self.bpf_stats != running.bpf_stats),
+            (
+                "probes.sampling_hz",
+                self.snapshots.sampling_hz != running.snapshots.sampling_hz,
+            ),
+            (
+                "stacks.offcpu, stacks.offcpu_min",
+                self.snapshots.offcpu_min != running.snapshots.offcpu_min,
+            ),
+            (
+                "stacks.offcpu_idle",
+                self.snapshots.offcpu_idle != running.snapshots.offcpu_idle,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(key, differs)| differs.then_some(key))
+        .collect();
+        changed.extend(
+            self.limits
+                .keyed()
+                .into_iter()
+                .zip(running.limits.keyed())
+                .filter_map(|((key, new), (_, old))| (new != old).then_some(key)),
+        );
+        changed
+    }
 }
 
 impl Settings {
@@ -478,16 +580,20 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         }
     };
     positive("limits.max_series", raw.limits.max_series as u64)?;
-    positive(
-        "limits.watched_processes",
-        raw.limits.watched_processes.into(),
-    )?;
-    positive("limits.connections", raw.limits.connections.into())?;
-    positive("limits.max_services", raw.limits.max_services.into())?;
-    positive("limits.max_pools", raw.limits.max_pools.into())?;
-    positive("limits.threads", raw.limits.threads.into())?;
-    positive("limits.locks", raw.limits.locks.into())?;
-    positive("limits.lock_stacks", raw.limits.lock_stacks.into())?;
+    let limits = Limits {
+        watched_processes: raw.limits.watched_processes,
+        connections: raw.limits.connections,
+        max_services: raw.limits.max_services,
+        max_pools: raw.limits.max_pools,
+        threads: raw.limits.threads,
+        locks: raw.limits.locks,
+        lock_stacks: raw.limits.lock_stacks,
+        stacks: raw.limits.stacks,
+        stack_counts: raw.limits.stack_counts,
+    };
+    for (key, size) in limits.keyed() {
+        positive(key, size.into())?;
+    }
     if raw.probes.lock_uprobes.iter().any(String::is_empty) {
         return Err(invalid(
             figment,
@@ -495,8 +601,6 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
             "service names must not be empty (\"*\" selects every service)",
         ));
     }
-    positive("limits.stacks", raw.limits.stacks.into())?;
-    positive("limits.stack_counts", raw.limits.stack_counts.into())?;
     let snapshots = validate_stacks(raw, figment)?;
     let profiles = validate_profiles(&raw.profiles, figment)?;
     let scrapes = validate_scrapes(&raw.web, figment)?;
@@ -538,15 +642,7 @@ fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError>
         bpf_stats: raw.probes.bpf_stats,
         lock_uprobes: raw.probes.lock_uprobes.clone(),
         max_series: raw.limits.max_series,
-        max_services: raw.limits.max_services,
-        max_pools: raw.limits.max_pools,
-        watched_processes: raw.limits.watched_processes,
-        threads: raw.limits.threads,
-        connections: raw.limits.connections,
-        locks: raw.limits.locks,
-        lock_stacks: raw.limits.lock_stacks,
-        stacks: raw.limits.stacks,
-        stack_counts: raw.limits.stack_counts,
+        limits,
         degraded_for: raw.limits.degraded_for,
         utilization_window: raw.pools.utilization_window,
         snapshots,
@@ -754,6 +850,35 @@ mod tests {
             Ok(settings) => panic!("accepted {toml:?} as {settings:?}"),
             Err(error) => error.to_string(),
         }
+    }
+
+    #[test]
+    fn restart_changes_name_what_a_reload_cannot_apply() -> Result<(), ConfigError> {
+        let running = load_toml("")?;
+        let reloaded = load_toml(
+            "[probes]\nbackend = \"syscall\"\n[limits]\nthreads = 7\nmax_series = 9\n\
+             [discovery]\nrescan_interval = \"3s\"\n",
+        )?;
+        // max_series and the rescan interval apply on reload.
+        assert_eq!(
+            reloaded.restart_changes(&running),
+            ["probes.backend", "limits.threads"]
+        );
+        assert!(running.restart_changes(&running).is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn each_limit_sizes_its_maps() -> Result<(), ConfigError> {
+        let limits = load_toml("[limits]\nstacks = 11\nconnections = 12\n")?.limits;
+        assert_eq!(limits.size_of(maps::STACK_MAPS), Some(11));
+        assert_eq!(limits.size_of(maps::ADOPT), Some(12));
+        assert_eq!(limits.size_of(maps::CONNS), Some(12));
+        assert_eq!(Limits::key_of(maps::CONNS), Some("limits.connections"));
+        // Fixed or unbounded: no limit sets them.
+        assert_eq!(limits.size_of(maps::PENDING_CALLS), None);
+        assert_eq!(limits.size_of(maps::SOCK_CONNS), None);
+        Ok(())
     }
 
     #[test]

@@ -151,10 +151,10 @@ impl Exporter {
             .collect();
         let health = HealthTracker::new(settings.degraded_for, capacities);
         let procfs_root = settings.procfs_root.clone();
-        let targets = Targets::new(procfs_root.clone(), settings.max_services);
+        let targets = Targets::new(procfs_root.clone(), settings.limits.max_services);
         let pools = Pools::new(
             procfs_root.clone(),
-            settings.max_pools,
+            settings.limits.max_pools,
             settings.utilization_window,
         );
         let snapshots = Snapshots::new(

@@ -25,7 +25,7 @@ use crate::{
     config::{Overrides, Settings},
     discovery::procfs,
     exporter::Exporter,
-    kernel::{Kernel, MapSizes, ProbeState, ProcessEvents, Sampling, caps},
+    kernel::{Kernel, ProbeState, ProcessEvents, Sampling, caps},
     metrics::pools,
     stacks::{heap, snapshots::Trigger},
     web::{listener, server, webconfig},
@@ -99,24 +99,13 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         overrides.web_config_file.as_deref(),
     )?);
 
-    let sizes = MapSizes {
-        watched_processes: settings.watched_processes,
-        connections: settings.connections,
-        services: settings.max_services,
-        pools: settings.max_pools,
-        threads: settings.threads,
-        locks: settings.locks,
-        lock_stacks: settings.lock_stacks,
-        stacks: settings.stacks,
-        stack_counts: settings.stack_counts,
-    };
     let sampling = Sampling {
         hz: settings.snapshots.sampling_hz,
         offcpu_min: settings.snapshots.offcpu_min,
         offcpu_idle: settings.snapshots.offcpu_idle,
     };
     let backend = choose_backend(settings.backend)?;
-    let (kernel, events) = Kernel::load(sizes, backend, sampling, settings.bpf_stats)?;
+    let (kernel, events) = Kernel::load(settings.limits, backend, sampling, settings.bpf_stats)?;
     let probes = kernel.probes();
     let count =
         |wanted: fn(&ProbeState) -> bool| probes.iter().filter(|p| wanted(&p.state)).count();
@@ -359,66 +348,8 @@ fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) -> bool {
     match Settings::load(overrides) {
         Ok(settings) => {
             let current = exporter.settings();
-            let restart_only = [
-                (
-                    "web.listen_address",
-                    settings.listen_address != current.listen_address,
-                ),
-                (
-                    "web.max_concurrent_scrapes, web.scrape_timeout, web.scrape_timeout_offset",
-                    settings.scrapes != current.scrapes,
-                ),
-                (
-                    "web.debug_endpoints",
-                    settings.debug_endpoints != current.debug_endpoints,
-                ),
-                (
-                    "discovery.procfs_root",
-                    settings.procfs_root != current.procfs_root,
-                ),
-                ("probes.backend", settings.backend != current.backend),
-                ("probes.bpf_stats", settings.bpf_stats != current.bpf_stats),
-                (
-                    "limits.max_services",
-                    settings.max_services != current.max_services,
-                ),
-                (
-                    "limits.watched_processes",
-                    settings.watched_processes != current.watched_processes,
-                ),
-                ("limits.max_pools", settings.max_pools != current.max_pools),
-                ("limits.threads", settings.threads != current.threads),
-                (
-                    "limits.connections",
-                    settings.connections != current.connections,
-                ),
-                ("limits.locks", settings.locks != current.locks),
-                (
-                    "limits.lock_stacks",
-                    settings.lock_stacks != current.lock_stacks,
-                ),
-                ("limits.stacks", settings.stacks != current.stacks),
-                (
-                    "limits.stack_counts",
-                    settings.stack_counts != current.stack_counts,
-                ),
-                (
-                    "probes.sampling_hz",
-                    settings.snapshots.sampling_hz != current.snapshots.sampling_hz,
-                ),
-                (
-                    "stacks.offcpu, stacks.offcpu_min",
-                    settings.snapshots.offcpu_min != current.snapshots.offcpu_min,
-                ),
-                (
-                    "stacks.offcpu_idle",
-                    settings.snapshots.offcpu_idle != current.snapshots.offcpu_idle,
-                ),
-            ];
-            for (key, changed) in restart_only {
-                if changed {
-                    tracing::warn!(key, "changed in the configuration; takes effect on restart");
-                }
+            for key in settings.restart_changes(&current) {
+                tracing::warn!(key, "changed in the configuration; takes effect on restart");
             }
             if let Err(error) = log.modify(|level| *level = settings.log_level) {
                 tracing::warn!(%error, "cannot change the log level");

@@ -94,6 +94,8 @@ pub mod maps {
     /// [`crate::StackKey`] → [`crate::StackCount`]: on-CPU samples and off-CPU
     /// blocks per stack, thread pool and reason. Shared by all CPUs (atomic adds).
     pub const STACK_COUNTS: &str = "STACK_COUNTS";
+    /// The three [`STACKS`] maps together, as loss counters and advice name them.
+    pub const STACK_MAPS: &str = "STACKS";
     /// Stack trace maps of generations 0, 1, 2 (user and kernel stacks alike).
     pub const STACKS: [&str; crate::STACK_GENERATIONS as usize] =
         ["STACKS_0", "STACKS_1", "STACKS_2"];

@@ -29,7 +29,7 @@ use poolscope_shared::{
     syscall_counter_index, watched_port_bit,
 };
 
-use crate::discovery::procfs::ServedConnection;
+use crate::{config::Limits, discovery::procfs::ServedConnection};
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -59,9 +59,6 @@ pub enum KernelError {
     #[error("no profiling session slot {0}")]
     NoSessionSlot(u32),
 }
-
-/// The name the three `STACKS_<generation>` maps are counted under.
-pub const STACK_MAPS: &str = "STACKS";
 
 /// Map update flag of include/uapi/linux/bpf.h: insert only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
@@ -375,24 +372,6 @@ enum Refusal {
     Attach(ProgramError),
 }
 
-/// Sizes of the maps that grow with the watched workload.
-#[derive(Clone, Copy, Debug)]
-pub struct MapSizes {
-    pub watched_processes: u32,
-    pub connections: u32,
-    /// Entries of the per-service arrays (each CPU holds a `RequestTimes`, 5.4 kB, per service).
-    pub services: u32,
-    /// Entries of the per-pool array (each CPU holds a `PoolStats`, 1.9 kB, per pool).
-    pub pools: u32,
-    pub threads: u32,
-    /// Entries of `LOCKS` (1.8 kB each) and of `LOCK_STACKS` (1 kB each).
-    pub locks: u32,
-    pub lock_stacks: u32,
-    /// Entries of each of the three `STACKS` maps (1 kB each) and of `STACK_COUNTS`.
-    pub stacks: u32,
-    pub stack_counts: u32,
-}
-
 /// What the stack programs sample.
 #[derive(Clone, Copy, Debug)]
 pub struct Sampling {
@@ -443,7 +422,7 @@ pub struct Kernel {
     /// The cpu-clock perf events of each session slot's sampler, while it runs.
     session_links: [Vec<PerfEventLinkId>; MAX_PROFILE_SESSIONS as usize],
     probes: Vec<Probe>,
-    sizes: MapSizes,
+    limits: Limits,
     backend: Backend,
     /// Keeps `kernel.bpf_stats_enabled` on while we run.
     _stats: Option<OwnedFd>,
@@ -950,7 +929,7 @@ pub fn release() -> String {
 impl Kernel {
     /// Loads the programs, fills the syscall table and attaches every probe.
     pub fn load(
-        sizes: MapSizes,
+        limits: Limits,
         backend: Backend,
         sampling: Sampling,
         bpf_stats: bool,
@@ -983,7 +962,7 @@ impl Kernel {
         });
         let mut loader = EbpfLoader::new();
         for name in maps::STACKS {
-            loader.map_max_entries(name, sizes.stacks);
+            loader.map_max_entries(name, limits.stacks);
         }
         // Left at 0 where BTF does not have them all: no peer is looked for, and the
         // socket programs are skipped.
@@ -998,21 +977,21 @@ impl Kernel {
             .override_global("SOCK_SOCKET_OFFSET", &sock_socket_offset, true)
             .override_global("SOCKET_INODE_OFFSET", &socket_inode_offset, true)
             .override_global("INODE_INO_OFFSET", &inode_ino_offset, true)
-            .map_max_entries(maps::ADOPT, sizes.connections)
+            .map_max_entries(maps::ADOPT, limits.connections)
             .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
             .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
-            .map_max_entries(maps::STACK_COUNTS, sizes.stack_counts)
-            .map_max_entries(maps::WATCHED, sizes.watched_processes)
-            .map_max_entries(maps::CONNS, sizes.connections)
-            .map_max_entries(maps::SERVICE_COUNTERS, sizes.services)
-            .map_max_entries(maps::SERVICE_EPOCHS, sizes.services)
-            .map_max_entries(maps::REQUEST_TIMES, sizes.services)
-            .map_max_entries(maps::POOL_STATS, sizes.pools)
-            .map_max_entries(maps::THREADS, sizes.threads)
-            .map_max_entries(maps::THREAD_POOLS, sizes.threads)
-            .map_max_entries(maps::LOCK_WAITS, sizes.pools * LockPrimitive::COUNT)
-            .map_max_entries(maps::LOCKS, sizes.locks)
-            .map_max_entries(maps::LOCK_STACKS, sizes.lock_stacks)
+            .map_max_entries(maps::STACK_COUNTS, limits.stack_counts)
+            .map_max_entries(maps::WATCHED, limits.watched_processes)
+            .map_max_entries(maps::CONNS, limits.connections)
+            .map_max_entries(maps::SERVICE_COUNTERS, limits.max_services)
+            .map_max_entries(maps::SERVICE_EPOCHS, limits.max_services)
+            .map_max_entries(maps::REQUEST_TIMES, limits.max_services)
+            .map_max_entries(maps::POOL_STATS, limits.max_pools)
+            .map_max_entries(maps::THREADS, limits.threads)
+            .map_max_entries(maps::THREAD_POOLS, limits.threads)
+            .map_max_entries(maps::LOCK_WAITS, limits.max_pools * LockPrimitive::COUNT)
+            .map_max_entries(maps::LOCKS, limits.locks)
+            .map_max_entries(maps::LOCK_STACKS, limits.lock_stacks)
             .load(aya::include_bytes_aligned!(concat!(
                 env!("OUT_DIR"),
                 "/poolscope"
@@ -1115,7 +1094,7 @@ impl Kernel {
             session_links: std::array::from_fn(|_| Vec::new()),
             ebpf,
             probes,
-            sizes,
+            limits,
             backend,
             _stats: stats,
             cpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
@@ -1194,22 +1173,16 @@ impl Kernel {
         self.watched.insert(pid, watch, 0)
     }
 
-    /// The size of kernel map `name` as loaded (all three for `STACKS`).
+    /// The size of kernel map `name` as loaded (each of the three for `STACKS`):
+    /// its limit's, or the fixed size of a map no limit sets.
     pub fn capacity(&self, name: &str) -> Option<u32> {
-        Some(match name {
-            maps::WATCHED => self.sizes.watched_processes,
-            maps::CONNS | maps::ADOPT => self.sizes.connections,
-            maps::PENDING_CALLS => poolscope_shared::PENDING_CALLS_CAPACITY,
-            maps::THREADS | maps::THREAD_POOLS => self.sizes.threads,
-            maps::LOCKS => self.sizes.locks,
-            maps::LOCK_STACKS => self.sizes.lock_stacks,
-            maps::DOWNSTREAM_WAITS => poolscope_shared::MAX_DOWNSTREAMS,
-            maps::STACK_COUNTS => self.sizes.stack_counts,
-            maps::MUTEX_CALLS => poolscope_shared::MUTEX_CALLS_CAPACITY,
-            maps::PROFILE_SESSIONS => MAX_PROFILE_SESSIONS,
-            maps::LISTEN_PORTS => poolscope_shared::LISTEN_PORTS_CAPACITY,
-            STACK_MAPS => self.sizes.stacks,
-            _ => return None,
+        self.limits.size_of(name).or(match name {
+            maps::PENDING_CALLS => Some(poolscope_shared::PENDING_CALLS_CAPACITY),
+            maps::DOWNSTREAM_WAITS => Some(poolscope_shared::MAX_DOWNSTREAMS),
+            maps::MUTEX_CALLS => Some(poolscope_shared::MUTEX_CALLS_CAPACITY),
+            maps::PROFILE_SESSIONS => Some(MAX_PROFILE_SESSIONS),
+            maps::LISTEN_PORTS => Some(poolscope_shared::LISTEN_PORTS_CAPACITY),
+            _ => None,
         })
     }
 

@@ -14,7 +14,8 @@ use aya::maps::MapError;
 use poolscope_shared::{LossErrno, LossSource, maps};
 
 use crate::{
-    kernel::{Probe, ProbeState, STACK_MAPS, Skip},
+    config::Limits,
+    kernel::{Probe, ProbeState, Skip},
     stacks::symbolize::Unnamed,
 };
 
@@ -169,7 +170,7 @@ impl LossKind {
             LossSource::LocksInsert => map(maps::LOCKS),
             LossSource::LockStackCollision => map(maps::LOCK_STACKS),
             LossSource::MutexCallsInsert => map(maps::MUTEX_CALLS),
-            LossSource::StackCollision => map(STACK_MAPS),
+            LossSource::StackCollision => map(maps::STACK_MAPS),
             LossSource::StackCountsInsert => map(maps::STACK_COUNTS),
             LossSource::DownstreamInsert => map(maps::DOWNSTREAM_WAITS),
             LossSource::ProcessEvents => Self::Events(PROCESS_EVENTS),
@@ -200,7 +201,7 @@ impl LossKind {
                 | Self::Unsymbolized(_)
                 | Self::ProcessesUnreadable
                 | Self::MapUpdate {
-                    map: STACK_MAPS | maps::LOCK_STACKS,
+                    map: maps::STACK_MAPS | maps::LOCK_STACKS,
                     errno: LossErrno::Eexist,
                 }
         )
@@ -211,7 +212,7 @@ impl LossKind {
         let size = capacity.map_or_else(String::new, |c| format!(" (capacity {c})"));
         match self {
             Self::MapUpdate { map, errno } => match errno {
-                LossErrno::E2big | LossErrno::Eexist => match limit_of(map) {
+                LossErrno::E2big | LossErrno::Eexist => match Limits::key_of(map) {
                     Some(key) => format!("kernel map {map} is full{size}: raise {key}"),
                     None => format!(
                         "kernel map {map} is full{size}; its size is fixed: too many at once \
@@ -293,20 +294,6 @@ impl fmt::Display for LossKind {
     }
 }
 
-/// The config key that sizes `map`, if it is configurable.
-fn limit_of(map: &str) -> Option<&'static str> {
-    Some(match map {
-        maps::CONNS | maps::ADOPT => "limits.connections",
-        maps::WATCHED => "limits.watched_processes",
-        maps::THREADS | maps::THREAD_POOLS => "limits.threads",
-        maps::LOCKS => "limits.locks",
-        maps::LOCK_STACKS => "limits.lock_stacks",
-        maps::STACK_COUNTS => "limits.stack_counts",
-        STACK_MAPS => "limits.stacks",
-        _ => return None,
-    })
-}
-
 /// The maps user space or the kernel inserts into, whose `E2BIG` (full) counter is
 /// always exported so that its first rise shows in `increase()`; the advice gives
 /// their sizes.
@@ -319,7 +306,7 @@ pub const ADVISED_MAPS: [&str; 12] = [
     maps::LOCK_STACKS,
     maps::MUTEX_CALLS,
     maps::PENDING_CALLS,
-    STACK_MAPS,
+    maps::STACK_MAPS,
     maps::STACK_COUNTS,
     maps::THREADS,
     maps::WATCHED,
