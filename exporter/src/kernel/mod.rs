@@ -2,8 +2,10 @@
 //! maps, and offers small typed operations on them (watch a process, purge its
 //! connections) plus one read of every counter for a scrape. No numbers are kept here;
 //! the maps are the state.
+mod attach;
 pub mod btf;
 pub mod caps;
+mod offsets;
 
 use std::{collections::BTreeMap, num::NonZeroU32, os::fd::OwnedFd, path::Path, time::Duration};
 
@@ -14,10 +16,8 @@ use aya::{
         stack_trace::StackTraceMap,
     },
     programs::{
-        BtfTracePoint, PerfEvent, ProgramError, RawTracePoint, TracePoint, UProbe,
-        perf_event::{
-            PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent,
-        },
+        PerfEvent, ProgramError, UProbe,
+        perf_event::PerfEventLinkId,
         uprobe::{UProbeLinkId, UProbeScope},
     },
 };
@@ -29,6 +29,16 @@ use poolscope_shared::{
     syscall_counter_index, watched_port_bit,
 };
 
+pub use self::attach::{Backend, Probe, ProbeState, Skip};
+use self::attach::{
+    MUTEX_PROBES, MUTEX_SYMBOL, PROCESS_ATTACHMENTS, SESSION_SAMPLERS, THREAD_ATTACHMENTS,
+    attach_cpu_clock, attach_sampler, attach_tracepoint, detach_all, ensure_tracefs,
+    load_on_demand, session_sampler, typed_program,
+};
+use self::offsets::{
+    BTF_VMLINUX, downstream_offsets, exit_group_dead_offset, socket_inode_offsets,
+    socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
+};
 use crate::{config::Limits, discovery::procfs::ServedConnection};
 
 #[derive(Debug, thiserror::Error)]
@@ -62,166 +72,6 @@ pub enum KernelError {
 
 /// Map update flag of include/uapi/linux/bpf.h: insert only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum TracepointKind {
-    /// A tracefs event, with its record.
-    Classic,
-    /// A raw tracepoint (`category` is then only part of the probe's name).
-    Raw,
-    /// A raw tracepoint typed by the kernel's BTF: its pointer arguments can be read
-    /// directly (`tp_btf`).
-    Btf,
-}
-
-/// Where each program is attached at start. A probe the kernel cannot take (no such
-/// tracepoint, no BTF, the verifier refuses the program) is skipped, logged and
-/// exported as `probe_skipped`; the rest still measure.
-struct Attachment {
-    program: &'static str,
-    category: &'static str,
-    event: &'static str,
-    kind: TracepointKind,
-    /// The program reads `task_struct` at an offset that only the kernel's BTF gives.
-    needs_btf: bool,
-}
-
-const fn tracepoint(
-    program: &'static str,
-    category: &'static str,
-    event: &'static str,
-) -> Attachment {
-    Attachment {
-        program,
-        category,
-        event,
-        kind: TracepointKind::Classic,
-        needs_btf: false,
-    }
-}
-
-const fn raw_tracepoint(
-    program: &'static str,
-    category: &'static str,
-    event: &'static str,
-) -> Attachment {
-    Attachment {
-        program,
-        category,
-        event,
-        kind: TracepointKind::Raw,
-        needs_btf: false,
-    }
-}
-
-const fn btf_tracepoint(
-    program: &'static str,
-    category: &'static str,
-    event: &'static str,
-) -> Attachment {
-    Attachment {
-        program,
-        category,
-        event,
-        kind: TracepointKind::Btf,
-        needs_btf: false,
-    }
-}
-
-impl Attachment {
-    const fn reading_task_struct(self) -> Self {
-        Self {
-            needs_btf: true,
-            ..self
-        }
-    }
-
-    fn probe_name(&self) -> String {
-        format!("{}/{}", self.category, self.event)
-    }
-}
-
-const TRACEFS_EVENTS: &str = "/sys/kernel/tracing/events";
-
-/// Whether this kernel has the tracepoint. The raw syscall tracepoints are taken as
-/// present: every kernel poolscope can load on has them, and a kernel built without
-/// `CONFIG_FTRACE_SYSCALLS` lists no event directory for them.
-fn tracepoint_exists(category: &str, event: &str) -> bool {
-    category == "raw_syscalls"
-        || Path::new(TRACEFS_EVENTS)
-            .join(category)
-            .join(event)
-            .exists()
-}
-
-/// Process lifecycle: attached with either backend.
-const PROCESS_ATTACHMENTS: [Attachment; 3] = [
-    tracepoint("process_fork", "task", "task_newtask"),
-    tracepoint("process_exec", "sched", "sched_process_exec"),
-    tracepoint("process_exit", "sched", "sched_process_exit"),
-];
-
-/// Thread states: attached with either backend.
-const THREAD_ATTACHMENTS: [Attachment; 3] = [
-    raw_tracepoint("sched_switch", "sched", "sched_switch").reading_task_struct(),
-    raw_tracepoint("sched_wakeup", "sched", "sched_wakeup").reading_task_struct(),
-    tracepoint("process_rename", "task", "task_rename"),
-];
-
-const SOCKET_ATTACHMENTS: [Attachment; 4] = [
-    btf_tracepoint("sock_state", "sock", "inet_sock_set_state"),
-    btf_tracepoint("sock_data_ready", "sock", "sk_data_ready"),
-    btf_tracepoint("sock_recv", "sock", "sock_recv_length"),
-    btf_tracepoint("sock_send", "sock", "sock_send_length"),
-];
-
-const SYSCALL_ATTACHMENTS: [Attachment; 2] = [
-    raw_tracepoint("sys_enter", "raw_syscalls", "sys_enter"),
-    raw_tracepoint("sys_exit", "raw_syscalls", "sys_exit"),
-];
-
-/// The opt-in lock probes: (program, probe name) of the entry and the return of
-/// `pthread_mutex_lock`, attached per process.
-const MUTEX_PROBES: [(&str, &str); 2] = [
-    ("mutex_lock_enter", "uprobe/pthread_mutex_lock"),
-    ("mutex_lock_return", "uretprobe/pthread_mutex_lock"),
-];
-const MUTEX_SYMBOL: &str = "pthread_mutex_lock";
-
-/// The request backend in use (DESIGN §2).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Backend {
-    Socket,
-    Syscall,
-}
-
-impl Backend {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Socket => "socket",
-            Self::Syscall => "syscall",
-        }
-    }
-
-    fn attachments(self) -> &'static [Attachment] {
-        match self {
-            Self::Socket => &SOCKET_ATTACHMENTS,
-            Self::Syscall => &SYSCALL_ATTACHMENTS,
-        }
-    }
-
-    /// The tracepoints of the backend this kernel lacks (`category/event`); mounts
-    /// tracefs first, where they are listed.
-    pub fn missing_tracepoints(self) -> Result<Vec<String>, KernelError> {
-        ensure_tracefs()?;
-        Ok(self
-            .attachments()
-            .iter()
-            .filter(|attachment| !tracepoint_exists(attachment.category, attachment.event))
-            .map(Attachment::probe_name)
-            .collect())
-    }
-}
 
 /// This architecture's number of the syscall.
 fn syscall_number(slot: SyscallSlot) -> Option<libc::c_long> {
@@ -289,89 +139,6 @@ fn wait_classes() -> Vec<(libc::c_long, WaitClass)> {
     classes
 }
 
-/// Why a probe does not measure (`poolscope_probe_skipped{reason}`), found at start.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Skip {
-    /// Turned off by the configuration.
-    Off,
-    /// This kernel has no such tracepoint.
-    TracepointAbsent,
-    /// The program reads kernel structs at offsets only BTF gives; the kernel has none.
-    NoBtf,
-    /// The kernel refused to load the program: its verifier, or a program type or
-    /// helper this kernel lacks.
-    LoadRefused,
-    /// The program loaded but the kernel refused to attach it.
-    AttachRefused,
-}
-
-impl Skip {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Off => "off",
-            Self::TracepointAbsent => "tracepoint_absent",
-            Self::NoBtf => "no_btf",
-            Self::LoadRefused => "load_refused",
-            Self::AttachRefused => "attach_refused",
-        }
-    }
-}
-
-/// How a probe stands after start.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ProbeState {
-    Attached,
-    /// Loaded, and attached per process (lock probes) or per profiling session.
-    OnDemand,
-    Skipped(Skip),
-}
-
-/// One probe: a program and where it attaches (`category/event`).
-#[derive(Clone, Debug)]
-pub struct Probe {
-    pub name: String,
-    pub state: ProbeState,
-}
-
-impl Probe {
-    /// A probe that does not measure; says why in the log.
-    fn skipped(name: String, program: &str, skip: Skip, detail: &dyn std::fmt::Display) -> Self {
-        tracing::warn!(
-            probe = %name,
-            program,
-            reason = skip.name(),
-            "probe skipped: {}",
-            tail(&detail.to_string(), VERIFIER_LOG_TAIL)
-        );
-        Self {
-            name,
-            state: ProbeState::Skipped(skip),
-        }
-    }
-}
-
-/// Bytes of a refusal kept in the log: a verifier's log runs to thousands of lines,
-/// and its end says what it refused.
-const VERIFIER_LOG_TAIL: usize = 2000;
-
-/// The last whole lines of `text` within `max` bytes.
-fn tail(text: &str, max: usize) -> &str {
-    let start = text.len().saturating_sub(max);
-    if start == 0 {
-        return text;
-    }
-    match text.get(start..).and_then(|end| end.find('\n')) {
-        Some(newline) => &text[start + newline + 1..],
-        None => text.lines().last().unwrap_or_default(),
-    }
-}
-
-/// Why loading or attaching a program failed.
-enum Refusal {
-    Load(ProgramError),
-    Attach(ProgramError),
-}
-
 /// What the stack programs sample.
 #[derive(Clone, Copy, Debug)]
 pub struct Sampling {
@@ -382,9 +149,6 @@ pub struct Sampling {
     /// Also the blocks of threads waiting for work.
     pub offcpu_idle: bool,
 }
-
-/// The program sampling every CPU's cpu-clock.
-const SAMPLER: &str = "cpu_sample";
 
 /// Loaded and attached kernel programs with their maps.
 pub struct Kernel {
@@ -475,53 +239,6 @@ pub struct ProgramStats {
     pub runs: u64,
 }
 
-fn ensure_tracefs() -> Result<(), KernelError> {
-    let tracefs = Path::new("/sys/kernel/tracing");
-    if tracefs.join("events").exists() {
-        return Ok(());
-    }
-    let source = c"nodev";
-    let target = c"/sys/kernel/tracing";
-    let fstype = c"tracefs";
-    // SAFETY: constant NUL-terminated strings, no data argument.
-    let rc = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(KernelError::Tracefs(std::io::Error::last_os_error()))
-    }
-}
-
-/// The offset of `field` in a tracepoint's `format` file, if the record has it.
-pub fn field_offset(format: &str, field: &str) -> Option<u32> {
-    format.lines().find_map(|line| {
-        let mut parts = line.trim().split(';').map(str::trim);
-        let declaration = parts.next()?.strip_prefix("field:")?;
-        let name = declaration.rsplit([' ', '*']).next()?;
-        if name != field {
-            return None;
-        }
-        parts.find_map(|part| part.strip_prefix("offset:")?.parse().ok())
-    })
-}
-
-/// `group_dead` of sched_process_exit (0 when this kernel's record lacks it).
-fn exit_group_dead_offset() -> u32 {
-    let path = "/sys/kernel/tracing/events/sched/sched_process_exit/format";
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|format| field_offset(&format, "group_dead"))
-        .unwrap_or(0)
-}
-
 fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, KernelError>
 where
     T: TryFrom<aya::maps::Map, Error = MapError>,
@@ -537,361 +254,6 @@ fn addresses(map: &StackTraceMap<MapData>, id: i32) -> Option<Vec<u64>> {
     let trace = map.get(&id, 0).ok()?;
     Some(trace.frames().iter().map(|frame| frame.ip).collect())
 }
-
-/// The sampler program of each profiling session slot (`sessions.rs` of the kernel
-/// side).
-const SESSION_SAMPLERS: [&str; MAX_PROFILE_SESSIONS as usize] = [
-    "session_sample_0",
-    "session_sample_1",
-    "session_sample_2",
-    "session_sample_3",
-    "session_sample_4",
-    "session_sample_5",
-    "session_sample_6",
-    "session_sample_7",
-];
-
-/// The sampler program of session `slot`.
-fn session_sampler(slot: u32) -> Result<&'static str, KernelError> {
-    SESSION_SAMPLERS
-        .get(slot as usize)
-        .copied()
-        .ok_or(KernelError::NoSessionSlot(slot))
-}
-
-/// Program `name` of our object as its type (`PerfEvent`, `UProbe`, ...); an error
-/// means the object is not what this build expects.
-fn typed_program<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, KernelError>
-where
-    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
-{
-    ebpf.program_mut(name)
-        .ok_or(KernelError::MissingProgram(name))?
-        .try_into()
-        .map_err(|source| KernelError::Program {
-            program: name,
-            source,
-        })
-}
-
-/// Attaches `program` to the cpu-clock of every online CPU, ticking `hz` times a
-/// second. On an error, what was attached is detached again.
-fn attach_cpu_clock(
-    program: &mut PerfEvent,
-    name: &'static str,
-    hz: u32,
-) -> Result<Vec<PerfEventLinkId>, KernelError> {
-    let cpus = aya::util::online_cpus().map_err(|(_, error)| KernelError::Cpus(error))?;
-    // A fixed period of the cpu-clock (ns) rather than a frequency: the kernel
-    // then does not retune it, and a thread on CPU for t seconds gets t × hz samples.
-    let period_ns = 1_000_000_000 / u64::from(hz.max(1));
-    let mut links = Vec::with_capacity(cpus.len());
-    for cpu in cpus {
-        let attached = program.attach(
-            PerfEventConfig::Software(SoftwareEvent::CpuClock),
-            PerfEventScope::AllProcessesOneCpu { cpu },
-            SamplePolicy::Period(period_ns),
-            false,
-        );
-        match attached {
-            Ok(link) => links.push(link),
-            Err(source) => {
-                detach_all(program, links);
-                return Err(KernelError::Attach {
-                    program: name,
-                    probe: format!("perf_event/cpu-clock of CPU {cpu}"),
-                    source,
-                });
-            }
-        }
-    }
-    Ok(links)
-}
-
-fn detach_all(program: &mut PerfEvent, links: Vec<PerfEventLinkId>) {
-    for link in links {
-        if let Err(error) = program.detach(link) {
-            tracing::warn!(%error, "detaching a cpu-clock perf event failed");
-        }
-    }
-}
-
-/// Loads the sampler and, unless `hz` is 0, attaches it to the cpu-clock of every
-/// online CPU. A kernel that refuses the perf events (a container without them)
-/// leaves the probe skipped rather than the exporter down: stacks are a view, not the
-/// metrics.
-fn attach_sampler(ebpf: &mut Ebpf, hz: u32) -> Result<Probe, KernelError> {
-    let name = "perf_event/cpu-clock".to_owned();
-    let sampler = typed_program::<PerfEvent>(ebpf, SAMPLER)?;
-    if let Err(error) = sampler.load() {
-        return Ok(Probe::skipped(name, SAMPLER, Skip::LoadRefused, &error));
-    }
-    if hz == 0 {
-        return Ok(Probe::skipped(
-            name,
-            SAMPLER,
-            Skip::Off,
-            &"stacks.sampling_hz = 0",
-        ));
-    }
-    Ok(match attach_cpu_clock(sampler, SAMPLER, hz) {
-        Ok(_) => Probe {
-            name,
-            state: ProbeState::Attached,
-        },
-        Err(error) => Probe::skipped(name, SAMPLER, Skip::AttachRefused, &error),
-    })
-}
-
-/// Loads the program of `attachment` and attaches it, unless this kernel lacks what
-/// it needs. Only a program missing from our own object is an error.
-fn attach_tracepoint(
-    ebpf: &mut Ebpf,
-    attachment: &Attachment,
-    task_offsets: bool,
-    btf: Option<&Btf>,
-) -> Result<Probe, KernelError> {
-    let name = attachment.probe_name();
-    let program_name = attachment.program;
-    if attachment.needs_btf && !task_offsets {
-        let detail = "the kernel has no BTF (/sys/kernel/btf/vmlinux)";
-        return Ok(Probe::skipped(name, program_name, Skip::NoBtf, &detail));
-    }
-    if !tracepoint_exists(attachment.category, attachment.event) {
-        let detail = format!("no tracepoint {name} in {TRACEFS_EVENTS}");
-        return Ok(Probe::skipped(
-            name,
-            program_name,
-            Skip::TracepointAbsent,
-            &detail,
-        ));
-    }
-    let outcome = match (attachment.kind, btf) {
-        (TracepointKind::Raw, _) => {
-            let program: &mut RawTracePoint = typed_program(ebpf, program_name)?;
-            program.load().map_err(Refusal::Load).and_then(|()| {
-                program
-                    .attach(attachment.event)
-                    .map(drop)
-                    .map_err(Refusal::Attach)
-            })
-        }
-        (TracepointKind::Btf, Some(btf)) => {
-            let program: &mut BtfTracePoint = typed_program(ebpf, program_name)?;
-            program
-                .load(attachment.event, btf)
-                .map_err(Refusal::Load)
-                .and_then(|()| program.attach().map(drop).map_err(Refusal::Attach))
-        }
-        (TracepointKind::Btf, None) => {
-            let detail = "the kernel has no BTF (/sys/kernel/btf/vmlinux)";
-            return Ok(Probe::skipped(name, program_name, Skip::NoBtf, &detail));
-        }
-        (TracepointKind::Classic, _) => {
-            let program: &mut TracePoint = typed_program(ebpf, program_name)?;
-            program.load().map_err(Refusal::Load).and_then(|()| {
-                program
-                    .attach(attachment.category, attachment.event)
-                    .map(drop)
-                    .map_err(Refusal::Attach)
-            })
-        }
-    };
-    Ok(match outcome {
-        Ok(()) => Probe {
-            name,
-            state: ProbeState::Attached,
-        },
-        Err(Refusal::Load(error)) => Probe::skipped(name, program_name, Skip::LoadRefused, &error),
-        Err(Refusal::Attach(error)) => {
-            Probe::skipped(name, program_name, Skip::AttachRefused, &error)
-        }
-    })
-}
-
-/// Loads programs that are attached later (per process, per profiling session) as
-/// one probe: on demand if all load, else skipped.
-fn load_on_demand<P>(
-    ebpf: &mut Ebpf,
-    name: &str,
-    programs: &[&'static str],
-    load: impl Fn(&mut P) -> Result<(), ProgramError>,
-) -> Result<Probe, KernelError>
-where
-    for<'a> &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
-{
-    for &program_name in programs {
-        if let Err(error) = load(typed_program(ebpf, program_name)?) {
-            return Ok(Probe::skipped(
-                name.to_owned(),
-                program_name,
-                Skip::LoadRefused,
-                &error,
-            ));
-        }
-    }
-    Ok(Probe {
-        name: name.to_owned(),
-        state: ProbeState::OnDemand,
-    })
-}
-
-/// The kernel's BTF, `None` (logged) where it has none.
-fn vmlinux_btf() -> Option<Vec<u8>> {
-    match std::fs::read(BTF_VMLINUX) {
-        Ok(vmlinux) => Some(vmlinux),
-        Err(error) => {
-            tracing::warn!(
-                %error,
-                "no kernel BTF at {BTF_VMLINUX} (a kernel built without \
-                 CONFIG_DEBUG_INFO_BTF): thread states, pool utilization and lock waits \
-                 are not measured, and the socket backend claims connections by port \
-                 alone, in whatever network namespace"
-            );
-            None
-        }
-    }
-}
-
-/// The offsets `find` reads from the kernel's BTF, or `None` with a warning that
-/// says `what` could not be found and what poolscope does without it (`lost`).
-fn found<T>(find: impl FnOnce() -> Result<T, btf::BtfError>, what: &str, lost: &str) -> Option<T> {
-    match find() {
-        Ok(found) => Some(found),
-        Err(error) => {
-            tracing::warn!(%error, "cannot find {what} in {BTF_VMLINUX}: {lost}");
-            None
-        }
-    }
-}
-
-/// Where the socket programs read a socket's fields in `struct sock`, as their
-/// globals name them: the local port (`__sk_common.skc_num`), read on every event,
-/// and what a handshake's claim reads (protocol, family, local address as IPv4 and
-/// IPv6; the last 0 on a kernel without IPv6, whose sockets are never `AF_INET6`).
-fn socket_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 5]> {
-    found(
-        || {
-            let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
-            let common = member("sock", "__sk_common")?;
-            Ok::<_, btf::BtfError>([
-                (
-                    "SOCK_PORT_OFFSET",
-                    common + member("sock_common", "skc_num")?,
-                ),
-                ("SOCK_PROTOCOL_OFFSET", member("sock", "sk_protocol")?),
-                (
-                    "SOCK_FAMILY_OFFSET",
-                    common + member("sock_common", "skc_family")?,
-                ),
-                (
-                    "SOCK_SADDR_OFFSET",
-                    common + member("sock_common", "skc_rcv_saddr")?,
-                ),
-                (
-                    "SOCK_V6_SADDR_OFFSET",
-                    member("sock_common", "skc_v6_rcv_saddr").map_or(0, |at| common + at),
-                ),
-            ])
-        },
-        "a socket's port, protocol or address",
-        "the socket backend's probes are skipped",
-    )
-}
-
-/// Where the socket backend finds a socket's network namespace: the offset of the
-/// `struct net *` in `struct sock` (`__sk_common.skc_net`, a `possible_net_t` whose
-/// only member is that pointer), and of the inode number in `struct net` (`ns.inum`).
-fn socket_namespace_offsets(vmlinux: &[u8]) -> Option<(u32, u32)> {
-    found(
-        || {
-            let sock_net = btf::member_offset(vmlinux, "sock", "__sk_common")?
-                + btf::member_offset(vmlinux, "sock_common", "skc_net")?;
-            let net_inum = btf::member_offset(vmlinux, "net", "ns")?
-                + btf::member_offset(vmlinux, "ns_common", "inum")?;
-            Ok::<_, btf::BtfError>((sock_net, net_inum))
-        },
-        "a socket's network namespace",
-        "the socket backend claims connections by port alone, in whatever network namespace",
-    )
-}
-
-/// Where the sched programs find the peer of the socket a serving thread waits on
-/// (`downstream.rs`): the fd table of the task, the socket of a file, and the
-/// socket's family, ports and remote address, in that program's order of globals.
-fn downstream_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 12]> {
-    found(
-        || {
-            let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
-            let common = member("sock", "__sk_common")?;
-            Ok::<_, btf::BtfError>([
-                ("TASK_FILES_OFFSET", member("task_struct", "files")?),
-                ("FILES_FDT_OFFSET", member("files_struct", "fdt")?),
-                ("FDT_MAX_FDS_OFFSET", member("fdtable", "max_fds")?),
-                ("FDT_FD_OFFSET", member("fdtable", "fd")?),
-                ("FILE_PRIVATE_DATA_OFFSET", member("file", "private_data")?),
-                ("SOCKET_FILE_OFFSET", member("socket", "file")?),
-                ("SOCKET_SK_OFFSET", member("socket", "sk")?),
-                (
-                    "SK_FAMILY_OFFSET",
-                    common + member("sock_common", "skc_family")?,
-                ),
-                (
-                    "SK_LOCAL_PORT_OFFSET",
-                    common + member("sock_common", "skc_num")?,
-                ),
-                (
-                    "SK_DPORT_OFFSET",
-                    common + member("sock_common", "skc_dport")?,
-                ),
-                (
-                    "SK_DADDR_OFFSET",
-                    common + member("sock_common", "skc_daddr")?,
-                ),
-                (
-                    "SK_V6_DADDR_OFFSET",
-                    common + member("sock_common", "skc_v6_daddr")?,
-                ),
-            ])
-        },
-        "a task's sockets",
-        "network waits are not attributed to their downstream peers",
-    )
-}
-
-/// Where the socket backend finds a socket's inode number (what `/proc/<pid>/fd`
-/// shows), to adopt connections open before the watch: `sock.sk_socket`, the
-/// `struct inode` after that `struct socket` in its `socket_alloc`, and `inode.i_ino`.
-fn socket_inode_offsets(vmlinux: &[u8]) -> Option<(u32, u32, u32)> {
-    found(
-        || {
-            let socket = btf::member_offset(vmlinux, "sock", "sk_socket")?;
-            let inode = btf::member_offset(vmlinux, "socket_alloc", "vfs_inode")?
-                .checked_sub(btf::member_offset(vmlinux, "socket_alloc", "socket")?)
-                .ok_or_else(|| btf::BtfError::NoMember {
-                    strukt: "socket_alloc".into(),
-                    member: "socket before vfs_inode".into(),
-                })?;
-            let ino = btf::member_offset(vmlinux, "inode", "i_ino")?;
-            Ok::<_, btf::BtfError>((socket, inode, ino))
-        },
-        "a socket's inode",
-        "the socket backend does not follow connections opened before their service was watched",
-    )
-}
-
-/// `task_struct.pid`'s offset from the kernel's BTF; `None` (logged) without it.
-fn task_pid_offset(vmlinux: &[u8]) -> Option<u32> {
-    match btf::member_offset(vmlinux, "task_struct", "pid") {
-        Ok(offset) => Some(offset),
-        Err(error) => {
-            tracing::warn!(%error, "cannot read task_struct.pid from {BTF_VMLINUX}: thread states, pool utilization and lock waits are not measured");
-            None
-        }
-    }
-}
-
-const BTF_VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 
 /// Removes the entries of `service` from a map of connections (`CONNS`, `ADOPT`).
 fn drop_service_connections(map: &mut HashMap<MapData, u64, Conn>, service: u32) {
@@ -1784,32 +1146,5 @@ impl ProcessEvents {
         // SAFETY: ProcessEvent is repr(C) of integers, any bit pattern is valid, and
         // read_unaligned does not need alignment.
         Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<ProcessEvent>()) })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{field_offset, tail};
-
-    #[test]
-    fn a_refusal_is_logged_by_its_last_whole_lines() {
-        let log = "0: (b7) r0 = 0\n1: (79) r2 = *(u64 *)(r1 +0)\nR1 unbounded memory access\n";
-        assert_eq!(tail(log, 1000), log);
-        assert_eq!(tail(log, 30), "R1 unbounded memory access\n");
-        assert_eq!(tail("one long line", 4), "one long line");
-        assert_eq!(tail("é\nà", 2), "à");
-    }
-
-    #[test]
-    fn offsets_from_a_tracepoint_format() {
-        let format = "name: sched_process_exit\nID: 369\nformat:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n";
-        assert_eq!(field_offset(format, "group_dead"), Some(32));
-        assert_eq!(field_offset(format, "pid"), Some(24));
-        assert_eq!(field_offset(format, "prio"), None);
-        let older = format.replace(
-            "\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n",
-            "",
-        );
-        assert_eq!(field_offset(&older, "group_dead"), None);
     }
 }

@@ -1,0 +1,504 @@
+//! Loading and attaching the programs: which tracepoints each backend and the
+//! thread states need, whether this kernel has them, and each probe's outcome
+//! ([`Probe`]: attached, loaded for later, or skipped with its reason and the
+//! verifier's last words), never fatal for one probe.
+use std::path::Path;
+
+use aya::{
+    Btf, Ebpf,
+    programs::{
+        BtfTracePoint, PerfEvent, ProgramError, RawTracePoint, TracePoint,
+        perf_event::{
+            PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent,
+        },
+    },
+};
+use poolscope_shared::MAX_PROFILE_SESSIONS;
+
+use super::KernelError;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum TracepointKind {
+    /// A tracefs event, with its record.
+    Classic,
+    /// A raw tracepoint (`category` is then only part of the probe's name).
+    Raw,
+    /// A raw tracepoint typed by the kernel's BTF: its pointer arguments can be read
+    /// directly (`tp_btf`).
+    Btf,
+}
+
+/// Where each program is attached at start. A probe the kernel cannot take (no such
+/// tracepoint, no BTF, the verifier refuses the program) is skipped, logged and
+/// exported as `probe_skipped`; the rest still measure.
+pub(super) struct Attachment {
+    program: &'static str,
+    category: &'static str,
+    event: &'static str,
+    kind: TracepointKind,
+    /// The program reads `task_struct` at an offset that only the kernel's BTF gives.
+    needs_btf: bool,
+}
+
+pub(super) const fn tracepoint(
+    program: &'static str,
+    category: &'static str,
+    event: &'static str,
+) -> Attachment {
+    Attachment {
+        program,
+        category,
+        event,
+        kind: TracepointKind::Classic,
+        needs_btf: false,
+    }
+}
+
+pub(super) const fn raw_tracepoint(
+    program: &'static str,
+    category: &'static str,
+    event: &'static str,
+) -> Attachment {
+    Attachment {
+        program,
+        category,
+        event,
+        kind: TracepointKind::Raw,
+        needs_btf: false,
+    }
+}
+
+pub(super) const fn btf_tracepoint(
+    program: &'static str,
+    category: &'static str,
+    event: &'static str,
+) -> Attachment {
+    Attachment {
+        program,
+        category,
+        event,
+        kind: TracepointKind::Btf,
+        needs_btf: false,
+    }
+}
+
+impl Attachment {
+    const fn reading_task_struct(self) -> Self {
+        Self {
+            needs_btf: true,
+            ..self
+        }
+    }
+
+    fn probe_name(&self) -> String {
+        format!("{}/{}", self.category, self.event)
+    }
+}
+
+pub(super) const TRACEFS_EVENTS: &str = "/sys/kernel/tracing/events";
+
+/// Whether this kernel has the tracepoint. The raw syscall tracepoints are taken as
+/// present: every kernel poolscope can load on has them, and a kernel built without
+/// `CONFIG_FTRACE_SYSCALLS` lists no event directory for them.
+pub(super) fn tracepoint_exists(category: &str, event: &str) -> bool {
+    category == "raw_syscalls"
+        || Path::new(TRACEFS_EVENTS)
+            .join(category)
+            .join(event)
+            .exists()
+}
+
+/// Process lifecycle: attached with either backend.
+pub(super) const PROCESS_ATTACHMENTS: [Attachment; 3] = [
+    tracepoint("process_fork", "task", "task_newtask"),
+    tracepoint("process_exec", "sched", "sched_process_exec"),
+    tracepoint("process_exit", "sched", "sched_process_exit"),
+];
+
+/// Thread states: attached with either backend.
+pub(super) const THREAD_ATTACHMENTS: [Attachment; 3] = [
+    raw_tracepoint("sched_switch", "sched", "sched_switch").reading_task_struct(),
+    raw_tracepoint("sched_wakeup", "sched", "sched_wakeup").reading_task_struct(),
+    tracepoint("process_rename", "task", "task_rename"),
+];
+
+pub(super) const SOCKET_ATTACHMENTS: [Attachment; 4] = [
+    btf_tracepoint("sock_state", "sock", "inet_sock_set_state"),
+    btf_tracepoint("sock_data_ready", "sock", "sk_data_ready"),
+    btf_tracepoint("sock_recv", "sock", "sock_recv_length"),
+    btf_tracepoint("sock_send", "sock", "sock_send_length"),
+];
+
+pub(super) const SYSCALL_ATTACHMENTS: [Attachment; 2] = [
+    raw_tracepoint("sys_enter", "raw_syscalls", "sys_enter"),
+    raw_tracepoint("sys_exit", "raw_syscalls", "sys_exit"),
+];
+
+/// The opt-in lock probes: (program, probe name) of the entry and the return of
+/// `pthread_mutex_lock`, attached per process.
+pub(super) const MUTEX_PROBES: [(&str, &str); 2] = [
+    ("mutex_lock_enter", "uprobe/pthread_mutex_lock"),
+    ("mutex_lock_return", "uretprobe/pthread_mutex_lock"),
+];
+pub(super) const MUTEX_SYMBOL: &str = "pthread_mutex_lock";
+
+/// The request backend in use (DESIGN §2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Socket,
+    Syscall,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Socket => "socket",
+            Self::Syscall => "syscall",
+        }
+    }
+
+    pub(super) fn attachments(self) -> &'static [Attachment] {
+        match self {
+            Self::Socket => &SOCKET_ATTACHMENTS,
+            Self::Syscall => &SYSCALL_ATTACHMENTS,
+        }
+    }
+
+    /// The tracepoints of the backend this kernel lacks (`category/event`); mounts
+    /// tracefs first, where they are listed.
+    pub fn missing_tracepoints(self) -> Result<Vec<String>, KernelError> {
+        ensure_tracefs()?;
+        Ok(self
+            .attachments()
+            .iter()
+            .filter(|attachment| !tracepoint_exists(attachment.category, attachment.event))
+            .map(Attachment::probe_name)
+            .collect())
+    }
+}
+
+/// Why a probe does not measure (`poolscope_probe_skipped{reason}`), found at start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// Turned off by the configuration.
+    Off,
+    /// This kernel has no such tracepoint.
+    TracepointAbsent,
+    /// The program reads kernel structs at offsets only BTF gives; the kernel has none.
+    NoBtf,
+    /// The kernel refused to load the program: its verifier, or a program type or
+    /// helper this kernel lacks.
+    LoadRefused,
+    /// The program loaded but the kernel refused to attach it.
+    AttachRefused,
+}
+
+impl Skip {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::TracepointAbsent => "tracepoint_absent",
+            Self::NoBtf => "no_btf",
+            Self::LoadRefused => "load_refused",
+            Self::AttachRefused => "attach_refused",
+        }
+    }
+}
+
+/// How a probe stands after start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeState {
+    Attached,
+    /// Loaded, and attached per process (lock probes) or per profiling session.
+    OnDemand,
+    Skipped(Skip),
+}
+
+/// One probe: a program and where it attaches (`category/event`).
+#[derive(Clone, Debug)]
+pub struct Probe {
+    pub name: String,
+    pub state: ProbeState,
+}
+
+impl Probe {
+    /// A probe that does not measure; says why in the log.
+    fn skipped(name: String, program: &str, skip: Skip, detail: &dyn std::fmt::Display) -> Self {
+        tracing::warn!(
+            probe = %name,
+            program,
+            reason = skip.name(),
+            "probe skipped: {}",
+            tail(&detail.to_string(), VERIFIER_LOG_TAIL)
+        );
+        Self {
+            name,
+            state: ProbeState::Skipped(skip),
+        }
+    }
+}
+
+/// Bytes of a refusal kept in the log: a verifier's log runs to thousands of lines,
+/// and its end says what it refused.
+pub(super) const VERIFIER_LOG_TAIL: usize = 2000;
+
+/// The last whole lines of `text` within `max` bytes.
+pub(super) fn tail(text: &str, max: usize) -> &str {
+    let start = text.len().saturating_sub(max);
+    if start == 0 {
+        return text;
+    }
+    match text.get(start..).and_then(|end| end.find('\n')) {
+        Some(newline) => &text[start + newline + 1..],
+        None => text.lines().last().unwrap_or_default(),
+    }
+}
+
+/// Why loading or attaching a program failed.
+pub(super) enum Refusal {
+    Load(ProgramError),
+    Attach(ProgramError),
+}
+
+/// The program sampling every CPU's cpu-clock.
+pub(super) const SAMPLER: &str = "cpu_sample";
+
+pub(super) fn ensure_tracefs() -> Result<(), KernelError> {
+    let tracefs = Path::new("/sys/kernel/tracing");
+    if tracefs.join("events").exists() {
+        return Ok(());
+    }
+    let source = c"nodev";
+    let target = c"/sys/kernel/tracing";
+    let fstype = c"tracefs";
+    // SAFETY: constant NUL-terminated strings, no data argument.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(KernelError::Tracefs(std::io::Error::last_os_error()))
+    }
+}
+
+/// The sampler program of each profiling session slot (`sessions.rs` of the kernel
+/// side).
+pub(super) const SESSION_SAMPLERS: [&str; MAX_PROFILE_SESSIONS as usize] = [
+    "session_sample_0",
+    "session_sample_1",
+    "session_sample_2",
+    "session_sample_3",
+    "session_sample_4",
+    "session_sample_5",
+    "session_sample_6",
+    "session_sample_7",
+];
+
+/// The sampler program of session `slot`.
+pub(super) fn session_sampler(slot: u32) -> Result<&'static str, KernelError> {
+    SESSION_SAMPLERS
+        .get(slot as usize)
+        .copied()
+        .ok_or(KernelError::NoSessionSlot(slot))
+}
+
+/// Program `name` of our object as its type (`PerfEvent`, `UProbe`, ...); an error
+/// means the object is not what this build expects.
+pub(super) fn typed_program<'a, P>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut P, KernelError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or(KernelError::MissingProgram(name))?
+        .try_into()
+        .map_err(|source| KernelError::Program {
+            program: name,
+            source,
+        })
+}
+
+/// Attaches `program` to the cpu-clock of every online CPU, ticking `hz` times a
+/// second. On an error, what was attached is detached again.
+pub(super) fn attach_cpu_clock(
+    program: &mut PerfEvent,
+    name: &'static str,
+    hz: u32,
+) -> Result<Vec<PerfEventLinkId>, KernelError> {
+    let cpus = aya::util::online_cpus().map_err(|(_, error)| KernelError::Cpus(error))?;
+    // A fixed period of the cpu-clock (ns) rather than a frequency: the kernel
+    // then does not retune it, and a thread on CPU for t seconds gets t × hz samples.
+    let period_ns = 1_000_000_000 / u64::from(hz.max(1));
+    let mut links = Vec::with_capacity(cpus.len());
+    for cpu in cpus {
+        let attached = program.attach(
+            PerfEventConfig::Software(SoftwareEvent::CpuClock),
+            PerfEventScope::AllProcessesOneCpu { cpu },
+            SamplePolicy::Period(period_ns),
+            false,
+        );
+        match attached {
+            Ok(link) => links.push(link),
+            Err(source) => {
+                detach_all(program, links);
+                return Err(KernelError::Attach {
+                    program: name,
+                    probe: format!("perf_event/cpu-clock of CPU {cpu}"),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(links)
+}
+
+pub(super) fn detach_all(program: &mut PerfEvent, links: Vec<PerfEventLinkId>) {
+    for link in links {
+        if let Err(error) = program.detach(link) {
+            tracing::warn!(%error, "detaching a cpu-clock perf event failed");
+        }
+    }
+}
+
+/// Loads the sampler and, unless `hz` is 0, attaches it to the cpu-clock of every
+/// online CPU. A kernel that refuses the perf events (a container without them)
+/// leaves the probe skipped rather than the exporter down: stacks are a view, not the
+/// metrics.
+pub(super) fn attach_sampler(ebpf: &mut Ebpf, hz: u32) -> Result<Probe, KernelError> {
+    let name = "perf_event/cpu-clock".to_owned();
+    let sampler = typed_program::<PerfEvent>(ebpf, SAMPLER)?;
+    if let Err(error) = sampler.load() {
+        return Ok(Probe::skipped(name, SAMPLER, Skip::LoadRefused, &error));
+    }
+    if hz == 0 {
+        return Ok(Probe::skipped(
+            name,
+            SAMPLER,
+            Skip::Off,
+            &"stacks.sampling_hz = 0",
+        ));
+    }
+    Ok(match attach_cpu_clock(sampler, SAMPLER, hz) {
+        Ok(_) => Probe {
+            name,
+            state: ProbeState::Attached,
+        },
+        Err(error) => Probe::skipped(name, SAMPLER, Skip::AttachRefused, &error),
+    })
+}
+
+/// Loads the program of `attachment` and attaches it, unless this kernel lacks what
+/// it needs. Only a program missing from our own object is an error.
+pub(super) fn attach_tracepoint(
+    ebpf: &mut Ebpf,
+    attachment: &Attachment,
+    task_offsets: bool,
+    btf: Option<&Btf>,
+) -> Result<Probe, KernelError> {
+    let name = attachment.probe_name();
+    let program_name = attachment.program;
+    if attachment.needs_btf && !task_offsets {
+        let detail = "the kernel has no BTF (/sys/kernel/btf/vmlinux)";
+        return Ok(Probe::skipped(name, program_name, Skip::NoBtf, &detail));
+    }
+    if !tracepoint_exists(attachment.category, attachment.event) {
+        let detail = format!("no tracepoint {name} in {TRACEFS_EVENTS}");
+        return Ok(Probe::skipped(
+            name,
+            program_name,
+            Skip::TracepointAbsent,
+            &detail,
+        ));
+    }
+    let outcome = match (attachment.kind, btf) {
+        (TracepointKind::Raw, _) => {
+            let program: &mut RawTracePoint = typed_program(ebpf, program_name)?;
+            program.load().map_err(Refusal::Load).and_then(|()| {
+                program
+                    .attach(attachment.event)
+                    .map(drop)
+                    .map_err(Refusal::Attach)
+            })
+        }
+        (TracepointKind::Btf, Some(btf)) => {
+            let program: &mut BtfTracePoint = typed_program(ebpf, program_name)?;
+            program
+                .load(attachment.event, btf)
+                .map_err(Refusal::Load)
+                .and_then(|()| program.attach().map(drop).map_err(Refusal::Attach))
+        }
+        (TracepointKind::Btf, None) => {
+            let detail = "the kernel has no BTF (/sys/kernel/btf/vmlinux)";
+            return Ok(Probe::skipped(name, program_name, Skip::NoBtf, &detail));
+        }
+        (TracepointKind::Classic, _) => {
+            let program: &mut TracePoint = typed_program(ebpf, program_name)?;
+            program.load().map_err(Refusal::Load).and_then(|()| {
+                program
+                    .attach(attachment.category, attachment.event)
+                    .map(drop)
+                    .map_err(Refusal::Attach)
+            })
+        }
+    };
+    Ok(match outcome {
+        Ok(()) => Probe {
+            name,
+            state: ProbeState::Attached,
+        },
+        Err(Refusal::Load(error)) => Probe::skipped(name, program_name, Skip::LoadRefused, &error),
+        Err(Refusal::Attach(error)) => {
+            Probe::skipped(name, program_name, Skip::AttachRefused, &error)
+        }
+    })
+}
+
+/// Loads programs that are attached later (per process, per profiling session) as
+/// one probe: on demand if all load, else skipped.
+pub(super) fn load_on_demand<P>(
+    ebpf: &mut Ebpf,
+    name: &str,
+    programs: &[&'static str],
+    load: impl Fn(&mut P) -> Result<(), ProgramError>,
+) -> Result<Probe, KernelError>
+where
+    for<'a> &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+{
+    for &program_name in programs {
+        if let Err(error) = load(typed_program(ebpf, program_name)?) {
+            return Ok(Probe::skipped(
+                name.to_owned(),
+                program_name,
+                Skip::LoadRefused,
+                &error,
+            ));
+        }
+    }
+    Ok(Probe {
+        name: name.to_owned(),
+        state: ProbeState::OnDemand,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tail;
+
+    #[test]
+    fn a_refusal_is_logged_by_its_last_whole_lines() {
+        let log = "0: (b7) r0 = 0\n1: (79) r2 = *(u64 *)(r1 +0)\nR1 unbounded memory access\n";
+        assert_eq!(tail(log, 1000), log);
+        assert_eq!(tail(log, 30), "R1 unbounded memory access\n");
+        assert_eq!(tail("one long line", 4), "one long line");
+        assert_eq!(tail("é\nà", 2), "à");
+    }
+}

@@ -1,0 +1,202 @@
+//! Where the kernel programs read kernel structures: field offsets from the kernel's
+//! BTF (`/sys/kernel/btf/vmlinux`) and from tracepoint formats, found at start-up and
+//! passed to the programs as load-time globals (aya-ebpf has no CO-RE). A missing
+//! offset is logged once with what poolscope does without it.
+use super::btf;
+
+/// The offset of `field` in a tracepoint's `format` file, if the record has it.
+pub fn field_offset(format: &str, field: &str) -> Option<u32> {
+    format.lines().find_map(|line| {
+        let mut parts = line.trim().split(';').map(str::trim);
+        let declaration = parts.next()?.strip_prefix("field:")?;
+        let name = declaration.rsplit([' ', '*']).next()?;
+        if name != field {
+            return None;
+        }
+        parts.find_map(|part| part.strip_prefix("offset:")?.parse().ok())
+    })
+}
+
+/// `group_dead` of sched_process_exit (0 when this kernel's record lacks it).
+pub(super) fn exit_group_dead_offset() -> u32 {
+    let path = "/sys/kernel/tracing/events/sched/sched_process_exit/format";
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|format| field_offset(&format, "group_dead"))
+        .unwrap_or(0)
+}
+
+/// The kernel's BTF, `None` (logged) where it has none.
+pub(super) fn vmlinux_btf() -> Option<Vec<u8>> {
+    match std::fs::read(BTF_VMLINUX) {
+        Ok(vmlinux) => Some(vmlinux),
+        Err(error) => {
+            tracing::warn!(
+                %error,
+                "no kernel BTF at {BTF_VMLINUX} (a kernel built without \
+                 CONFIG_DEBUG_INFO_BTF): thread states, pool utilization and lock waits \
+                 are not measured, and the socket backend claims connections by port \
+                 alone, in whatever network namespace"
+            );
+            None
+        }
+    }
+}
+
+/// The offsets `find` reads from the kernel's BTF, or `None` with a warning that
+/// says `what` could not be found and what poolscope does without it (`lost`).
+fn found<T>(find: impl FnOnce() -> Result<T, btf::BtfError>, what: &str, lost: &str) -> Option<T> {
+    match find() {
+        Ok(found) => Some(found),
+        Err(error) => {
+            tracing::warn!(%error, "cannot find {what} in {BTF_VMLINUX}: {lost}");
+            None
+        }
+    }
+}
+
+/// Where the socket programs read a socket's fields in `struct sock`, as their
+/// globals name them: the local port (`__sk_common.skc_num`), read on every event,
+/// and what a handshake's claim reads (protocol, family, local address as IPv4 and
+/// IPv6; the last 0 on a kernel without IPv6, whose sockets are never `AF_INET6`).
+pub(super) fn socket_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 5]> {
+    found(
+        || {
+            let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
+            let common = member("sock", "__sk_common")?;
+            Ok::<_, btf::BtfError>([
+                (
+                    "SOCK_PORT_OFFSET",
+                    common + member("sock_common", "skc_num")?,
+                ),
+                ("SOCK_PROTOCOL_OFFSET", member("sock", "sk_protocol")?),
+                (
+                    "SOCK_FAMILY_OFFSET",
+                    common + member("sock_common", "skc_family")?,
+                ),
+                (
+                    "SOCK_SADDR_OFFSET",
+                    common + member("sock_common", "skc_rcv_saddr")?,
+                ),
+                (
+                    "SOCK_V6_SADDR_OFFSET",
+                    member("sock_common", "skc_v6_rcv_saddr").map_or(0, |at| common + at),
+                ),
+            ])
+        },
+        "a socket's port, protocol or address",
+        "the socket backend's probes are skipped",
+    )
+}
+
+/// Where the socket backend finds a socket's network namespace: the offset of the
+/// `struct net *` in `struct sock` (`__sk_common.skc_net`, a `possible_net_t` whose
+/// only member is that pointer), and of the inode number in `struct net` (`ns.inum`).
+pub(super) fn socket_namespace_offsets(vmlinux: &[u8]) -> Option<(u32, u32)> {
+    found(
+        || {
+            let sock_net = btf::member_offset(vmlinux, "sock", "__sk_common")?
+                + btf::member_offset(vmlinux, "sock_common", "skc_net")?;
+            let net_inum = btf::member_offset(vmlinux, "net", "ns")?
+                + btf::member_offset(vmlinux, "ns_common", "inum")?;
+            Ok::<_, btf::BtfError>((sock_net, net_inum))
+        },
+        "a socket's network namespace",
+        "the socket backend claims connections by port alone, in whatever network namespace",
+    )
+}
+
+/// Where the sched programs find the peer of the socket a serving thread waits on
+/// (`downstream.rs`): the fd table of the task, the socket of a file, and the
+/// socket's family, ports and remote address, in that program's order of globals.
+pub(super) fn downstream_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 12]> {
+    found(
+        || {
+            let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
+            let common = member("sock", "__sk_common")?;
+            Ok::<_, btf::BtfError>([
+                ("TASK_FILES_OFFSET", member("task_struct", "files")?),
+                ("FILES_FDT_OFFSET", member("files_struct", "fdt")?),
+                ("FDT_MAX_FDS_OFFSET", member("fdtable", "max_fds")?),
+                ("FDT_FD_OFFSET", member("fdtable", "fd")?),
+                ("FILE_PRIVATE_DATA_OFFSET", member("file", "private_data")?),
+                ("SOCKET_FILE_OFFSET", member("socket", "file")?),
+                ("SOCKET_SK_OFFSET", member("socket", "sk")?),
+                (
+                    "SK_FAMILY_OFFSET",
+                    common + member("sock_common", "skc_family")?,
+                ),
+                (
+                    "SK_LOCAL_PORT_OFFSET",
+                    common + member("sock_common", "skc_num")?,
+                ),
+                (
+                    "SK_DPORT_OFFSET",
+                    common + member("sock_common", "skc_dport")?,
+                ),
+                (
+                    "SK_DADDR_OFFSET",
+                    common + member("sock_common", "skc_daddr")?,
+                ),
+                (
+                    "SK_V6_DADDR_OFFSET",
+                    common + member("sock_common", "skc_v6_daddr")?,
+                ),
+            ])
+        },
+        "a task's sockets",
+        "network waits are not attributed to their downstream peers",
+    )
+}
+
+/// Where the socket backend finds a socket's inode number (what `/proc/<pid>/fd`
+/// shows), to adopt connections open before the watch: `sock.sk_socket`, the
+/// `struct inode` after that `struct socket` in its `socket_alloc`, and `inode.i_ino`.
+pub(super) fn socket_inode_offsets(vmlinux: &[u8]) -> Option<(u32, u32, u32)> {
+    found(
+        || {
+            let socket = btf::member_offset(vmlinux, "sock", "sk_socket")?;
+            let inode = btf::member_offset(vmlinux, "socket_alloc", "vfs_inode")?
+                .checked_sub(btf::member_offset(vmlinux, "socket_alloc", "socket")?)
+                .ok_or_else(|| btf::BtfError::NoMember {
+                    strukt: "socket_alloc".into(),
+                    member: "socket before vfs_inode".into(),
+                })?;
+            let ino = btf::member_offset(vmlinux, "inode", "i_ino")?;
+            Ok::<_, btf::BtfError>((socket, inode, ino))
+        },
+        "a socket's inode",
+        "the socket backend does not follow connections opened before their service was watched",
+    )
+}
+
+/// `task_struct.pid`'s offset from the kernel's BTF; `None` (logged) without it.
+pub(super) fn task_pid_offset(vmlinux: &[u8]) -> Option<u32> {
+    match btf::member_offset(vmlinux, "task_struct", "pid") {
+        Ok(offset) => Some(offset),
+        Err(error) => {
+            tracing::warn!(%error, "cannot read task_struct.pid from {BTF_VMLINUX}: thread states, pool utilization and lock waits are not measured");
+            None
+        }
+    }
+}
+
+pub(super) const BTF_VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+
+#[cfg(test)]
+mod tests {
+    use super::field_offset;
+
+    #[test]
+    fn offsets_from_a_tracepoint_format() {
+        let format = "name: sched_process_exit\nID: 369\nformat:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n";
+        assert_eq!(field_offset(format, "group_dead"), Some(32));
+        assert_eq!(field_offset(format, "pid"), Some(24));
+        assert_eq!(field_offset(format, "prio"), None);
+        let older = format.replace(
+            "\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n",
+            "",
+        );
+        assert_eq!(field_offset(&older, "group_dead"), None);
+    }
+}
