@@ -109,6 +109,14 @@ impl Shared {
     }
 }
 
+/// The shared state behind every endpoint and timer.
+///
+/// Lock order: `stacks` → `shared` → `unsymbolized` → `health`. A stack drain holds the
+/// collector while it takes `shared` (to read the kernel) and `unsymbolized`; a scrape
+/// and the health check hold `shared` while they take `unsymbolized` and `health`.
+/// `session_windows` has a lock of its own, taken inside `stacks`. `snapshots`,
+/// `sessions` and `reload_status` are taken alone, for one statement or block.
+/// `settings` is only read for its `Arc`, never held.
 pub struct Exporter {
     shared: Mutex<Shared>,
     settings: RwLock<Arc<Settings>>,
