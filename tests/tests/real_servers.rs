@@ -55,7 +55,7 @@ fn measure(kind: Kind, backend: &str) -> anyhow::Result<Row> {
     // wrk closes its connections when it stops; the last requests finish then.
     let mut last = f64::NAN;
     let mut metrics = Metrics::default();
-    wait_until(Duration::from_secs(5), || {
+    let settled = wait_until(Duration::from_secs(5), || {
         let Ok(now) = poolscope.scrape() else {
             return false;
         };
@@ -68,6 +68,11 @@ fn measure(kind: Kind, backend: &str) -> anyhow::Result<Row> {
         metrics = now;
         settled
     });
+    anyhow::ensure!(
+        settled,
+        "{service}: requests_total and requests_in_flight did not settle within 5 s \
+         after wrk stopped (last {last})"
+    );
     Ok(Row {
         counted: last,
         wrk_requests: result.requests,
