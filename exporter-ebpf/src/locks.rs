@@ -27,8 +27,8 @@ use crate::{
     abi::{FIRST_ARG_OFFSET, SECOND_ARG_OFFSET, SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV},
     clock::now_ns,
     maps::{
-        LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, THREAD_POOLS, ZERO_HISTOGRAM,
-        add_to_shared_histogram, count_loss, get_or_insert,
+        LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, ZERO_HISTOGRAM, add_to_shared_histogram,
+        count_loss, get_or_insert,
     },
     threads::{self, thread},
 };
@@ -164,8 +164,7 @@ fn record_lock_wait(tid: u32, thread: &mut Thread) {
 /// One lock wait of `tid` into its pool's histogram.
 #[inline(always)]
 fn record(tid: u32, primitive: LockPrimitive, waited: u64) {
-    // SAFETY: copied out at once.
-    let Some(pool) = (unsafe { THREAD_POOLS.get(tid).copied() }) else {
+    let Some(pool) = threads::pool_of(tid) else {
         return;
     };
     if let Some(histogram) = LOCK_WAITS.get_ptr_mut(lock_wait_index(pool, primitive)) {

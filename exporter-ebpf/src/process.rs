@@ -96,8 +96,7 @@ fn follow_thread(tid: u32, creator_tid: u32, service: u32) {
         count_loss(LossSource::ThreadsInsert, LossErrno::of(code.into()));
         return;
     }
-    // SAFETY: copied out at once.
-    if let Some(pool) = unsafe { THREAD_POOLS.get(creator_tid).copied() }
+    if let Some(pool) = threads::pool_of(creator_tid)
         && let Err(code) = THREAD_POOLS.insert(tid, pool, 0)
     {
         count_loss(LossSource::ThreadsInsert, LossErrno::of(code.into()));

@@ -42,7 +42,7 @@ fn sample(ctx: &PerfEventContext, slot: u32) {
     let Some(thread) = thread(tid) else {
         return;
     };
-    let pool = pool_of(tid);
+    let pool = pool_of(tid).unwrap_or(NO_POOL);
     if !wants(session, ProfileSession::ON_CPU, thread.service, pool) {
         return;
     }

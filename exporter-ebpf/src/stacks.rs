@@ -17,7 +17,9 @@ use aya_ebpf::{
     macros::perf_event,
     programs::{PerfEventContext, RawTracePointContext},
 };
-use poolscope_shared::{Activity, LossErrno, LossSource, STACK_GENERATIONS, StackKey, Thread};
+use poolscope_shared::{
+    Activity, LossErrno, LossSource, NO_POOL, STACK_GENERATIONS, StackKey, Thread,
+};
 
 use crate::{
     maps::count_loss,
@@ -57,7 +59,7 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
         generation,
         activity: Activity::Running as u32,
         tgid: (pid_tgid >> 32) as u32,
-        pool: pool_of(tid),
+        pool: pool_of(tid).unwrap_or(NO_POOL),
         user_stack,
         kernel_stack,
         session: 0,
@@ -118,7 +120,7 @@ pub fn unblocked(tid: u32, thread: &mut Thread, now: u64) {
         generation,
         activity: activity as u32,
         tgid: thread.offcpu_tgid,
-        pool: pool_of(tid),
+        pool: pool_of(tid).unwrap_or(NO_POOL),
         user_stack,
         kernel_stack,
         session: 0,

@@ -4,7 +4,7 @@
 //! closes the interval into the per-CPU stats of the thread's pool, and, while the
 //! thread holds requests, into their components too.
 use aya_ebpf::helpers::bpf_get_current_pid_tgid;
-use poolscope_shared::{Activity, NO_POOL, Peer, Serving, Thread, histogram_bucket};
+use poolscope_shared::{Activity, Peer, Serving, Thread, histogram_bucket};
 
 use crate::{
     downstream,
@@ -47,8 +47,7 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
     if wait_ended {
         thread.downstream = Peer::NONE;
     }
-    // SAFETY: copied out at once.
-    let Some(pool) = (unsafe { THREAD_POOLS.get(tid).copied() }) else {
+    let Some(pool) = pool_of(tid) else {
         return;
     };
     if activity == Activity::OffNetwork && downstream.port != 0 {
@@ -136,9 +135,9 @@ pub fn serving(thread: &Thread) -> Serving {
     }
 }
 
-/// The pool of thread `tid` ([`NO_POOL`] if it has none yet).
+/// The pool of thread `tid`, if it has one yet.
 #[inline(always)]
-pub fn pool_of(tid: u32) -> u32 {
+pub fn pool_of(tid: u32) -> Option<u32> {
     // SAFETY: copied out at once.
-    unsafe { THREAD_POOLS.get(tid).copied() }.unwrap_or(NO_POOL)
+    unsafe { THREAD_POOLS.get(tid).copied() }
 }
