@@ -23,7 +23,7 @@ use crate::{
     discovery::rules,
     discovery::sockdiag,
     discovery::targets::{Targets, WatchChange},
-    kernel::{Kernel, Probe, Readout},
+    kernel::{Kernel, Probe, Readout, WatchTable},
     metrics::collect::{
         PoolInput, ReloadStatus, SelfStats, ServiceInput, downstream_families, peer_label,
         pool_families, queue_depths, self_families, service_families, service_listeners,

@@ -16,7 +16,7 @@ use crate::{
     discovery::ids::DenseIds,
     discovery::procfs::{self, ProcSnapshot},
     discovery::rules::Assignment,
-    kernel::{Backend, Kernel},
+    kernel::{Backend, WatchTable},
     metrics::health::MapErrors,
 };
 
@@ -106,7 +106,7 @@ impl Targets {
     /// `scan_started_ns`), in user space and in the kernel.
     pub fn apply(
         &mut self,
-        kernel: &mut Kernel,
+        kernel: &mut dyn WatchTable,
         snapshot: &ProcSnapshot,
         assignments: &[Assignment],
         scan_started_ns: u64,
@@ -199,7 +199,7 @@ impl Targets {
     /// Tells the kernel which (network namespace, port, address) keys are the listeners
     /// of which service, so that the socket backend can claim a connection when its
     /// handshake completes.
-    fn sync_listen_ports(&mut self, kernel: &mut Kernel, snapshot: &ProcSnapshot) {
+    fn sync_listen_ports(&mut self, kernel: &mut dyn WatchTable, snapshot: &ProcSnapshot) {
         let by_namespace = kernel.claims_by_namespace();
         self.listener_namespaces = self
             .listeners
@@ -236,7 +236,7 @@ impl Targets {
     }
 
     /// Watches one assigned process (no-op if it is watched already).
-    pub fn add(&mut self, kernel: &mut Kernel, assignment: &Assignment) {
+    pub fn add(&mut self, kernel: &mut dyn WatchTable, assignment: &Assignment) {
         if self.processes.contains_key(&assignment.pid) {
             return;
         }
@@ -284,7 +284,7 @@ impl Targets {
         );
     }
 
-    fn forget(&mut self, kernel: &mut Kernel, pid: u32) {
+    fn forget(&mut self, kernel: &mut dyn WatchTable, pid: u32) {
         if let Some(tracked) = self.processes.remove(&pid) {
             kernel.unwatch(pid, tracked.since_ns);
             self.purge(kernel, pid, tracked.since_ns);
@@ -297,7 +297,7 @@ impl Targets {
         std::mem::take(&mut self.changes)
     }
 
-    fn purge(&mut self, kernel: &mut Kernel, pid: u32, since_ns: u64) {
+    fn purge(&mut self, kernel: &mut dyn WatchTable, pid: u32, since_ns: u64) {
         for (service, phase) in kernel.purge_connections(pid, since_ns) {
             self.left_without_event(service, phase);
         }
@@ -316,7 +316,7 @@ impl Targets {
 
     /// Follows the connections a newly watched process already holds on its own
     /// listening ports (open before poolscope, or before a reload watched it).
-    fn adopt(&mut self, kernel: &mut Kernel, pid: u32, service: u32, since_ns: u64) {
+    fn adopt(&mut self, kernel: &mut dyn WatchTable, pid: u32, service: u32, since_ns: u64) {
         let connections = match procfs::served_connections_of(&self.procfs_root, pid) {
             Ok(connections) => connections,
             // Gone, or its fds unreadable (counted in processes_unreadable).
@@ -357,7 +357,7 @@ impl Targets {
 
     /// Drops the adoptions the kernel has taken, and those whose socket closed (or
     /// whose process is gone) before any event: these leave their gauge here.
-    fn prune_adoptions(&mut self, kernel: &mut Kernel) {
+    fn prune_adoptions(&mut self, kernel: &mut dyn WatchTable) {
         if self.adoptions.is_empty() {
             return;
         }
@@ -392,7 +392,7 @@ impl Targets {
 
     /// Frees the ids of services with no process left, zeroing their kernel counters
     /// and dropping their connections.
-    fn free_idle_services(&mut self, kernel: &mut Kernel, in_kernel: &[(u32, Watched)]) {
+    fn free_idle_services(&mut self, kernel: &mut dyn WatchTable, in_kernel: &[(u32, Watched)]) {
         // Kernel entries count too: a fork whose event we have not read yet still
         // counts under its parent's id, which must not pass to another service.
         let busy: HashSet<u32> = self
@@ -419,7 +419,7 @@ impl Targets {
 
     /// Applies one event from the kernel. Returns the pid of an unwatched process that
     /// exec'd: it may now match a rule.
-    pub fn on_event(&mut self, kernel: &mut Kernel, event: &ProcessEvent) -> Option<u32> {
+    pub fn on_event(&mut self, kernel: &mut dyn WatchTable, event: &ProcessEvent) -> Option<u32> {
         match event.kind {
             k if k == ProcessEventKind::Fork as u32 => {
                 if self.ids.key(event.service).is_none() {

@@ -17,7 +17,7 @@ use crate::{
     clock::monotonic_ns,
     discovery::ids::DenseIds,
     discovery::procfs,
-    kernel::{Kernel, Readout},
+    kernel::{Readout, ThreadTable},
     metrics::health::MapErrors,
 };
 
@@ -238,7 +238,7 @@ impl Pools {
         self.window = window;
     }
 
-    fn get_or_allocate(&mut self, kernel: &mut Kernel, key: &PoolKey) -> Option<u32> {
+    fn get_or_allocate(&mut self, kernel: &mut dyn ThreadTable, key: &PoolKey) -> Option<u32> {
         let (id, new) = self.ids.get_or_allocate(key)?;
         // A reused id starts from zero.
         if new && let Err(error) = kernel.reset_pool(id) {
@@ -258,7 +258,7 @@ impl Pools {
     /// Puts `tid` of `service` in the pool its name (and its process's) says.
     fn name_thread(
         &mut self,
-        kernel: &mut Kernel,
+        kernel: &mut dyn ThreadTable,
         tid: u32,
         service: u32,
         comm: &str,
@@ -299,7 +299,7 @@ impl Pools {
     }
 
     /// Follows the threads `pid` already has when it starts being watched.
-    pub fn follow_process(&mut self, kernel: &mut Kernel, pid: u32, service: u32) {
+    pub fn follow_process(&mut self, kernel: &mut dyn ThreadTable, pid: u32, service: u32) {
         let now = monotonic_ns();
         let tasks = procfs::tasks(&self.procfs_root, pid);
         let main_comm = tasks
@@ -326,7 +326,7 @@ impl Pools {
     }
 
     /// Stops following the threads of `pid`, which is no longer watched.
-    pub fn forget_process(&mut self, kernel: &mut Kernel, pid: u32) {
+    pub fn forget_process(&mut self, kernel: &mut dyn ThreadTable, pid: u32) {
         for task in procfs::tasks(&self.procfs_root, pid) {
             kernel.forget_thread(task.tid);
             self.named.remove(&task.tid);
@@ -334,7 +334,7 @@ impl Pools {
     }
 
     /// A followed thread changed its name.
-    pub fn renamed(&mut self, kernel: &mut Kernel, tid: u32, service: u32) {
+    pub fn renamed(&mut self, kernel: &mut dyn ThreadTable, tid: u32, service: u32) {
         if let Some(comm) = procfs::thread_comm(&self.procfs_root, tid) {
             let process = self.process_of(tid);
             let process = process.as_ref().map(|(tgid, main)| (*tgid, main.as_str()));
@@ -347,7 +347,7 @@ impl Pools {
     /// drops the threads and pools of services that are gone.
     pub fn sync(
         &mut self,
-        kernel: &mut Kernel,
+        kernel: &mut dyn ThreadTable,
         live_services: &[u32],
         threads: &[(u32, Thread, Option<u32>)],
     ) {

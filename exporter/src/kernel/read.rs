@@ -1,0 +1,198 @@
+//! The read for a scrape: every counter of the watched services and pools, the loss
+//! counters, how full each map is and the programs' own run time.
+use std::{collections::BTreeMap, time::Duration};
+
+use poolscope_shared::{
+    DownstreamKey, DownstreamWait, Histogram, LockPrimitive, LossErrno, LossSource, PoolStats,
+    RequestTimes, ServiceCounters, SyscallSlot, Thread, loss_index, maps, syscall_counter_index,
+};
+
+use super::{Backend, Kernel, KernelError, WatchTable};
+
+/// Everything the kernel counted, read for one scrape.
+#[derive(Clone, Debug, Default)]
+pub struct Readout {
+    /// The `WATCHED` map: pid → `since_ns`.
+    pub watched: BTreeMap<u32, u64>,
+    pub services: BTreeMap<u32, ServiceCounters>,
+    /// Durations of finished requests per service, since the service id was assigned.
+    pub request_times: BTreeMap<u32, RequestTimes>,
+    pub syscalls: BTreeMap<(u32, &'static str), u64>,
+    /// Closed intervals of each pool's threads, read before `threads`.
+    pub pools: BTreeMap<u32, PoolStats>,
+    /// Lock waits of each pool, per [`LockPrimitive`].
+    pub lock_waits: BTreeMap<u32, [Histogram; LockPrimitive::COUNT as usize]>,
+    /// Network waits of each pool's serving threads, per socket peer.
+    pub downstreams: Vec<(DownstreamKey, DownstreamWait)>,
+    /// CLOCK_MONOTONIC ns between reading `pools` and `threads`: the end of each
+    /// thread's open interval.
+    pub threads_read_ns: u64,
+    /// The watched threads: tid, state, pool (if named).
+    pub threads: Vec<(u32, Thread, Option<u32>)>,
+    /// Every kernel-side loss counter, by source and errno.
+    pub losses: Vec<(LossSource, LossErrno, u64)>,
+    pub maps: Vec<MapFill>,
+    pub programs: Vec<ProgramStats>,
+}
+
+#[derive(Clone, Debug)]
+pub struct MapFill {
+    pub name: &'static str,
+    pub entries: u64,
+    /// `None` for a map without a size (socket storage).
+    pub capacity: Option<u32>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ProgramStats {
+    pub name: String,
+    pub run_time: Duration,
+    pub runs: u64,
+}
+impl Kernel {
+    /// Entries in `SOCK_CONNS`: the kernel's count of those made less those removed.
+    fn sock_conn_entries(&self) -> Result<usize, KernelError> {
+        let counts = self
+            .sock_conn_count
+            .get(&0, 0)
+            .map_err(|source| KernelError::Map {
+                map: maps::SOCK_CONN_COUNT,
+                source,
+            })?;
+        // Each CPU's count may be negative (made on one CPU, removed on another).
+        Ok(usize::try_from(counts.iter().sum::<i64>()).unwrap_or(0))
+    }
+    /// Every kernel-side loss counter, summed over CPUs.
+    pub fn losses(&self) -> Result<Vec<(LossSource, LossErrno, u64)>, KernelError> {
+        let mut losses = Vec::new();
+        for source in LossSource::ALL {
+            for errno in LossErrno::ALL {
+                let lost: u64 = self
+                    .losses
+                    .get(&loss_index(source, errno), 0)
+                    .map_err(|source| KernelError::Map {
+                        map: maps::LOSSES,
+                        source,
+                    })?
+                    .iter()
+                    .sum();
+                losses.push((source, errno, lost));
+            }
+        }
+        Ok(losses)
+    }
+    /// The connection and request counters of `services`, summed over CPUs.
+    pub fn read_services(
+        &self,
+        services: &[u32],
+    ) -> Result<BTreeMap<u32, ServiceCounters>, KernelError> {
+        services
+            .iter()
+            .map(|&service| {
+                let per_cpu =
+                    self.service_counters
+                        .get(&service, 0)
+                        .map_err(|source| KernelError::Map {
+                            map: maps::SERVICE_COUNTERS,
+                            source,
+                        })?;
+                let total = per_cpu
+                    .iter()
+                    .fold(ServiceCounters::default(), |sum, c| sum.plus(c));
+                Ok((service, total))
+            })
+            .collect()
+    }
+    /// Reads the counters of `services` and `pools` and the exporter's own
+    /// kernel-side health.
+    pub fn read(&self, services: &[u32], pools: &[u32]) -> Result<Readout, KernelError> {
+        let map_error = |map| move |source| KernelError::Map { map, source };
+        let mut readout = Readout {
+            watched: self
+                .watched_pids()
+                .into_iter()
+                .map(|(pid, watch)| (pid, watch.since_ns))
+                .collect(),
+            ..Readout::default()
+        };
+        readout.services = self.read_services(services)?;
+        for &service in services {
+            let per_cpu = self
+                .request_times
+                .get(&service, 0)
+                .map_err(map_error(maps::REQUEST_TIMES))?;
+            let mut times = RequestTimes::default();
+            for cpu in per_cpu.iter() {
+                times.queue.add(&cpu.queue);
+                times.duration.add(&cpu.duration);
+                times.latency.add(&cpu.latency);
+            }
+            readout.request_times.insert(service, times);
+            if self.backend != Backend::Syscall {
+                continue;
+            }
+            for slot in SyscallSlot::ALL {
+                let calls: u64 = self
+                    .syscall_counts
+                    .get(&syscall_counter_index(service, slot), 0)
+                    .map_err(map_error(maps::SYSCALL_COUNTS))?
+                    .iter()
+                    .sum();
+                readout.syscalls.insert((service, slot.name()), calls);
+            }
+        }
+        self.read_pools(pools, &mut readout)?;
+        readout.losses = self.losses()?;
+        let fill = |name: &'static str, entries: usize| MapFill {
+            name,
+            entries: entries as u64,
+            capacity: self.capacity(name),
+        };
+        readout.maps = vec![
+            fill(maps::WATCHED, readout.watched.len()),
+            match self.backend {
+                Backend::Syscall => {
+                    fill(maps::CONNS, self.conns.keys().filter(Result::is_ok).count())
+                }
+                Backend::Socket => fill(maps::SOCK_CONNS, self.sock_conn_entries()?),
+            },
+            fill(
+                maps::PENDING_CALLS,
+                self.pending_calls.keys().filter(Result::is_ok).count(),
+            ),
+            fill(maps::THREADS, readout.threads.len()),
+            fill(maps::LOCKS, self.locks.keys().filter(Result::is_ok).count()),
+            fill(maps::DOWNSTREAM_WAITS, readout.downstreams.len()),
+            fill(
+                maps::STACK_COUNTS,
+                self.stack_counts.keys().filter(Result::is_ok).count(),
+            ),
+            fill(
+                maps::MUTEX_CALLS,
+                self.mutex_calls.keys().filter(Result::is_ok).count(),
+            ),
+            fill(
+                maps::PROFILE_SESSIONS,
+                self.profile_sessions
+                    .iter()
+                    .filter(|session| session.as_ref().is_ok_and(|s| s.active != 0))
+                    .count(),
+            ),
+            fill(
+                maps::LISTEN_PORTS,
+                self.listen_ports.keys().filter(Result::is_ok).count(),
+            ),
+            fill(maps::ADOPT, self.adopt.keys().filter(Result::is_ok).count()),
+        ];
+        for (name, program) in self.ebpf.programs() {
+            if let Ok(info) = program.info() {
+                readout.programs.push(ProgramStats {
+                    name: name.to_owned(),
+                    run_time: info.run_time(),
+                    runs: info.run_count(),
+                });
+            }
+        }
+        Ok(readout)
+    }
+}

@@ -1,0 +1,120 @@
+//! The stack maps: the epoch that rotates the three generations of `STACKS` and
+//! `STACK_COUNTS`, their drain, and the profiling session slots with their samplers.
+use aya::{
+    maps::{MapData, stack_trace::StackTraceMap},
+    programs::PerfEvent,
+};
+use poolscope_shared::{ProfileSession, STACK_GENERATIONS, StackCount, StackKey, maps};
+
+use super::{
+    Kernel, KernelError,
+    attach::{attach_cpu_clock, detach_all, session_sampler, typed_program},
+};
+
+/// The return addresses (innermost first) of stack `id` of a stack map; `None` for
+/// a negative id (not captured) or one the map no longer holds.
+pub(super) fn addresses(map: &StackTraceMap<MapData>, id: i32) -> Option<Vec<u64>> {
+    let id = u32::try_from(id).ok()?;
+    let trace = map.get(&id, 0).ok()?;
+    Some(trace.frames().iter().map(|frame| frame.ip).collect())
+}
+impl Kernel {
+    /// Starts a new stack epoch. Returns the generation to drain: the one of two
+    /// epochs back, to which nothing can be added any more (see `stacks.rs` of
+    /// the kernel side).
+    pub fn advance_stack_epoch(&mut self) -> Result<u32, KernelError> {
+        let next = self.epoch.wrapping_add(1);
+        self.stack_epoch
+            .set(0, next, 0)
+            .map_err(|source| KernelError::Map {
+                map: maps::STACK_EPOCH,
+                source,
+            })?;
+        self.epoch = next;
+        Ok((next + 1) % STACK_GENERATIONS)
+    }
+
+    /// The stack counts of `generation`.
+    pub fn stack_counts(&self, generation: u32) -> Vec<(StackKey, StackCount)> {
+        self.stack_counts
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, _)| key.generation == generation)
+            .collect()
+    }
+
+    /// The frames (innermost first) of stack `id` of `generation`.
+    pub fn stack(&self, generation: u32, id: i32) -> Option<Vec<u64>> {
+        addresses(self.stacks.get(generation as usize)?, id)
+    }
+
+    /// Empties `generation` (its counts and its stack map) for reuse.
+    pub fn clear_stacks(&mut self, generation: u32, counted: &[StackKey]) {
+        for key in counted {
+            // Gone already only if someone else cleared it; nothing to do then.
+            let _ = self.stack_counts.remove(key);
+        }
+        if let Some(map) = self.stacks.get_mut(generation as usize) {
+            let ids: Vec<u32> = map.stack_ids().filter_map(Result::ok).collect();
+            for id in ids {
+                let _ = map.remove(&id);
+            }
+        }
+    }
+
+    /// Starts `session` in `slot`: the kernel counts its off-CPU blocks at once and,
+    /// with `hz`, the slot's sampler ticks on every CPU at that rate.
+    pub fn start_profile(
+        &mut self,
+        slot: u32,
+        session: ProfileSession,
+        hz: Option<u32>,
+    ) -> Result<(), KernelError> {
+        let name = session_sampler(slot)?;
+        self.set_profile_session(slot, session)?;
+        if let Some(hz) = hz {
+            let attached = typed_program::<PerfEvent>(&mut self.ebpf, name)
+                .and_then(|program| attach_cpu_clock(program, name, hz));
+            match attached {
+                Ok(links) => self.session_links[slot as usize] = links,
+                Err(error) => {
+                    self.set_profile_session(slot, ProfileSession::default())?;
+                    return Err(error);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the session in `slot`: its perf events are closed and the slot freed.
+    /// Returns the session as the kernel last saw it (with its first sample time).
+    pub fn stop_profile(&mut self, slot: u32) -> Result<ProfileSession, KernelError> {
+        let name = session_sampler(slot)?;
+        let links = std::mem::take(&mut self.session_links[slot as usize]);
+        if !links.is_empty() {
+            detach_all(typed_program::<PerfEvent>(&mut self.ebpf, name)?, links);
+        }
+        let session = self
+            .profile_sessions
+            .get(&slot, 0)
+            .map_err(|source| KernelError::Map {
+                map: maps::PROFILE_SESSIONS,
+                source,
+            })?;
+        self.set_profile_session(slot, ProfileSession::default())?;
+        Ok(session)
+    }
+
+    fn set_profile_session(
+        &mut self,
+        slot: u32,
+        session: ProfileSession,
+    ) -> Result<(), KernelError> {
+        self.profile_sessions
+            .set(slot, session, 0)
+            .map_err(|source| KernelError::Map {
+                map: maps::PROFILE_SESSIONS,
+                source,
+            })
+    }
+}
