@@ -37,6 +37,8 @@ use self::offsets::{
     socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
 };
 use self::syscalls::{syscall_number, wait_classes};
+#[cfg(test)]
+pub use self::tables::fake;
 pub use self::{
     read::{MapFill, ProgramStats, Readout},
     services::Adopted,

@@ -97,3 +97,170 @@ pub trait ThreadTable {
     /// Zeroes the stats of a pool id before it is reused for another pool.
     fn reset_pool(&mut self, pool: u32) -> Result<(), MapError>;
 }
+
+/// In-memory tables for unit tests of what writes them: each map as a plain
+/// collection, with a capacity on `WATCHED` to test a full map.
+#[cfg(test)]
+pub mod fake {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use aya::{maps::MapError, sys::SyscallError};
+    use poolscope_shared::{ListenKey, Phase, Thread, Watched};
+
+    use super::{ThreadTable, WatchTable};
+    use crate::{
+        discovery::procfs::ServedConnection,
+        kernel::{Adopted, Backend},
+    };
+
+    #[derive(Debug)]
+    pub struct FakeTables {
+        pub backend: Backend,
+        pub watched: BTreeMap<u32, Watched>,
+        /// Entries `WATCHED` holds before an insert fails with E2BIG, as a full hash
+        /// map does.
+        pub watched_capacity: usize,
+        pub listen_ports: BTreeMap<ListenKey, u32>,
+        /// Connections (pid, fd) with their service and phase (syscall backend).
+        pub connections: BTreeMap<(u32, u32), (u32, Phase)>,
+        pub services_reset: Vec<u32>,
+        pub threads: BTreeMap<u32, Thread>,
+        pub thread_pools: BTreeMap<u32, u32>,
+        pub pools_reset: BTreeSet<u32>,
+    }
+
+    impl Default for FakeTables {
+        fn default() -> Self {
+            Self {
+                backend: Backend::Syscall,
+                watched: BTreeMap::new(),
+                watched_capacity: usize::MAX,
+                listen_ports: BTreeMap::new(),
+                connections: BTreeMap::new(),
+                services_reset: Vec::new(),
+                threads: BTreeMap::new(),
+                thread_pools: BTreeMap::new(),
+                pools_reset: BTreeSet::new(),
+            }
+        }
+    }
+
+    fn full() -> MapError {
+        MapError::SyscallError(SyscallError {
+            call: "bpf_map_update_elem",
+            io_error: std::io::Error::from_raw_os_error(libc::E2BIG),
+        })
+    }
+
+    impl WatchTable for FakeTables {
+        fn backend(&self) -> Backend {
+            self.backend
+        }
+
+        fn claims_by_namespace(&self) -> bool {
+            true
+        }
+
+        fn set_listen_ports(&mut self, ports: &BTreeMap<ListenKey, u32>) -> Result<(), MapError> {
+            self.listen_ports = ports.clone();
+            Ok(())
+        }
+
+        fn watched(&self, pid: u32) -> Option<Watched> {
+            self.watched.get(&pid).copied()
+        }
+
+        fn watched_pids(&self) -> Vec<(u32, Watched)> {
+            self.watched.iter().map(|(&pid, &w)| (pid, w)).collect()
+        }
+
+        fn watch(&mut self, pid: u32, watch: Watched) -> Result<(), MapError> {
+            if !self.watched.contains_key(&pid) && self.watched.len() >= self.watched_capacity {
+                return Err(full());
+            }
+            self.watched.insert(pid, watch);
+            Ok(())
+        }
+
+        fn unwatch(&mut self, pid: u32, since_ns: u64) {
+            if self.watched(pid).is_some_and(|w| w.since_ns == since_ns) {
+                self.watched.remove(&pid);
+            }
+        }
+
+        fn adopt_blocked_accepts(&mut self, _blocked: &[(u32, u64)]) {}
+
+        fn adopt_connections(
+            &mut self,
+            service: u32,
+            _since_ns: u64,
+            pid: u32,
+            connections: &[ServedConnection],
+            _now_ns: u64,
+        ) -> Result<Adopted, MapError> {
+            let mut adopted = Adopted::default();
+            for connection in connections {
+                let phase = if connection.unread {
+                    adopted.unserved += 1;
+                    Phase::Unserved
+                } else {
+                    Phase::Responded
+                };
+                self.connections
+                    .insert((pid, connection.fd), (service, phase));
+            }
+            Ok(adopted)
+        }
+
+        fn forget_adoption(&mut self, _inode: u64) -> Option<Phase> {
+            None
+        }
+
+        fn awaits_adoption(&self, _inode: u64) -> bool {
+            false
+        }
+
+        fn set_adopting(&mut self, _adopting: bool) -> Result<(), MapError> {
+            Ok(())
+        }
+
+        fn purge_connections(&mut self, pid: u32, _since_ns: u64) -> Vec<(u32, Phase)> {
+            let keys: Vec<(u32, u32)> = self
+                .connections
+                .range((pid, 0)..=(pid, u32::MAX))
+                .map(|(key, _)| *key)
+                .collect();
+            keys.iter()
+                .filter_map(|key| self.connections.remove(key))
+                .collect()
+        }
+
+        fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
+            self.services_reset.push(service);
+            self.connections.retain(|_, (owner, _)| *owner != service);
+            Ok(())
+        }
+    }
+
+    impl ThreadTable for FakeTables {
+        fn follow_thread(&mut self, tid: u32, thread: Thread) -> Result<(), MapError> {
+            self.threads.entry(tid).or_insert(thread);
+            Ok(())
+        }
+
+        fn set_thread_pool(&mut self, tid: u32, pool: u32) -> Result<(), MapError> {
+            self.thread_pools.insert(tid, pool);
+            Ok(())
+        }
+
+        fn forget_thread(&mut self, tid: u32) {
+            self.threads.remove(&tid);
+            self.thread_pools.remove(&tid);
+        }
+
+        fn reset_pool(&mut self, pool: u32) -> Result<(), MapError> {
+            self.pools_reset.insert(pool);
+            Ok(())
+        }
+    }
+}

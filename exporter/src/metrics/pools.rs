@@ -421,6 +421,92 @@ impl Pools {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernel::fake::FakeTables;
+
+    /// A procfs with process `pid` whose threads are (tid, name).
+    fn process(pid: u32, threads: &[(u32, &str)]) -> std::io::Result<tempfile::TempDir> {
+        let root = tempfile::tempdir()?;
+        for (tid, comm) in threads {
+            let task = root.path().join(format!("{pid}/task/{tid}"));
+            std::fs::create_dir_all(&task)?;
+            std::fs::write(
+                task.join("stat"),
+                format!("{tid} ({comm}) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 5 0 0"),
+            )?;
+        }
+        Ok(root)
+    }
+
+    fn pool_names(pools: &Pools) -> Vec<String> {
+        let mut names: Vec<String> = pools.views().into_iter().map(|v| v.name).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_watched_process_threads_are_followed_in_the_pools_their_names_say() -> std::io::Result<()>
+    {
+        let threads = [
+            (100, "java"),
+            (101, "http-nio-8080-exec-1"),
+            (102, "http-nio-8080-exec-2"),
+            (103, "GC Thread#0"),
+        ];
+        let root = process(100, &threads)?;
+        let mut pools = Pools::new(root.path().to_owned(), 8, Duration::from_secs(10));
+        let mut tables = FakeTables::default();
+        pools.follow_process(&mut tables, 100, 3);
+        assert_eq!(
+            tables.threads.keys().copied().collect::<Vec<_>>(),
+            [100, 101, 102, 103]
+        );
+        assert!(tables.threads.values().all(|thread| thread.service == 3));
+        assert_eq!(tables.thread_pools.get(&101), tables.thread_pools.get(&102));
+        assert_ne!(tables.thread_pools.get(&100), tables.thread_pools.get(&101));
+        assert_eq!(
+            pool_names(&pools),
+            ["GC Thread", "http-nio-8080-exec", "java"]
+        );
+        // Every new pool id starts from zero in the kernel.
+        assert_eq!(tables.pools_reset.len(), 3);
+
+        pools.forget_process(&mut tables, 100);
+        assert!(tables.threads.is_empty() && tables.thread_pools.is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn pools_beyond_the_limit_are_refused_and_their_threads_left_unnamed() -> std::io::Result<()> {
+        let root = process(100, &[(100, "server"), (101, "worker-1"), (102, "io-1")])?;
+        let mut pools = Pools::new(root.path().to_owned(), 2, Duration::from_secs(10));
+        let mut tables = FakeTables::default();
+        pools.follow_process(&mut tables, 100, 0);
+        assert_eq!(pools.views().len(), 2);
+        assert_eq!(pools.pools_refused, 1);
+        // Still followed (its time counts in its creator's pool), just not named.
+        assert_eq!(tables.threads.len(), 3);
+        assert_eq!(tables.thread_pools.len(), 2);
+        Ok(())
+    }
+
+    #[test]
+    fn a_sync_drops_the_threads_and_pools_of_services_gone() -> std::io::Result<()> {
+        let root = process(100, &[(100, "server"), (101, "worker-1")])?;
+        let mut pools = Pools::new(root.path().to_owned(), 8, Duration::from_secs(10));
+        let mut tables = FakeTables::default();
+        pools.follow_process(&mut tables, 100, 4);
+        let threads: Vec<(u32, Thread, Option<u32>)> = tables
+            .threads
+            .iter()
+            .map(|(&tid, &thread)| (tid, thread, tables.thread_pools.get(&tid).copied()))
+            .collect();
+        pools.sync(&mut tables, &[4], &threads);
+        assert_eq!(pools.views().len(), 2, "service 4 is live");
+        pools.sync(&mut tables, &[], &threads);
+        assert!(pools.views().is_empty());
+        assert!(tables.threads.is_empty());
+        Ok(())
+    }
 
     #[test]
     fn thread_names_lose_trailing_numbers_and_separators() {
