@@ -4,6 +4,7 @@
 //! `--web.config.file`), plus signals (SIGHUP reloads both configurations,
 //! SIGTERM/SIGINT stop and detach every probe).
 pub mod clock;
+pub mod collectors;
 pub mod config;
 pub mod discovery;
 pub mod exporter;

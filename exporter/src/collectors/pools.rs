@@ -1,0 +1,145 @@
+//! The per-pool families: threads by state, busy share, where the pool's request
+//! time went, and lock waits per primitive.
+use poolscope_shared::LockPrimitive;
+
+use super::{Collected, Reading};
+use crate::{
+    metrics::encode::{Family, Kind, Value},
+    metrics::pools::{PoolTotals, REASONS, STATES, sum_of},
+    metrics::window::coarse_buckets,
+};
+
+/// One pool at scrape time.
+pub struct PoolInput<'a> {
+    pub service: &'a str,
+    pub pool: &'a str,
+    pub totals: &'a PoolTotals,
+    /// Busy share over the utilization window; `None` before there is a window.
+    pub utilization: Option<f64>,
+}
+
+/// The per-pool families of a reading; whole if the kernel was read.
+pub fn collect(reading: &Reading<'_>) -> Collected {
+    let names = reading.pool_names();
+    let inputs: Vec<PoolInput<'_>> = reading
+        .pools
+        .iter()
+        .filter_map(|row| {
+            let (service, pool) = names.get(&row.view.id)?;
+            Some(PoolInput {
+                service,
+                pool,
+                totals: &row.totals,
+                utilization: row.utilization,
+            })
+        })
+        .collect();
+    Collected {
+        families: pool_families(&inputs),
+        whole: reading.kernel.is_some(),
+    }
+}
+
+/// Per-pool families (DESIGN §4).
+pub fn pool_families(pools: &[PoolInput<'_>]) -> Vec<Family> {
+    let mut threads = Family::new(
+        "pool_threads",
+        Kind::Gauge,
+        "Threads alive in the pool (same normalized thread name within a service).",
+    );
+    let mut busy = Family::new(
+        "pool_threads_busy",
+        Kind::Gauge,
+        "Threads of the pool busy now: running, runnable, or blocked on a lock or I/O \
+         (everything but waiting for work).",
+    );
+    let mut utilization = Family::new(
+        "pool_utilization_ratio",
+        Kind::Gauge,
+        "Busy thread-seconds over thread-seconds of the pool, over the utilization window \
+         (pools.utilization_window). For a one-thread event loop: the share of time not \
+         waiting in epoll.",
+    );
+    let mut state_seconds = Family::new(
+        "thread_seconds",
+        Kind::Counter,
+        "Thread time of the pool by state.",
+    );
+    let mut offcpu = Family::new(
+        "offcpu_seconds",
+        Kind::Counter,
+        "Time the pool's threads spent blocked, by what they waited for.",
+    );
+    let mut runqueue = Family::new(
+        "runqueue_wait_seconds",
+        Kind::Histogram,
+        "Run-queue waits of the pool's threads: woken or preempted until back on a CPU.",
+    );
+    let mut lock_waits = Family::new(
+        "lock_wait_seconds",
+        Kind::Histogram,
+        "Lock waits of the pool's threads while serving. futex: blocked in a futex wait \
+         until back on CPU; pthread_mutex (opt-in probes.lock_uprobes): time inside \
+         pthread_mutex_lock, contended or not.",
+    );
+    for input in pools {
+        let labels = [("service", input.service), ("pool", input.pool)];
+        let totals = input.totals;
+        threads.push(&labels, totals.threads as f64);
+        busy.push(&labels, totals.threads_busy as f64);
+        if let Some(ratio) = input.utilization {
+            utilization.push(&labels, ratio);
+        }
+        for (state, activities) in STATES {
+            state_seconds.push(
+                &[
+                    ("service", input.service),
+                    ("pool", input.pool),
+                    ("state", state),
+                ],
+                sum_of(&totals.time_ns, activities) as f64 / 1e9,
+            );
+        }
+        for (reason, activity) in REASONS {
+            offcpu.push(
+                &[
+                    ("service", input.service),
+                    ("pool", input.pool),
+                    ("reason", reason),
+                ],
+                totals.time_ns[activity as usize] as f64 / 1e9,
+            );
+        }
+        runqueue.push_value(
+            &labels,
+            Value::Histogram {
+                buckets: coarse_buckets(&totals.runqueue),
+                sum: totals.runqueue.sum_ns as f64 / 1e9,
+                count: totals.runqueue.count(),
+            },
+        );
+        for (primitive, histogram) in LockPrimitive::ALL.iter().zip(&totals.lock_waits) {
+            lock_waits.push_value(
+                &[
+                    ("service", input.service),
+                    ("pool", input.pool),
+                    ("primitive", primitive.name()),
+                ],
+                Value::Histogram {
+                    buckets: coarse_buckets(histogram),
+                    sum: histogram.sum_ns as f64 / 1e9,
+                    count: histogram.count(),
+                },
+            );
+        }
+    }
+    vec![
+        threads,
+        busy,
+        utilization,
+        state_seconds,
+        offcpu,
+        runqueue,
+        lock_waits,
+    ]
+}

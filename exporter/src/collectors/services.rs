@@ -1,0 +1,537 @@
+//! The per-service families: connections, the three request gauges, queue depth,
+//! request times (cumulative and over the quantile window) and where request time
+//! went, from the kernel's counters joined with the listen queues.
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::SocketAddr,
+};
+
+use poolscope_shared::{RequestTimes, ServiceCounters};
+
+use super::{Collected, Reading};
+use crate::{
+    discovery::sockdiag::ListenQueue,
+    discovery::targets::{Corrections, ServiceView},
+    kernel::Backend,
+    metrics::encode::{Family, Kind, Value},
+    metrics::pools::{COMPONENTS, sum_of},
+    metrics::window::{QUANTILES, coarse_buckets, quantile},
+};
+
+/// A listening socket that belongs to a watched service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceListener {
+    pub service: String,
+    pub queue: ListenQueue,
+}
+
+/// What the kernel read gives for one service, with the window deltas.
+pub struct ServiceInput<'a> {
+    pub view: &'a ServiceView,
+    pub counters: &'a ServiceCounters,
+    /// Cumulative request times since the service id was assigned.
+    pub times: &'a RequestTimes,
+    /// Request times over the quantile window.
+    pub window: &'a RequestTimes,
+    /// Request time by what the serving thread did, ns per [`COMPONENTS`] entry.
+    pub components: [u64; COMPONENTS.len()],
+}
+
+/// The three request gauges of a service; see DESIGN §3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gauges {
+    /// Connected, no request byte read (in the kernel's map: accepted, or for the
+    /// socket backend handshake done, which includes the listen backlog).
+    pub unserved: u64,
+    pub waiting: u64,
+    pub in_flight: u64,
+}
+
+pub fn gauges(counters: &ServiceCounters, corrections: &Corrections) -> Gauges {
+    let open =
+        |entered: u64, left: u64, purged: u64| entered.saturating_sub(left).saturating_sub(purged);
+    Gauges {
+        unserved: open(
+            counters.unserved_entered + corrections.adopted_unserved,
+            counters.unserved_left,
+            corrections.unserved,
+        ),
+        waiting: open(
+            counters.waiting_entered,
+            counters.waiting_left,
+            corrections.waiting,
+        ),
+        in_flight: open(
+            counters.serving_entered,
+            counters.serving_left,
+            corrections.serving,
+        ),
+    }
+}
+
+/// (connections_unserved, queue_depth) from the gauges and the listen backlog.
+pub fn queue_depth(backend: Backend, gauges: &Gauges, backlog: u64) -> (u64, u64) {
+    match backend {
+        // The kernel's count starts at the handshake, so it holds the backlog too.
+        Backend::Socket => {
+            let connected = gauges.unserved.max(backlog);
+            (connected - backlog, connected + gauges.waiting)
+        }
+        Backend::Syscall => (gauges.unserved, backlog + gauges.unserved + gauges.waiting),
+    }
+}
+
+/// Each service's listen backlog: the depths of its listeners, summed.
+fn backlogs(listeners: &[ServiceListener]) -> HashMap<&str, u64> {
+    let mut backlog_of: HashMap<&str, u64> = HashMap::new();
+    for listener in listeners {
+        *backlog_of.entry(listener.service.as_str()).or_default() +=
+            u64::from(listener.queue.depth);
+    }
+    backlog_of
+}
+
+/// Each service's `queue_depth`, without the rest of a scrape.
+pub fn queue_depths(
+    backend: Backend,
+    services: &[(&ServiceView, ServiceCounters)],
+    listeners: &[ServiceListener],
+) -> Vec<(String, u64)> {
+    let backlog_of = backlogs(listeners);
+    services
+        .iter()
+        .map(|(view, counters)| {
+            let backlog = backlog_of.get(view.name.as_str()).copied().unwrap_or(0);
+            let (_, depth) = queue_depth(backend, &gauges(counters, &view.corrections), backlog);
+            (view.name.clone(), depth)
+        })
+        .collect()
+}
+
+struct RequestFamilies {
+    histograms: [Family; 3],
+    windows: [Family; 3],
+}
+
+impl RequestFamilies {
+    fn new() -> Self {
+        Self {
+            histograms: [
+                Family::new(
+                    "request_queue_seconds",
+                    Kind::Histogram,
+                    "Queue time of finished requests: first read minus arrival.",
+                ),
+                Family::new(
+                    "request_duration_seconds",
+                    Kind::Histogram,
+                    "Service time of finished requests: last write minus first read.",
+                ),
+                Family::new(
+                    "request_latency_seconds",
+                    Kind::Histogram,
+                    "Latency of finished requests: last write minus arrival.",
+                ),
+            ],
+            windows: [
+                Family::new(
+                    "request_queue_window_seconds",
+                    Kind::Summary,
+                    "Queue time quantiles over the last window (60 s), per instance.",
+                ),
+                Family::new(
+                    "request_duration_window_seconds",
+                    Kind::Summary,
+                    "Service time quantiles over the last window (60 s), per instance.",
+                ),
+                Family::new(
+                    "request_latency_window_seconds",
+                    Kind::Summary,
+                    "Latency quantiles over the last window (60 s), per instance.",
+                ),
+            ],
+        }
+    }
+
+    fn push(
+        &mut self,
+        labels: &[(&'static str, &str)],
+        times: &RequestTimes,
+        window: &RequestTimes,
+    ) {
+        let cumulative = [&times.queue, &times.duration, &times.latency];
+        for (family, histogram) in self.histograms.iter_mut().zip(cumulative) {
+            family.push_value(
+                labels,
+                Value::Histogram {
+                    buckets: coarse_buckets(histogram),
+                    sum: histogram.sum_ns as f64 / 1e9,
+                    count: histogram.count(),
+                },
+            );
+        }
+        // Quantiles over the window; `_sum` and `_count` are counters to Prometheus,
+        // so they stay cumulative (a window's would go down).
+        let windowed = [&window.queue, &window.duration, &window.latency];
+        for ((family, histogram), total) in self.windows.iter_mut().zip(windowed).zip(cumulative) {
+            let quantiles = QUANTILES
+                .iter()
+                .map(|&q| (q, quantile(histogram, q).unwrap_or(f64::NAN)))
+                .collect();
+            family.push_value(
+                labels,
+                Value::Summary {
+                    quantiles,
+                    sum: total.sum_ns as f64 / 1e9,
+                    count: total.count(),
+                },
+            );
+        }
+    }
+}
+
+/// The per-service families of a reading; whole if the kernel and the listen
+/// queues were both read.
+pub fn collect(reading: &Reading<'_>) -> Collected {
+    let no_counters = ServiceCounters::default();
+    let no_times = RequestTimes::default();
+    let mut components: BTreeMap<u32, [u64; COMPONENTS.len()]> = BTreeMap::new();
+    for row in reading.pools {
+        let sums = components.entry(row.view.service).or_default();
+        for (sum, (_, activities)) in sums.iter_mut().zip(COMPONENTS) {
+            *sum += sum_of(&row.totals.request_ns, activities);
+        }
+    }
+    let kernel = reading.kernel;
+    let inputs: Vec<ServiceInput<'_>> = reading
+        .services
+        .iter()
+        .map(|view| ServiceInput {
+            view,
+            counters: kernel
+                .and_then(|k| k.services.get(&view.id))
+                .unwrap_or(&no_counters),
+            times: kernel
+                .and_then(|k| k.request_times.get(&view.id))
+                .unwrap_or(&no_times),
+            window: reading.windows.get(&view.id).unwrap_or(&no_times),
+            components: components.get(&view.id).copied().unwrap_or_default(),
+        })
+        .collect();
+    let no_syscalls = BTreeMap::new();
+    Collected {
+        families: service_families(
+            reading.backend,
+            &inputs,
+            kernel.map_or(&no_syscalls, |k| &k.syscalls),
+            reading.listeners.unwrap_or_default(),
+        ),
+        whole: kernel.is_some() && reading.listeners.is_some(),
+    }
+}
+
+/// Per-service families (the ones the series cap applies to).
+pub fn service_families(
+    backend: Backend,
+    services: &[ServiceInput<'_>],
+    syscalls: &BTreeMap<(u32, &'static str), u64>,
+    listeners: &[ServiceListener],
+) -> Vec<Family> {
+    let mut targets = Family::new("targets", Kind::Gauge, "Processes watched for the service.");
+    let mut accepted = Family::new(
+        "connections_accepted",
+        Kind::Counter,
+        "Connections the service accepted (syscall backend: accept/accept4 returned a \
+         socket; socket backend: the handshake to one of its ports completed).",
+    );
+    let mut unserved = Family::new(
+        "connections_unserved",
+        Kind::Gauge,
+        "Connections the service accepted and has not read a request byte from yet.",
+    );
+    let mut waiting = Family::new(
+        "requests_waiting",
+        Kind::Gauge,
+        "Requests whose bytes arrived on an open connection and were not read yet.",
+    );
+    let mut in_flight = Family::new(
+        "requests_in_flight",
+        Kind::Gauge,
+        "Requests read (at least in part) and not answered yet.",
+    );
+    let mut depth = Family::new(
+        "queue_depth",
+        Kind::Gauge,
+        "Listen backlog + connections_unserved + requests_waiting: the autoscaling signal.",
+    );
+    let mut requests = Family::new(
+        "requests",
+        Kind::Counter,
+        "Finished requests (a read burst, then a write burst, ended by the next read or close).",
+    );
+    let mut time = Family::new(
+        "request_time_seconds",
+        Kind::Counter,
+        "Where the time of finished requests went, by component.",
+    );
+    let mut request_families = RequestFamilies::new();
+    let mut syscall_family = Family::new(
+        "syscalls",
+        Kind::Counter,
+        "Calls of the socket syscalls poolscope correlates, by the service's threads.",
+    );
+    let backlog_of = backlogs(listeners);
+    for input in services {
+        let service = input.view;
+        let labels = [("service", service.name.as_str())];
+        targets.push(&labels, service.processes as f64);
+        let counters = input.counters;
+        accepted.push(&labels, counters.accepted as f64);
+        let gauges = gauges(counters, &service.corrections);
+        let backlog = backlog_of.get(service.name.as_str()).copied().unwrap_or(0);
+        let (unserved_now, depth_now) = queue_depth(backend, &gauges, backlog);
+        unserved.push(&labels, unserved_now as f64);
+        waiting.push(&labels, gauges.waiting as f64);
+        in_flight.push(&labels, gauges.in_flight as f64);
+        depth.push(&labels, depth_now as f64);
+        requests.push(&labels, input.times.duration.count() as f64);
+        time.push(
+            &[("service", service.name.as_str()), ("component", "queue")],
+            input.times.queue.sum_ns as f64 / 1e9,
+        );
+        for ((component, _), ns) in COMPONENTS.iter().zip(input.components) {
+            time.push(
+                &[("service", service.name.as_str()), ("component", component)],
+                ns as f64 / 1e9,
+            );
+        }
+        request_families.push(&labels, input.times, input.window);
+        for ((id, syscall), calls) in syscalls.range((service.id, "")..) {
+            if *id != service.id {
+                break;
+            }
+            syscall_family.push(
+                &[("service", &service.name), ("syscall", syscall)],
+                *calls as f64,
+            );
+        }
+    }
+
+    let mut listen_depth = Family::new(
+        "listen_queue_depth",
+        Kind::Gauge,
+        "Connections completed by the kernel and waiting in the listen backlog for accept().",
+    );
+    let mut limit = Family::new(
+        "listen_queue_limit",
+        Kind::Gauge,
+        "Size of the listen backlog (listen() argument capped by net.core.somaxconn).",
+    );
+    for listener in listeners {
+        let address = listener.queue.addr.to_string();
+        let labels = [
+            ("service", listener.service.as_str()),
+            ("listener", address.as_str()),
+        ];
+        listen_depth.push(&labels, listener.queue.depth.into());
+        if let Some(size) = listener.queue.limit {
+            limit.push(&labels, size.into());
+        }
+    }
+    // Gauges and counters first: when the series cap bites, histograms go before them.
+    let mut families = vec![
+        depth,
+        in_flight,
+        waiting,
+        unserved,
+        requests,
+        accepted,
+        targets,
+        listen_depth,
+        limit,
+        time,
+        syscall_family,
+    ];
+    families.extend(request_families.windows);
+    families.extend(request_families.histograms);
+    families
+}
+
+/// Joins listen queues to the services that own their sockets. Sockets of unwatched
+/// processes are left out; one socket shared by several processes counts once, and
+/// several sockets on one address (SO_REUSEPORT) add up to one listener: their
+/// backlogs and limits summed, as one queue in front of the service.
+pub fn service_listeners(
+    queues: &[ListenQueue],
+    owner: impl Fn(u64) -> Option<String>,
+) -> Vec<ServiceListener> {
+    let mut merged: BTreeMap<(String, SocketAddr), ListenQueue> = BTreeMap::new();
+    for queue in queues {
+        let Some(service) = owner(queue.inode) else {
+            continue;
+        };
+        merged
+            .entry((service, queue.addr))
+            .and_modify(|sum| {
+                sum.depth += queue.depth;
+                sum.limit = sum.limit.zip(queue.limit).map(|(a, b)| a + b);
+            })
+            .or_insert(*queue);
+    }
+    merged
+        .into_iter()
+        .map(|((service, _), queue)| ServiceListener { service, queue })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use poolscope_shared::ServiceCounters;
+
+    use super::*;
+    use crate::metrics::encode::{Format, render};
+
+    fn view(id: u32, name: &str, corrections: Corrections) -> ServiceView {
+        ServiceView {
+            id,
+            name: name.into(),
+            processes: 2,
+            corrections,
+        }
+    }
+
+    fn counters() -> ServiceCounters {
+        ServiceCounters {
+            accepted: 10,
+            unserved_entered: 10,
+            unserved_left: 6,
+            waiting_entered: 20,
+            waiting_left: 17,
+            serving_entered: 30,
+            serving_left: 25,
+        }
+    }
+
+    #[test]
+    fn gauges_are_entered_minus_left_minus_purged() {
+        let purged = Corrections {
+            unserved: 1,
+            waiting: 0,
+            serving: 2,
+            adopted_unserved: 0,
+        };
+        let open = gauges(&counters(), &purged);
+        assert_eq!(
+            open,
+            Gauges {
+                unserved: 3,
+                waiting: 3,
+                in_flight: 3
+            }
+        );
+        // Adopted with a request unread: in the gauge until the kernel's read.
+        let adopted = Corrections {
+            adopted_unserved: 2,
+            ..purged
+        };
+        assert_eq!(gauges(&counters(), &adopted).unserved, 5);
+        // Syscall backend: the backlog is not in the kernel's count.
+        assert_eq!(queue_depth(Backend::Syscall, &open, 4), (3, 10));
+        // Socket backend: it is (the count starts at the handshake).
+        assert_eq!(queue_depth(Backend::Socket, &open, 2), (1, 6));
+        // A backlog read a moment later than the kernel's counters never goes negative.
+        assert_eq!(queue_depth(Backend::Socket, &open, 5), (0, 8));
+    }
+
+    #[test]
+    fn service_families_render_each_metric() {
+        let mut times = RequestTimes::default();
+        times.queue.buckets[poolscope_shared::histogram_bucket(2_000_000)] = 4;
+        times.queue.sum_ns = 8_000_000;
+        times.duration.buckets[poolscope_shared::histogram_bucket(5_000_000)] = 4;
+        times.duration.sum_ns = 20_000_000;
+        let view = view(3, "web", Corrections::default());
+        let counters = counters();
+        let inputs = [ServiceInput {
+            view: &view,
+            counters: &counters,
+            times: &times,
+            window: &times,
+            components: [0; COMPONENTS.len()],
+        }];
+        let mut syscalls = BTreeMap::new();
+        syscalls.insert((3, "read"), 7);
+        syscalls.insert((4, "read"), 9);
+        let families = service_families(Backend::Syscall, &inputs, &syscalls, &[]);
+        let text = render(&families, Format::Text);
+        for line in [
+            "poolscope_queue_depth{service=\"web\"} 7\n",
+            "poolscope_connections_unserved{service=\"web\"} 4\n",
+            "poolscope_requests_waiting{service=\"web\"} 3\n",
+            "poolscope_requests_in_flight{service=\"web\"} 5\n",
+            "poolscope_requests_total{service=\"web\"} 4\n",
+            "poolscope_connections_accepted_total{service=\"web\"} 10\n",
+            "poolscope_request_time_seconds_total{service=\"web\",component=\"queue\"} 0.008\n",
+            "poolscope_syscalls_total{service=\"web\",syscall=\"read\"} 7\n",
+            "poolscope_request_queue_seconds_sum{service=\"web\"} 0.008\n",
+            "poolscope_request_duration_seconds_count{service=\"web\"} 4\n",
+            "poolscope_targets{service=\"web\"} 2\n",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+        assert!(
+            !text.contains("} 9\n"),
+            "another service's counter leaked: {text}"
+        );
+        let median = text
+            .lines()
+            .find(|l| {
+                l.starts_with(
+                    "poolscope_request_duration_window_seconds{service=\"web\",quantile=\"0.5\"}",
+                )
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .expect("median line");
+        assert!((median - 0.005).abs() < 0.0005, "{median}");
+    }
+
+    #[test]
+    fn listeners_join_by_inode_and_skip_unwatched() {
+        let queue = |inode, port| ListenQueue {
+            inode,
+            addr: format!("127.0.0.1:{port}").parse().expect("addr"),
+            depth: 4,
+            limit: Some(16),
+        };
+        let listeners = service_listeners(&[queue(1, 80), queue(2, 81)], |inode| {
+            (inode == 1).then(|| "web".to_owned())
+        });
+        assert_eq!(listeners.len(), 1);
+        // SO_REUSEPORT: three sockets on one address are one listener.
+        let reuseport = service_listeners(&[queue(1, 80), queue(3, 80), queue(4, 80)], |_| {
+            Some("web".to_owned())
+        });
+        assert_eq!(reuseport.len(), 1);
+        assert_eq!(
+            (reuseport[0].queue.depth, reuseport[0].queue.limit),
+            (12, Some(48))
+        );
+        // A queue read from procfs (another namespace's) has no known limit, and
+        // neither has the sum it is part of.
+        let mut foreign = queue(5, 80);
+        foreign.limit = None;
+        let mixed = service_listeners(&[queue(1, 80), foreign], |_| Some("web".to_owned()));
+        assert_eq!((mixed[0].queue.depth, mixed[0].queue.limit), (8, None));
+        let text = render(
+            &service_families(Backend::Syscall, &[], &BTreeMap::new(), &listeners),
+            Format::Text,
+        );
+        assert!(text.contains(
+            "poolscope_listen_queue_depth{service=\"web\",listener=\"127.0.0.1:80\"} 4\n"
+        ));
+        assert!(text.contains(
+            "poolscope_listen_queue_limit{service=\"web\",listener=\"127.0.0.1:80\"} 16\n"
+        ));
+    }
+}

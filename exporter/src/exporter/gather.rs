@@ -1,0 +1,247 @@
+//! A scrape: one consistent read of the kernel and the watched set under the core
+//! lock, the listen queues outside it, then the collectors, the series cap and
+//! poolscope's own families. Also the saturation check, which reads the same
+//! queues.
+use std::{collections::BTreeMap, path::Path, time::Instant};
+
+use poolscope_shared::RequestTimes;
+
+use super::{Exporter, lock_or_recover};
+use crate::{
+    collectors::{
+        self, PoolRow, Reading, Timings,
+        own::{SelfStats, self_families},
+        services::{queue_depths, service_listeners},
+    },
+    discovery::procfs,
+    discovery::sockdiag,
+    discovery::targets::ServiceView,
+    kernel::{Backend, Readout, WatchTable},
+    metrics::encode::{Family, cap_series},
+    metrics::health::{Loss, LossKind},
+    metrics::pools,
+    stacks::snapshots::Trigger,
+};
+
+/// What a scrape reads under the core lock.
+struct Locked {
+    kernel: Option<Readout>,
+    services: Vec<ServiceView>,
+    windows: BTreeMap<u32, RequestTimes>,
+    pools: Vec<PoolRow>,
+    owners: std::collections::HashMap<u64, String>,
+    namespaces: BTreeMap<u32, u32>,
+    backend: Backend,
+    /// Every loss counter, without the series this scrape drops.
+    losses: Vec<Loss>,
+    lock_probe_processes: usize,
+}
+
+impl Exporter {
+    fn read_locked(&self) -> Locked {
+        let mut core = lock_or_recover(&self.core);
+        let core = &mut *core;
+        let kernel = core
+            .kernel
+            .read(&core.targets.service_ids(), &core.pools.ids());
+        if let Err(error) = &kernel {
+            tracing::warn!(%error, "reading kernel maps failed");
+        }
+        let kernel = kernel.ok();
+        let no_watch_table = BTreeMap::new();
+        let watched = kernel.as_ref().map_or(&no_watch_table, |k| &k.watched);
+        let services = core.targets.services(watched);
+        let now = Instant::now();
+        let mut windows = BTreeMap::new();
+        if let Some(kernel) = &kernel {
+            for (service, times) in &kernel.request_times {
+                windows.insert(*service, core.windows.delta(*service, now, times));
+            }
+            let live: Vec<u32> = kernel.request_times.keys().copied().collect();
+            core.windows.retain(&live);
+        }
+        let mut pool_totals = kernel.as_ref().map(pools::totals).unwrap_or_default();
+        let pools = core
+            .pools
+            .views()
+            .into_iter()
+            .filter_map(|view| {
+                let totals = pool_totals.remove(&view.id)?;
+                let utilization = core.pools.utilization(view.id, &totals);
+                Some(PoolRow {
+                    view,
+                    totals,
+                    utilization,
+                })
+            })
+            .collect();
+        // Series dropped by this scrape are added once capped.
+        let losses = self
+            .health
+            .losses(core, kernel.as_ref().map_or(&[], |k| k.losses.as_slice()));
+        Locked {
+            services,
+            windows,
+            pools,
+            owners: core.targets.listener_owners().clone(),
+            namespaces: core.targets.listener_namespaces().clone(),
+            backend: core.kernel.backend(),
+            losses,
+            lock_probe_processes: core.lock_probes.processes(),
+            kernel,
+        }
+    }
+
+    /// The listen queues of poolscope's own network namespace (sock_diag, with their
+    /// limits) and of every other namespace with watched listeners (procfs, through
+    /// a process inside it: depths only). A namespace whose process is gone is left
+    /// out, and a rescan finds another process in it.
+    fn listen_queues(
+        &self,
+        namespaces: &BTreeMap<u32, u32>,
+    ) -> Result<Vec<sockdiag::ListenQueue>, sockdiag::SockDiagError> {
+        let mut queues = sockdiag::listen_queues()?;
+        let own = procfs::network_namespace(Path::new("/proc"), "self");
+        for (&netns, &pid) in namespaces {
+            if Some(netns) == own {
+                continue;
+            }
+            match procfs::listen_queues_of(&self.procfs_root, pid) {
+                // The pid may have been reused by a process of another namespace.
+                Ok(found)
+                    if procfs::network_namespace(&self.procfs_root, &pid.to_string())
+                        == Some(netns) =>
+                {
+                    queues.extend(found);
+                }
+                Ok(_) | Err(_) => {
+                    tracing::debug!(netns, pid, "network namespace's process gone; rescanning");
+                    self.rescan_now.notify_one();
+                }
+            }
+        }
+        Ok(queues)
+    }
+
+    /// Every family of a scrape.
+    pub(super) fn gather_families(&self) -> Vec<Family> {
+        let settings = self.settings();
+        let mut timings = Timings::default();
+        let locked = timings.time("kernel", || {
+            let locked = self.read_locked();
+            let read = locked.kernel.is_some();
+            (locked, read)
+        });
+        let queues = timings.time("listen_queues", || {
+            let queues = self.listen_queues(&locked.namespaces);
+            if let Err(error) = &queues {
+                tracing::warn!(%error, "reading listen queues failed");
+            }
+            let read = queues.is_ok();
+            (queues.ok(), read)
+        });
+        // A socket that began listening after the last scan: find its owner now rather
+        // than at the next periodic rescan.
+        if let Some(queues) = &queues {
+            let core = lock_or_recover(&self.core);
+            if queues
+                .iter()
+                .any(|q| !core.targets.knows_listen_socket(q.inode))
+            {
+                self.rescan_now.notify_one();
+            }
+        }
+        let listeners = queues
+            .as_ref()
+            .map(|queues| service_listeners(queues, |inode| locked.owners.get(&inode).cloned()));
+        let reading = Reading {
+            backend: locked.backend,
+            kernel: locked.kernel.as_ref(),
+            services: &locked.services,
+            windows: &locked.windows,
+            pools: &locked.pools,
+            listeners: listeners.as_deref(),
+        };
+        let mut families = collectors::collect_all(&reading, &mut timings);
+        let dropped = cap_series(&mut families, settings.max_series);
+        let series_dropped = self.health.series_dropped(dropped);
+        let mut losses = locked.losses;
+        for loss in &mut losses {
+            if loss.kind == LossKind::SeriesDropped {
+                loss.value = series_dropped;
+            }
+        }
+        // With the series this scrape dropped; without the kernel's counters a rise
+        // would be misread, so the last health stands.
+        let degraded = match &locked.kernel {
+            Some(_) => self.health.observe(&losses),
+            None => self.health.last(),
+        }
+        .degraded();
+        let stats = SelfStats {
+            version: env!("CARGO_PKG_VERSION"),
+            backend: locked.backend.name(),
+            losses,
+            degraded,
+            lock_probe_processes: locked.lock_probe_processes,
+            collectors: timings.0,
+            reload: *lock_or_recover(&self.reload_status),
+        };
+        families.extend(self_families(
+            &stats,
+            self.health.probes(),
+            locked.kernel.as_ref(),
+        ));
+        families.extend(self.profiles.families());
+        families
+    }
+
+    /// Takes a saturation snapshot when a service's queue depth has stayed above
+    /// the threshold long enough (checked every second).
+    pub fn check_saturation(&self) {
+        let settings = self.settings();
+        let Some((threshold, duration)) = settings.snapshots.saturation else {
+            return;
+        };
+        let (backend, counters, views, owners, namespaces) = {
+            let core = lock_or_recover(&self.core);
+            let ids = core.targets.service_ids();
+            let counters = match core.kernel.read_services(&ids) {
+                Ok(counters) => counters,
+                Err(error) => {
+                    tracing::warn!(%error, "reading service counters failed");
+                    return;
+                }
+            };
+            let watched = core
+                .kernel
+                .watched_pids()
+                .into_iter()
+                .map(|(pid, watch)| (pid, watch.since_ns))
+                .collect();
+            (
+                core.kernel.backend(),
+                counters,
+                core.targets.services(&watched),
+                core.targets.listener_owners().clone(),
+                core.targets.listener_namespaces().clone(),
+            )
+        };
+        let queues = self.listen_queues(&namespaces).unwrap_or_default();
+        let listeners = service_listeners(&queues, |inode| owners.get(&inode).cloned());
+        let services: Vec<_> = views
+            .iter()
+            .filter_map(|view| Some((view, *counters.get(&view.id)?)))
+            .collect();
+        let depths = queue_depths(backend, &services, &listeners);
+        for service in self.stacks.saturated(&depths, threshold, duration) {
+            tracing::info!(service, threshold, "queue depth saturated: stack snapshot");
+            self.stacks.take_snapshot(
+                Trigger::Saturation(service),
+                &settings,
+                &self.core,
+                &self.health,
+            );
+        }
+    }
+}

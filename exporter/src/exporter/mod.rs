@@ -1,0 +1,351 @@
+//! The running exporter, composed of services that each own their state and lock:
+//! the core (kernel, watched set, pools, windows, lock probes), health, stacks and
+//! profiles. What touches them: a rescan, a process event, the timers, a scrape and
+//! the debug endpoints (`Gatherer`). Scans and netlink reads happen outside the locks.
+//!
+//! Lock order: `stacks`' collector → `core` → `health`'s counters. A stack drain
+//! holds the collector while it takes `core` (to read the kernel) and then health's
+//! unsymbolized count; a scrape and the health check hold `core` while they take
+//! health's. Every other lock is taken alone, for one statement or block: the
+//! stacks' session windows and snapshots, the profiles' sessions, `reload_status`.
+//! `settings` is only read for its `Arc`, never held.
+mod core;
+mod debug;
+mod gather;
+mod health;
+mod profiles;
+mod stacks;
+
+use std::{
+    path::PathBuf,
+    sync::{Arc, Mutex, MutexGuard, RwLock},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use poolscope_shared::{ProcessEvent, ProcessEventKind};
+use tokio::sync::Notify;
+
+use self::{
+    core::Core,
+    health::Health,
+    profiles::{Parts, Profiles},
+    stacks::Stacks,
+};
+use crate::{
+    clock::monotonic_ns,
+    collectors::own::ReloadStatus,
+    config::Settings,
+    discovery::procfs,
+    discovery::rules,
+    discovery::targets::Targets,
+    kernel::{Kernel, Readout},
+    metrics::encode::Family,
+    metrics::health::{self as health_model, HealthTracker},
+    metrics::locks::LockProbes,
+    metrics::pools::{self, Pools},
+    metrics::window::Windows,
+    stacks::profile::View,
+    stacks::sessions::{ProfileQuery, Refusal, Ticket},
+    stacks::snapshots::Trigger,
+    web::server::{DebugError, Gatherer, LocksQuery, ProfileOutput, StacksQuery},
+};
+
+/// Length of the quantile window of the `_window` summaries (DESIGN §4).
+const QUANTILE_WINDOW: Duration = Duration::from_secs(60);
+
+/// Takes a lock whose holder may have panicked. Each lock here guards state that
+/// stays valid whatever a panic interrupted (the kernel's maps are the real state;
+/// the rest are counters, windows and slot flags), so a poisoned lock is still used.
+fn lock_or_recover<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+pub struct Exporter {
+    core: Mutex<Core>,
+    settings: RwLock<Arc<Settings>>,
+    health: Health,
+    stacks: Stacks,
+    profiles: Profiles,
+    /// Wakes the rescan loop before its next tick.
+    rescan_now: Arc<Notify>,
+    /// True once poolscope is stopping: profiling sessions end early, so that the
+    /// HTTP server's graceful shutdown does not wait for them.
+    stopping: tokio::sync::watch::Sender<bool>,
+    /// Fixed at start (a reload does not move it).
+    procfs_root: PathBuf,
+    reload_status: Mutex<ReloadStatus>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScanError {
+    #[error("scanning {root}: {source}")]
+    Procfs {
+        root: String,
+        source: std::io::Error,
+    },
+}
+
+impl Exporter {
+    pub fn new(kernel: Kernel, settings: Settings) -> Self {
+        let probes = kernel.probes().to_vec();
+        // Map sizes are fixed at load: the advice names them.
+        let capacities = health_model::ADVISED_MAPS
+            .iter()
+            .filter_map(|&map| Some((map, kernel.capacity(map)?.into())))
+            .collect();
+        let tracker = HealthTracker::new(settings.degraded_for, capacities);
+        let procfs_root = settings.procfs_root.clone();
+        let core = Core {
+            targets: Targets::new(procfs_root.clone(), settings.limits.max_services),
+            pools: Pools::new(
+                procfs_root.clone(),
+                settings.limits.max_pools,
+                settings.utilization_window,
+            ),
+            windows: Windows::new(QUANTILE_WINDOW),
+            lock_probes: LockProbes::new(&settings.lock_uprobes),
+            kernel,
+        };
+        Self {
+            core: Mutex::new(core),
+            health: Health::new(tracker, probes),
+            stacks: Stacks::new(&settings),
+            profiles: Profiles::default(),
+            settings: RwLock::new(Arc::new(settings)),
+            reload_status: Mutex::new(loaded_now()),
+            rescan_now: Arc::new(Notify::new()),
+            stopping: tokio::sync::watch::Sender::new(false),
+            procfs_root,
+        }
+    }
+
+    /// poolscope is stopping: running profiling sessions end now.
+    pub fn stop(&self) {
+        self.stopping.send_replace(true);
+    }
+
+    /// Notified when a rescan is worth doing before the next tick.
+    pub fn rescan_trigger(&self) -> Arc<Notify> {
+        self.rescan_now.clone()
+    }
+
+    /// Probes (attached or not) the kernel side has.
+    pub fn probe_count(&self) -> usize {
+        self.health.probes().len()
+    }
+
+    pub fn settings(&self) -> Arc<Settings> {
+        self.settings
+            .read()
+            .map_or_else(|poisoned| poisoned.into_inner().clone(), |s| s.clone())
+    }
+
+    /// Takes new settings (SIGHUP); the next rescan applies the new targets.
+    pub fn replace_settings(&self, settings: Settings) {
+        {
+            let mut core = lock_or_recover(&self.core);
+            core.pools.set_window(settings.utilization_window);
+            // Processes watched from now on; those probed already keep their probes.
+            core.lock_probes.set_services(&settings.lock_uprobes);
+        }
+        self.health.set_degraded_for(settings.degraded_for);
+        self.stacks.set_limits(
+            settings.snapshots.keep,
+            settings.snapshots.memory_limit_bytes,
+        );
+        let mut current = self.settings.write().unwrap_or_else(|p| p.into_inner());
+        *current = Arc::new(settings);
+    }
+
+    /// A reload (of the configuration and the web configuration) ended: whole, or
+    /// refused in part, where the running configuration stays.
+    pub fn reload_finished(&self, successful: bool) {
+        let mut status = lock_or_recover(&self.reload_status);
+        if successful {
+            *status = loaded_now();
+        } else {
+            status.successful = false;
+        }
+    }
+
+    /// Scans procfs and makes the watched set match the target rules.
+    pub fn rescan(&self) -> Result<(), ScanError> {
+        let settings = self.settings();
+        let started_ns = monotonic_ns();
+        let snapshot = procfs::scan(&self.procfs_root).map_err(|source| ScanError::Procfs {
+            root: self.procfs_root.display().to_string(),
+            source,
+        })?;
+        let assignments = rules::assign(&snapshot, &settings.targets, std::process::id());
+        let mut core = lock_or_recover(&self.core);
+        let Core {
+            kernel, targets, ..
+        } = &mut *core;
+        targets.apply(kernel, &snapshot, &assignments, started_ns);
+        // Pools of services gone go at the next sample, a second at most.
+        core.follow_watch_changes(&self.procfs_root);
+        Ok(())
+    }
+
+    /// Reads every loss counter and updates the health (logging what changed); run
+    /// every second, so that `/healthz` and the log follow without a scrape.
+    pub fn check_health(&self) {
+        self.health.check(&lock_or_recover(&self.core));
+    }
+
+    /// Samples every pool's totals for the utilization window, and names threads the
+    /// kernel started following since the last sample.
+    pub fn sample_pools(&self) {
+        let mut core = lock_or_recover(&self.core);
+        let Core {
+            kernel,
+            targets,
+            pools,
+            ..
+        } = &mut *core;
+        let mut readout = Readout::default();
+        match kernel.read_pools(&pools.ids(), &mut readout) {
+            Ok(()) => {
+                pools.sample(std::time::Instant::now(), &pools::totals(&readout));
+                pools.sync(kernel, &targets.service_ids(), &readout.threads);
+            }
+            Err(error) => tracing::warn!(%error, "reading pool stats failed"),
+        }
+    }
+
+    /// Moves the stacks counted up to two epochs ago into the current windows.
+    pub fn drain_stacks(&self) {
+        self.stacks.drain(&self.core, &self.health);
+    }
+
+    /// Ends the current window as a snapshot.
+    pub fn take_snapshot(&self, trigger: Trigger) {
+        self.stacks
+            .take_snapshot(trigger, &self.settings(), &self.core, &self.health);
+    }
+
+    /// Applies process events. An unwatched process that exec'd is checked against the
+    /// rules on its own (no full scan: execs are frequent on a busy host).
+    pub fn on_events(&self, events: &[ProcessEvent]) {
+        let mut execs: Vec<u32> = {
+            let mut core = lock_or_recover(&self.core);
+            let Core {
+                kernel,
+                targets,
+                pools,
+                ..
+            } = &mut *core;
+            let execs = events
+                .iter()
+                .filter_map(|event| {
+                    if event.kind == ProcessEventKind::ThreadRenamed as u32 {
+                        pools.renamed(kernel, event.pid, event.service);
+                        return None;
+                    }
+                    targets.on_event(kernel, event)
+                })
+                .collect();
+            core.follow_watch_changes(&self.procfs_root);
+            execs
+        };
+        let settings = self.settings();
+        // With no rules, a process becomes a service by listening, which comes after
+        // its exec: the scrape sees the new socket and asks for a rescan then.
+        if execs.is_empty() || settings.targets.is_empty() {
+            return;
+        }
+        execs.sort_unstable();
+        execs.dedup();
+        let processes: Vec<_> = execs
+            .into_iter()
+            .filter_map(|pid| procfs::read_process(&self.procfs_root, pid))
+            .collect();
+        let snapshot = procfs::ProcSnapshot {
+            processes,
+            ..Default::default()
+        };
+        let assignments = rules::assign(&snapshot, &settings.targets, std::process::id());
+        if assignments.is_empty() {
+            return;
+        }
+        let mut core = lock_or_recover(&self.core);
+        let Core {
+            kernel, targets, ..
+        } = &mut *core;
+        for assignment in &assignments {
+            targets.add(kernel, assignment);
+        }
+        core.follow_watch_changes(&self.procfs_root);
+    }
+}
+
+impl Gatherer for Exporter {
+    fn debug_threads(&self) -> String {
+        self.threads_text()
+    }
+
+    fn debug_locks(&self, query: &LocksQuery) -> Result<String, DebugError> {
+        self.locks_text(query)
+    }
+
+    fn debug_snapshots(&self) -> String {
+        self.snapshots_json()
+    }
+
+    fn debug_stacks(&self, view: View, query: &StacksQuery) -> Result<Vec<u8>, DebugError> {
+        self.snapshot_stacks(view, query)
+    }
+
+    fn begin_profile(&self, query: &ProfileQuery, requested_ns: u64) -> Result<Ticket, Refusal> {
+        let settings = self.settings();
+        self.profiles
+            .begin(query, requested_ns, &self.parts(&settings))
+    }
+
+    fn end_profile(&self, ticket: Ticket) -> Result<ProfileOutput, Refusal> {
+        let settings = self.settings();
+        self.profiles.end(&ticket, &self.parts(&settings))
+    }
+
+    fn stopping(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.stopping.subscribe()
+    }
+
+    fn health(&self) -> String {
+        self.health.report()
+    }
+
+    fn cancel_profile(&self, ticket: Ticket) {
+        let settings = self.settings();
+        self.profiles.cancel(&ticket, &self.parts(&settings));
+    }
+
+    fn gather(&self) -> Vec<Family> {
+        self.gather_families()
+    }
+}
+
+impl Exporter {
+    /// What the profiling service works with.
+    fn parts<'a>(&'a self, settings: &'a Settings) -> Parts<'a> {
+        Parts {
+            settings,
+            core: &self.core,
+            stacks: &self.stacks,
+            health: &self.health,
+        }
+    }
+}
+
+/// The configuration in use was loaded just now.
+fn loaded_now() -> ReloadStatus {
+    ReloadStatus {
+        successful: true,
+        success_unix_seconds: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64(),
+    }
+}
