@@ -4,7 +4,8 @@
 //!   rule;
 //! - the Grafana dashboards in `dashboards/` are well-formed (schema, ids, layout,
 //!   datasource variable, template variables) and name only metrics poolscope exports,
-//!   read from `exporter/src/metrics/collect.rs` at test time, so a renamed metric fails here;
+//!   read from the `Family::new` calls under `exporter/src/` at test time, so a renamed
+//!   metric fails here;
 //! - as root: every dashboard query, variable query and rule expression runs against a
 //!   real Prometheus scraping poolscope while three test servers are under load; panels
 //!   must return data, rules must evaluate, rule groups be healthy and the scrape up.
@@ -65,19 +66,37 @@ fn files(dir: &str, ext: &str) -> anyhow::Result<Vec<PathBuf>> {
 
 // ------------------------------------------------------------------ what poolscope exports
 
-/// Every series name poolscope can export: the `Family::new("name", Kind::…` calls of
-/// `exporter/src/metrics/collect.rs` (outside its unit tests), with encode.rs's prefix and the
+/// The product code (each file up to its unit tests) of every `.rs` file under `dir`.
+fn product_code(dir: &Path) -> anyhow::Result<String> {
+    let mut code = String::new();
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .map(|entry| entry.map(|e| e.path()))
+        .collect::<Result<_, _>>()?;
+    entries.sort();
+    for path in entries {
+        if path.is_dir() {
+            code.push_str(&product_code(&path)?);
+        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            let text = std::fs::read_to_string(&path)?;
+            code.push_str(text.split("#[cfg(test)]").next().unwrap_or_default());
+        }
+    }
+    Ok(code)
+}
+
+/// Every series name poolscope can export: the `Family::new("name", Kind::…` calls
+/// under `exporter/src/` (outside unit tests: each collector names its own families,
+/// and the web server and profiling sessions theirs), with encode.rs's prefix and the
 /// suffixes it writes for each kind.
 fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
     let root = repo_root()?;
-    let collect = std::fs::read_to_string(root.join("exporter/src/metrics/collect.rs"))?;
+    let code = product_code(&root.join("exporter/src"))?;
     let encode = std::fs::read_to_string(root.join("exporter/src/metrics/encode.rs"))?;
     let prefix = encode
         .split("pub const PREFIX: &str = \"")
         .nth(1)
         .and_then(|rest| rest.split('"').next())
         .context("no PREFIX in exporter/src/metrics/encode.rs")?;
-    let code = collect.split("#[cfg(test)]").next().unwrap_or_default();
     let mut names = BTreeSet::new();
     for call in code.split("Family::new(").skip(1) {
         let call = call.trim_start();
@@ -105,7 +124,7 @@ fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
     }
     ensure!(
         names.len() >= 40,
-        "only {} series names parsed from collect.rs: {names:?}",
+        "only {} series names parsed from exporter/src: {names:?}",
         names.len()
     );
     Ok(names)
