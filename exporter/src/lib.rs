@@ -7,6 +7,7 @@ pub mod clock;
 pub mod collectors;
 pub mod config;
 pub mod discovery;
+pub mod encode;
 pub mod exporter;
 pub mod kernel;
 pub mod metrics;

@@ -91,12 +91,12 @@ fn product_code(dir: &Path) -> anyhow::Result<String> {
 fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
     let root = repo_root()?;
     let code = product_code(&root.join("exporter/src"))?;
-    let encode = std::fs::read_to_string(root.join("exporter/src/metrics/encode.rs"))?;
+    let encode = std::fs::read_to_string(root.join("exporter/src/encode.rs"))?;
     let prefix = encode
         .split("pub const PREFIX: &str = \"")
         .nth(1)
         .and_then(|rest| rest.split('"').next())
-        .context("no PREFIX in exporter/src/metrics/encode.rs")?;
+        .context("no PREFIX in exporter/src/encode.rs")?;
     let mut names = BTreeSet::new();
     for call in code.split("Family::new(").skip(1) {
         let call = call.trim_start();

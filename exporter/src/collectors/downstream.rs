@@ -3,7 +3,7 @@
 use poolscope_shared::{DownstreamKey, DownstreamWait, Peer};
 
 use super::{Collected, Reading};
-use crate::metrics::encode::{Family, Kind};
+use crate::encode::{Family, Kind};
 
 /// The downstream families of a reading; whole if the kernel was read.
 pub fn collect(reading: &Reading<'_>) -> Collected {
@@ -72,7 +72,7 @@ pub fn downstream_families<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::encode::{Format, render};
+    use crate::encode::{Format, render};
 
     #[test]
     fn downstream_waits_are_labelled_by_peer_and_pool() {

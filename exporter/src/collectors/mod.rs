@@ -14,8 +14,8 @@ use poolscope_shared::RequestTimes;
 
 use crate::{
     discovery::targets::ServiceView,
+    encode::Family,
     kernel::{Backend, Readout},
-    metrics::encode::Family,
     metrics::pools::{PoolTotals, PoolView},
 };
 
@@ -115,7 +115,7 @@ mod tests {
     use super::*;
     use crate::{
         discovery::targets::Corrections,
-        metrics::encode::{Format, render},
+        encode::{Format, render},
     };
 
     fn outcome(timings: &Timings) -> Vec<(&'static str, bool)> {

@@ -1,8 +1,8 @@
 //! poolscope's own families: build info, probes, loss counters and health, map
 //! fill, program run time, collector timings and the last configuration load.
 use crate::{
+    encode::{Family, Kind},
     kernel::{Probe, ProbeState, Readout},
-    metrics::encode::{Family, Kind},
     metrics::health::{Loss, LossKind},
 };
 
@@ -235,8 +235,8 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
 mod tests {
     use super::*;
     use crate::{
+        encode::{Format, render},
         kernel::Skip,
-        metrics::encode::{Format, render},
     };
 
     #[test]

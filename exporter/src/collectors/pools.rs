@@ -4,7 +4,7 @@ use poolscope_shared::LockPrimitive;
 
 use super::{Collected, Reading};
 use crate::{
-    metrics::encode::{Family, Kind, Value},
+    encode::{Family, Kind, Value},
     metrics::pools::{PoolTotals, REASONS, STATES, sum_of},
     metrics::window::coarse_buckets,
 };

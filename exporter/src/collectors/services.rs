@@ -12,8 +12,8 @@ use super::{Collected, Reading};
 use crate::{
     discovery::sockdiag::ListenQueue,
     discovery::targets::{Corrections, ServiceView},
+    encode::{Family, Kind, Value},
     kernel::Backend,
-    metrics::encode::{Family, Kind, Value},
     metrics::pools::{COMPONENTS, sum_of},
     metrics::window::{QUANTILES, coarse_buckets, quantile},
 };
@@ -389,7 +389,7 @@ mod tests {
     use poolscope_shared::ServiceCounters;
 
     use super::*;
-    use crate::metrics::encode::{Format, render};
+    use crate::encode::{Format, render};
 
     fn view(id: u32, name: &str, corrections: Corrections) -> ServiceView {
         ServiceView {

@@ -16,8 +16,7 @@ use crate::{
     discovery::ids::DenseIds,
     discovery::procfs::{self, ProcSnapshot},
     discovery::rules::Assignment,
-    kernel::{Backend, WatchTable},
-    metrics::health::MapErrors,
+    kernel::{Backend, MapErrors, WatchTable},
 };
 
 /// One watched process.

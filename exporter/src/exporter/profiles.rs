@@ -12,7 +12,7 @@ use super::{Core, health::Health, lock_or_recover, stacks::Stacks};
 use crate::{
     clock::monotonic_ns,
     config::Settings,
-    metrics::encode::Family,
+    encode::Family,
     stacks::profile::{self, ProfileMeta, StackRecord},
     stacks::sessions::{self, ProfileQuery, Refusal, Sessions, Ticket},
     web::server::ProfileOutput,

@@ -6,6 +6,7 @@ mod attach;
 pub mod btf;
 pub mod caps;
 mod locks;
+mod map_errors;
 mod offsets;
 mod read;
 mod services;
@@ -40,6 +41,7 @@ use self::syscalls::{syscall_number, wait_classes};
 #[cfg(test)]
 pub use self::tables::fake;
 pub use self::{
+    map_errors::MapErrors,
     read::{MapFill, ProgramStats, Readout},
     services::Adopted,
     tables::{ThreadTable, WatchTable},

@@ -1,8 +1,6 @@
 //! The reduction between what the kernel counted and the collectors: the two views
 //! of duration histograms (`window`), thread pools (`pools`), lock waits (`locks`),
-//! poolscope's own health and loss counters (`health`), and the wire formats with
-//! the series cap (`encode`).
-pub mod encode;
+//! and poolscope's own health and loss counters (`health`).
 pub mod health;
 pub mod locks;
 pub mod pools;

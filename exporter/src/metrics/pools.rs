@@ -17,8 +17,7 @@ use crate::{
     clock::monotonic_ns,
     discovery::ids::DenseIds,
     discovery::procfs,
-    kernel::{Readout, ThreadTable},
-    metrics::health::MapErrors,
+    kernel::{MapErrors, Readout, ThreadTable},
 };
 
 /// `thread_seconds_total{state}`: the thread states of DESIGN §3 as sums of activities.

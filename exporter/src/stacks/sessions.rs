@@ -10,7 +10,7 @@ use poolscope_shared::MAX_PROFILE_SESSIONS;
 
 use crate::{
     config::ProfileLimits,
-    metrics::encode::{Family, Kind, Value},
+    encode::{Family, Kind, Value},
     stacks::profile::{Format, View},
 };
 
@@ -487,7 +487,7 @@ mod tests {
         sessions.refused(&Refusal::TooMany(4));
         sessions.first_sample(Duration::from_millis(20));
         let families = sessions.families();
-        let text = crate::metrics::encode::render(&families, crate::metrics::encode::Format::Text);
+        let text = crate::encode::render(&families, crate::encode::Format::Text);
         for line in [
             "poolscope_profile_sessions_active 0\n",
             "poolscope_profile_sessions_started_total{kind=\"wall\"} 1\n",

@@ -36,7 +36,7 @@ use axum::{
 use crate::{
     clock::monotonic_ns,
     config::{DebugAccess, ScrapeLimits},
-    metrics::encode::{Family, Format, Kind, render},
+    encode::{Family, Format, Kind, render},
     stacks::profile::{self, ProfileError, View},
     stacks::sessions::{ProfileQuery, Refusal, Ticket},
 };
