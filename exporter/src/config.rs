@@ -282,7 +282,7 @@ pub struct Overrides {
     pub config_file: Option<PathBuf>,
     pub listen_address: Option<String>,
     pub log_level: Option<String>,
-    /// `--web.config.file`: TLS and basic auth (`webconfig.rs`), not part of the TOML
+    /// `--web.config.file`: TLS and basic auth (`web/webconfig/`), not part of the TOML
     /// configuration.
     pub web_config_file: Option<PathBuf>,
 }
