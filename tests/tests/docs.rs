@@ -1,5 +1,5 @@
 //! Keeps README.md honest, without root: every configuration key of
-//! `exporter/src/config.rs` has a row in the README's configuration reference, every
+//! `exporter/src/config/raw.rs` has a row in the README's configuration reference, every
 //! metric family poolscope exports (`Family::new("name", Kind::…)` anywhere in
 //! `exporter/src/`, unit tests left out) has a row naming its exposed name and type
 //! in the metrics reference, every command-line flag is documented, and neither
@@ -103,7 +103,7 @@ fn struct_fields(source: &str, name: &str) -> anyhow::Result<Vec<(String, String
     let header = format!("pub struct {name} {{");
     let start = source
         .find(&header)
-        .with_context(|| format!("config.rs has no `{header}`"))?;
+        .with_context(|| format!("config/raw.rs has no `{header}`"))?;
     let mut fields = Vec::new();
     for line in source[start + header.len()..].lines() {
         let line = line.trim();
@@ -123,7 +123,7 @@ fn struct_fields(source: &str, name: &str) -> anyhow::Result<Vec<(String, String
 /// Every configuration key: (section, key), from `RawConfig`'s sections and the
 /// `Raw*` structs they name (`targets: Vec<RawTarget>` is the `[[targets]]` table).
 fn config_keys() -> anyhow::Result<Vec<(String, String)>> {
-    let source = read("exporter/src/config.rs")?;
+    let source = read("exporter/src/config/raw.rs")?;
     let mut keys = Vec::new();
     for (section, ty) in struct_fields(&source, "RawConfig")? {
         let raw = ty
@@ -141,7 +141,10 @@ fn config_keys() -> anyhow::Result<Vec<(String, String)>> {
             keys.push((section.clone(), key));
         }
     }
-    ensure!(!keys.is_empty(), "no configuration keys found in config.rs");
+    ensure!(
+        !keys.is_empty(),
+        "no configuration keys found in config/raw.rs"
+    );
     Ok(keys)
 }
 
@@ -307,7 +310,7 @@ fn every_config_key_is_in_the_configuration_reference() -> anyhow::Result<()> {
         let dotted = format!("`{section}.{key}`");
         if !documented.contains(&(section.clone(), key.clone())) && !reference.contains(&dotted) {
             problems.push(format!(
-                "config key `{section}.{key}` (exporter/src/config.rs) has no row in the \
+                "config key `{section}.{key}` (exporter/src/config/raw.rs) has no row in the \
                  README's {CONFIG_REFERENCE} under its `[{section}]` heading"
             ));
         }
@@ -316,7 +319,7 @@ fn every_config_key_is_in_the_configuration_reference() -> anyhow::Result<()> {
     for (section, key) in documented.difference(&known) {
         problems.push(format!(
             "the README's {CONFIG_REFERENCE} documents `{section}.{key}`, which \
-             exporter/src/config.rs does not have"
+             exporter/src/config/raw.rs does not have"
         ));
     }
 

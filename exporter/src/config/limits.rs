@@ -1,0 +1,87 @@
+//! Validated limits: the sizes of the kernel's maps ([`Limits`]), of scrapes
+//! ([`ScrapeLimits`]) and of on-demand profiling sessions ([`ProfileLimits`]).
+use std::time::Duration;
+
+use poolscope_shared::maps;
+
+/// The sizes of the kernel's maps and arrays (`[limits]`), fixed when the programs
+/// load: one type for the configuration, the loader, the capacities the health advice
+/// names, and the reload's list of what needs a restart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub watched_processes: u32,
+    /// `CONNS` (syscall backend) and `ADOPT`.
+    pub connections: u32,
+    /// Entries of the per-service arrays.
+    pub max_services: u32,
+    /// Entries of the per-pool arrays.
+    pub max_pools: u32,
+    pub threads: u32,
+    pub locks: u32,
+    pub lock_stacks: u32,
+    /// Each of the three `STACKS` maps.
+    pub stacks: u32,
+    pub stack_counts: u32,
+}
+
+impl Limits {
+    /// Each limit under its configuration key.
+    pub fn keyed(&self) -> [(&'static str, u32); 9] {
+        [
+            ("limits.watched_processes", self.watched_processes),
+            ("limits.connections", self.connections),
+            ("limits.max_services", self.max_services),
+            ("limits.max_pools", self.max_pools),
+            ("limits.threads", self.threads),
+            ("limits.locks", self.locks),
+            ("limits.lock_stacks", self.lock_stacks),
+            ("limits.stacks", self.stacks),
+            ("limits.stack_counts", self.stack_counts),
+        ]
+    }
+
+    /// The key of the limit that sizes kernel map `map`, if one does.
+    pub fn key_of(map: &str) -> Option<&'static str> {
+        Some(match map {
+            maps::CONNS | maps::ADOPT => "limits.connections",
+            maps::WATCHED => "limits.watched_processes",
+            maps::THREADS | maps::THREAD_POOLS => "limits.threads",
+            maps::LOCKS => "limits.locks",
+            maps::LOCK_STACKS => "limits.lock_stacks",
+            maps::STACK_COUNTS => "limits.stack_counts",
+            maps::STACK_MAPS => "limits.stacks",
+            _ => return None,
+        })
+    }
+
+    /// The size of kernel map `map`, if a limit sets it.
+    pub fn size_of(&self, map: &str) -> Option<u32> {
+        let key = Self::key_of(map)?;
+        self.keyed()
+            .into_iter()
+            .find_map(|(limit, size)| (limit == key).then_some(size))
+    }
+}
+
+/// Bounds on scrapes of `/metrics` (`[web]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScrapeLimits {
+    /// Scrapes gathered at once; more are refused (503).
+    pub max_concurrent: u32,
+    /// The longest a scrape may take when the scraper sends no
+    /// `X-Prometheus-Scrape-Timeout-Seconds`.
+    pub timeout: Duration,
+    /// Taken off the scraper's timeout, so that our 503 reaches it before it gives up.
+    pub timeout_offset: Duration,
+}
+
+/// Limits of the on-demand profiling sessions (`[profiles]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProfileLimits {
+    pub max_sessions: u32,
+    pub max_duration: Duration,
+    pub min_hz: u32,
+    pub max_hz: u32,
+    pub default_hz: u32,
+    pub max_response_bytes: u64,
+}

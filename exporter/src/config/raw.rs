@@ -1,0 +1,255 @@
+//! The configuration as written ([`RawConfig`] and its `Raw*` sections): the keys of
+//! the TOML file, the environment and the flags, with their defaults, before validation.
+use std::{path::PathBuf, time::Duration};
+
+use serde::{Deserialize, Serialize};
+
+use super::DEFAULT_LISTEN_ADDRESS;
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawConfig {
+    pub web: RawWeb,
+    pub log: RawLog,
+    pub discovery: RawDiscovery,
+    pub probes: RawProbes,
+    pub pools: RawPools,
+    pub stacks: RawStacks,
+    pub profiles: RawProfiles,
+    pub limits: RawLimits,
+    pub targets: Vec<RawTarget>,
+}
+
+impl Default for RawConfig {
+    fn default() -> Self {
+        Self {
+            web: RawWeb {
+                listen_address: DEFAULT_LISTEN_ADDRESS.to_owned(),
+                max_concurrent_scrapes: 4,
+                scrape_timeout: Duration::from_secs(10),
+                scrape_timeout_offset: Duration::from_millis(500),
+                debug_endpoints: DebugAccess::Localhost,
+            },
+            log: RawLog {
+                level: "info".to_owned(),
+            },
+            discovery: RawDiscovery {
+                rescan_interval: Duration::from_secs(5),
+                procfs_root: PathBuf::from("/proc"),
+            },
+            probes: RawProbes {
+                backend: Backend::Auto,
+                bpf_stats: false,
+                lock_uprobes: Vec::new(),
+                sampling_hz: 49,
+            },
+            pools: RawPools {
+                utilization_window: Duration::from_secs(10),
+            },
+            stacks: RawStacks {
+                offcpu: true,
+                offcpu_min: Duration::from_millis(1),
+                offcpu_idle: false,
+                interval: Duration::from_secs(60),
+                keep: 10,
+                memory_limit_bytes: 64 << 20,
+                saturation_queue_depth: 0,
+                saturation_duration: Duration::from_secs(5),
+            },
+            profiles: RawProfiles {
+                max_sessions: 4,
+                max_duration: Duration::from_secs(120),
+                min_hz: 1,
+                max_hz: 1000,
+                default_hz: 99,
+                max_response_bytes: 32 << 20,
+            },
+            limits: RawLimits {
+                max_series: 20_000,
+                max_services: 256,
+                max_pools: 512,
+                watched_processes: 16_384,
+                threads: 65_536,
+                connections: 65_536,
+                locks: poolscope_shared::MAX_LOCKS,
+                lock_stacks: poolscope_shared::MAX_LOCK_STACKS,
+                stacks: poolscope_shared::MAX_STACKS,
+                stack_counts: poolscope_shared::MAX_STACK_COUNTS,
+                degraded_for: Duration::from_secs(300),
+            },
+            targets: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawWeb {
+    pub listen_address: String,
+    pub max_concurrent_scrapes: u32,
+    #[serde(with = "humantime_serde")]
+    pub scrape_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    pub scrape_timeout_offset: Duration,
+    pub debug_endpoints: DebugAccess,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLog {
+    pub level: String,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawDiscovery {
+    #[serde(with = "humantime_serde")]
+    pub rescan_interval: Duration,
+    pub procfs_root: PathBuf,
+}
+
+/// Who may use `/debug/*` (`[web] debug_endpoints`): stacks, thread and lock
+/// listings and profiling sessions say much about the host and cost CPU.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DebugAccess {
+    /// Only clients on a loopback address (also through `kubectl port-forward`).
+    #[default]
+    Localhost,
+    /// Every client of the metrics listener.
+    All,
+    /// Nobody: 404.
+    Off,
+}
+
+/// Request-correlation backend (DESIGN §2).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    #[default]
+    Auto,
+    Socket,
+    Syscall,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawProbes {
+    pub backend: Backend,
+    /// Keep `kernel.bpf_stats_enabled` on while running. Off by default: the kernel
+    /// then times every program run, which cost ~75 ns per run on our test VMs
+    /// (`cargo xtask bench`). `bpf_run_*` also count when an operator enables it.
+    pub bpf_stats: bool,
+    /// Services (by name; `"*"` for all) whose processes get uprobes on
+    /// `pthread_mutex_lock`. Off by default: each call then traps into the kernel,
+    /// contended or not (README, "Lock waits").
+    pub lock_uprobes: Vec<String>,
+    /// On-CPU stack samples per second on each CPU (1 to 1000; 0: none). An odd
+    /// rate keeps clear of periodic work in step with the sampler.
+    pub sampling_hz: u32,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawStacks {
+    /// Off-CPU stacks: where watched threads block, weighted by how long.
+    pub offcpu: bool,
+    /// Shorter blocks are not recorded.
+    #[serde(with = "humantime_serde")]
+    pub offcpu_min: Duration,
+    /// Also the blocks of threads waiting for work (`reason="idle"`): off by default,
+    /// since an event loop blocks after every burst and each capture costs ~2 µs.
+    pub offcpu_idle: bool,
+    /// A snapshot of the stacks is kept every interval.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Snapshots kept, newest first, within `memory_limit_bytes`.
+    pub keep: usize,
+    pub memory_limit_bytes: u64,
+    /// A snapshot is also taken when a service's `queue_depth` stays above this for
+    /// `saturation_duration` (0: never).
+    pub saturation_queue_depth: u64,
+    #[serde(with = "humantime_serde")]
+    pub saturation_duration: Duration,
+}
+
+/// On-demand profiling sessions (`/debug/pprof/profile`).
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawProfiles {
+    /// Sessions running at once (0: the endpoint is off); at most 8.
+    pub max_sessions: u32,
+    /// Longest `seconds` a session may ask for.
+    #[serde(with = "humantime_serde")]
+    pub max_duration: Duration,
+    /// The `hz` a session may ask for, and the one it gets when it does not ask.
+    pub min_hz: u32,
+    pub max_hz: u32,
+    pub default_hz: u32,
+    /// Largest response: the lightest stacks are left out beyond it (and counted).
+    pub max_response_bytes: u64,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawPools {
+    /// The window of `pool_utilization_ratio`.
+    #[serde(with = "humantime_serde")]
+    pub utilization_window: Duration,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLimits {
+    pub max_series: usize,
+    pub max_services: u32,
+    /// Thread pools over all services (each holds ~2 kB per CPU in the kernel).
+    pub max_pools: u32,
+    pub watched_processes: u32,
+    /// Threads of watched processes followed at once.
+    pub threads: u32,
+    pub connections: u32,
+    /// Locks (process, futex address, stack) with wait statistics for
+    /// `/debug/locks`, 1.8 kB each; and the distinct stacks they began at, 1 kB each.
+    pub locks: u32,
+    pub lock_stacks: u32,
+    /// Distinct user or kernel stacks per snapshot drain (each of the three stack
+    /// maps, 1 kB per entry); and (stack, pool, reason) counters per drain.
+    pub stacks: u32,
+    pub stack_counts: u32,
+    /// How long a loss keeps poolscope degraded after its counter last rose.
+    #[serde(with = "humantime_serde")]
+    pub degraded_for: Duration,
+}
+
+/// One `[[targets]]` entry; every selector given must match.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawTarget {
+    pub service: Option<String>,
+    pub pids: Vec<u32>,
+    pub comm: Option<String>,
+    pub exe: Option<String>,
+    pub port: Ports,
+    pub cgroup: Option<String>,
+}
+
+/// `port = 8080` or `port = [8080, 8443]`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Ports {
+    #[default]
+    None,
+    One(u16),
+    Many(Vec<u16>),
+}
+
+impl Ports {
+    pub(super) fn to_vec(&self) -> Vec<u16> {
+        match self {
+            Self::None => Vec::new(),
+            Self::One(port) => vec![*port],
+            Self::Many(ports) => ports.clone(),
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! Validation of the raw configuration into [`Settings`]: every refusal names the
+//! source that set the key, the key and the reason.
+use std::time::Duration;
+
+use figment::Figment;
+use regex::Regex;
+
+use super::{
+    ConfigError, Limits, ProfileLimits, RawConfig, RawProfiles, RawTarget, RawWeb, ScrapeLimits,
+    Settings, SnapshotSettings, TargetRule, source_name,
+};
+
+/// A validation failure for `key`, naming the source that set it.
+fn invalid(figment: &Figment, key: &str, reason: impl std::fmt::Display) -> ConfigError {
+    let source = source_name(figment.find_metadata(key));
+    ConfigError::Invalid(format!("{source}: key `{key}`: {reason}"))
+}
+
+pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError> {
+    let listen_address = raw.web.listen_address.parse().map_err(|error| {
+        invalid(
+            figment,
+            "web.listen_address",
+            format!("{error} (want ip:port)"),
+        )
+    })?;
+    let log_level = raw.log.level.parse().map_err(|_| {
+        invalid(
+            figment,
+            "log.level",
+            "want one of error, warn, info, debug, trace, off",
+        )
+    })?;
+    if raw.discovery.rescan_interval < Duration::from_millis(100) {
+        return Err(invalid(
+            figment,
+            "discovery.rescan_interval",
+            "must be at least 100ms",
+        ));
+    }
+    let positive = |key: &str, value: u64| {
+        if value == 0 {
+            Err(invalid(figment, key, "must be greater than 0"))
+        } else {
+            Ok(())
+        }
+    };
+    positive("limits.max_series", raw.limits.max_series as u64)?;
+    let limits = Limits {
+        watched_processes: raw.limits.watched_processes,
+        connections: raw.limits.connections,
+        max_services: raw.limits.max_services,
+        max_pools: raw.limits.max_pools,
+        threads: raw.limits.threads,
+        locks: raw.limits.locks,
+        lock_stacks: raw.limits.lock_stacks,
+        stacks: raw.limits.stacks,
+        stack_counts: raw.limits.stack_counts,
+    };
+    for (key, size) in limits.keyed() {
+        positive(key, size.into())?;
+    }
+    if raw.probes.lock_uprobes.iter().any(String::is_empty) {
+        return Err(invalid(
+            figment,
+            "probes.lock_uprobes",
+            "service names must not be empty (\"*\" selects every service)",
+        ));
+    }
+    let snapshots = validate_stacks(raw, figment)?;
+    let profiles = validate_profiles(&raw.profiles, figment)?;
+    let scrapes = validate_scrapes(&raw.web, figment)?;
+    if raw.pools.utilization_window < Duration::from_secs(1) {
+        return Err(invalid(
+            figment,
+            "pools.utilization_window",
+            "must be at least 1s (pools are sampled every second)",
+        ));
+    }
+    if raw.limits.degraded_for < Duration::from_secs(1) {
+        return Err(invalid(
+            figment,
+            "limits.degraded_for",
+            "must be at least 1s (the loss counters are read every second)",
+        ));
+    }
+    if raw.limits.max_services > poolscope_shared::MAX_SERVICES {
+        return Err(invalid(
+            figment,
+            "limits.max_services",
+            format!("at most {}", poolscope_shared::MAX_SERVICES),
+        ));
+    }
+    let targets = raw
+        .targets
+        .iter()
+        .enumerate()
+        .map(|(index, target)| validate_target(target, index, figment))
+        .collect::<Result<_, _>>()?;
+    Ok(Settings {
+        listen_address,
+        scrapes,
+        debug_endpoints: raw.web.debug_endpoints,
+        log_level,
+        rescan_interval: raw.discovery.rescan_interval,
+        procfs_root: raw.discovery.procfs_root.clone(),
+        backend: raw.probes.backend,
+        bpf_stats: raw.probes.bpf_stats,
+        lock_uprobes: raw.probes.lock_uprobes.clone(),
+        max_series: raw.limits.max_series,
+        limits,
+        degraded_for: raw.limits.degraded_for,
+        utilization_window: raw.pools.utilization_window,
+        snapshots,
+        profiles,
+        targets,
+    })
+}
+
+fn validate_scrapes(raw: &RawWeb, figment: &Figment) -> Result<ScrapeLimits, ConfigError> {
+    const MAX_CONCURRENT: u32 = 1024;
+    if !(1..=MAX_CONCURRENT).contains(&raw.max_concurrent_scrapes) {
+        return Err(invalid(
+            figment,
+            "web.max_concurrent_scrapes",
+            format!("want 1 to {MAX_CONCURRENT}"),
+        ));
+    }
+    if raw.scrape_timeout < Duration::from_millis(100) {
+        return Err(invalid(
+            figment,
+            "web.scrape_timeout",
+            "must be at least 100ms",
+        ));
+    }
+    if raw.scrape_timeout_offset >= raw.scrape_timeout {
+        return Err(invalid(
+            figment,
+            "web.scrape_timeout_offset",
+            "must be shorter than web.scrape_timeout",
+        ));
+    }
+    Ok(ScrapeLimits {
+        max_concurrent: raw.max_concurrent_scrapes,
+        timeout: raw.scrape_timeout,
+        timeout_offset: raw.scrape_timeout_offset,
+    })
+}
+
+fn validate_profiles(raw: &RawProfiles, figment: &Figment) -> Result<ProfileLimits, ConfigError> {
+    const MAX_HZ: u32 = 1000;
+    if raw.max_sessions > poolscope_shared::MAX_PROFILE_SESSIONS {
+        return Err(invalid(
+            figment,
+            "profiles.max_sessions",
+            format!("at most {}", poolscope_shared::MAX_PROFILE_SESSIONS),
+        ));
+    }
+    if raw.max_duration < Duration::from_secs(1) {
+        return Err(invalid(
+            figment,
+            "profiles.max_duration",
+            "must be at least 1s",
+        ));
+    }
+    if raw.min_hz == 0 || raw.min_hz > raw.max_hz || raw.max_hz > MAX_HZ {
+        return Err(invalid(
+            figment,
+            "profiles.min_hz",
+            format!("want 1 <= profiles.min_hz <= profiles.max_hz <= {MAX_HZ}"),
+        ));
+    }
+    if !(raw.min_hz..=raw.max_hz).contains(&raw.default_hz) {
+        return Err(invalid(
+            figment,
+            "profiles.default_hz",
+            "must lie within profiles.min_hz and profiles.max_hz",
+        ));
+    }
+    if raw.max_response_bytes < 64 << 10 {
+        return Err(invalid(
+            figment,
+            "profiles.max_response_bytes",
+            "must be at least 64 KiB",
+        ));
+    }
+    Ok(ProfileLimits {
+        max_sessions: raw.max_sessions,
+        max_duration: raw.max_duration,
+        min_hz: raw.min_hz,
+        max_hz: raw.max_hz,
+        default_hz: raw.default_hz,
+        max_response_bytes: raw.max_response_bytes,
+    })
+}
+
+fn validate_stacks(raw: &RawConfig, figment: &Figment) -> Result<SnapshotSettings, ConfigError> {
+    let stacks = &raw.stacks;
+    if raw.probes.sampling_hz > 1000 {
+        return Err(invalid(
+            figment,
+            "probes.sampling_hz",
+            "1 to 1000 samples per second (0 turns sampling off)",
+        ));
+    }
+    if stacks.interval < Duration::from_secs(1) {
+        return Err(invalid(figment, "stacks.interval", "must be at least 1s"));
+    }
+    if stacks.keep == 0 {
+        return Err(invalid(figment, "stacks.keep", "must be greater than 0"));
+    }
+    if stacks.memory_limit_bytes < 1 << 20 {
+        return Err(invalid(
+            figment,
+            "stacks.memory_limit_bytes",
+            "must be at least 1048576 (1 MiB)",
+        ));
+    }
+    if stacks.offcpu && stacks.offcpu_min.is_zero() {
+        return Err(invalid(
+            figment,
+            "stacks.offcpu_min",
+            "must be greater than 0 (set stacks.offcpu = false to record none)",
+        ));
+    }
+    if stacks.saturation_queue_depth > 0 && stacks.saturation_duration < Duration::from_secs(1) {
+        return Err(invalid(
+            figment,
+            "stacks.saturation_duration",
+            "must be at least 1s (queue depth is checked every second)",
+        ));
+    }
+    Ok(SnapshotSettings {
+        sampling_hz: raw.probes.sampling_hz,
+        offcpu_min: stacks.offcpu.then_some(stacks.offcpu_min),
+        offcpu_idle: stacks.offcpu_idle,
+        interval: stacks.interval,
+        keep: stacks.keep,
+        memory_limit_bytes: stacks.memory_limit_bytes,
+        saturation: (stacks.saturation_queue_depth > 0)
+            .then_some((stacks.saturation_queue_depth, stacks.saturation_duration)),
+    })
+}
+
+fn validate_target(
+    target: &RawTarget,
+    index: usize,
+    figment: &Figment,
+) -> Result<TargetRule, ConfigError> {
+    let key = |field: &str| format!("targets[{index}].{field}");
+    let regex = |field: &str, pattern: &Option<String>| {
+        pattern
+            .as_deref()
+            .map(Regex::new)
+            .transpose()
+            .map_err(|error| invalid(figment, "targets", format!("{}: {error}", key(field))))
+    };
+    let rule = TargetRule {
+        service: target.service.clone(),
+        pids: target.pids.clone(),
+        comm: regex("comm", &target.comm)?,
+        exe: regex("exe", &target.exe)?,
+        ports: target.port.to_vec(),
+        cgroup: target.cgroup.clone(),
+    };
+    if let Some(service) = &rule.service
+        && (service.is_empty() || service.len() > 128)
+    {
+        return Err(invalid(
+            figment,
+            "targets",
+            format!("{}: 1 to 128 characters", key("service")),
+        ));
+    }
+    if rule.cgroup.as_deref() == Some("") {
+        return Err(invalid(
+            figment,
+            "targets",
+            format!("{}: must not be empty", key("cgroup")),
+        ));
+    }
+    let selects = !rule.pids.is_empty()
+        || rule.comm.is_some()
+        || rule.exe.is_some()
+        || !rule.ports.is_empty()
+        || rule.cgroup.is_some();
+    if !selects {
+        return Err(invalid(
+            figment,
+            "targets",
+            format!(
+                "{}: needs at least one of pids, comm, exe, port, cgroup",
+                key("")
+            ),
+        ));
+    }
+    Ok(rule)
+}

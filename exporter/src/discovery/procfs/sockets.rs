@@ -1,0 +1,265 @@
+//! Sockets of a process: its socket fds, the kernel's TCP tables (`net/tcp`,
+//! `net/tcp6`) for listen queues and served connections, and its network namespace.
+use std::{
+    collections::{HashMap, HashSet},
+    fs, io,
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::Path,
+};
+
+use crate::discovery::sockdiag::ListenQueue;
+
+/// The inode of a `socket:[12345]` fd link.
+pub fn socket_inode(link: &str) -> Option<u64> {
+    link.strip_prefix("socket:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
+const TCP_LISTEN: &str = "0A";
+const TCP_ESTABLISHED: &str = "01";
+
+/// One socket's line of `/proc/net/tcp` or `/proc/net/tcp6`.
+struct NetTcpRow<'a> {
+    local: SocketAddr,
+    state: &'a str,
+    /// For a listener the kernel prints `sk_ack_backlog` here: the connections
+    /// waiting for accept(), as sock_diag reports them; else the unread bytes.
+    rx_queue: u32,
+    inode: u64,
+}
+
+fn net_tcp_rows(content: &str) -> impl Iterator<Item = NetTcpRow<'_>> {
+    content.lines().skip(1).filter_map(|line| {
+        let fields: Vec<&str> = line.split_ascii_whitespace().collect();
+        let (_, rx_queue) = fields.get(4)?.split_once(':')?;
+        Some(NetTcpRow {
+            local: parse_hex_socket_addr(fields.get(1)?)?,
+            state: fields.get(3)?,
+            rx_queue: u32::from_str_radix(rx_queue, 16).ok()?,
+            inode: fields.get(9)?.parse().ok()?,
+        })
+    })
+}
+
+/// Listening sockets (state `0A`) in `/proc/net/tcp` or `/proc/net/tcp6`, with their
+/// backlog's depth. The backlog's size is not in the file.
+pub fn parse_net_tcp(content: &str) -> Vec<ListenQueue> {
+    net_tcp_rows(content)
+        .filter(|row| row.state == TCP_LISTEN)
+        .map(|row| ListenQueue {
+            inode: row.inode,
+            addr: row.local,
+            depth: row.rx_queue,
+            limit: None,
+        })
+        .collect()
+}
+
+/// The listen queues of the network namespace of process `pid`, from its
+/// `/proc/<pid>/net/tcp` and `tcp6`: what sock_diag cannot read outside poolscope's
+/// own namespace without `CAP_SYS_ADMIN` (to enter the namespace).
+pub fn listen_queues_of(root: &Path, pid: u32) -> io::Result<Vec<ListenQueue>> {
+    let [v4, v6] = net_tcp_tables(root, pid)?;
+    let mut queues = parse_net_tcp(&v4);
+    queues.extend(parse_net_tcp(&v6));
+    Ok(queues)
+}
+
+/// `/proc/<pid>/net/tcp` and `tcp6` (empty on a kernel without IPv6).
+pub(super) fn net_tcp_tables(root: &Path, pid: u32) -> io::Result<[String; 2]> {
+    let dir = root.join(pid.to_string()).join("net");
+    let v4 = fs::read_to_string(dir.join("tcp"))?;
+    Ok([v4, fs::read_to_string(dir.join("tcp6")).unwrap_or_default()])
+}
+
+/// The inode number of a namespace link such as `net:[4026531840]`: the `inum` the
+/// kernel's own structures carry.
+pub fn namespace_inode(link: &Path) -> Option<u32> {
+    let link = link.to_str()?;
+    let (_, number) = link.split_once(":[")?;
+    number.strip_suffix(']')?.parse().ok()
+}
+
+/// The network namespace of process `pid` (`None` if it exited or may not be read).
+pub fn network_namespace(root: &Path, pid: &str) -> Option<u32> {
+    namespace_inode(&fs::read_link(root.join(pid).join("ns/net")).ok()?)
+}
+
+/// `0100007F:1F90` (IPv4) or 32 hex digits `:` port (IPv6). The address is printed as
+/// 32-bit words in host byte order (little-endian on every arch we build for).
+fn parse_hex_socket_addr(field: &str) -> Option<SocketAddr> {
+    let (ip, port) = field.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let word = |i: usize| -> Option<[u8; 4]> {
+        let hex = ip.get(i * 8..i * 8 + 8)?;
+        Some(u32::from_str_radix(hex, 16).ok()?.to_le_bytes())
+    };
+    match ip.len() {
+        8 => Some(SocketAddr::from((Ipv4Addr::from(word(0)?), port))),
+        32 => {
+            let mut octets = [0u8; 16];
+            for i in 0..4 {
+                octets[i * 4..i * 4 + 4].copy_from_slice(&word(i)?);
+            }
+            Some(SocketAddr::from((Ipv6Addr::from(octets), port)))
+        }
+        _ => None,
+    }
+}
+
+/// Socket inodes among the open fds of a process; `PermissionDenied` when poolscope
+/// may not read them, another error when the process vanished.
+pub(super) fn socket_inodes(root: &Path, pid: u32) -> io::Result<Vec<u64>> {
+    Ok(socket_fds(root, pid)?.into_values().collect())
+}
+
+/// The open sockets of a process: fd → socket inode. Errors as [`socket_inodes`].
+pub fn socket_fds(root: &Path, pid: u32) -> io::Result<HashMap<u32, u64>> {
+    let mut sockets = HashMap::new();
+    for entry in fs::read_dir(root.join(pid.to_string()).join("fd"))? {
+        let Ok(entry) = entry else { continue };
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse().ok())
+        else {
+            continue;
+        };
+        // Listing the fds needs only CAP_DAC_READ_SEARCH; following them needs
+        // CAP_SYS_PTRACE. Other failures are fds closed since the listing.
+        match fs::read_link(entry.path()) {
+            Ok(link) => {
+                if let Some(inode) = link.to_str().and_then(socket_inode) {
+                    sockets.insert(fd, inode);
+                }
+            }
+            Err(error) if error.kind() == io::ErrorKind::PermissionDenied => return Err(error),
+            Err(_) => {}
+        }
+    }
+    Ok(sockets)
+}
+
+/// A connection that a process accepted from one of its own listeners and still
+/// holds open, as found in procfs (it may predate poolscope).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServedConnection {
+    pub fd: u32,
+    pub inode: u64,
+    /// Bytes wait in its receive queue: a request nobody has read yet.
+    pub unread: bool,
+}
+
+/// The established connections in `/proc/<pid>/net/tcp{,6}` contents whose local port
+/// is one that the process listens on (`sockets`: its fds, fd → inode), and which it
+/// holds among its own fds: the server side of its connections.
+pub fn served_connections(tables: &[&str], sockets: &HashMap<u32, u64>) -> Vec<ServedConnection> {
+    let fd_of: HashMap<u64, u32> = sockets.iter().map(|(&fd, &inode)| (inode, fd)).collect();
+    let rows: Vec<NetTcpRow> = tables
+        .iter()
+        .flat_map(|table| net_tcp_rows(table))
+        .collect();
+    let ports: HashSet<u16> = rows
+        .iter()
+        .filter(|row| row.state == TCP_LISTEN && fd_of.contains_key(&row.inode))
+        .map(|row| row.local.port())
+        .collect();
+    rows.iter()
+        .filter(|row| row.state == TCP_ESTABLISHED && ports.contains(&row.local.port()))
+        .filter_map(|row| {
+            Some(ServedConnection {
+                fd: *fd_of.get(&row.inode)?,
+                inode: row.inode,
+                unread: row.rx_queue > 0,
+            })
+        })
+        .collect()
+}
+
+/// [`served_connections`] of process `pid`, read from `root`.
+pub fn served_connections_of(root: &Path, pid: u32) -> io::Result<Vec<ServedConnection>> {
+    let sockets = socket_fds(root, pid)?;
+    let [v4, v6] = net_tcp_tables(root, pid)?;
+    Ok(served_connections(&[&v4, &v6], &sockets))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn net_tcp_listeners_v4_and_v6() {
+        let v4 = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 0100007F:1F90 00000000:0000 0A 00000000:00000003 00:00000000 00000000     0        0 31337 1 0000000000000000 100 0 0 10 0\n   1: 0100007F:1F90 0100007F:C350 01 00000000:00000000 00:00000000 00000000     0        0 31338 1 0000000000000000 20 4 30 10 -1\n";
+        assert_eq!(
+            parse_net_tcp(v4),
+            vec![ListenQueue {
+                inode: 31337,
+                addr: "127.0.0.1:8080".parse().expect("addr"),
+                depth: 3,
+                limit: None,
+            }]
+        );
+        let v6 = "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000000000000000000001000000:0050 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4444 1 0000000000000000 100 0 0 10 0\n";
+        assert_eq!(
+            parse_net_tcp(v6),
+            vec![ListenQueue {
+                inode: 4444,
+                addr: "[::1]:80".parse().expect("addr"),
+                depth: 0,
+                limit: None,
+            }]
+        );
+    }
+
+    #[test]
+    fn served_connections_are_the_established_ones_on_own_listening_ports() {
+        // Listens on 8080 (inode 10, fd 3); holds 11 (unread bytes), 12 (idle) and 14
+        // (its own outgoing connection to port 5432); 13 on 8080 is another
+        // process's (not among its fds).
+        let v4 = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+            0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 10 1 0 100 0 0 10 0\n\
+            1: 0100007F:1F90 0100007F:C350 01 00000000:00000004 00:00000000 00000000     0        0 11 1 0 20 4 30 10 -1\n\
+            2: 0100007F:1F90 0100007F:C351 01 00000000:00000000 00:00000000 00000000     0        0 12 1 0 20 4 30 10 -1\n\
+            3: 0100007F:1F90 0100007F:C352 01 00000000:00000000 00:00000000 00000000     0        0 13 1 0 20 4 30 10 -1\n\
+            4: 0100007F:C353 0100007F:1538 01 00000000:00000000 00:00000000 00000000     0        0 14 1 0 20 4 30 10 -1\n";
+        let sockets = HashMap::from([(3, 10), (5, 11), (6, 12), (7, 14)]);
+        let mut found = served_connections(&[v4, ""], &sockets);
+        found.sort_by_key(|c| c.fd);
+        assert_eq!(
+            found,
+            vec![
+                ServedConnection {
+                    fd: 5,
+                    inode: 11,
+                    unread: true
+                },
+                ServedConnection {
+                    fd: 6,
+                    inode: 12,
+                    unread: false
+                },
+            ]
+        );
+        // Without its listener among the fds, nothing is served.
+        assert!(served_connections(&[v4], &HashMap::from([(5, 11)])).is_empty());
+    }
+
+    #[test]
+    fn namespace_links() {
+        assert_eq!(
+            namespace_inode(Path::new("net:[4026531840]")),
+            Some(4026531840)
+        );
+        assert_eq!(namespace_inode(Path::new("net:[x]")), None);
+        assert_eq!(namespace_inode(Path::new("/dev/null")), None);
+    }
+
+    #[test]
+    fn socket_links() {
+        assert_eq!(socket_inode("socket:[123]"), Some(123));
+        assert_eq!(socket_inode("pipe:[123]"), None);
+        assert_eq!(socket_inode("/dev/null"), None);
+    }
+}

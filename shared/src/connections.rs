@@ -1,0 +1,193 @@
+//! Connections and their requests: watched processes, the connection phase and key,
+//! pending syscalls, per-service counters, request durations and listeners.
+
+use crate::{HISTOGRAM_BUCKETS, Histogram};
+#[cfg(doc)]
+use crate::{SyscallSlot, Thread, maps};
+
+/// Value of [`maps::WATCHED`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Watched {
+    /// Dense id assigned by user space, `< MAX_SERVICES`.
+    pub service: u32,
+    pub _pad: u32,
+    /// CLOCK_MONOTONIC ns when this tgid started being watched. Together with the
+    /// tgid it names one process: a reused pid gets a new `since`.
+    pub since_ns: u64,
+}
+
+/// Key of [`maps::CONNS`] in the syscall backend. The socket backend keys by the
+/// kernel address of the socket, which is above 2^63 and so never collides.
+pub const fn fd_conn_key(tgid: u32, fd: u32) -> u64 {
+    ((tgid as u64) << 32) | fd as u64
+}
+
+/// The tgid of a syscall-backend key.
+pub const fn conn_key_tgid(key: u64) -> u32 {
+    (key >> 32) as u32
+}
+
+/// Where a connection's current request is (DESIGN §3). Each phase but `Responded` and
+/// `Closing` is one of the gauges: a transition updates one `*_left` and one
+/// `*_entered` counter of [`ServiceCounters`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Connected (socket backend: handshake done; syscall backend: accepted), no
+    /// request byte read yet.
+    Unserved = 1,
+    /// Request bytes arrived on an open connection and were not read yet.
+    Waiting,
+    /// The request was read (at least in part) and no response byte written yet.
+    Serving,
+    /// Response bytes written; the request ends at the last write before the next
+    /// request or the close.
+    Responded,
+    /// The peer closed its side after the last response.
+    Closing,
+    /// Closed and accounted: the entry is being removed, and an event that still
+    /// holds it (on another CPU) changes nothing.
+    Gone = 0,
+}
+
+impl Phase {
+    pub const fn from_u32(value: u32) -> Self {
+        match value {
+            0 => Self::Gone,
+            1 => Self::Unserved,
+            2 => Self::Waiting,
+            3 => Self::Serving,
+            4 => Self::Responded,
+            _ => Self::Closing,
+        }
+    }
+}
+
+/// Value of [`maps::CONNS`] and [`maps::SOCK_CONNS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conn {
+    pub service: u32,
+    /// [`Phase`] as u32.
+    pub phase: u32,
+    /// Syscall backend: [`Watched::since_ns`] of the owning process when the entry was
+    /// made; an entry whose owner no longer matches is stale. 0 in the socket backend.
+    pub owner_since_ns: u64,
+    /// When the current request arrived (handshake, bytes queued, or first read when
+    /// the arrival is not seen).
+    pub arrive_ns: u64,
+    /// First read of the current request.
+    pub start_ns: u64,
+    /// Last write of the current request so far.
+    pub end_ns: u64,
+    /// Socket backend: when bytes arrived while the request was being served and
+    /// were not read yet (0 if none): on loopback the next request can arrive before
+    /// the tracepoint of the write that answered this one has run.
+    pub next_arrive_ns: u64,
+    /// The watched thread whose read started the current request (0 if none): it is
+    /// serving until the response begins (see [`Thread::serving`]).
+    pub server_tid: u32,
+    /// Socket backend: the service's epoch ([`maps::SERVICE_EPOCHS`]) when the
+    /// connection was claimed; 0 in the syscall backend.
+    pub epoch: u32,
+}
+
+/// Value of [`maps::PENDING_CALLS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PendingCall {
+    /// [`SyscallSlot`] as u32.
+    pub slot: u32,
+    /// The fd argument (reads, writes); unused for accepts.
+    pub fd: u32,
+    /// The syscall number, checked again at exit: user space adopts threads already
+    /// blocked in accept when they start being watched, and a thread may have left
+    /// that call by the time the entry is made.
+    pub number: u32,
+    pub _pad: u32,
+}
+
+/// Per-service counters, summed over CPUs by user space. Each gauge of DESIGN §4 is
+/// an `entered − left` pair, so that per-CPU counters need no atomics.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceCounters {
+    /// Connections that entered [`Phase::Unserved`]: accept/accept4 returned a socket
+    /// (syscall backend) or a handshake completed on a watched port (socket backend).
+    pub accepted: u64,
+    pub unserved_entered: u64,
+    pub unserved_left: u64,
+    pub waiting_entered: u64,
+    pub waiting_left: u64,
+    pub serving_entered: u64,
+    pub serving_left: u64,
+}
+
+impl ServiceCounters {
+    /// Field-wise sum (per-CPU values to one).
+    #[must_use]
+    pub const fn plus(self, other: &Self) -> Self {
+        Self {
+            accepted: self.accepted + other.accepted,
+            unserved_entered: self.unserved_entered + other.unserved_entered,
+            unserved_left: self.unserved_left + other.unserved_left,
+            waiting_entered: self.waiting_entered + other.waiting_entered,
+            waiting_left: self.waiting_left + other.waiting_left,
+            serving_entered: self.serving_entered + other.serving_entered,
+            serving_left: self.serving_left + other.serving_left,
+        }
+    }
+}
+
+/// Value of [`maps::REQUEST_TIMES`]: the three durations of every finished request.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestTimes {
+    /// start − arrive
+    pub queue: Histogram,
+    /// end − start
+    pub duration: Histogram,
+    /// end − arrive
+    pub latency: Histogram,
+}
+
+/// Key of [`maps::LISTEN_PORTS`]: a listening address and port in one network
+/// namespace, so that pods that listen on the same port, or two services bound to
+/// different addresses on one port, never claim each other's connections.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ListenKey {
+    /// Inode number of the network namespace (`/proc/<pid>/ns/net`, `net->ns.inum`);
+    /// [`ListenKey::ANY_NAMESPACE`] where the kernel's BTF does not say where it is.
+    pub netns: u32,
+    /// Local port, in host byte order.
+    pub port: u32,
+    /// The address the listener is bound to, as IPv6 (an IPv4 address mapped,
+    /// `::ffff:a.b.c.d`, as `inet_sock_set_state` gives it);
+    /// [`ListenKey::ANY_ADDRESS`] for a listener on every address (`0.0.0.0`, `::`).
+    pub addr: [u8; 16],
+}
+
+impl ListenKey {
+    /// The namespace of every key when the namespace cannot be read (no kernel BTF):
+    /// connections are then claimed by port alone.
+    pub const ANY_NAMESPACE: u32 = 0;
+    /// The address of a listener bound to every address: a connection whose own
+    /// address no listener is bound to is looked up under it.
+    pub const ANY_ADDRESS: [u8; 16] = [0; 16];
+}
+
+const _: () = assert!(core::mem::size_of::<Watched>() == 16);
+const _: () = assert!(core::mem::size_of::<ListenKey>() == 24);
+const _: () = assert!(core::mem::size_of::<Conn>() == 56);
+// The kernel swaps a connection's phase with the service id beside it, as one u64
+// (little-endian: the phase is the high half).
+const _: () = assert!(
+    core::mem::offset_of!(Conn, service) == 0
+        && core::mem::offset_of!(Conn, phase) == 4
+        && core::mem::align_of::<Conn>() == 8
+);
+const _: () = assert!(core::mem::size_of::<PendingCall>() == 16);
+const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 56);
+const _: () = assert!(core::mem::size_of::<RequestTimes>() == 3 * (HISTOGRAM_BUCKETS + 1) * 8);

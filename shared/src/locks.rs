@@ -1,0 +1,45 @@
+//! Lock waits: the primitive that saw them, their per-pool index and the key of a
+//! top-contended lock.
+
+#[cfg(doc)]
+use crate::maps;
+
+/// How a lock wait was seen: the `primitive` label of `lock_wait_seconds`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockPrimitive {
+    /// Blocked in a futex wait while serving, until back on CPU.
+    Futex = 0,
+    /// Inside `pthread_mutex_lock` while serving (opt-in uprobes), contended or not.
+    PthreadMutex,
+}
+
+impl LockPrimitive {
+    pub const COUNT: u32 = 2;
+    pub const ALL: [LockPrimitive; 2] = [Self::Futex, Self::PthreadMutex];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Futex => "futex",
+            Self::PthreadMutex => "pthread_mutex",
+        }
+    }
+}
+
+/// Index into [`maps::LOCK_WAITS`].
+pub const fn lock_wait_index(pool: u32, primitive: LockPrimitive) -> u32 {
+    pool * LockPrimitive::COUNT + primitive as u32
+}
+
+/// Key of [`maps::LOCKS`]: one lock (a futex address in one process) waited on from
+/// one call stack.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LockKey {
+    pub tgid: u32,
+    /// Id in [`maps::LOCK_STACKS`]; negative when the stack was not captured.
+    pub stack: i32,
+    pub address: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<LockKey>() == 16);

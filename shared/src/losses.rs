@@ -1,0 +1,169 @@
+//! What the kernel side lost (source and errno), and where each loss is counted.
+
+#[cfg(doc)]
+use crate::maps;
+
+/// Where the kernel side lost something; with a [`LossErrno`], the index of its
+/// counter in [`maps::LOSSES`] ([`loss_index`]).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LossSource {
+    /// A [`maps::CONNS`] insert failed: that connection is not measured.
+    ConnsInsert = 0,
+    /// A [`maps::SOCK_CONNS`] entry could not be made (the socket's memory limit,
+    /// `net.core.optmem_max`): that connection is not measured.
+    SockConnsInsert,
+    /// A [`maps::PENDING_CALLS`] insert failed: one syscall not measured.
+    PendingCallsInsert,
+    /// A [`maps::WATCHED`] insert for a forked child failed: the child is found by the
+    /// next rescan instead.
+    WatchedInsert,
+    /// The process-event ring buffer was full.
+    ProcessEvents,
+    /// A [`maps::THREADS`] or [`maps::THREAD_POOLS`] insert for a new thread failed.
+    ThreadsInsert,
+    /// A [`maps::LOCKS`] insert failed: that wait is in `lock_wait_seconds` but not
+    /// in the top locks.
+    LocksInsert,
+    /// A lock wait's stack did not fit in [`maps::LOCK_STACKS`] (its hash bucket
+    /// held another stack): the wait is kept without a stack.
+    LockStackCollision,
+    /// A [`maps::MUTEX_CALLS`] insert failed: one `pthread_mutex_lock` call not timed.
+    MutexCallsInsert,
+    /// A stack did not fit in its [`maps::STACKS`] map (its hash bucket held another
+    /// stack): the sample or block is kept without that stack.
+    StackCollision,
+    /// A [`maps::STACK_COUNTS`] insert failed: one sample or block lost.
+    StackCountsInsert,
+    /// An off-CPU block outlived its stack map (it began two epochs before it
+    /// ended): its time is kept without stacks.
+    OffCpuStacksExpired,
+    /// A [`maps::DOWNSTREAM_WAITS`] insert failed: that network wait counts in its
+    /// pool, not under its peer.
+    DownstreamInsert,
+    /// An event on a connection lost its phase change to other CPUs' events three
+    /// times in a row and was dropped.
+    PhaseRetries,
+}
+
+impl LossSource {
+    pub const COUNT: u32 = 14;
+    pub const ALL: [LossSource; 14] = [
+        Self::ConnsInsert,
+        Self::SockConnsInsert,
+        Self::PendingCallsInsert,
+        Self::WatchedInsert,
+        Self::ProcessEvents,
+        Self::ThreadsInsert,
+        Self::LocksInsert,
+        Self::LockStackCollision,
+        Self::MutexCallsInsert,
+        Self::StackCollision,
+        Self::StackCountsInsert,
+        Self::OffCpuStacksExpired,
+        Self::DownstreamInsert,
+        Self::PhaseRetries,
+    ];
+}
+
+/// Why a kernel helper failed, by the errno it returned: the advice differs (a full
+/// map wants a larger size; a busy bucket or short memory does not).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LossErrno {
+    /// No errno: a ring buffer with no room, an expired stack.
+    None = 0,
+    /// The map is full.
+    E2big,
+    /// The kernel could not allocate the entry.
+    Enomem,
+    /// The hash bucket was locked by an update this one interrupted.
+    Ebusy,
+    /// The key (or, for a stack map, another stack in its bucket) is already there.
+    Eexist,
+    /// Any other errno.
+    Other,
+}
+
+impl LossErrno {
+    /// Counters per [`LossSource`] in [`maps::LOSSES`] (a power of two: the index is
+    /// a shift the verifier bounds).
+    pub const SLOTS: u32 = 8;
+    pub const ALL: [LossErrno; 6] = [
+        Self::None,
+        Self::E2big,
+        Self::Enomem,
+        Self::Ebusy,
+        Self::Eexist,
+        Self::Other,
+    ];
+
+    /// The class of a helper's return `code` (a negative errno).
+    #[inline(always)]
+    pub const fn of(code: i64) -> Self {
+        const E2BIG: i64 = 7;
+        const ENOMEM: i64 = 12;
+        const EBUSY: i64 = 16;
+        const EEXIST: i64 = 17;
+        match -code {
+            E2BIG => Self::E2big,
+            ENOMEM => Self::Enomem,
+            EBUSY => Self::Ebusy,
+            EEXIST => Self::Eexist,
+            _ => Self::Other,
+        }
+    }
+
+    /// Its name in `map_update_errors_total{errno}`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::E2big => "E2BIG",
+            Self::Enomem => "ENOMEM",
+            Self::Ebusy => "EBUSY",
+            Self::Eexist => "EEXIST",
+            Self::Other => "other",
+        }
+    }
+}
+
+const _: () = assert!(LossErrno::SLOTS.is_power_of_two());
+const _: () = assert!(LossErrno::ALL.len() as u32 <= LossErrno::SLOTS);
+
+/// Index of the counter of `source` failing with `errno` in [`maps::LOSSES`].
+#[inline(always)]
+pub const fn loss_index(source: LossSource, errno: LossErrno) -> u32 {
+    source as u32 * LossErrno::SLOTS + errno as u32
+}
+
+/// Entries of [`maps::LOSSES`].
+pub const LOSSES_SIZE: u32 = LossSource::COUNT * LossErrno::SLOTS;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loss_counters_each_have_their_own_slot() {
+        let mut seen = [false; LOSSES_SIZE as usize];
+        for source in LossSource::ALL {
+            for errno in LossErrno::ALL {
+                let index = loss_index(source, errno);
+                assert!(index < LOSSES_SIZE, "{source:?} {errno:?} → {index}");
+                assert!(!seen[index as usize], "{source:?} {errno:?} shares {index}");
+                seen[index as usize] = true;
+            }
+        }
+        assert_eq!(LossSource::ALL.len() as u32, LossSource::COUNT);
+    }
+
+    #[test]
+    fn helper_errors_are_classed_by_errno() {
+        assert_eq!(LossErrno::of(-7), LossErrno::E2big);
+        assert_eq!(LossErrno::of(-12), LossErrno::Enomem);
+        assert_eq!(LossErrno::of(-16), LossErrno::Ebusy);
+        assert_eq!(LossErrno::of(-17), LossErrno::Eexist);
+        assert_eq!(LossErrno::of(-22), LossErrno::Other);
+        assert_eq!(LossErrno::of(0), LossErrno::Other);
+    }
+}

@@ -1,0 +1,98 @@
+//! Map names, as the exporter looks them up in the loaded object.
+
+/// tgid (u32) → [`crate::Watched`]: the processes whose events we keep.
+pub const WATCHED: &str = "WATCHED";
+/// Connection key (u64, see [`crate::fd_conn_key`]) → [`crate::Conn`]: the open
+/// connections of watched services and the phase of their current request
+/// (syscall backend).
+pub const CONNS: &str = "CONNS";
+/// Socket-local storage (`BPF_MAP_TYPE_SK_STORAGE`) → [`crate::Conn`]: the same,
+/// for the socket backend. The entry lives in the socket itself: finding it costs
+/// no hash lookup, and the kernel frees it with the socket, so none goes stale.
+/// Unbounded by design (a socket's own memory limit applies).
+pub const SOCK_CONNS: &str = "SOCK_CONNS";
+/// per-CPU array of one i64: entries made in [`SOCK_CONNS`] less those removed,
+/// summed over CPUs (the kernel cannot count a storage map's entries for us).
+pub const SOCK_CONN_COUNT: &str = "SOCK_CONN_COUNT";
+/// array, index service id → u32 epoch, raised by user space whenever the id is
+/// given to another service. A [`SOCK_CONNS`] entry claimed in an earlier epoch
+/// belongs to a departed service and is dropped at its next event: user space
+/// cannot walk socket storage to drop them itself.
+pub const SERVICE_EPOCHS: &str = "SERVICE_EPOCHS";
+/// [`crate::ListenKey`] (network namespace, local TCP port, local address) →
+/// service id: the
+/// listeners of watched services, so that the socket backend knows a handshake is
+/// one of ours (it runs in softirq, in no process's context).
+pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
+/// Array of [`crate::WATCHED_PORT_WORDS`] u64: a bit per local TCP port on which
+/// some watched service listens, in any namespace. The socket programs check it
+/// first, so that an event on any other socket (a client's, most of the host's)
+/// costs one load and one array read, and no hash lookup.
+pub const WATCHED_PORTS: &str = "WATCHED_PORTS";
+/// Socket inode (u64) → [`crate::Conn`]: connections of watched services that
+/// were open before they were watched (socket backend). The first event on such a
+/// socket moves its entry to [`SOCK_CONNS`].
+pub const ADOPT: &str = "ADOPT";
+/// Array of one u32: non-zero while `ADOPT` may hold entries, so that events on
+/// sockets of no watched service skip the inode read when there is nothing to
+/// adopt.
+pub const ADOPTING: &str = "ADOPTING";
+/// per-CPU array, index service id → [`crate::RequestTimes`].
+pub const REQUEST_TIMES: &str = "REQUEST_TIMES";
+/// tid (u32) → [`crate::PendingCall`]: an accept, or a read or write of a tracked
+/// connection, between syscall entry and exit (syscall backend).
+pub const PENDING_CALLS: &str = "PENDING_CALLS";
+/// syscall number (index) → [`crate::SyscallSlot`] as u32, filled by user space.
+pub const SYSCALL_SLOTS: &str = "SYSCALL_SLOTS";
+/// per-CPU array, index [`crate::syscall_counter_index`] → calls.
+pub const SYSCALL_COUNTS: &str = "SYSCALL_COUNTS";
+/// per-CPU array, index service id → [`crate::ServiceCounters`].
+pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
+/// per-CPU array, index [`crate::loss_index`] (source, errno) → events or updates lost.
+pub const LOSSES: &str = "LOSSES";
+/// ring buffer of [`crate::ProcessEvent`].
+pub const PROCESS_EVENTS: &str = "PROCESS_EVENTS";
+/// tid (u32) → [`crate::Thread`]: the threads of watched processes and what each
+/// is doing since when. Written by the kernel only (user space inserts a thread
+/// it finds already running, once).
+pub const THREADS: &str = "THREADS";
+/// tid (u32) → pool id: user space names pools; a new thread starts in its
+/// creator's pool until user space reads its name.
+pub const THREAD_POOLS: &str = "THREAD_POOLS";
+/// per-CPU array, index pool id → [`crate::PoolStats`].
+pub const POOL_STATS: &str = "POOL_STATS";
+/// syscall number (index) → [`crate::WaitClass`] as u32, filled by user space.
+pub const WAIT_CLASSES: &str = "WAIT_CLASSES";
+/// array, index [`crate::lock_wait_index`] (pool, primitive) → [`crate::Histogram`]
+/// of lock waits. Shared by all CPUs, updated with atomic adds: waits are rare
+/// next to the per-CPU cost of a histogram per pool.
+pub const LOCK_WAITS: &str = "LOCK_WAITS";
+/// [`crate::LockKey`] (process, futex address, stack) → [`crate::Histogram`] of
+/// its futex waits, for the top contended locks (atomic adds, as above).
+pub const LOCKS: &str = "LOCKS";
+/// Stack trace map: the user stacks at which lock waits began.
+pub const LOCK_STACKS: &str = "LOCK_STACKS";
+/// [`crate::DownstreamKey`] (pool, peer) → [`crate::DownstreamWait`]: the network
+/// waits of serving threads on sockets whose peer is known, per peer (atomic
+/// adds, as above).
+pub const DOWNSTREAM_WAITS: &str = "DOWNSTREAM_WAITS";
+/// tid (u32) → CLOCK_MONOTONIC ns of entry into `pthread_mutex_lock` (opt-in
+/// uprobes), until its return.
+pub const MUTEX_CALLS: &str = "MUTEX_CALLS";
+/// One all-zero [`crate::Histogram`]: the initial value of a new [`maps::LOCKS`]
+/// entry (too large to build on the BPF stack).
+pub const ZERO_HISTOGRAM: &str = "ZERO_HISTOGRAM";
+/// array[1]: the stack epoch (user space advances it, see [`crate::StackKey`]);
+/// its generation `epoch % STACK_GENERATIONS` picks the stack map and the
+/// [`maps::STACK_COUNTS`] entries that samples and off-CPU blocks go to.
+pub const STACK_EPOCH: &str = "STACK_EPOCH";
+/// [`crate::StackKey`] → [`crate::StackCount`]: on-CPU samples and off-CPU
+/// blocks per stack, thread pool and reason. Shared by all CPUs (atomic adds).
+pub const STACK_COUNTS: &str = "STACK_COUNTS";
+/// The three [`STACKS`] maps together, as loss counters and advice name them.
+pub const STACK_MAPS: &str = "STACKS";
+/// Stack trace maps of generations 0, 1, 2 (user and kernel stacks alike).
+pub const STACKS: [&str; crate::STACK_GENERATIONS as usize] = ["STACKS_0", "STACKS_1", "STACKS_2"];
+/// array[[`crate::MAX_PROFILE_SESSIONS`]]: the on-demand profiling sessions
+/// ([`crate::ProfileSession`]), written by user space.
+pub const PROFILE_SESSIONS: &str = "PROFILE_SESSIONS";

@@ -1,0 +1,76 @@
+//! Stack sampling and profiles: the key and value of stack counts, and the
+//! on-demand profiling sessions.
+
+#[cfg(doc)]
+use crate::{Activity, maps};
+
+/// Key of [`maps::STACK_COUNTS`]. A sample or block goes to the generation of the
+/// stack map that holds its stacks: user space drains a generation (and clears its
+/// stack map) once nothing can be added to it any more, two epochs later.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StackKey {
+    /// `epoch % STACK_GENERATIONS`.
+    pub generation: u32,
+    /// [`Activity::Running`] for on-CPU samples; else the off-CPU reason.
+    pub activity: u32,
+    pub tgid: u32,
+    /// Pool id; [`NO_POOL`] for a thread not named yet.
+    pub pool: u32,
+    /// Ids in the generation's stack map; negative: not captured ([`stack_id_lost`]).
+    pub user_stack: i32,
+    pub kernel_stack: i32,
+    /// 0 for the periodic snapshots; else the [`ProfileSession::id`] it was
+    /// counted for.
+    pub session: u32,
+}
+
+/// [`StackKey::pool`] of a thread whose pool is not known yet.
+pub const NO_POOL: u32 = u32::MAX;
+
+/// Value of [`maps::PROFILE_SESSIONS`]: an on-demand profiling session in one slot.
+/// Its on-CPU samples come from the slot's own sampler program (user space opens
+/// its perf events at the session's rate); its off-CPU blocks are added when a
+/// block of a matching thread ends.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProfileSession {
+    /// Unique per session (never 0), so that counts of an ended session that are
+    /// drained after the slot was reused are not taken for the new one's.
+    pub id: u32,
+    /// 0: the slot is free; the kernel records nothing for it.
+    pub active: u32,
+    pub service: u32,
+    /// A pool id, or [`NO_POOL`] for every thread of the service.
+    pub pool: u32,
+    /// 1: record on-CPU samples; 1 << 1: off-CPU blocks.
+    pub kinds: u32,
+    pub _pad: u32,
+    /// Monotonic ns at which the session began: a block that began earlier counts
+    /// from here.
+    pub start_ns: u64,
+    /// Monotonic ns of the session's first on-CPU sample (0: none yet).
+    pub first_sample_ns: u64,
+}
+
+impl ProfileSession {
+    pub const ON_CPU: u32 = 1;
+    pub const OFF_CPU: u32 = 1 << 1;
+}
+
+/// Slots of [`maps::PROFILE_SESSIONS`], and sampler programs (`session_sample_N`).
+pub const MAX_PROFILE_SESSIONS: u32 = 8;
+
+/// Value of [`maps::STACK_COUNTS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackCount {
+    /// On-CPU samples, or off-CPU blocks.
+    pub count: u64,
+    /// Off-CPU: ns blocked (from switch-out to wakeup).
+    pub ns: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<StackKey>() == 28);
+const _: () = assert!(core::mem::size_of::<ProfileSession>() == 40);
+const _: () = assert!(core::mem::size_of::<StackCount>() == 16);

@@ -1,0 +1,378 @@
+//! Threads and their pools: what a thread is doing (activity, wait class), its map
+//! entry, the per-pool time stats, and the downstream peers it waits on.
+
+#[cfg(doc)]
+use crate::maps;
+use crate::{HISTOGRAM_BUCKETS, Histogram};
+
+/// What a thread is doing (DESIGN §3), as an index into [`PoolStats::time_ns`]. The
+/// off-CPU activities are the `offcpu_seconds_total` reasons; the thread states are
+/// their sums: `blocked_lock` = `OffLock`, `idle` = `OffIdle`, `blocked_io` = the rest.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activity {
+    Running = 0,
+    /// Woken or preempted, waiting for a CPU.
+    Runnable,
+    /// A futex wait while serving a request.
+    OffLock,
+    /// Uninterruptible sleep (disk, page faults).
+    OffDisk,
+    /// Waiting on the network while serving: a socket or pipe read or write, or a
+    /// worker's `poll`/`select` on a downstream (see [`Activity::blocked`]).
+    OffNetwork,
+    /// nanosleep / clock_nanosleep while serving.
+    OffSleep,
+    /// Waiting for work: epoll, accept, io_uring, an event loop's poll or select, or
+    /// any wait while holding no request.
+    OffIdle,
+    /// Any other wait while serving.
+    OffOther,
+}
+
+impl Activity {
+    /// A power of two: the kernel side bounds an index by masking with `COUNT - 1`.
+    pub const COUNT: usize = 8;
+    pub const ALL: [Activity; 8] = [
+        Self::Running,
+        Self::Runnable,
+        Self::OffLock,
+        Self::OffDisk,
+        Self::OffNetwork,
+        Self::OffSleep,
+        Self::OffIdle,
+        Self::OffOther,
+    ];
+
+    pub const fn from_u32(value: u32) -> Self {
+        match value {
+            0 => Self::Running,
+            1 => Self::Runnable,
+            2 => Self::OffLock,
+            3 => Self::OffDisk,
+            4 => Self::OffNetwork,
+            5 => Self::OffSleep,
+            6 => Self::OffIdle,
+            _ => Self::OffOther,
+        }
+    }
+
+    /// Off CPU (blocked, not waiting for a CPU).
+    pub const fn is_off_cpu(self) -> bool {
+        !matches!(self, Self::Running | Self::Runnable)
+    }
+
+    /// Busy = everything but waiting for work.
+    pub const fn is_busy(self) -> bool {
+        !matches!(self, Self::OffIdle)
+    }
+
+    /// The activity of a thread that blocks in a syscall of class `wait`, while it
+    /// holds what `serving` says; `polled_fds` is the fd count of a
+    /// [`WaitClass::Poll`]. The rule that tells a worker waiting on a downstream from
+    /// an event loop waiting for work: a `poll` on at most [`MAX_DOWNSTREAM_FDS`]
+    /// fds, or a `select`, by a thread that holds a request and has never held two
+    /// at once, waits on the network; any other poll, select or epoll waits for work.
+    pub const fn blocked(
+        wait: WaitClass,
+        serving: Serving,
+        polled_fds: u64,
+        uninterruptible: bool,
+    ) -> Self {
+        if uninterruptible {
+            return Self::OffDisk;
+        }
+        match (wait, serving) {
+            (WaitClass::Idle, _) | (_, Serving::Nothing) => Self::OffIdle,
+            (WaitClass::Poll, Serving::OneAtATime) if polled_fds <= MAX_DOWNSTREAM_FDS => {
+                Self::OffNetwork
+            }
+            (WaitClass::Select, Serving::OneAtATime) => Self::OffNetwork,
+            (WaitClass::Poll | WaitClass::Select, _) => Self::OffIdle,
+            (WaitClass::Futex, _) => Self::OffLock,
+            (WaitClass::Network, _) => Self::OffNetwork,
+            (WaitClass::Sleep, _) => Self::OffSleep,
+            (WaitClass::Other, _) => Self::OffOther,
+        }
+    }
+}
+
+/// A `poll` on more fds than this is an event loop's, whoever calls it: a worker
+/// waiting on a downstream polls its socket, perhaps with a wakeup pipe or two
+/// (libcurl polls the socket and a socketpair).
+pub const MAX_DOWNSTREAM_FDS: u64 = 8;
+
+/// What a blocking thread holds, for [`Activity::blocked`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Serving {
+    /// No request, or only requests it handed to another thread.
+    Nothing,
+    /// A request, and it never held two at once: a worker of a thread-per-request
+    /// pool, whose waits are its request's.
+    OneAtATime,
+    /// A request, and it once held two at once: an event loop, whose poll waits for
+    /// whichever of its connections is ready.
+    Multiplexing,
+}
+
+/// What a thread waits for in a syscall, by syscall number ([`maps::WAIT_CLASSES`]).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitClass {
+    /// Not classified (table default).
+    Other = 0,
+    /// Waiting for work whatever the thread holds: epoll, accept, io_uring_enter.
+    Idle,
+    /// futex, futex_wait, futex_waitv: a lock when serving, the pool's queue otherwise.
+    Futex,
+    /// Socket and pipe reads and writes.
+    Network,
+    /// nanosleep, clock_nanosleep.
+    Sleep,
+    /// poll, ppoll: the fd count is the second argument.
+    Poll,
+    /// select, pselect6: the fd count is not known (the first argument is the
+    /// highest fd + 1).
+    Select,
+}
+
+impl WaitClass {
+    pub const fn from_u32(value: u32) -> Self {
+        match value {
+            1 => Self::Idle,
+            2 => Self::Futex,
+            3 => Self::Network,
+            4 => Self::Sleep,
+            5 => Self::Poll,
+            6 => Self::Select,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// Value of [`maps::THREADS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Thread {
+    pub service: u32,
+    /// [`Activity`] as u32, since `since_ns`.
+    pub activity: u32,
+    /// Requests this thread started (read) whose response has not begun: while it is
+    /// above 0 the thread is serving, and its time also goes to the requests'
+    /// components, once per request it holds.
+    pub serving: u32,
+    /// 1 once a request this thread read was answered by another thread (an M:N
+    /// runtime such as Go, or a hand-off): its waits then do not count as the
+    /// request's, since the request may be served elsewhere meanwhile.
+    pub hands_off: u32,
+    /// 1 once this thread held two requests at once: it multiplexes connections (an
+    /// event loop), so its poll or select waits for any of them, not a downstream.
+    pub multiplexes: u32,
+    pub _pad: u32,
+    /// The socket peer of the network wait the thread is in ([`Peer::NONE`]: none
+    /// known), to which the wait's time goes in [`maps::DOWNSTREAM_WAITS`].
+    pub downstream: Peer,
+    pub _pad2: u32,
+    pub since_ns: u64,
+    /// This thread's time on CPU and in the run queue, closed intervals only
+    /// (`/debug/threads`, comparable with /proc/<pid>/task/<tid>/schedstat).
+    pub running_ns: u64,
+    pub runnable_ns: u64,
+    /// The lock wait (one acquisition) this thread is in: when its current futex
+    /// wait began (0: not in one; it ends when the thread is back on CPU), the time
+    /// of its earlier futex waits, and when the last one ended (0: none pending).
+    /// A glibc mutex whose waker lost the race to another thread waits again at
+    /// once: those futex waits are one lock wait (see `locks.rs`).
+    pub lock_since_ns: u64,
+    pub lock_waited_ns: u64,
+    pub lock_ended_ns: u64,
+    /// The wait's futex address, process and user stack id (negative: none).
+    pub lock_address: u64,
+    pub lock_tgid: u32,
+    pub lock_stack: i32,
+    /// The stacks at which the thread last blocked (off CPU), in the stack maps of
+    /// `offcpu_epoch` (negative id: not captured), and its process (a wakeup runs
+    /// in the waker's).
+    pub offcpu_user_stack: i32,
+    pub offcpu_kernel_stack: i32,
+    pub offcpu_epoch: u32,
+    pub offcpu_tgid: u32,
+    /// When the thread last blocked (request boundaries cut `since_ns`, not this).
+    pub blocked_since_ns: u64,
+}
+
+impl Thread {
+    /// A thread of `service` doing `activity` since `since_ns`, holding nothing.
+    pub const fn new(service: u32, activity: Activity, since_ns: u64) -> Self {
+        Self {
+            service,
+            activity: activity as u32,
+            serving: 0,
+            hands_off: 0,
+            multiplexes: 0,
+            _pad: 0,
+            downstream: Peer::NONE,
+            _pad2: 0,
+            since_ns,
+            running_ns: 0,
+            runnable_ns: 0,
+            lock_since_ns: 0,
+            lock_waited_ns: 0,
+            lock_ended_ns: 0,
+            lock_address: 0,
+            lock_tgid: 0,
+            lock_stack: -1,
+            offcpu_user_stack: -1,
+            offcpu_kernel_stack: -1,
+            offcpu_epoch: 0,
+            offcpu_tgid: 0,
+            blocked_since_ns: 0,
+        }
+    }
+}
+
+/// The remote end of a socket: an IPv4 address in the first 4 bytes of `addr`
+/// (family `AF_INET`) or an IPv6 one (`AF_INET6`); `port` in host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Peer {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub family: u16,
+}
+
+impl Peer {
+    /// No peer known.
+    pub const NONE: Self = Self {
+        addr: [0; 16],
+        port: 0,
+        family: 0,
+    };
+    pub const AF_INET: u16 = 2;
+    pub const AF_INET6: u16 = 10;
+}
+
+/// Key of [`maps::DOWNSTREAM_WAITS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DownstreamKey {
+    pub pool: u32,
+    pub peer: Peer,
+}
+
+/// Value of [`maps::DOWNSTREAM_WAITS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DownstreamWait {
+    /// Time blocked on the network with this peer's socket in hand.
+    pub wait_ns: u64,
+    /// Such blocks that ended.
+    pub waits: u64,
+}
+
+/// Value of [`maps::POOL_STATS`]: closed intervals of the pool's threads. User space
+/// adds each live thread's open interval at read time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Thread time per [`Activity`].
+    pub time_ns: [u64; Activity::COUNT],
+    /// Request time per [`Activity`] of the thread serving it, once per request held.
+    pub request_ns: [u64; Activity::COUNT],
+    /// Run-queue waits (runnable → on CPU).
+    pub runqueue: Histogram,
+}
+
+impl Default for PoolStats {
+    fn default() -> Self {
+        Self {
+            time_ns: [0; Activity::COUNT],
+            request_ns: [0; Activity::COUNT],
+            runqueue: Histogram::default(),
+        }
+    }
+}
+
+impl PoolStats {
+    /// Element-wise sum (per-CPU values to one).
+    pub fn add(&mut self, other: &Self) {
+        for (sum, value) in self.time_ns.iter_mut().zip(other.time_ns) {
+            *sum += value;
+        }
+        for (sum, value) in self.request_ns.iter_mut().zip(other.request_ns) {
+            *sum += value;
+        }
+        self.runqueue.add(&other.runqueue);
+    }
+}
+
+const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
+const _: () = assert!(core::mem::size_of::<Thread>() == 136);
+const _: () = assert!(core::mem::size_of::<Peer>() == 20);
+const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
+const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);
+const _: () = assert!(
+    core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + (HISTOGRAM_BUCKETS + 1) * 8
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocked_threads_are_classified_by_wait_and_request() {
+        use Activity::*;
+        use Serving::*;
+        let blocked = |wait, serving| Activity::blocked(wait, serving, 1, false);
+        // Waiting for work whatever the thread holds.
+        assert_eq!(blocked(WaitClass::Idle, OneAtATime), OffIdle);
+        // A futex is the pool's queue when idle, a lock when serving.
+        assert_eq!(blocked(WaitClass::Futex, Nothing), OffIdle);
+        assert_eq!(blocked(WaitClass::Futex, OneAtATime), OffLock);
+        assert_eq!(blocked(WaitClass::Futex, Multiplexing), OffLock);
+        assert_eq!(blocked(WaitClass::Network, OneAtATime), OffNetwork);
+        assert_eq!(blocked(WaitClass::Network, Nothing), OffIdle);
+        assert_eq!(blocked(WaitClass::Sleep, OneAtATime), OffSleep);
+        assert_eq!(blocked(WaitClass::Other, OneAtATime), OffOther);
+        // Uninterruptible sleep is disk whether serving or not.
+        assert_eq!(
+            Activity::blocked(WaitClass::Idle, Nothing, 0, true),
+            OffDisk
+        );
+        for activity in Activity::ALL {
+            assert_eq!(Activity::from_u32(activity as u32), activity);
+        }
+    }
+
+    #[test]
+    fn a_worker_polling_a_downstream_is_busy_and_an_event_loop_is_not() {
+        use Activity::*;
+        use Serving::*;
+        let poll = |serving, fds| Activity::blocked(WaitClass::Poll, serving, fds, false);
+        // A worker holding one request polls its backend socket (and a wakeup pipe).
+        assert_eq!(poll(OneAtATime, 1), OffNetwork);
+        assert_eq!(poll(OneAtATime, MAX_DOWNSTREAM_FDS), OffNetwork);
+        // Many fds: an event loop, whatever it holds.
+        assert_eq!(poll(OneAtATime, MAX_DOWNSTREAM_FDS + 1), OffIdle);
+        assert_eq!(poll(OneAtATime, 5000), OffIdle);
+        // A thread that once held two requests at once is an event loop.
+        assert_eq!(poll(Multiplexing, 1), OffIdle);
+        // Holding nothing: waiting for work.
+        assert_eq!(poll(Nothing, 1), OffIdle);
+        let select = |serving| Activity::blocked(WaitClass::Select, serving, 0, false);
+        assert_eq!(select(OneAtATime), OffNetwork);
+        assert_eq!(select(Multiplexing), OffIdle);
+        assert_eq!(select(Nothing), OffIdle);
+        for class in [
+            WaitClass::Other,
+            WaitClass::Idle,
+            WaitClass::Futex,
+            WaitClass::Network,
+            WaitClass::Sleep,
+            WaitClass::Poll,
+            WaitClass::Select,
+        ] {
+            assert_eq!(WaitClass::from_u32(class as u32), class);
+        }
+    }
+}

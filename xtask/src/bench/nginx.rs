@@ -1,0 +1,573 @@
+//! The request benchmark: nginx and wrk, poolscope off and with each request backend;
+//! poolscope's counters from /metrics, and the report beside the goals.
+use std::{
+    collections::BTreeMap,
+    fs,
+    net::TcpStream,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    thread::sleep,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+
+use super::bpf::{BpfStats, EmptyProgram};
+use super::{
+    Disturbance, Guard, Measured, Process, cpu_used, free_port, measure_alone, met,
+    min_median_where, processes, rotated, scrape, spawn_poolscope, wait_for_quiet,
+};
+
+/// Goal: kernel time of the request programs per request.
+const GOAL_BPF_NS_PER_REQUEST: f64 = 300.0;
+/// Goal: throughput at saturation with poolscope on, as a share of off (≤ 3% loss).
+const GOAL_THROUGHPUT_RATIO: f64 = 0.97;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    Off,
+    Socket,
+    Syscall,
+}
+
+impl Mode {
+    const ALL: [Self; 3] = [Self::Off, Self::Socket, Self::Syscall];
+    const BACKENDS: [Self; 2] = [Self::Socket, Self::Syscall];
+
+    /// Also the value of poolscope's `[probes] backend`.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::Socket => "socket",
+            Self::Syscall => "syscall",
+        }
+    }
+
+    /// The backend's programs that follow requests: their run time is the cost of a
+    /// request (the process programs run on fork, exec and exit only).
+    fn request_programs(self) -> &'static [&'static str] {
+        match self {
+            Self::Off => &[],
+            Self::Socket => &["sock_state", "sock_data_ready", "sock_recv", "sock_send"],
+            Self::Syscall => &["sys_enter", "sys_exit"],
+        }
+    }
+}
+
+/// poolscope's counters, from /metrics.
+#[derive(Default)]
+pub(super) struct Counters {
+    /// `poolscope_requests_total` of nginx.
+    requests: f64,
+    /// `poolscope_connections_accepted_total` of nginx.
+    connections: f64,
+    /// program → (runs, run ns)
+    pub(super) programs: BTreeMap<String, (f64, f64)>,
+}
+
+impl Counters {
+    pub(super) fn parse(body: &str) -> Self {
+        let mut counters = Self::default();
+        for line in body.lines() {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(value) = value.parse::<f64>() else {
+                continue;
+            };
+            let nginx = |metric| label(series, metric, "service") == Some("nginx");
+            if nginx("poolscope_requests_total") {
+                counters.requests = value;
+            } else if nginx("poolscope_connections_accepted_total") {
+                counters.connections = value;
+            } else if let Some(name) = label(series, "poolscope_bpf_runs_total", "program") {
+                counters.programs.entry(name.to_owned()).or_default().0 = value;
+            } else if let Some(name) = label(series, "poolscope_bpf_run_seconds_total", "program") {
+                counters.programs.entry(name.to_owned()).or_default().1 = value * 1e9;
+            }
+        }
+        counters
+    }
+
+    /// What was counted since `before`.
+    pub(super) fn since(&self, before: &Self) -> Self {
+        let programs = self
+            .programs
+            .iter()
+            .map(|(name, (runs, ns))| {
+                let (runs_before, ns_before) =
+                    before.programs.get(name).copied().unwrap_or_default();
+                (name.clone(), (runs - runs_before, ns - ns_before))
+            })
+            .collect();
+        Self {
+            requests: self.requests - before.requests,
+            connections: self.connections - before.connections,
+            programs,
+        }
+    }
+
+    /// Run ns of the mode's request programs per request poolscope counted.
+    fn bpf_ns_per_request(&self, mode: Mode) -> f64 {
+        let ns: f64 = mode
+            .request_programs()
+            .iter()
+            .filter_map(|name| self.programs.get(*name))
+            .map(|(_, ns)| ns)
+            .sum();
+        ns / self.requests
+    }
+}
+
+/// The value of the only label of a `metric{label="value"}` series.
+fn label<'a>(series: &'a str, metric: &str, label: &str) -> Option<&'a str> {
+    series
+        .strip_prefix(metric)?
+        .strip_prefix('{')?
+        .strip_prefix(label)?
+        .strip_prefix("=\"")?
+        .strip_suffix("\"}")
+}
+
+pub(super) struct Round {
+    mode: Mode,
+    pub(super) requests_per_second: f64,
+    /// Requests wrk finished.
+    requests: f64,
+    /// nginx's CPU time (user + system, which includes the kernel programs).
+    pub(super) cpu_us_per_request: f64,
+    /// poolscope's own (user space) CPU time.
+    pub(super) poolscope_cpu_us_per_request: f64,
+    /// Cost of one syscall of a process poolscope does not watch (the hooks are
+    /// system-wide): `dd bs=1` from /dev/zero to /dev/null, pinned to CPU 1.
+    unwatched_syscall_ns: f64,
+    /// What poolscope counted during the round (nothing when off).
+    counted: Counters,
+    /// What else ran during the round.
+    pub(super) disturbance: Disturbance,
+}
+
+impl Measured for Round {
+    fn disturbance(&self) -> &Disturbance {
+        &self.disturbance
+    }
+}
+
+/// The request benchmark: nginx and wrk.
+pub(super) fn run_nginx(
+    root: &Path,
+    dir: PathBuf,
+    rounds: usize,
+    seconds: u64,
+) -> anyhow::Result<()> {
+    let (_nginx, bench) = Bench::start(root, dir, seconds)?;
+    let mut measured = Vec::new();
+    for round in 0..rounds {
+        for mode in rotated(&Mode::ALL, round) {
+            let result = bench.measure_alone(mode, &[])?;
+            println!(
+                "round {:>2} {:<7} {:>10.0} req/s {:>8.2} µs nginx CPU/req {:>6.2} µs poolscope CPU/req \
+                 {:>6.1} ns/unwatched syscall{}",
+                round + 1,
+                mode.name(),
+                result.requests_per_second,
+                result.cpu_us_per_request,
+                result.poolscope_cpu_us_per_request,
+                result.unwatched_syscall_ns,
+                result.disturbance.note()
+            );
+            measured.push(result);
+        }
+    }
+    // Per-program cost needs kernel.bpf_stats_enabled, which itself slows every run:
+    // measured in one extra round per backend, apart from the throughput rounds.
+    let stats_rounds = Mode::BACKENDS
+        .iter()
+        .map(|&mode| bench.measure_alone(mode, &[("POOLSCOPE_PROBES__BPF_STATS", "true")]))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let calibration = bench.calibrate()?;
+    report(&measured, &stats_rounds, &calibration);
+    Ok(())
+}
+
+/// The hooks of the request programs, as raw tracepoints: an empty program on each
+/// gives what a run costs before the program does anything (the dispatch, and
+/// bpf_stats' own clock reads).
+const REQUEST_HOOKS: [(&str, &str); 5] = [
+    ("sock_data_ready", "sk_data_ready"),
+    ("sock_recv", "sock_recv_length"),
+    ("sock_send", "sock_send_length"),
+    ("sys_enter", "sys_enter"),
+    ("sys_exit", "sys_exit"),
+];
+
+/// Run ns of an empty program, by the request program whose hook it shares.
+struct Calibration {
+    ns_per_run: BTreeMap<&'static str, f64>,
+}
+
+impl Calibration {
+    /// Run ns of the mode's request programs per request, less what an empty program
+    /// costs per run on the same hooks.
+    fn net_ns_per_request(&self, counted: &Counters, mode: Mode) -> f64 {
+        let ns: f64 = mode
+            .request_programs()
+            .iter()
+            .filter_map(|name| {
+                let (runs, ns) = counted.programs.get(*name)?;
+                Some(ns - runs * self.ns_per_run.get(name).copied().unwrap_or(0.0))
+            })
+            .sum();
+        ns / counted.requests
+    }
+}
+
+impl<'a> Bench<'a> {
+    /// Starts nginx (until the guard drops) and warms it up.
+    pub(super) fn start(
+        root: &'a Path,
+        dir: PathBuf,
+        seconds: u64,
+    ) -> anyhow::Result<(Guard, Self)> {
+        let nginx_port = free_port()?;
+        fs::create_dir_all(dir.join("www")).context("creating target/bench/www")?;
+        fs::write(dir.join("www/index.html"), "x".repeat(612))?;
+        fs::write(dir.join("nginx.conf"), nginx_config(&dir, nginx_port))?;
+        fs::write(
+            dir.join("poolscope.toml"),
+            "[[targets]]\nservice = \"nginx\"\ncomm = \"^nginx$\"\n",
+        )?;
+
+        let mut nginx = Guard(
+            Command::new("taskset")
+                .args(["-c", "0", "nginx", "-p"])
+                .arg(&dir)
+                .arg("-c")
+                .arg(dir.join("nginx.conf"))
+                .stderr(Stdio::null())
+                .spawn()
+                .context("starting nginx")?,
+        );
+        wait_for_port(nginx_port)?;
+        if let Some(status) = nginx.0.try_wait()? {
+            bail!(
+                "nginx exited ({status}); see {}",
+                dir.join("error.log").display()
+            );
+        }
+        let bench = Bench {
+            root,
+            seconds,
+            nginx: nginx.0.id(),
+            nginx_port,
+            poolscope_address: format!("127.0.0.1:{}", free_port()?),
+            dir,
+        };
+        // Warm up caches and the worker.
+        bench.wrk()?;
+        Ok((nginx, bench))
+    }
+}
+
+fn nginx_config(dir: &Path, port: u16) -> String {
+    format!(
+        "daemon off;\nmaster_process on;\nworker_processes 1;\npid {dir}/nginx.pid;\n\
+         error_log {dir}/error.log warn;\nevents {{ worker_connections 1024; }}\n\
+         http {{\n  access_log off;\n  sendfile on;\n  keepalive_requests 1000000;\n\
+         server {{ listen 127.0.0.1:{port}; root {dir}/www; }}\n}}\n",
+        dir = dir.display()
+    )
+}
+
+fn wait_for_port(port: u16) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        sleep(Duration::from_millis(50));
+    }
+    bail!("nothing listens on port {port} after 10 s")
+}
+
+fn unwatched_syscall_ns() -> anyhow::Result<f64> {
+    const COPIES: u64 = 1_000_000;
+    let started = Instant::now();
+    let status = Command::new("taskset")
+        .args(["-c", "1", "dd", "if=/dev/zero", "of=/dev/null", "bs=1"])
+        .arg(format!("count={COPIES}"))
+        .stderr(Stdio::null())
+        .status()
+        .context("running dd")?;
+    if !status.success() {
+        bail!("dd failed ({status})");
+    }
+    // One read and one write per byte copied.
+    Ok(started.elapsed().as_nanos() as f64 / (2 * COPIES) as f64)
+}
+
+/// What every round shares.
+pub(super) struct Bench<'a> {
+    root: &'a Path,
+    /// target/bench: nginx's root and configuration, poolscope's configuration.
+    dir: PathBuf,
+    seconds: u64,
+    /// nginx's master process.
+    nginx: u32,
+    nginx_port: u16,
+    poolscope_address: String,
+}
+
+impl Bench<'_> {
+    /// (requests/s, total requests) from wrk's summary.
+    fn wrk(&self) -> anyhow::Result<(f64, f64)> {
+        let output = Command::new("taskset")
+            .args(["-c", "1", "wrk", "-t1", "-c32"])
+            .arg(format!("-d{}s", self.seconds))
+            .arg(format!("http://127.0.0.1:{}/index.html", self.nginx_port))
+            .output()
+            .context("running wrk")?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        let rate = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("Requests/sec:"))
+            .and_then(|v| v.trim().parse().ok());
+        let total = text
+            .lines()
+            .find(|l| l.contains(" requests in "))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|v| v.parse().ok());
+        match (rate, total) {
+            (Some(rate), Some(total)) => Ok((rate, total)),
+            _ => bail!("cannot read wrk's output:\n{text}"),
+        }
+    }
+
+    /// Starts poolscope with the mode's backend and more settings from `env`; `None`
+    /// when off.
+    fn start_poolscope(&self, mode: Mode, env: &[(&str, &str)]) -> anyhow::Result<Option<Guard>> {
+        if mode == Mode::Off {
+            return Ok(None);
+        }
+        let mut env = env.to_vec();
+        env.push(("POOLSCOPE_PROBES__BACKEND", mode.name()));
+        let guard = spawn_poolscope(
+            self.root,
+            &self.dir.join("poolscope.toml"),
+            &self.poolscope_address,
+            &env,
+        )?;
+        self.wait_for_targets(mode)?;
+        Ok(Some(guard))
+    }
+
+    /// A round, measured again if something else skewed it (`measure_alone`).
+    fn measure_alone(&self, mode: Mode, env: &[(&str, &str)]) -> anyhow::Result<Round> {
+        measure_alone(
+            mode.name(),
+            || self.wait_for_quiet(),
+            || self.measure(mode, env),
+        )
+    }
+
+    fn is_nginx(&self, pid: u32, process: &Process) -> bool {
+        pid == self.nginx || process.ppid == self.nginx
+    }
+
+    pub(super) fn wait_for_quiet(&self) -> bool {
+        wait_for_quiet(|pid, p| self.is_nginx(pid, p))
+    }
+
+    pub(super) fn measure(&self, mode: Mode, env: &[(&str, &str)]) -> anyhow::Result<Round> {
+        let exporter = self.start_poolscope(mode, env)?;
+        let exporter_pid = exporter.as_ref().map(|guard| guard.0.id());
+        let ours = |pid: u32, p: &Process| {
+            self.is_nginx(pid, p) || Some(pid) == exporter_pid || p.comm == "wrk" || p.comm == "dd"
+        };
+        let before = exporter.as_ref().map(|_| self.counters()).transpose()?;
+        let started = Instant::now();
+        let at_start = processes();
+        let (rate, total) = self.wrk()?;
+        let after_wrk = processes();
+        // nginx closes the connections wrk left; poolscope ends their last request then.
+        sleep(Duration::from_millis(200));
+        let counted = match before {
+            Some(before) => self.counters()?.since(&before),
+            None => Counters::default(),
+        };
+        // After the counters were read: dd's syscalls are not requests.
+        let unwatched_syscall_ns = unwatched_syscall_ns()?;
+        let disturbance = Disturbance::between(&at_start, &processes(), started.elapsed(), ours);
+        drop(exporter);
+        let cpu_us_per_request = |which: &dyn Fn(u32, &Process) -> bool| {
+            // fold from +0.0: an empty sum() is -0.0, printed "-0.00".
+            let seconds = cpu_used(&at_start, &after_wrk)
+                .filter(|(pid, p, _)| which(*pid, p))
+                .fold(0.0, |sum, (_, _, used)| sum + used);
+            seconds * 1e6 / total.max(1.0)
+        };
+        Ok(Round {
+            mode,
+            requests_per_second: rate,
+            requests: total,
+            unwatched_syscall_ns,
+            cpu_us_per_request: cpu_us_per_request(&|pid, p| self.is_nginx(pid, p)),
+            poolscope_cpu_us_per_request: cpu_us_per_request(&|pid, _| Some(pid) == exporter_pid),
+            counted,
+            disturbance,
+        })
+    }
+
+    fn scrape(&self) -> anyhow::Result<String> {
+        scrape(&self.poolscope_address)
+    }
+
+    /// One wrk load with an empty program on each request hook and
+    /// kernel.bpf_stats_enabled, as the stats rounds have it.
+    fn calibrate(&self) -> anyhow::Result<Calibration> {
+        let programs = REQUEST_HOOKS
+            .iter()
+            .map(|(_, hook)| EmptyProgram::attach(hook))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let stats = BpfStats::enable()?;
+        let before = programs
+            .iter()
+            .map(EmptyProgram::counters)
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        self.wrk()?;
+        let mut ns_per_run = BTreeMap::new();
+        for (((program, _), empty), (runs, ns)) in REQUEST_HOOKS.iter().zip(&programs).zip(before) {
+            let (runs_after, ns_after) = empty.counters()?;
+            ns_per_run.insert(*program, (ns_after - ns) / (runs_after - runs).max(1.0));
+        }
+        drop(stats);
+        Ok(Calibration { ns_per_run })
+    }
+
+    fn counters(&self) -> anyhow::Result<Counters> {
+        Ok(Counters::parse(&self.scrape()?))
+    }
+
+    /// Waits until poolscope serves, with the mode's backend, and watches nginx.
+    fn wait_for_targets(&self, mode: Mode) -> anyhow::Result<()> {
+        let backend = format!("backend=\"{}\"", mode.name());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if self.scrape().is_ok_and(|body| {
+                body.contains("poolscope_targets{service=\"nginx\"} 2") && body.contains(&backend)
+            }) {
+                return Ok(());
+            }
+            sleep(Duration::from_millis(100));
+        }
+        bail!(
+            "poolscope ({} backend) did not watch nginx's two processes within 20 s",
+            mode.name()
+        )
+    }
+}
+
+/// (min, median) of one quantity over the rounds of a mode.
+fn of_mode(rounds: &[Round], mode: Mode, pick: fn(&Round) -> f64) -> (f64, f64) {
+    min_median_where(rounds, |r| r.mode == mode, pick)
+}
+
+fn report(rounds: &[Round], stats_rounds: &[Round], calibration: &Calibration) {
+    let rate = |mode| of_mode(rounds, mode, |r| r.requests_per_second);
+    let cpu = |mode| of_mode(rounds, mode, |r| r.cpu_us_per_request);
+    let poolscope_cpu = |mode| of_mode(rounds, mode, |r| r.poolscope_cpu_us_per_request);
+    let syscall = |mode| of_mode(rounds, mode, |r| r.unwatched_syscall_ns);
+    let (rate_off_min, rate_off) = rate(Mode::Off);
+    let (_, cpu_off) = cpu(Mode::Off);
+    let (_, syscall_off) = syscall(Mode::Off);
+    println!();
+    println!(
+        "| nginx, 1 worker, wrk -t1 -c32 | requests/s median (min) | /off median | /off min \
+         | nginx CPU µs/request median (min) | /off median | poolscope CPU µs/request median \
+         (min) | ns per unwatched syscall (dd bs=1) median (min) | minus off (median) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for mode in Mode::ALL {
+        let (rate_min, rate_median) = rate(mode);
+        let (cpu_min, cpu_median) = cpu(mode);
+        let (syscall_min, syscall_median) = syscall(mode);
+        let (own_min, own_median) = poolscope_cpu(mode);
+        println!(
+            "| {} | {rate_median:.0} ({rate_min:.0}) | {:.4} | {:.4} | {cpu_median:.2} ({cpu_min:.2}) \
+             | {:.4} | {own_median:.2} ({own_min:.2}) | {syscall_median:.1} ({syscall_min:.1}) \
+             | {:+.1} |",
+            mode.name(),
+            rate_median / rate_off,
+            rate_min / rate_off_min,
+            cpu_median / cpu_off,
+            syscall_median - syscall_off,
+        );
+    }
+    println!();
+    println!("Kernel programs, from one more round per backend with kernel.bpf_stats_enabled=1:");
+    println!();
+    println!(
+        "| backend | req/s | requests: wrk | requests: poolscope | poolscope/wrk \
+         | requests/connection | BPF ns/request | less an empty program's cost per run |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for round in stats_rounds {
+        let counted = &round.counted;
+        println!(
+            "| {} | {:.0} | {:.0} | {:.0} | {:.4} | {:.0} | {:.0} | {:.0} |",
+            round.mode.name(),
+            round.requests_per_second,
+            round.requests,
+            counted.requests,
+            counted.requests / round.requests,
+            counted.requests / counted.connections,
+            counted.bpf_ns_per_request(round.mode),
+            calibration.net_ns_per_request(counted, round.mode),
+        );
+    }
+    println!();
+    println!("Calibration, the same load with an empty program on each hook (ns per run):");
+    for (program, ns) in &calibration.ns_per_run {
+        println!("- {program}'s hook: {ns:.0}");
+    }
+    for round in stats_rounds.iter().filter(|r| r.disturbance.skews()) {
+        println!("{} round{}", round.mode.name(), round.disturbance.note());
+    }
+    println!();
+    println!("| backend | kernel program | in ns/request | runs | runs/request | ns/run |");
+    println!("|---|---|---|---|---|---|");
+    for round in stats_rounds {
+        for (name, (runs, ns)) in &round.counted.programs {
+            if *runs > 0.0 {
+                let counts = round.mode.request_programs().contains(&name.as_str());
+                println!(
+                    "| {} | {name} | {} | {runs:.0} | {:.2} | {:.0} |",
+                    round.mode.name(),
+                    if counts { "yes" } else { "no" },
+                    runs / round.counted.requests,
+                    ns / runs
+                );
+            }
+        }
+    }
+    println!();
+    println!(
+        "Goals: ≤ {GOAL_BPF_NS_PER_REQUEST:.0} ns BPF time per request (less the calibration); ≤ {:.0}% throughput loss \
+         at saturation (median of rounds).",
+        (1.0 - GOAL_THROUGHPUT_RATIO) * 100.0
+    );
+    for round in stats_rounds {
+        let mode = round.mode;
+        let bpf_ns = calibration.net_ns_per_request(&round.counted, mode);
+        let (rate_min, rate_median) = rate(mode);
+        let ratio = rate_median / rate_off;
+        println!(
+            "{:<7}  BPF {bpf_ns:>5.0} ns/request: {:<7}  throughput {:.2}% of off (min {:.2}%): {}",
+            mode.name(),
+            met(bpf_ns <= GOAL_BPF_NS_PER_REQUEST),
+            ratio * 100.0,
+            rate_min / rate_off_min * 100.0,
+            met(ratio >= GOAL_THROUGHPUT_RATIO),
+        );
+    }
+}
