@@ -44,7 +44,7 @@ pub use self::{
     map_errors::MapErrors,
     read::{MapFill, ProgramStats, Readout},
     services::Adopted,
-    tables::{ThreadTable, WatchTable},
+    tables::{ServedConnection, ThreadTable, WatchTable},
 };
 use crate::config::Limits;
 

@@ -8,8 +8,7 @@ use poolscope_shared::{
     conn_key_tgid, fd_conn_key, syscall_counter_index, watched_port_bit,
 };
 
-use super::{BPF_NOEXIST, Backend, Kernel, WatchTable, syscalls::syscall_number};
-use crate::discovery::procfs::ServedConnection;
+use super::{BPF_NOEXIST, Backend, Kernel, ServedConnection, WatchTable, syscalls::syscall_number};
 
 /// Removes the entries of `service` from a map of connections (`CONNS`, `ADOPT`).
 fn drop_service_connections(map: &mut HashMap<MapData, u64, Conn>, service: u32) {

@@ -9,7 +9,17 @@ use aya::maps::MapError;
 use poolscope_shared::{ListenKey, Phase, Thread, Watched};
 
 use super::{Adopted, Backend};
-use crate::discovery::procfs::ServedConnection;
+
+/// A connection that a process accepted from one of its own listeners and still
+/// holds open, as discovery found it in procfs (it may predate poolscope): what
+/// [`WatchTable::adopt_connections`] follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServedConnection {
+    pub fd: u32,
+    pub inode: u64,
+    /// Bytes wait in its receive queue: a request nobody has read yet.
+    pub unread: bool,
+}
 
 /// The kernel's per-process and per-service tables, as the watched set sees them.
 /// [`super::Kernel`] is the real one.
@@ -108,10 +118,7 @@ pub mod fake {
     use poolscope_shared::{ListenKey, Phase, Thread, Watched};
 
     use super::{ThreadTable, WatchTable};
-    use crate::{
-        discovery::procfs::ServedConnection,
-        kernel::{Adopted, Backend},
-    };
+    use crate::kernel::{Adopted, Backend, ServedConnection};
 
     #[derive(Debug)]
     pub struct FakeTables {

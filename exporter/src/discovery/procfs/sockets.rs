@@ -7,7 +7,7 @@ use std::{
     path::Path,
 };
 
-use crate::discovery::sockdiag::ListenQueue;
+use crate::{discovery::sockdiag::ListenQueue, kernel::ServedConnection};
 
 /// The inode of a `socket:[12345]` fd link.
 pub fn socket_inode(link: &str) -> Option<u64> {
@@ -140,16 +140,6 @@ pub fn socket_fds(root: &Path, pid: u32) -> io::Result<HashMap<u32, u64>> {
         }
     }
     Ok(sockets)
-}
-
-/// A connection that a process accepted from one of its own listeners and still
-/// holds open, as found in procfs (it may predate poolscope).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ServedConnection {
-    pub fd: u32,
-    pub inode: u64,
-    /// Bytes wait in its receive queue: a request nobody has read yet.
-    pub unread: bool,
 }
 
 /// The established connections in `/proc/<pid>/net/tcp{,6}` contents whose local port
