@@ -29,8 +29,9 @@ pub enum Value {
     Summary {
         /// (quantile, value)
         quantiles: Vec<(f64, f64)>,
-        sum: f64,
-        count: u64,
+        /// `_sum` and `_count`; `None` for quantiles alone (the `_window` summaries,
+        /// whose totals are the same-named histogram's).
+        totals: Option<(f64, u64)>,
     },
 }
 
@@ -41,7 +42,9 @@ impl Value {
             Self::Number(_) => 1,
             // the buckets, +Inf, _sum and _count
             Self::Histogram { buckets, .. } => buckets.len() + 3,
-            Self::Summary { quantiles, .. } => quantiles.len() + 2,
+            Self::Summary { quantiles, totals } => {
+                quantiles.len() + 2 * usize::from(totals.is_some())
+            }
         }
     }
 }
@@ -260,17 +263,15 @@ pub fn render(families: &[Family], format: Format) -> String {
                     write_line(name, "_sum", labels, None, *sum, &mut out);
                     write_line(name, "_count", labels, None, *count as f64, &mut out);
                 }
-                Value::Summary {
-                    quantiles,
-                    sum,
-                    count,
-                } => {
+                Value::Summary { quantiles, totals } => {
                     for (quantile, value) in quantiles {
                         let quantile = Some(("quantile", *quantile));
                         write_line(name, "", labels, quantile, *value, &mut out);
                     }
-                    write_line(name, "_sum", labels, None, *sum, &mut out);
-                    write_line(name, "_count", labels, None, *count as f64, &mut out);
+                    if let Some((sum, count)) = totals {
+                        write_line(name, "_sum", labels, None, *sum, &mut out);
+                        write_line(name, "_count", labels, None, *count as f64, &mut out);
+                    }
                 }
             }
         }
@@ -358,8 +359,7 @@ mod tests {
                 &[],
                 Value::Summary {
                     quantiles: vec![(0.5, 0.75)],
-                    sum: 2.25,
-                    count: 4,
+                    totals: Some((2.25, 4)),
                 },
             ),
         ];

@@ -13,6 +13,7 @@ use std::{collections::BTreeMap, time::Instant};
 use poolscope_shared::RequestTimes;
 
 use crate::{
+    config::MetricsSettings,
     discovery::targets::ServiceView,
     encode::Family,
     kernel::{Backend, Readout},
@@ -40,6 +41,8 @@ pub struct Reading<'a> {
     pub pools: &'a [PoolRow],
     /// The listen queues of the services; `None` if reading them failed.
     pub listeners: Option<&'a [services::ServiceListener]>,
+    /// How histograms are exposed.
+    pub metrics: MetricsSettings,
 }
 
 impl Reading<'_> {
@@ -168,6 +171,7 @@ mod tests {
             windows: &windows,
             pools: &pools,
             listeners: Some(&[]),
+            metrics: MetricsSettings::default(),
         };
         let mut timings = Timings::default();
         let text = render(&collect_all(&reading, &mut timings), Format::Text);
@@ -202,5 +206,141 @@ mod tests {
             text.contains("poolscope_connections_accepted_total{service=\"api\"} 0\n"),
             "{text}"
         );
+    }
+
+    /// Series of each service in an exposition, by the `service` label.
+    fn series_of(text: &str, service: &str) -> usize {
+        let label = format!("service=\"{service}\"");
+        text.lines()
+            .filter(|line| !line.starts_with('#') && line.contains(&label))
+            .count()
+    }
+
+    /// A service of two pools (a main thread and eight workers), listening on one
+    /// socket, as the series budget counts it: idle (nothing ever served), or busy
+    /// (requests in the window, every kind of wait, futex lock waits in both pools).
+    fn two_pool_service(busy: bool) -> (Readout, Vec<PoolRow>, BTreeMap<u32, RequestTimes>) {
+        let mut readout = Readout::default();
+        let mut times = RequestTimes::default();
+        let mut totals = PoolTotals::default();
+        if busy {
+            for ns in [20_000, 300_000, 4_000_000, 90_000_000] {
+                let bucket = poolscope_shared::histogram_bucket(ns);
+                for histogram in [&mut times.queue, &mut times.duration, &mut times.latency] {
+                    histogram.buckets[bucket] += 10;
+                    histogram.sum_ns += 10 * ns;
+                }
+                totals.runqueue.buckets[bucket] += 3;
+                totals.lock_waits[0].buckets[bucket] += 2;
+            }
+            totals.time_ns = [1_000_000; poolscope_shared::Activity::COUNT];
+            totals.request_ns = [500_000; poolscope_shared::Activity::COUNT];
+        }
+        readout.request_times.insert(2, times);
+        let pools = ["server", "worker"]
+            .iter()
+            .zip([5, 6])
+            .map(|(name, id)| PoolRow {
+                view: PoolView {
+                    id,
+                    service: 2,
+                    name: (*name).into(),
+                },
+                totals: totals.clone(),
+                utilization: Some(0.5),
+            })
+            .collect();
+        let windows = if busy {
+            BTreeMap::from([(2, times)])
+        } else {
+            BTreeMap::new()
+        };
+        (readout, pools, windows)
+    }
+
+    #[test]
+    fn a_service_fits_the_series_budget_at_the_defaults() {
+        let services = [ServiceView {
+            id: 2,
+            name: "api".into(),
+            processes: 1,
+            corrections: Corrections::default(),
+        }];
+        let listeners = [services::ServiceListener {
+            service: "api".into(),
+            queue: crate::discovery::sockdiag::ListenQueue {
+                inode: 1,
+                addr: std::net::SocketAddr::from(([0, 0, 0, 0], 8080)),
+                depth: 0,
+                limit: Some(4096),
+            },
+        }];
+        let count = |busy: bool, metrics: MetricsSettings| {
+            let (readout, pools, windows) = two_pool_service(busy);
+            let reading = Reading {
+                backend: Backend::Socket,
+                kernel: Some(&readout),
+                services: &services,
+                windows: &windows,
+                pools: &pools,
+                listeners: Some(&listeners),
+                metrics,
+            };
+            let text = render(
+                &collect_all(&reading, &mut Timings::default()),
+                Format::Text,
+            );
+            (series_of(&text, "api"), text)
+        };
+        let defaults = MetricsSettings::default();
+        let (idle, text) = count(false, defaults);
+        assert!(idle <= 40, "{idle} series for an idle service:\n{text}");
+        assert!(
+            !text.contains("_bucket"),
+            "an idle service exports no histogram:\n{text}"
+        );
+        assert!(
+            text.contains("poolscope_queue_depth{service=\"api\"} 0\n"),
+            "{text}"
+        );
+        let (busy, text) = count(true, defaults);
+        assert!(busy <= 100, "{busy} series for a busy service:\n{text}");
+        // 8 bounds and +Inf per request histogram; the pools' waits as sum and count.
+        assert_eq!(
+            text.matches("poolscope_request_latency_seconds_bucket{")
+                .count(),
+            9
+        );
+        assert!(
+            text.contains("# TYPE poolscope_lock_wait_seconds summary\n"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("poolscope_request_latency_window_seconds_sum"),
+            "{text}"
+        );
+        eprintln!("series per service at the defaults: idle {idle}, busy {busy}");
+
+        // The layout of the first release: half an octave per bucket, pool buckets.
+        let Some(half_octave) = crate::config::OctavesPerBucket::new(0.5) else {
+            panic!("half an octave is a layout");
+        };
+        let (dense, text) = count(
+            true,
+            MetricsSettings {
+                octaves_per_bucket: half_octave,
+                pool_histogram_buckets: true,
+            },
+        );
+        assert_eq!(
+            text.matches("poolscope_request_latency_seconds_bucket{")
+                .count(),
+            49
+        );
+        assert!(
+            text.contains("# TYPE poolscope_lock_wait_seconds histogram\n"),
+            "{text}"
+        );
+        assert!(dense > 300, "{dense}");
     }
 }

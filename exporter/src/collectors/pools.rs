@@ -1,12 +1,13 @@
 //! The per-pool families: threads by state, busy share, where the pool's request
 //! time went, and lock waits per primitive.
-use poolscope_shared::LockPrimitive;
+use poolscope_shared::{Histogram, LockPrimitive};
 
 use super::{Collected, Reading};
 use crate::{
+    config::MetricsSettings,
     encode::{Family, Kind, Value},
     metrics::pools::{PoolTotals, REASONS, STATES, sum_of},
-    metrics::window::coarse_buckets,
+    metrics::window::ClassicBuckets,
 };
 
 /// One pool at scrape time.
@@ -35,13 +36,13 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
         })
         .collect();
     Collected {
-        families: pool_families(&inputs),
+        families: pool_families(&inputs, reading.metrics),
         whole: reading.kernel.is_some(),
     }
 }
 
 /// Per-pool families (DESIGN §4).
-pub fn pool_families(pools: &[PoolInput<'_>]) -> Vec<Family> {
+pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Family> {
     let mut threads = Family::new(
         "pool_threads",
         Kind::Gauge,
@@ -68,8 +69,25 @@ pub fn pool_families(pools: &[PoolInput<'_>]) -> Vec<Family> {
     let mut offcpu = Family::new(
         "offcpu_seconds",
         Kind::Counter,
-        "Time the pool's threads spent blocked, by what they waited for.",
+        "Time the pool's threads spent blocked on I/O (state blocked_io), by what they \
+         waited for: disk, network, sleep, other.",
     );
+    let buckets = ClassicBuckets::new(layout.octaves_per_bucket);
+    let distribution = |histogram: &Histogram| {
+        let (sum, count) = (histogram.sum_ns as f64 / 1e9, histogram.count());
+        if layout.pool_histogram_buckets {
+            Value::Histogram {
+                buckets: buckets.of(histogram),
+                sum,
+                count,
+            }
+        } else {
+            Value::Summary {
+                quantiles: Vec::new(),
+                totals: Some((sum, count)),
+            }
+        }
+    };
     let mut runqueue = Family::new(
         "runqueue_wait_seconds",
         Kind::Histogram,
@@ -110,28 +128,28 @@ pub fn pool_families(pools: &[PoolInput<'_>]) -> Vec<Family> {
                 totals.time_ns[activity as usize] as f64 / 1e9,
             );
         }
-        runqueue.push_value(
-            &labels,
-            Value::Histogram {
-                buckets: coarse_buckets(&totals.runqueue),
-                sum: totals.runqueue.sum_ns as f64 / 1e9,
-                count: totals.runqueue.count(),
-            },
-        );
+        // A pool that never waited exports no empty distribution.
+        if totals.runqueue.count() > 0 {
+            runqueue.push_value(&labels, distribution(&totals.runqueue));
+        }
         for (primitive, histogram) in LockPrimitive::ALL.iter().zip(&totals.lock_waits) {
+            if histogram.count() == 0 {
+                continue;
+            }
             lock_waits.push_value(
                 &[
                     ("service", input.service),
                     ("pool", input.pool),
                     ("primitive", primitive.name()),
                 ],
-                Value::Histogram {
-                    buckets: coarse_buckets(histogram),
-                    sum: histogram.sum_ns as f64 / 1e9,
-                    count: histogram.count(),
-                },
+                distribution(histogram),
             );
         }
+    }
+    if !layout.pool_histogram_buckets {
+        // Without their buckets, summaries of `_sum` and `_count` (the mean wait).
+        runqueue.kind = Kind::Summary;
+        lock_waits.kind = Kind::Summary;
     }
     vec![
         threads,

@@ -15,7 +15,7 @@ use crate::{
     encode::{Family, Kind, Value},
     kernel::Backend,
     metrics::pools::{COMPONENTS, sum_of},
-    metrics::window::{QUANTILES, coarse_buckets, quantile},
+    metrics::window::{ClassicBuckets, QUANTILES, quantile},
 };
 
 /// A listening socket that belongs to a watched service.
@@ -111,11 +111,13 @@ pub fn queue_depths(
 struct RequestFamilies {
     histograms: [Family; 3],
     windows: [Family; 3],
+    buckets: ClassicBuckets,
 }
 
 impl RequestFamilies {
-    fn new() -> Self {
+    fn new(buckets: ClassicBuckets) -> Self {
         Self {
+            buckets,
             histograms: [
                 Family::new(
                     "request_queue_seconds",
@@ -159,21 +161,26 @@ impl RequestFamilies {
         times: &RequestTimes,
         window: &RequestTimes,
     ) {
+        // A service with no request finished in the window exports no histograms:
+        // their series come back with its next request, cumulative as before.
+        let windowed = [&window.queue, &window.duration, &window.latency];
+        if windowed.iter().all(|histogram| histogram.count() == 0) {
+            return;
+        }
         let cumulative = [&times.queue, &times.duration, &times.latency];
         for (family, histogram) in self.histograms.iter_mut().zip(cumulative) {
             family.push_value(
                 labels,
                 Value::Histogram {
-                    buckets: coarse_buckets(histogram),
+                    buckets: self.buckets.of(histogram),
                     sum: histogram.sum_ns as f64 / 1e9,
                     count: histogram.count(),
                 },
             );
         }
-        // Quantiles over the window; `_sum` and `_count` are counters to Prometheus,
-        // so they stay cumulative (a window's would go down).
-        let windowed = [&window.queue, &window.duration, &window.latency];
-        for ((family, histogram), total) in self.windows.iter_mut().zip(windowed).zip(cumulative) {
+        // Quantiles over the window, without `_sum` and `_count`: those are the
+        // histogram's (counters to Prometheus, so cumulative, not the window's).
+        for (family, histogram) in self.windows.iter_mut().zip(windowed) {
             let quantiles = QUANTILES
                 .iter()
                 .map(|&q| (q, quantile(histogram, q).unwrap_or(f64::NAN)))
@@ -182,8 +189,7 @@ impl RequestFamilies {
                 labels,
                 Value::Summary {
                     quantiles,
-                    sum: total.sum_ns as f64 / 1e9,
-                    count: total.count(),
+                    totals: None,
                 },
             );
         }
@@ -225,6 +231,7 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
             &inputs,
             kernel.map_or(&no_syscalls, |k| &k.syscalls),
             reading.listeners.unwrap_or_default(),
+            ClassicBuckets::new(reading.metrics.octaves_per_bucket),
         ),
         whole: kernel.is_some() && reading.listeners.is_some(),
     }
@@ -236,6 +243,7 @@ pub fn service_families(
     services: &[ServiceInput<'_>],
     syscalls: &BTreeMap<(u32, &'static str), u64>,
     listeners: &[ServiceListener],
+    buckets: ClassicBuckets,
 ) -> Vec<Family> {
     let mut targets = Family::new("targets", Kind::Gauge, "Processes watched for the service.");
     let mut accepted = Family::new(
@@ -274,7 +282,7 @@ pub fn service_families(
         Kind::Counter,
         "Where the time of finished requests went, by component.",
     );
-    let mut request_families = RequestFamilies::new();
+    let mut request_families = RequestFamilies::new(buckets);
     let mut syscall_family = Family::new(
         "syscalls",
         Kind::Counter,
@@ -389,7 +397,10 @@ mod tests {
     use poolscope_shared::ServiceCounters;
 
     use super::*;
-    use crate::encode::{Format, render};
+    use crate::{
+        config::OctavesPerBucket,
+        encode::{Format, render},
+    };
 
     fn view(id: u32, name: &str, corrections: Corrections) -> ServiceView {
         ServiceView {
@@ -462,7 +473,13 @@ mod tests {
         let mut syscalls = BTreeMap::new();
         syscalls.insert((3, "read"), 7);
         syscalls.insert((4, "read"), 9);
-        let families = service_families(Backend::Syscall, &inputs, &syscalls, &[]);
+        let families = service_families(
+            Backend::Syscall,
+            &inputs,
+            &syscalls,
+            &[],
+            ClassicBuckets::new(OctavesPerBucket::default()),
+        );
         let text = render(&families, Format::Text);
         for line in [
             "poolscope_queue_depth{service=\"web\"} 7\n",
@@ -524,7 +541,13 @@ mod tests {
         let mixed = service_listeners(&[queue(1, 80), foreign], |_| Some("web".to_owned()));
         assert_eq!((mixed[0].queue.depth, mixed[0].queue.limit), (8, None));
         let text = render(
-            &service_families(Backend::Syscall, &[], &BTreeMap::new(), &listeners),
+            &service_families(
+                Backend::Syscall,
+                &[],
+                &BTreeMap::new(),
+                &listeners,
+                ClassicBuckets::new(OctavesPerBucket::default()),
+            ),
             Format::Text,
         );
         assert!(text.contains(

@@ -72,8 +72,42 @@ pub struct Settings {
     pub utilization_window: Duration,
     pub snapshots: SnapshotSettings,
     pub profiles: ProfileLimits,
+    pub metrics: MetricsSettings,
     /// Empty: auto-discover every process with a listening TCP socket.
     pub targets: Vec<TargetRule>,
+}
+
+/// How histograms are exposed to classic (text) scrapers (`[metrics]`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MetricsSettings {
+    pub octaves_per_bucket: OctavesPerBucket,
+    /// Pools' run-queue and lock-wait histograms with their buckets; otherwise
+    /// their `_sum` and `_count` only.
+    pub pool_histogram_buckets: bool,
+}
+
+/// Octaves between two classic bucket bounds: one the kernel's fine buckets (8 per
+/// octave) give exactly.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OctavesPerBucket(f64);
+
+impl OctavesPerBucket {
+    pub const ALLOWED: [f64; 5] = [0.5, 1.0, 2.0, 3.0, 4.0];
+
+    pub fn new(octaves: f64) -> Option<Self> {
+        Self::ALLOWED.contains(&octaves).then_some(Self(octaves))
+    }
+
+    /// Eighths of an octave between two bounds.
+    pub fn eighths(self) -> usize {
+        (self.0 * 8.0) as usize
+    }
+}
+
+impl Default for OctavesPerBucket {
+    fn default() -> Self {
+        Self(3.0)
+    }
 }
 
 /// Stack sampling and snapshots (`[probes] sampling_hz`, `[stacks]`).

@@ -17,6 +17,7 @@ pub struct RawConfig {
     pub stacks: RawStacks,
     pub profiles: RawProfiles,
     pub limits: RawLimits,
+    pub metrics: RawMetrics,
     pub targets: Vec<RawTarget>,
 }
 
@@ -76,6 +77,10 @@ impl Default for RawConfig {
                 stacks: poolscope_shared::MAX_STACKS,
                 stack_counts: poolscope_shared::MAX_STACK_COUNTS,
                 degraded_for: Duration::from_secs(300),
+            },
+            metrics: RawMetrics {
+                octaves_per_bucket: 3.0,
+                pool_histogram_buckets: false,
             },
             targets: Vec::new(),
         }
@@ -220,6 +225,20 @@ pub struct RawLimits {
     /// How long a loss keeps poolscope degraded after its counter last rose.
     #[serde(with = "humantime_serde")]
     pub degraded_for: Duration,
+}
+
+/// How histograms are exposed to classic (text) scrapers. Each histogram costs one
+/// series per bucket per service or pool: the defaults keep an idle service under 40
+/// series and a busy one with two pools under 100.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawMetrics {
+    /// Octaves between two bucket bounds: 0.5, 1, 2, 3 or 4 (0.5 gives 48 buckets
+    /// from 8.2 µs to 103 s; 3 gives 8, from 8.2 µs to 17 s).
+    pub octaves_per_bucket: f64,
+    /// Pools' run-queue and lock-wait histograms with buckets; off: `_sum` and
+    /// `_count` only (the mean wait).
+    pub pool_histogram_buckets: bool,
 }
 
 /// One `[[targets]]` entry; every selector given must match.

@@ -6,8 +6,8 @@ use figment::Figment;
 use regex::Regex;
 
 use super::{
-    ConfigError, Limits, ProfileLimits, RawConfig, RawProfiles, RawTarget, RawWeb, ScrapeLimits,
-    Settings, SnapshotSettings, TargetRule, source_name,
+    ConfigError, Limits, MetricsSettings, OctavesPerBucket, ProfileLimits, RawConfig, RawProfiles,
+    RawTarget, RawWeb, ScrapeLimits, Settings, SnapshotSettings, TargetRule, source_name,
 };
 
 /// A validation failure for `key`, naming the source that set it.
@@ -91,6 +91,17 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
             format!("at most {}", poolscope_shared::MAX_SERVICES),
         ));
     }
+    let octaves_per_bucket =
+        OctavesPerBucket::new(raw.metrics.octaves_per_bucket).ok_or_else(|| {
+            invalid(
+                figment,
+                "metrics.octaves_per_bucket",
+                format!(
+                    "must be one of {:?} (bounds of the kernel's buckets, 8 per octave)",
+                    OctavesPerBucket::ALLOWED
+                ),
+            )
+        })?;
     let targets = raw
         .targets
         .iter()
@@ -113,6 +124,10 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         utilization_window: raw.pools.utilization_window,
         snapshots,
         profiles,
+        metrics: MetricsSettings {
+            octaves_per_bucket,
+            pool_histogram_buckets: raw.metrics.pool_histogram_buckets,
+        },
         targets,
     })
 }

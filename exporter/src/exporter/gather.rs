@@ -161,6 +161,7 @@ impl Exporter {
             windows: &locked.windows,
             pools: &locked.pools,
             listeners: listeners.as_deref(),
+            metrics: settings.metrics,
         };
         let mut families = collectors::collect_all(&reading, &mut timings);
         let dropped = cap_series(&mut families, settings.max_series);

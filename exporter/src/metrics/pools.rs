@@ -37,13 +37,13 @@ pub const STATES: [(&str, &[Activity]); 5] = [
     ("idle", &[Activity::OffIdle]),
 ];
 
-/// `offcpu_seconds_total{reason}`.
-pub const REASONS: [(&str, Activity); 6] = [
-    ("lock", Activity::OffLock),
+/// `offcpu_seconds_total{reason}`: the parts of `blocked_io`. (Lock waits and idle
+/// time are `thread_seconds_total{state="blocked_lock"|"idle"}` already: exported
+/// twice, they cost two series per pool for nothing.)
+pub const REASONS: [(&str, Activity); 4] = [
     ("disk", Activity::OffDisk),
     ("network", Activity::OffNetwork),
     ("sleep", Activity::OffSleep),
-    ("idle", Activity::OffIdle),
     ("other", Activity::OffOther),
 ];
 

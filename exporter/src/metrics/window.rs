@@ -9,27 +9,51 @@ use std::{
 
 use poolscope_shared::{HISTOGRAM_BUCKETS, Histogram, RequestTimes, histogram_bucket_bounds};
 
+use crate::config::OctavesPerBucket;
+
 /// Quantiles exported by the `_window` summaries.
 pub const QUANTILES: [f64; 4] = [0.5, 0.9, 0.99, 0.999];
 
-/// Coarse Prometheus buckets: two per octave (2^k and 1.5·2^k ns), 8.2 µs to 103 s.
-/// Each bound is a bound of the kernel's fine buckets, so no count is split.
-fn coarse_bounds() -> impl Iterator<Item = usize> {
-    (13..=36).flat_map(|octave| [0, 4].map(|sub| 1 + (octave - 10) * 8 + sub))
+/// The bounds of the classic Prometheus buckets (`[metrics] octaves_per_bucket`):
+/// every `step` eighths of an octave from 2^13 ns (8.2 µs) up to 1.5·2^36 ns (103 s).
+/// Each bound is a bound of the kernel's fine buckets, so no count is split. Half an
+/// octave gives 48 bounds; three octaves (the default) 8, 8.2 µs to 17 s, each 8×
+/// the last: the `_window` quantiles carry the precision per instance, the buckets
+/// only have to aggregate across instances.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClassicBuckets {
+    /// Eighths of an octave between two bounds (the kernel has 8 fine buckets per
+    /// octave).
+    step: usize,
 }
 
-/// (upper bound in seconds, cumulative count) for a Prometheus histogram.
-pub fn coarse_buckets(histogram: &Histogram) -> Vec<(f64, u64)> {
-    let mut cumulative = 0;
-    let mut next = 0;
-    coarse_bounds()
-        .map(|bound| {
-            cumulative += histogram.buckets[next..bound].iter().sum::<u64>();
-            next = bound;
-            let (lower_ns, _) = histogram_bucket_bounds(bound);
-            (lower_ns as f64 / 1e9, cumulative)
-        })
-        .collect()
+impl ClassicBuckets {
+    pub fn new(octaves: OctavesPerBucket) -> Self {
+        Self {
+            step: octaves.eighths(),
+        }
+    }
+
+    /// Fine-bucket indexes where a classic bucket ends (exclusive).
+    fn bounds(self) -> impl Iterator<Item = usize> {
+        let first = 1 + (13 - 10) * 8;
+        let last = 1 + (36 - 10) * 8 + 4;
+        (first..=last).step_by(self.step)
+    }
+
+    /// (upper bound in seconds, cumulative count) of each finite bucket.
+    pub fn of(self, histogram: &Histogram) -> Vec<(f64, u64)> {
+        let mut cumulative = 0;
+        let mut next = 0;
+        self.bounds()
+            .map(|bound| {
+                cumulative += histogram.buckets[next..bound].iter().sum::<u64>();
+                next = bound;
+                let (lower_ns, _) = histogram_bucket_bounds(bound);
+                (lower_ns as f64 / 1e9, cumulative)
+            })
+            .collect()
+    }
 }
 
 /// The `q` quantile in seconds: the middle of the fine bucket it falls in, so at most
@@ -164,9 +188,12 @@ mod tests {
     }
 
     #[test]
-    fn coarse_buckets_are_cumulative_and_exact_at_bounds() {
+    fn classic_buckets_are_cumulative_and_exact_at_bounds() {
         let histogram = histogram_of(&[8_191, 8_192, 12_287, 12_288, 1_000_000_000]);
-        let buckets = coarse_buckets(&histogram);
+        let Some(half_octave) = OctavesPerBucket::new(0.5) else {
+            panic!("half an octave is a layout");
+        };
+        let buckets = ClassicBuckets::new(half_octave).of(&histogram);
         assert_eq!(buckets.len(), 48);
         assert_eq!(buckets[0], (8.192e-6, 1));
         assert_eq!(buckets[1], (12.288e-6, 3));
@@ -177,6 +204,42 @@ mod tests {
                 .windows(2)
                 .all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1)
         );
+    }
+
+    #[test]
+    fn each_layout_has_the_bounds_its_octaves_give() {
+        let histogram = histogram_of(&[8_191, 8_192, 70_000, 1_000_000_000, 200_000_000_000]);
+        let bounds = |octaves| -> Vec<(f64, u64)> {
+            OctavesPerBucket::new(octaves).map_or_else(Vec::new, |octaves| {
+                ClassicBuckets::new(octaves).of(&histogram)
+            })
+        };
+        assert_eq!(bounds(1.0).len(), 24);
+        assert_eq!(bounds(2.0).len(), 12);
+        assert_eq!(bounds(4.0).len(), 6);
+        let default = ClassicBuckets::new(OctavesPerBucket::default()).of(&histogram);
+        assert_eq!(
+            OctavesPerBucket::new(3.0),
+            Some(OctavesPerBucket::default())
+        );
+        // 2^13, 2^16, … 2^34 ns: 8.2 µs to 17.2 s, each 8 times the last.
+        assert_eq!(default.len(), 8);
+        assert_eq!(default[0], (8.192e-6, 1));
+        assert_eq!(default[1], (65.536e-6, 2));
+        assert!(
+            (default[7].0 - 17.179869184).abs() < 1e-9,
+            "{:?}",
+            default[7]
+        );
+        // 200 s is past the last bound: only in +Inf (the count).
+        assert_eq!(default[7].1, 4);
+        assert!(
+            default
+                .windows(2)
+                .all(|w| (w[1].0 / w[0].0 - 8.0).abs() < 1e-9)
+        );
+        assert_eq!(OctavesPerBucket::new(1.5), None);
+        assert_eq!(OctavesPerBucket::new(0.25), None);
     }
 
     #[test]
