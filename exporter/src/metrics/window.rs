@@ -15,7 +15,8 @@ use crate::config::OctavesPerBucket;
 pub const QUANTILES: [f64; 4] = [0.5, 0.9, 0.99, 0.999];
 
 /// The bounds of the classic Prometheus buckets (`[metrics] octaves_per_bucket`):
-/// every `step` eighths of an octave from 2^13 ns (8.2 µs) up to 1.5·2^36 ns (103 s).
+/// every `step` eighths of an octave through 2^28 ns, from 2^13 ns (8.2 µs) at the
+/// lowest up to 1.5·2^36 ns (103 s).
 /// Each bound is a bound of the kernel's fine buckets, so no count is split. Half an
 /// octave gives 48 bounds; three octaves (the default) 8, 8.2 µs to 17 s, each 8×
 /// the last: the `_window` quantiles carry the precision per instance, the buckets
@@ -34,11 +35,15 @@ impl ClassicBuckets {
         }
     }
 
-    /// Fine-bucket indexes where a classic bucket ends (exclusive).
+    /// Fine-bucket indexes where a classic bucket ends (exclusive): every `step`
+    /// from 2^28 ns (268 ms, the latency SLO's bound in the shipped rules, so that
+    /// every layout has it) both ways, within 2^13 to 1.5·2^36 ns.
     fn bounds(self) -> impl Iterator<Item = usize> {
-        let first = 1 + (13 - 10) * 8;
-        let last = 1 + (36 - 10) * 8 + 4;
-        (first..=last).step_by(self.step)
+        let index_of_octave = |octave: usize| 1 + (octave - 10) * 8;
+        let (first, last) = (index_of_octave(13), index_of_octave(36) + 4);
+        let anchor = index_of_octave(28);
+        let start = anchor - (anchor - first) / self.step * self.step;
+        (start..=last).step_by(self.step)
     }
 
     /// (upper bound in seconds, cumulative count) of each finite bucket.
@@ -238,6 +243,12 @@ mod tests {
                 .windows(2)
                 .all(|w| (w[1].0 / w[0].0 - 8.0).abs() < 1e-9)
         );
+        for octaves in OctavesPerBucket::ALLOWED {
+            assert!(
+                bounds(octaves).iter().any(|(le, _)| *le == 0.268435456),
+                "{octaves} octaves per bucket lose the SLO bound 2^28 ns"
+            );
+        }
         assert_eq!(OctavesPerBucket::new(1.5), None);
         assert_eq!(OctavesPerBucket::new(0.25), None);
     }

@@ -48,9 +48,12 @@
 //! also with `offcpu_min = 1ns` (each also recorded at its wakeup): the scheduler programs' run time per run and per pingpong block. Then the
 //! nginx load above with poolscope off and on (socket backend) at 0, 49 and 999 Hz.
 //!
+//! Then how poolscope's cost grows with the number of services on the node
+//! (`BENCH_ONLY=scale`, see `scale.rs`).
+//!
 //! `BENCH_ROUNDS` (default 3 rounds of all modes) and `BENCH_SECONDS` (default 5) tune
-//! all four; `BENCH_LOCK_HOLD_US` (default 200) the lock's hold time. `BENCH_ONLY=nginx`,
-//! `BENCH_ONLY=sched`, `BENCH_ONLY=locks` or `BENCH_ONLY=stacks` runs one of them.
+//! the first four; `BENCH_LOCK_HOLD_US` (default 200) the lock's hold time.
+//! `BENCH_ONLY=nginx`, `sched`, `locks`, `stacks` or `scale` runs one of them.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
@@ -67,11 +70,13 @@ use anyhow::{Context as _, bail};
 mod bpf;
 mod locks;
 mod nginx;
+mod scale;
 mod sched;
 mod stacks;
 
 use locks::run_locks;
 use nginx::run_nginx;
+use scale::run_scale;
 use sched::run_sched;
 use stacks::run_stacks;
 
@@ -114,14 +119,15 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let seconds = env_number("BENCH_SECONDS", 5).max(1);
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     type Part = fn(&Path, PathBuf, usize, u64) -> anyhow::Result<()>;
-    let parts: [(&str, Part); 4] = [
+    let parts: [(&str, Part); 5] = [
         ("nginx", run_nginx),
         ("sched", run_sched),
         ("locks", run_locks),
         ("stacks", run_stacks),
+        ("scale", run_scale),
     ];
     if !only.is_empty() && !parts.iter().any(|(name, _)| *name == only) {
-        bail!("BENCH_ONLY={only}: nginx, sched, locks or stacks");
+        bail!("BENCH_ONLY={only}: nginx, sched, locks, stacks or scale");
     }
     let dir = root.join("target/bench");
     let _ = fs::remove_dir_all(&dir);

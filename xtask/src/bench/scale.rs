@@ -1,0 +1,260 @@
+//! How poolscope's cost grows with the node (`BENCH_ONLY=scale`): nodes of 10, 110
+//! (the kubelet's default pod limit) and 500 services, each a `threadpool` of eight
+//! threads (an acceptor and seven workers: two pools) on its own port, named by a
+//! `[[targets]]` rule. For each size, idle and then under load (clients spread over
+//! every service), poolscope is scraped back to back; printed per size and load: the
+//! series (all, and per service), the bytes plain and gzip-compressed, the scrape time
+//! p50 and p99, poolscope's RSS and its CPU per scrape, and the series the cap dropped.
+use std::{
+    fmt::Write as _,
+    fs,
+    io::{Read as _, Write as _},
+    net::TcpStream,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    thread::{self, sleep},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+
+use super::{LineProgram, free_port, processes, scrape, spawn_poolscope, wait_for_metrics};
+
+/// Node sizes, in services.
+const SIZES: [usize; 3] = [10, 110, 500];
+/// Workers of each service (with its acceptor: eight threads).
+const WORKERS: &str = "7";
+/// Scrapes per size and load, back to back.
+const SCRAPES: usize = 200;
+/// Client threads of the load, each one request per connection, round robin.
+const CLIENTS: usize = 8;
+/// The goal at 110 services (issue 29): scrape p99.
+const GOAL_SCRAPE_P99_MS: f64 = 5.0;
+/// The default `[limits] max_series`: the 110-service node must fit with room.
+const DEFAULT_MAX_SERIES: usize = 20_000;
+
+/// One size and load, measured.
+struct Measured {
+    services: usize,
+    loaded: bool,
+    series: usize,
+    per_service: f64,
+    bytes: usize,
+    gzip_bytes: usize,
+    p50_ms: f64,
+    p99_ms: f64,
+    rss_mb: f64,
+    cpu_ms_per_scrape: f64,
+    dropped: f64,
+}
+
+pub(super) fn run_scale(
+    root: &Path,
+    dir: PathBuf,
+    _rounds: usize,
+    _seconds: u64,
+) -> anyhow::Result<()> {
+    super::build_test_programs(root, &["threadpool"])?;
+    println!(
+        "scale: nodes of {SIZES:?} services (threadpool, 8 threads each), {SCRAPES} scrapes \
+         back to back, idle then loaded"
+    );
+    let mut results = Vec::new();
+    for services in SIZES {
+        results.extend(measure_node(root, &dir, services)?);
+    }
+    println!(
+        "{:>8} {:>6} {:>7} {:>11} {:>9} {:>9} {:>8} {:>8} {:>7} {:>10} {:>8}",
+        "services",
+        "load",
+        "series",
+        "per service",
+        "bytes",
+        "gzip",
+        "p50 ms",
+        "p99 ms",
+        "RSS MB",
+        "CPU ms/scr",
+        "dropped"
+    );
+    for m in &results {
+        println!(
+            "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>7.1} {:>10.2} {:>8}",
+            m.services,
+            if m.loaded { "loaded" } else { "idle" },
+            m.series,
+            m.per_service,
+            m.bytes,
+            m.gzip_bytes,
+            m.p50_ms,
+            m.p99_ms,
+            m.rss_mb,
+            m.cpu_ms_per_scrape,
+            m.dropped
+        );
+    }
+    for m in results.iter().filter(|m| m.services == 110) {
+        let load = if m.loaded { "loaded" } else { "idle" };
+        println!(
+            "110 services {load}: scrape p99 {:.2} ms (goal ≤ {GOAL_SCRAPE_P99_MS} ms: {}), \
+             {} series of the default max_series {DEFAULT_MAX_SERIES} ({})",
+            m.p99_ms,
+            super::met(m.p99_ms <= GOAL_SCRAPE_P99_MS),
+            m.series,
+            super::met(m.series * 2 <= DEFAULT_MAX_SERIES && m.dropped == 0.0),
+        );
+    }
+    Ok(())
+}
+
+/// Starts `services` servers and poolscope watching them, and measures it idle and
+/// under load.
+fn measure_node(root: &Path, dir: &Path, services: usize) -> anyhow::Result<Vec<Measured>> {
+    let mut servers = Vec::with_capacity(services);
+    let mut ports = Vec::with_capacity(services);
+    for _ in 0..services {
+        let args = [WORKERS.to_owned(), "1000".to_owned(), "sleep".to_owned()];
+        let mut server = LineProgram::start(root, "threadpool", None, &args)?;
+        let port: u16 = server.line("port ")?.parse().context("threadpool's port")?;
+        server.line("workers ")?;
+        ports.push(port);
+        servers.push(server);
+    }
+    let mut config = format!(
+        "[limits]\nmax_services = {}\nmax_pools = {}\n",
+        services.max(256),
+        (services * 4).max(512)
+    );
+    for (index, port) in ports.iter().enumerate() {
+        writeln!(config, "[[targets]]\nservice = \"svc-{index}\"\nport = {port}")?;
+    }
+    let config_path = dir.join(format!("scale-{services}.toml"));
+    fs::write(&config_path, config).context("writing the scale config")?;
+    let address = format!("127.0.0.1:{}", free_port()?);
+    let poolscope = spawn_poolscope(root, &config_path, &address, &[])?;
+    let ready: Vec<String> = (0..services)
+        .map(|index| format!("poolscope_targets{{service=\"svc-{index}\"}} 1\n"))
+        .collect();
+    wait_for_metrics(&address, &ready)?;
+    // Two pool samples, so that every pool is named and has its totals.
+    sleep(Duration::from_secs(2));
+    let pid = poolscope.0.id();
+    let idle = measure_scrapes(&address, pid, services, false)?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let served = Arc::new(AtomicU64::new(0));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|client| {
+            let (stop, served, ports) = (stop.clone(), served.clone(), ports.clone());
+            thread::spawn(move || {
+                let mut next = client;
+                while !stop.load(Ordering::Relaxed) {
+                    if request(ports[next % ports.len()]).is_ok() {
+                        served.fetch_add(1, Ordering::Relaxed);
+                    }
+                    next += CLIENTS;
+                }
+            })
+        })
+        .collect();
+    // Every service serves at least once before the scrapes (the request histograms
+    // are exported while requests finish in the window).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while served.load(Ordering::Relaxed) < (services as u64) * 2 {
+        if Instant::now() > deadline {
+            bail!("the load did not reach every service within 60 s");
+        }
+        sleep(Duration::from_millis(100));
+    }
+    let loaded = measure_scrapes(&address, pid, services, true);
+    stop.store(true, Ordering::Relaxed);
+    for client in clients {
+        let _ = client.join();
+    }
+    drop(poolscope);
+    for mut server in servers {
+        server.input = None;
+        let _ = server.line("served ");
+    }
+    Ok(vec![idle, loaded?])
+}
+
+/// One request on a connection of its own.
+fn request(port: u16) -> std::io::Result<()> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.write_all(b"req\n")?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    Ok(())
+}
+
+fn measure_scrapes(
+    address: &str,
+    pid: u32,
+    services: usize,
+    loaded: bool,
+) -> anyhow::Result<Measured> {
+    let cpu = || processes().get(&pid).map_or(0.0, |p| p.cpu_seconds);
+    let cpu_before = cpu();
+    let mut times_ms = Vec::with_capacity(SCRAPES);
+    let mut body = String::new();
+    for _ in 0..SCRAPES {
+        let started = Instant::now();
+        let response = scrape(address)?;
+        times_ms.push(started.elapsed().as_secs_f64() * 1e3);
+        body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_owned())
+            .context("a scrape without a body")?;
+    }
+    let cpu_ms_per_scrape = (cpu() - cpu_before) * 1e3 / SCRAPES as f64;
+    times_ms.sort_by(f64::total_cmp);
+    let at = |q: f64| times_ms[((q * SCRAPES as f64) as usize).min(SCRAPES - 1)];
+    let samples: Vec<&str> = body.lines().filter(|l| !l.starts_with('#')).collect();
+    let of_services = samples.iter().filter(|l| l.contains("service=\"svc-")).count();
+    let dropped = samples
+        .iter()
+        .find_map(|l| l.strip_prefix("poolscope_series_dropped_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN);
+    let rss_kb: f64 = fs::read_to_string(format!("/proc/{pid}/status"))?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(f64::NAN);
+    Ok(Measured {
+        services,
+        loaded,
+        series: samples.len(),
+        per_service: of_services as f64 / services as f64,
+        bytes: body.len(),
+        gzip_bytes: gzip_size(&body)?,
+        p50_ms: at(0.5),
+        p99_ms: at(0.99),
+        rss_mb: rss_kb / 1024.0,
+        cpu_ms_per_scrape,
+        dropped,
+    })
+}
+
+/// The size of `text` gzip-compressed (level 6, what HTTP servers commonly use).
+fn gzip_size(text: &str) -> anyhow::Result<usize> {
+    let mut gzip = Command::new("gzip")
+        .args(["-c", "-6"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting gzip")?;
+    let mut input = gzip.stdin.take().context("gzip's stdin")?;
+    let text = text.to_owned();
+    let writer = thread::spawn(move || input.write_all(text.as_bytes()));
+    let output = gzip.wait_with_output().context("running gzip")?;
+    writer
+        .join()
+        .map_err(|_| anyhow::anyhow!("writing to gzip panicked"))??;
+    Ok(output.stdout.len())
+}
