@@ -14,7 +14,7 @@ use poolscope_shared::{ListenKey, Phase, ProcessEvent, ProcessEventKind, Watched
 use crate::{
     clock::monotonic_ns,
     discovery::ids::DenseIds,
-    discovery::procfs::{self, ProcSnapshot},
+    discovery::procfs::{self, NetTables, ProcSnapshot},
     discovery::rules::Assignment,
     kernel::{Backend, MapErrors, WatchTable},
 };
@@ -47,6 +47,14 @@ pub struct Corrections {
     pub waiting: u64,
     pub serving: u64,
     pub adopted_unserved: u64,
+}
+
+/// A process just watched, whose connections are yet to adopt.
+#[derive(Clone, Copy, Debug)]
+struct NewWatch {
+    pid: u32,
+    service: u32,
+    since_ns: u64,
 }
 
 /// A change of the watched set that the thread pools follow.
@@ -145,8 +153,16 @@ impl Targets {
         for pid in gone {
             self.forget(kernel, pid);
         }
-        for assignment in assignments {
-            self.add(kernel, assignment);
+        // Every watch first, then the connections they held: one read of each
+        // namespace's table, made after the watches, so that no connection is
+        // accepted between the read and its process's watch unseen by both.
+        let watched: Vec<NewWatch> = assignments
+            .iter()
+            .filter_map(|assignment| self.watch(kernel, assignment))
+            .collect();
+        let mut tables = NetTables::default();
+        for new in watched {
+            self.adopt(kernel, new, &mut tables);
         }
         // Kernel entries that the scan should have seen but did not assign: a fork
         // child outside its parent's cgroup, or a fork whose event was lost.
@@ -236,14 +252,22 @@ impl Targets {
 
     /// Watches one assigned process (no-op if it is watched already).
     pub fn add(&mut self, kernel: &mut dyn WatchTable, assignment: &Assignment) {
+        if let Some(new) = self.watch(kernel, assignment) {
+            self.adopt(kernel, new, &mut NetTables::default());
+        }
+    }
+
+    /// Watches one assigned process, not yet its connections; `None` if it was
+    /// watched already or cannot be.
+    fn watch(&mut self, kernel: &mut dyn WatchTable, assignment: &Assignment) -> Option<NewWatch> {
         if self.processes.contains_key(&assignment.pid) {
-            return;
+            return None;
         }
         let Some((service, _)) = self.ids.get_or_allocate(&assignment.service) else {
             self.services_refused += 1;
             // At every scan: the health check logs the onset.
             tracing::debug!(service = %assignment.service, "limits.max_services reached; not watched");
-            return;
+            return None;
         };
         let pid = assignment.pid;
         // A fork may have put it there already: keep that entry and its `since`.
@@ -259,7 +283,7 @@ impl Targets {
                 if let Err(error) = kernel.watch(pid, watch) {
                     self.map_errors.count(maps::WATCHED, &error);
                     tracing::warn!(pid, %error, "cannot watch process");
-                    return;
+                    return None;
                 }
                 since_ns
             }
@@ -268,10 +292,9 @@ impl Targets {
         if procfs::start_time(&self.procfs_root, pid) != Some(assignment.start_time) {
             kernel.unwatch(pid, since_ns);
             self.purge(kernel, pid, since_ns);
-            return;
+            return None;
         }
         kernel.adopt_blocked_accepts(&procfs::blocked_syscalls(&self.procfs_root, pid));
-        self.adopt(kernel, pid, service, since_ns);
         self.changes.push(WatchChange::Watched { pid, service });
         self.processes.insert(
             pid,
@@ -281,6 +304,11 @@ impl Targets {
                 since_ns,
             },
         );
+        Some(NewWatch {
+            pid,
+            service,
+            since_ns,
+        })
     }
 
     fn forget(&mut self, kernel: &mut dyn WatchTable, pid: u32) {
@@ -315,8 +343,13 @@ impl Targets {
 
     /// Follows the connections a newly watched process already holds on its own
     /// listening ports (open before poolscope, or before a reload watched it).
-    fn adopt(&mut self, kernel: &mut dyn WatchTable, pid: u32, service: u32, since_ns: u64) {
-        let connections = match procfs::served_connections_of(&self.procfs_root, pid) {
+    fn adopt(&mut self, kernel: &mut dyn WatchTable, new: NewWatch, tables: &mut NetTables) {
+        let NewWatch {
+            pid,
+            service,
+            since_ns,
+        } = new;
+        let connections = match procfs::served_connections_of(&self.procfs_root, pid, tables) {
             Ok(connections) => connections,
             // Gone, or its fds unreadable (counted in processes_unreadable).
             Err(_) => return,

@@ -3,6 +3,7 @@
 //! connections) plus one read of every counter for a scrape. No numbers are kept here;
 //! the maps are the state.
 mod attach;
+mod batch;
 pub mod btf;
 pub mod caps;
 mod locks;
@@ -33,6 +34,7 @@ use self::attach::{
     MUTEX_PROBES, PROCESS_ATTACHMENTS, SESSION_SAMPLERS, THREAD_ATTACHMENTS, attach_sampler,
     attach_tracepoint, ensure_tracefs, load_on_demand,
 };
+use self::batch::BatchMap;
 use self::offsets::{
     BTF_VMLINUX, downstream_offsets, exit_group_dead_offset, socket_inode_offsets,
     socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
@@ -75,6 +77,11 @@ pub enum KernelError {
     Cpus(std::io::Error),
     #[error("no profiling session slot {0}")]
     NoSessionSlot(u32),
+    #[error("map {map}: batch read: {source}")]
+    Batch {
+        map: &'static str,
+        source: std::io::Error,
+    },
 }
 
 /// Map update flag of include/uapi/linux/bpf.h: insert only if the key is absent.
@@ -132,6 +139,35 @@ pub struct Kernel {
     /// Keeps `kernel.bpf_stats_enabled` on while we run.
     _stats: Option<OwnedFd>,
     cpus: usize,
+    /// The maps a scrape reads whole, for batch reads.
+    batch: BatchMaps,
+}
+
+/// Descriptors of the maps a scrape reads whole ([`BatchMap`]).
+struct BatchMaps {
+    threads: BatchMap,
+    thread_pools: BatchMap,
+    pool_stats: BatchMap,
+    lock_waits: BatchMap,
+    service_counters: BatchMap,
+    request_times: BatchMap,
+}
+
+impl BatchMaps {
+    fn of(ebpf: &Ebpf) -> Result<Self, KernelError> {
+        let of = |name: &'static str| {
+            let map = ebpf.map(name).ok_or(KernelError::MissingMap(name))?;
+            BatchMap::of(map).map_err(|source| KernelError::Batch { map: name, source })
+        };
+        Ok(Self {
+            threads: of(maps::THREADS)?,
+            thread_pools: of(maps::THREAD_POOLS)?,
+            pool_stats: of(maps::POOL_STATS)?,
+            lock_waits: of(maps::LOCK_WAITS)?,
+            service_counters: of(maps::SERVICE_COUNTERS)?,
+            request_times: of(maps::REQUEST_TIMES)?,
+        })
+    }
 }
 
 /// Reader of process lifecycle events from the kernel.
@@ -286,6 +322,7 @@ impl Kernel {
         let events = ProcessEvents {
             ring: take(&mut ebpf, maps::PROCESS_EVENTS)?,
         };
+        let batch = BatchMaps::of(&ebpf)?;
         let stacks = maps::STACKS
             .iter()
             .map(|name| take(&mut ebpf, name))
@@ -326,6 +363,7 @@ impl Kernel {
             backend,
             _stats: stats,
             cpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
+            batch,
         };
         Ok((kernel, events))
     }

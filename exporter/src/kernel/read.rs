@@ -86,22 +86,21 @@ impl Kernel {
         &self,
         services: &[u32],
     ) -> Result<BTreeMap<u32, ServiceCounters>, KernelError> {
-        services
-            .iter()
-            .map(|&service| {
-                let per_cpu =
-                    self.service_counters
-                        .get(&service, 0)
-                        .map_err(|source| KernelError::Map {
-                            map: maps::SERVICE_COUNTERS,
-                            source,
-                        })?;
-                let total = per_cpu
-                    .iter()
-                    .fold(ServiceCounters::default(), |sum, c| sum.plus(c));
-                Ok((service, total))
+        let end = dense_end(services);
+        let mut totals = vec![ServiceCounters::default(); end as usize];
+        self.batch
+            .service_counters
+            .array_each::<ServiceCounters>(end, self.cpus, |service, cpu| {
+                totals[service] = totals[service].plus(cpu);
             })
-            .collect()
+            .map_err(|source| KernelError::Batch {
+                map: maps::SERVICE_COUNTERS,
+                source,
+            })?;
+        Ok(services
+            .iter()
+            .filter_map(|&service| Some((service, *totals.get(service as usize)?)))
+            .collect())
     }
     /// Reads the counters of `services` and `pools` and the exporter's own
     /// kernel-side health.
@@ -116,17 +115,25 @@ impl Kernel {
             ..Readout::default()
         };
         readout.services = self.read_services(services)?;
-        for &service in services {
-            let per_cpu = self
-                .request_times
-                .get(&service, 0)
-                .map_err(map_error(maps::REQUEST_TIMES))?;
-            let mut times = RequestTimes::default();
-            for cpu in per_cpu.iter() {
+        let end = dense_end(services);
+        let mut request_times = vec![RequestTimes::default(); end as usize];
+        self.batch
+            .request_times
+            .array_each::<RequestTimes>(end, self.cpus, |service, cpu| {
+                let times = &mut request_times[service];
                 times.queue.add(&cpu.queue);
                 times.duration.add(&cpu.duration);
                 times.latency.add(&cpu.latency);
-            }
+            })
+            .map_err(|source| KernelError::Batch {
+                map: maps::REQUEST_TIMES,
+                source,
+            })?;
+        for &service in services {
+            let times = request_times
+                .get(service as usize)
+                .copied()
+                .unwrap_or_default();
             readout.request_times.insert(service, times);
             if self.backend != Backend::Syscall {
                 continue;
@@ -195,4 +202,9 @@ impl Kernel {
         }
         Ok(readout)
     }
+}
+
+/// One past the highest of `ids` (dense ids: a batch read of an array from 0).
+pub(super) fn dense_end(ids: &[u32]) -> u32 {
+    ids.iter().max().map_or(0, |&max| max + 1)
 }

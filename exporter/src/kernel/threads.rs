@@ -1,5 +1,7 @@
 //! The thread and pool maps: `THREADS`, `THREAD_POOLS`, `POOL_STATS`, `LOCK_WAITS`
 //! and `DOWNSTREAM_WAITS` ([`ThreadTable`], and their read for a scrape).
+use std::collections::HashMap;
+
 use aya::maps::{MapError, PerCpuValues};
 use poolscope_shared::{
     DownstreamKey, Histogram, LockPrimitive, PoolStats, Thread, lock_wait_index, maps,
@@ -51,50 +53,74 @@ impl ThreadTable for Kernel {
 }
 
 impl Kernel {
-    /// Every followed thread.
-    pub fn thread_entries(&self) -> Vec<(u32, Thread)> {
-        self.threads.iter().filter_map(Result::ok).collect()
+    /// Every followed thread with its pool (if named).
+    fn thread_entries(&self) -> Result<Vec<(u32, Thread, Option<u32>)>, KernelError> {
+        let batch_error = |map| move |source| KernelError::Batch { map, source };
+        let threads: Vec<(u32, Thread)> = self
+            .batch
+            .threads
+            .hash_entries()
+            .map_err(batch_error(maps::THREADS))?;
+        let pools: HashMap<u32, u32> = self
+            .batch
+            .thread_pools
+            .hash_entries()
+            .map_err(batch_error(maps::THREAD_POOLS))?
+            .into_iter()
+            .collect();
+        Ok(threads
+            .into_iter()
+            .map(|(tid, thread)| (tid, thread, pools.get(&tid).copied()))
+            .collect())
     }
+
     /// Reads the stats of `pools` and then every followed thread (in that order:
     /// the kernel updates a thread before its pool, so a transition between the two
     /// reads is missed once, never counted twice).
     pub fn read_pools(&self, pools: &[u32], readout: &mut Readout) -> Result<(), KernelError> {
-        for &pool in pools {
-            let per_cpu = self
-                .pool_stats
-                .get(&pool, 0)
-                .map_err(|source| KernelError::Map {
-                    map: maps::POOL_STATS,
-                    source,
-                })?;
-            let mut total = PoolStats::default();
-            for cpu in per_cpu.iter() {
-                total.add(cpu);
-            }
-            readout.pools.insert(pool, total);
-            let mut waits = [Histogram::default(); LockPrimitive::COUNT as usize];
-            for (primitive, histogram) in LockPrimitive::ALL.iter().zip(&mut waits) {
-                *histogram = self
-                    .lock_waits
-                    .get(&lock_wait_index(pool, *primitive), 0)
-                    .map_err(|source| KernelError::Map {
-                        map: maps::LOCK_WAITS,
-                        source,
-                    })?;
-            }
-            readout.lock_waits.insert(pool, waits);
-        }
+        let batch_error = |map| move |source| KernelError::Batch { map, source };
+        // Pool ids are dense: one read of the ids up to the highest.
+        let end = super::read::dense_end(pools);
+        let mut stats = vec![PoolStats::default(); end as usize];
+        self.batch
+            .pool_stats
+            .array_each::<PoolStats>(end, self.cpus, |pool, cpu| stats[pool].add(cpu))
+            .map_err(batch_error(maps::POOL_STATS))?;
+        let mut waits = vec![Histogram::default(); (end * LockPrimitive::COUNT) as usize];
+        self.batch
+            .lock_waits
+            .array_each::<Histogram>(end * LockPrimitive::COUNT, 1, |index, histogram| {
+                waits[index] = *histogram;
+            })
+            .map_err(batch_error(maps::LOCK_WAITS))?;
+        let mut sorted = pools.to_vec();
+        sorted.sort_unstable();
+        // Built from sorted keys at once: the values are kilobytes, which inserts one
+        // by one would shift around the tree's nodes.
+        readout.pools = sorted
+            .iter()
+            .filter_map(|&pool| Some((pool, *stats.get(pool as usize)?)))
+            .collect();
+        readout.lock_waits = sorted
+            .iter()
+            .map(|&pool| {
+                let mut of_pool = [Histogram::default(); LockPrimitive::COUNT as usize];
+                for (primitive, histogram) in LockPrimitive::ALL.iter().zip(&mut of_pool) {
+                    let index = lock_wait_index(pool, *primitive) as usize;
+                    if let Some(read) = waits.get(index) {
+                        *histogram = *read;
+                    }
+                }
+                (pool, of_pool)
+            })
+            .collect();
         readout.downstreams = self
             .downstream_waits
             .iter()
             .filter_map(Result::ok)
             .collect();
         readout.threads_read_ns = crate::clock::monotonic_ns();
-        readout.threads = self
-            .thread_entries()
-            .into_iter()
-            .map(|(tid, thread)| (tid, thread, self.thread_pools.get(&tid, 0).ok()))
-            .collect();
+        readout.threads = self.thread_entries()?;
         Ok(())
     }
 }

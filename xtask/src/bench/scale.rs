@@ -24,7 +24,7 @@ use anyhow::{Context as _, bail};
 
 use super::{LineProgram, free_port, processes, scrape, spawn_poolscope, wait_for_metrics};
 
-/// Node sizes, in services.
+/// Node sizes, in services (`BENCH_SCALE_SIZES=110,500` to choose).
 const SIZES: [usize; 3] = [10, 110, 500];
 /// Workers of each service (with its acceptor: eight threads).
 const WORKERS: &str = "7";
@@ -59,12 +59,23 @@ pub(super) fn run_scale(
     _seconds: u64,
 ) -> anyhow::Result<()> {
     super::build_test_programs(root, &["threadpool"])?;
+    let sizes: Vec<usize> = match std::env::var("BENCH_SCALE_SIZES") {
+        Ok(sizes) => sizes
+            .split(',')
+            .map(|size| {
+                size.trim()
+                    .parse()
+                    .context("BENCH_SCALE_SIZES: numbers, comma-separated")
+            })
+            .collect::<anyhow::Result<_>>()?,
+        Err(_) => SIZES.to_vec(),
+    };
     println!(
-        "scale: nodes of {SIZES:?} services (threadpool, 8 threads each), {SCRAPES} scrapes \
+        "scale: nodes of {sizes:?} services (threadpool, 8 threads each), {SCRAPES} scrapes \
          back to back, idle then loaded"
     );
     let mut results = Vec::new();
-    for services in SIZES {
+    for &services in &sizes {
         results.extend(measure_node(root, &dir, services)?);
     }
     println!(
@@ -130,7 +141,10 @@ fn measure_node(root: &Path, dir: &Path, services: usize) -> anyhow::Result<Vec<
         (services * 4).max(512)
     );
     for (index, port) in ports.iter().enumerate() {
-        writeln!(config, "[[targets]]\nservice = \"svc-{index}\"\nport = {port}")?;
+        writeln!(
+            config,
+            "[[targets]]\nservice = \"svc-{index}\"\nport = {port}"
+        )?;
     }
     let config_path = dir.join(format!("scale-{services}.toml"));
     fs::write(&config_path, config).context("writing the scale config")?;
@@ -215,7 +229,10 @@ fn measure_scrapes(
     times_ms.sort_by(f64::total_cmp);
     let at = |q: f64| times_ms[((q * SCRAPES as f64) as usize).min(SCRAPES - 1)];
     let samples: Vec<&str> = body.lines().filter(|l| !l.starts_with('#')).collect();
-    let of_services = samples.iter().filter(|l| l.contains("service=\"svc-")).count();
+    let of_services = samples
+        .iter()
+        .filter(|l| l.contains("service=\"svc-"))
+        .count();
     let dropped = samples
         .iter()
         .find_map(|l| l.strip_prefix("poolscope_series_dropped_total "))

@@ -21,7 +21,7 @@ mod sockets;
 use containers::read_pod_name;
 pub use containers::*;
 pub use sockets::*;
-use sockets::{net_tcp_tables, socket_inodes};
+use sockets::{listening_tables, socket_inodes};
 
 /// What discovery needs to know about one process.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -258,7 +258,7 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
         // Seen once its tables are read: a process that exits in between (or a
         // namespace that vanishes) leaves the namespace to its next process.
         if !namespaces_seen.contains(&namespace)
-            && let Ok(tables) = net_tcp_tables(root, pid)
+            && let Ok(tables) = listening_tables(root, pid)
         {
             namespaces_seen.insert(namespace);
             if let Some(inum) = inum {

@@ -1,0 +1,176 @@
+//! Whole-map reads in a few syscalls (`BPF_MAP_LOOKUP_BATCH`, Linux 5.6; poolscope
+//! needs 6.1): a scrape reads every thread, pool and service, and aya's per-key
+//! lookups cost one syscall per key (two per entry when iterating a hash map), which
+//! at 110 services was most of a scrape's time.
+use std::{
+    cell::RefCell,
+    io,
+    mem::{MaybeUninit, size_of},
+    os::fd::{AsFd as _, AsRawFd as _, OwnedFd},
+};
+
+use aya::{Pod, maps::Map};
+
+/// `BPF_MAP_LOOKUP_BATCH` of include/uapi/linux/bpf.h.
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+/// Entries asked for per call of a hash map: more than any bucket holds (the call
+/// fails with ENOSPC if one bucket does not fit).
+const HASH_CHUNK: u32 = 1024;
+
+/// The `batch` member of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// A map's own descriptor (a duplicate of aya's, which keeps the map itself).
+#[derive(Debug)]
+pub(super) struct BatchMap {
+    fd: OwnedFd,
+    /// Keys and values of the last array read, kept for the next.
+    buffer: RefCell<Vec<u8>>,
+}
+
+impl BatchMap {
+    /// A descriptor for `map` (a hash map or an array, per-CPU or not).
+    pub fn of(map: &Map) -> io::Result<Self> {
+        let data = match map {
+            Map::HashMap(data) | Map::Array(data) | Map::PerCpuArray(data) => data,
+            _ => return Err(io::Error::from(io::ErrorKind::Unsupported)),
+        };
+        Ok(Self {
+            fd: data.fd().as_fd().try_clone_to_owned()?,
+            buffer: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// One `BPF_MAP_LOOKUP_BATCH` call; the entries it filled, and whether the map
+    /// has no more (ENOENT).
+    fn lookup(
+        &self,
+        in_batch: Option<&u64>,
+        out_batch: &mut u64,
+        keys: *mut u8,
+        values: *mut u8,
+        count: u32,
+    ) -> io::Result<(u32, bool)> {
+        let mut attr = BatchAttr {
+            in_batch: in_batch.map_or(0, |token| std::ptr::from_ref(token) as u64),
+            out_batch: std::ptr::from_mut(out_batch) as u64,
+            keys: keys as u64,
+            values: values as u64,
+            count,
+            map_fd: self.fd.as_raw_fd() as u32,
+            ..BatchAttr::default()
+        };
+        // SAFETY: `attr` is a valid bpf_attr prefix of its own size; the kernel writes
+        // at most `count` keys and values into buffers the callers sized for `count`,
+        // and a token of at most 8 bytes (a u32 bucket or index) into `out_batch`.
+        let result = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                std::ptr::from_mut(&mut attr),
+                size_of::<BatchAttr>(),
+            )
+        };
+        if result == 0 {
+            return Ok((attr.count, false));
+        }
+        let error = io::Error::last_os_error();
+        match error.raw_os_error() {
+            Some(libc::ENOENT) => Ok((attr.count, true)),
+            _ => Err(error),
+        }
+    }
+
+    /// Every entry of a hash map of `K` → `V`.
+    pub fn hash_entries<K: Pod, V: Pod>(&self) -> io::Result<Vec<(K, V)>> {
+        let chunk = HASH_CHUNK as usize;
+        let mut keys: Vec<MaybeUninit<K>> = Vec::with_capacity(chunk);
+        let mut values: Vec<MaybeUninit<V>> = Vec::with_capacity(chunk);
+        let mut entries = Vec::new();
+        let (mut token, mut next) = (0u64, 0u64);
+        let mut first = true;
+        loop {
+            let (filled, done) = self.lookup(
+                (!first).then_some(&token),
+                &mut next,
+                keys.as_mut_ptr().cast(),
+                values.as_mut_ptr().cast(),
+                HASH_CHUNK,
+            )?;
+            let filled = (filled as usize).min(chunk);
+            // SAFETY: the kernel wrote `filled` whole keys and values, and K and V are
+            // Pod: any bytes are a valid value.
+            entries.extend((0..filled).map(|i| unsafe {
+                (
+                    keys.as_ptr().add(i).read().assume_init(),
+                    values.as_ptr().add(i).read().assume_init(),
+                )
+            }));
+            if done {
+                return Ok(entries);
+            }
+            token = next;
+            first = false;
+        }
+    }
+
+    /// Calls `each(index, value)` for every value of entries `0..end` of an array of
+    /// `V`: `cpus` per entry for a per-CPU array, one for a plain one. The values are
+    /// read into one buffer kept between calls (a scrape reads megabytes).
+    pub fn array_each<V: Pod>(
+        &self,
+        end: u32,
+        cpus: usize,
+        mut each: impl FnMut(usize, &V),
+    ) -> io::Result<()> {
+        if end == 0 {
+            return Ok(());
+        }
+        // The kernel copies per-CPU values at a stride of their size rounded up to 8.
+        let stride = if cpus > 1 {
+            size_of::<V>().next_multiple_of(8)
+        } else {
+            size_of::<V>()
+        };
+        let per_entry = stride * cpus;
+        let mut buffer = self.buffer.borrow_mut();
+        let (keys, values) = (end as usize * size_of::<u32>(), per_entry * end as usize);
+        buffer.resize(keys + values, 0);
+        let (key_bytes, value_bytes) = buffer.split_at_mut(keys);
+        let mut next = 0u64;
+        let (filled, _) = self.lookup(
+            None,
+            &mut next,
+            key_bytes.as_mut_ptr(),
+            value_bytes.as_mut_ptr(),
+            end,
+        )?;
+        if filled != end {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{filled} of {end} array entries read"),
+            ));
+        }
+        for (index, entry) in value_bytes.chunks_exact(per_entry).enumerate() {
+            for value in entry.chunks_exact(stride) {
+                // SAFETY: each chunk holds one whole V (stride ≥ its size), and V is
+                // Pod; read_unaligned needs no alignment.
+                let value = unsafe { value.as_ptr().cast::<V>().read_unaligned() };
+                each(index, &value);
+            }
+        }
+        Ok(())
+    }
+}
