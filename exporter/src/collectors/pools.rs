@@ -132,7 +132,7 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
         if totals.runqueue.count() > 0 {
             runqueue.push_value(&labels, distribution(&totals.runqueue));
         }
-        for (primitive, histogram) in LockPrimitive::ALL.iter().zip(&totals.lock_waits) {
+        for (primitive, histogram) in LockPrimitive::ALL.iter().zip(totals.lock_waits.iter()) {
             if histogram.count() == 0 {
                 continue;
             }

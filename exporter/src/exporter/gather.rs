@@ -2,7 +2,11 @@
 //! lock, the listen queues outside it, then the collectors, the series cap and
 //! poolscope's own families. Also the saturation check, which reads the same
 //! queues.
-use std::{collections::BTreeMap, path::Path, time::Instant};
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::Path,
+    time::Instant,
+};
 
 use poolscope_shared::RequestTimes;
 
@@ -19,7 +23,7 @@ use crate::{
     encode::{Family, cap_series},
     kernel::{Backend, Readout, WatchTable},
     metrics::health::{Loss, LossKind},
-    metrics::pools,
+    metrics::pools::{self, PoolView},
     stacks::snapshots::Trigger,
 };
 
@@ -60,14 +64,20 @@ impl Exporter {
             let live: Vec<u32> = kernel.request_times.keys().copied().collect();
             core.windows.retain(&live);
         }
-        let mut pool_totals = kernel.as_ref().map(pools::totals).unwrap_or_default();
-        let pools = core
+        let pool_totals = kernel.as_ref().map(pools::totals).unwrap_or_default();
+        let mut views: HashMap<u32, PoolView> = core
             .pools
             .views()
             .into_iter()
-            .filter_map(|view| {
-                let totals = pool_totals.remove(&view.id)?;
-                let utilization = core.pools.utilization(view.id, &totals);
+            .map(|view| (view.id, view))
+            .collect();
+        // Consumed in order: each total is kilobytes, which removing keys one by one
+        // would shift around the tree's nodes.
+        let pools = pool_totals
+            .into_iter()
+            .filter_map(|(id, totals)| {
+                let view = views.remove(&id)?;
+                let utilization = core.pools.utilization(id, &totals);
                 Some(PoolRow {
                     view,
                     totals,

@@ -1,6 +1,9 @@
 //! The read for a scrape: every counter of the watched services and pools, the loss
 //! counters, how full each map is and the programs' own run time.
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::{BTreeMap, HashSet},
+    time::Duration,
+};
 
 use poolscope_shared::{
     DownstreamKey, DownstreamWait, Histogram, LockPrimitive, LossErrno, LossSource, PoolStats,
@@ -86,21 +89,22 @@ impl Kernel {
         &self,
         services: &[u32],
     ) -> Result<BTreeMap<u32, ServiceCounters>, KernelError> {
-        let end = dense_end(services);
-        let mut totals = vec![ServiceCounters::default(); end as usize];
+        let mut totals: BTreeMap<u32, ServiceCounters> = services
+            .iter()
+            .map(|&service| (service, ServiceCounters::default()))
+            .collect();
         self.batch
             .service_counters
-            .array_each::<ServiceCounters>(end, self.cpus, |service, cpu| {
-                totals[service] = totals[service].plus(cpu);
+            .array_each::<ServiceCounters>(dense_end(services), self.cpus, |service, cpu| {
+                if let Some(total) = totals.get_mut(&(service as u32)) {
+                    *total = total.plus(cpu);
+                }
             })
             .map_err(|source| KernelError::Batch {
                 map: maps::SERVICE_COUNTERS,
                 source,
             })?;
-        Ok(services
-            .iter()
-            .filter_map(|&service| Some((service, *totals.get(service as usize)?)))
-            .collect())
+        Ok(totals)
     }
     /// Reads the counters of `services` and `pools` and the exporter's own
     /// kernel-side health.
@@ -115,26 +119,24 @@ impl Kernel {
             ..Readout::default()
         };
         readout.services = self.read_services(services)?;
-        let end = dense_end(services);
-        let mut request_times = vec![RequestTimes::default(); end as usize];
+        let wanted: HashSet<u32> = services.iter().copied().collect();
+        let request_times = &mut readout.request_times;
         self.batch
             .request_times
-            .array_each::<RequestTimes>(end, self.cpus, |service, cpu| {
-                let times = &mut request_times[service];
-                times.queue.add(&cpu.queue);
-                times.duration.add(&cpu.duration);
-                times.latency.add(&cpu.latency);
+            .array_each::<RequestTimes>(dense_end(services), self.cpus, |service, cpu| {
+                let service = service as u32;
+                if wanted.contains(&service) {
+                    let times = request_times.entry(service).or_default();
+                    times.queue.add(&cpu.queue);
+                    times.duration.add(&cpu.duration);
+                    times.latency.add(&cpu.latency);
+                }
             })
             .map_err(|source| KernelError::Batch {
                 map: maps::REQUEST_TIMES,
                 source,
             })?;
         for &service in services {
-            let times = request_times
-                .get(service as usize)
-                .copied()
-                .unwrap_or_default();
-            readout.request_times.insert(service, times);
             if self.backend != Backend::Syscall {
                 continue;
             }

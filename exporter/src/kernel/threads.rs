@@ -1,6 +1,6 @@
 //! The thread and pool maps: `THREADS`, `THREAD_POOLS`, `POOL_STATS`, `LOCK_WAITS`
 //! and `DOWNSTREAM_WAITS` ([`ThreadTable`], and their read for a scrape).
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use aya::maps::{MapError, PerCpuValues};
 use poolscope_shared::{
@@ -81,39 +81,33 @@ impl Kernel {
         let batch_error = |map| move |source| KernelError::Batch { map, source };
         // Pool ids are dense: one read of the ids up to the highest.
         let end = super::read::dense_end(pools);
-        let mut stats = vec![PoolStats::default(); end as usize];
+        let wanted: HashSet<u32> = pools.iter().copied().collect();
+        // Streamed into the maps in id order (appends): no array of every pool's
+        // kilobytes is built on the side.
+        let mut stats: BTreeMap<u32, PoolStats> = BTreeMap::new();
         self.batch
             .pool_stats
-            .array_each::<PoolStats>(end, self.cpus, |pool, cpu| stats[pool].add(cpu))
+            .array_each::<PoolStats>(end, self.cpus, |pool, cpu| {
+                let pool = pool as u32;
+                if wanted.contains(&pool) {
+                    stats.entry(pool).or_default().add(cpu);
+                }
+            })
             .map_err(batch_error(maps::POOL_STATS))?;
-        let mut waits = vec![Histogram::default(); (end * LockPrimitive::COUNT) as usize];
+        let mut waits: BTreeMap<u32, [Histogram; LockPrimitive::COUNT as usize]> = BTreeMap::new();
         self.batch
             .lock_waits
             .array_each::<Histogram>(end * LockPrimitive::COUNT, 1, |index, histogram| {
-                waits[index] = *histogram;
+                let index = index as u32;
+                let (pool, primitive) =
+                    (index / LockPrimitive::COUNT, index % LockPrimitive::COUNT);
+                if wanted.contains(&pool) {
+                    waits.entry(pool).or_default()[primitive as usize] = *histogram;
+                }
             })
             .map_err(batch_error(maps::LOCK_WAITS))?;
-        let mut sorted = pools.to_vec();
-        sorted.sort_unstable();
-        // Built from sorted keys at once: the values are kilobytes, which inserts one
-        // by one would shift around the tree's nodes.
-        readout.pools = sorted
-            .iter()
-            .filter_map(|&pool| Some((pool, *stats.get(pool as usize)?)))
-            .collect();
-        readout.lock_waits = sorted
-            .iter()
-            .map(|&pool| {
-                let mut of_pool = [Histogram::default(); LockPrimitive::COUNT as usize];
-                for (primitive, histogram) in LockPrimitive::ALL.iter().zip(&mut of_pool) {
-                    let index = lock_wait_index(pool, *primitive) as usize;
-                    if let Some(read) = waits.get(index) {
-                        *histogram = *read;
-                    }
-                }
-                (pool, of_pool)
-            })
-            .collect();
+        readout.pools = stats;
+        readout.lock_waits = waits;
         readout.downstreams = self
             .downstream_waits
             .iter()

@@ -126,9 +126,12 @@ pub struct PoolTotals {
     pub time_ns: [u64; Activity::COUNT],
     /// Request time per [`Activity`] of the serving thread.
     pub request_ns: [u64; Activity::COUNT],
-    pub runqueue: Histogram,
+    /// Boxed, as are the lock waits: kilobytes each, and every scrape moves the
+    /// totals of every pool through maps and rows (moved whole, they cost a
+    /// 110-service scrape 4 ms).
+    pub runqueue: Box<Histogram>,
     /// Lock waits per [`LockPrimitive`].
-    pub lock_waits: [Histogram; LockPrimitive::COUNT as usize],
+    pub lock_waits: Box<[Histogram; LockPrimitive::COUNT as usize]>,
     pub threads: u64,
     pub threads_busy: u64,
 }
@@ -152,7 +155,7 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
         .map(|(pool, stats)| {
             let mut totals = from_stats(stats);
             if let Some(waits) = readout.lock_waits.get(pool) {
-                totals.lock_waits = *waits;
+                totals.lock_waits = Box::new(*waits);
             }
             (*pool, totals)
         })
@@ -177,8 +180,8 @@ fn from_stats(stats: &PoolStats) -> PoolTotals {
     PoolTotals {
         time_ns: stats.time_ns,
         request_ns: stats.request_ns,
-        runqueue: stats.runqueue,
-        lock_waits: [Histogram::default(); LockPrimitive::COUNT as usize],
+        runqueue: Box::new(stats.runqueue),
+        lock_waits: Box::default(),
         threads: 0,
         threads_busy: 0,
     }
