@@ -116,7 +116,6 @@ pub struct Kernel {
     pending_calls: HashMap<MapData, u32, PendingCall>,
     syscall_counts: PerCpuArray<MapData, u64>,
     service_counters: PerCpuArray<MapData, ServiceCounters>,
-    losses: PerCpuArray<MapData, u64>,
     threads: HashMap<MapData, u32, Thread>,
     thread_pools: HashMap<MapData, u32, u32>,
     pool_stats: PerCpuArray<MapData, PoolStats>,
@@ -151,6 +150,7 @@ struct BatchMaps {
     lock_waits: BatchMap,
     service_counters: BatchMap,
     request_times: BatchMap,
+    losses: BatchMap,
 }
 
 impl BatchMaps {
@@ -166,6 +166,7 @@ impl BatchMaps {
             lock_waits: of(maps::LOCK_WAITS)?,
             service_counters: of(maps::SERVICE_COUNTERS)?,
             request_times: of(maps::REQUEST_TIMES)?,
+            losses: of(maps::LOSSES)?,
         })
     }
 }
@@ -342,7 +343,6 @@ impl Kernel {
             pending_calls: take(&mut ebpf, maps::PENDING_CALLS)?,
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
             service_counters: take(&mut ebpf, maps::SERVICE_COUNTERS)?,
-            losses: take(&mut ebpf, maps::LOSSES)?,
             threads: take(&mut ebpf, maps::THREADS)?,
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,

@@ -6,8 +6,9 @@ use std::{
 };
 
 use poolscope_shared::{
-    DownstreamKey, DownstreamWait, Histogram, LockPrimitive, LossErrno, LossSource, PoolStats,
-    RequestTimes, ServiceCounters, SyscallSlot, Thread, loss_index, maps, syscall_counter_index,
+    DownstreamKey, DownstreamWait, Histogram, LOSSES_SIZE, LockPrimitive, LossErrno, LossSource,
+    PoolStats, RequestTimes, ServiceCounters, SyscallSlot, Thread, loss_index, maps,
+    syscall_counter_index,
 };
 
 use super::{Backend, Kernel, KernelError, WatchTable};
@@ -67,22 +68,22 @@ impl Kernel {
     }
     /// Every kernel-side loss counter, summed over CPUs.
     pub fn losses(&self) -> Result<Vec<(LossSource, LossErrno, u64)>, KernelError> {
-        let mut losses = Vec::new();
-        for source in LossSource::ALL {
-            for errno in LossErrno::ALL {
-                let lost: u64 = self
-                    .losses
-                    .get(&loss_index(source, errno), 0)
-                    .map_err(|source| KernelError::Map {
-                        map: maps::LOSSES,
-                        source,
-                    })?
-                    .iter()
-                    .sum();
-                losses.push((source, errno, lost));
-            }
-        }
-        Ok(losses)
+        let mut sums = vec![0u64; LOSSES_SIZE as usize];
+        self.batch
+            .losses
+            .array_each::<u64>(LOSSES_SIZE, self.cpus, |index, lost| sums[index] += lost)
+            .map_err(|source| KernelError::Batch {
+                map: maps::LOSSES,
+                source,
+            })?;
+        Ok(LossSource::ALL
+            .into_iter()
+            .flat_map(|source| LossErrno::ALL.map(|errno| (source, errno)))
+            .map(|(source, errno)| {
+                let lost = sums.get(loss_index(source, errno) as usize).copied();
+                (source, errno, lost.unwrap_or(0))
+            })
+            .collect())
     }
     /// The connection and request counters of `services`, summed over CPUs.
     pub fn read_services(
