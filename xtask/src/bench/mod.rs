@@ -53,7 +53,8 @@
 //!
 //! `BENCH_ROUNDS` (default 3 rounds of all modes) and `BENCH_SECONDS` (default 5) tune
 //! the first four; `BENCH_LOCK_HOLD_US` (default 200) the lock's hold time.
-//! `BENCH_ONLY=nginx`, `sched`, `locks`, `stacks` or `scale` runs one of them.
+//! `BENCH_ONLY=nginx`, `sched`, `locks`, `stacks` or `scale` runs one of them;
+//! `BENCH_POOLSCOPE=<path>` measures another poolscope binary (an older commit's).
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
@@ -329,7 +330,10 @@ fn spawn_poolscope(
     address: &str,
     env: &[(&str, &str)],
 ) -> anyhow::Result<Guard> {
-    let child = Command::new(root.join("target/release/poolscope"))
+    // `BENCH_POOLSCOPE`: another build (an older commit's) measured by the same bench.
+    let binary = std::env::var_os("BENCH_POOLSCOPE")
+        .map_or_else(|| root.join("target/release/poolscope"), PathBuf::from);
+    let child = Command::new(binary)
         .arg("--config.file")
         .arg(config)
         .args(["--web.listen-address", address])
