@@ -3,15 +3,16 @@
 //! threads (an acceptor and seven workers: two pools) on its own port, named by a
 //! `[[targets]]` rule. For each size, idle and then under load (clients spread over
 //! every service), poolscope is scraped back to back; printed per size and load: the
-//! series (all, and per service), the bytes plain and gzip-compressed, the scrape time
-//! p50 and p99, poolscope's RSS and its CPU per scrape, and the series the cap dropped.
+//! series (all, and per service), the bytes plain and gzip-compressed (as poolscope
+//! sends them to a scraper that asks), the scrape time p50 and p99, poolscope's RSS and
+//! its CPU per scrape, the series the cap dropped, and the p50 and CPU of the same
+//! scrapes asking for gzip.
 use std::{
     fmt::Write as _,
     fs,
     io::{Read as _, Write as _},
     net::TcpStream,
     path::{Path, PathBuf},
-    process::{Command, Stdio},
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -50,6 +51,9 @@ struct Measured {
     rss_mb: f64,
     cpu_ms_per_scrape: f64,
     dropped: f64,
+    /// The same scrapes asking for gzip (`Accept-Encoding: gzip`, as Prometheus does).
+    gzip_p50_ms: f64,
+    gzip_cpu_ms_per_scrape: f64,
 }
 
 pub(super) fn run_scale(
@@ -79,7 +83,7 @@ pub(super) fn run_scale(
         results.extend(measure_node(root, &dir, services)?);
     }
     println!(
-        "{:>8} {:>6} {:>7} {:>11} {:>9} {:>9} {:>8} {:>8} {:>7} {:>10} {:>8}",
+        "{:>8} {:>6} {:>7} {:>11} {:>9} {:>9} {:>8} {:>8} {:>7} {:>10} {:>8} {:>10} {:>10}",
         "services",
         "load",
         "series",
@@ -90,11 +94,13 @@ pub(super) fn run_scale(
         "p99 ms",
         "RSS MB",
         "CPU ms/scr",
-        "dropped"
+        "dropped",
+        "gz p50 ms",
+        "gz CPU ms"
     );
     for m in &results {
         println!(
-            "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>7.1} {:>10.2} {:>8}",
+            "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>7.1} {:>10.2} {:>8} {:>10.2} {:>10.2}",
             m.services,
             if m.loaded { "loaded" } else { "idle" },
             m.series,
@@ -105,7 +111,9 @@ pub(super) fn run_scale(
             m.p99_ms,
             m.rss_mb,
             m.cpu_ms_per_scrape,
-            m.dropped
+            m.dropped,
+            m.gzip_p50_ms,
+            m.gzip_cpu_ms_per_scrape
         );
     }
     for m in results.iter().filter(|m| m.services == 110) {
@@ -226,6 +234,16 @@ fn measure_scrapes(
             .context("a scrape without a body")?;
     }
     let cpu_ms_per_scrape = (cpu() - cpu_before) * 1e3 / SCRAPES as f64;
+    let gzip_cpu_before = cpu();
+    let mut gzip_times_ms = Vec::with_capacity(SCRAPES);
+    let mut gzip_bytes = 0;
+    for _ in 0..SCRAPES {
+        let started = Instant::now();
+        gzip_bytes = scrape_gzip(address)?;
+        gzip_times_ms.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    let gzip_cpu_ms_per_scrape = (cpu() - gzip_cpu_before) * 1e3 / SCRAPES as f64;
+    gzip_times_ms.sort_by(f64::total_cmp);
     times_ms.sort_by(f64::total_cmp);
     let at = |q: f64| times_ms[((q * SCRAPES as f64) as usize).min(SCRAPES - 1)];
     let samples: Vec<&str> = body.lines().filter(|l| !l.starts_with('#')).collect();
@@ -249,29 +267,32 @@ fn measure_scrapes(
         series: samples.len(),
         per_service: of_services as f64 / services as f64,
         bytes: body.len(),
-        gzip_bytes: gzip_size(&body)?,
+        gzip_bytes,
         p50_ms: at(0.5),
         p99_ms: at(0.99),
         rss_mb: rss_kb / 1024.0,
         cpu_ms_per_scrape,
         dropped,
+        gzip_p50_ms: gzip_times_ms[SCRAPES / 2],
+        gzip_cpu_ms_per_scrape,
     })
 }
 
-/// The size of `text` gzip-compressed (level 6, what HTTP servers commonly use).
-fn gzip_size(text: &str) -> anyhow::Result<usize> {
-    let mut gzip = Command::new("gzip")
-        .args(["-c", "-6"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting gzip")?;
-    let mut input = gzip.stdin.take().context("gzip's stdin")?;
-    let text = text.to_owned();
-    let writer = thread::spawn(move || input.write_all(text.as_bytes()));
-    let output = gzip.wait_with_output().context("running gzip")?;
-    writer
-        .join()
-        .map_err(|_| anyhow::anyhow!("writing to gzip panicked"))??;
-    Ok(output.stdout.len())
+/// One scrape asking for gzip: the size of the body poolscope sent.
+fn scrape_gzip(address: &str) -> anyhow::Result<usize> {
+    let mut stream = TcpStream::connect(address)?;
+    stream.write_all(
+        b"GET /metrics HTTP/1.0\r\nHost: poolscope\r\nAccept-Encoding: gzip\r\n\r\n",
+    )?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    let head_end = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .context("a response without a head")?;
+    let head = String::from_utf8_lossy(&response[..head_end]).to_ascii_lowercase();
+    if !head.contains("content-encoding: gzip") {
+        bail!("poolscope did not gzip a scrape that asked for it");
+    }
+    Ok(response.len() - head_end - 4)
 }
