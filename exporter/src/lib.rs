@@ -120,7 +120,7 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         "kernel probes loaded (each skipped one is logged above with its reason)"
     );
 
-    let listener = std::net::TcpListener::bind(settings.listen_address)
+    let listener = bind(settings.listen_address)
         .with_context(|| format!("cannot listen on {}", settings.listen_address))?;
     listener.set_nonblocking(true)?;
     match caps::drop_unneeded(!settings.lock_uprobes.is_empty()) {
@@ -364,5 +364,19 @@ fn reload(exporter: &Exporter, overrides: &Overrides, log: &LogHandle) -> bool {
             tracing::error!(%error, "reload refused; keeping the running configuration");
             false
         }
+    }
+}
+
+/// Binds the metrics listener. `:port` asked for the IPv6 wildcard; on a host without
+/// IPv6 that fails, and the IPv4 one serves every address there is.
+fn bind(address: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    match std::net::TcpListener::bind(address) {
+        Err(error)
+            if address.ip() == std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+                && error.raw_os_error() == Some(libc::EAFNOSUPPORT) =>
+        {
+            std::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, address.port()))
+        }
+        other => other,
     }
 }

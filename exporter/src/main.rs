@@ -14,7 +14,7 @@ struct Cli {
     /// TOML configuration file.
     #[arg(long = "config.file", env = "POOLSCOPE_CONFIG_FILE")]
     config_file: Option<PathBuf>,
-    /// Address to serve /metrics on (default 127.0.0.1:9435).
+    /// Address to serve /metrics on: ip:port, or :port for every address (default 127.0.0.1:9435).
     #[arg(long = "web.listen-address")]
     web_listen_address: Option<String>,
     /// Web configuration file (YAML, Prometheus exporter-toolkit format): TLS,

@@ -278,6 +278,28 @@ mod tests {
     }
 
     #[test]
+    fn a_listen_address_of_only_a_port_is_every_address() -> Result<(), ConfigError> {
+        let settings = load_toml("[web]\nlisten_address = \":9435\"\n")?;
+        assert_eq!(
+            settings.listen_address,
+            "[::]:9435".parse().expect("address")
+        );
+        let settings = load_toml("[web]\nlisten_address = \"10.0.0.1:80\"\n")?;
+        assert_eq!(
+            settings.listen_address,
+            "10.0.0.1:80".parse().expect("address")
+        );
+        for bad in [":", ":http", ":70000", "localhost:9435", "9435"] {
+            let refused = load_toml(&format!("[web]\nlisten_address = \"{bad}\"\n"));
+            let Err(ConfigError::Invalid(message)) = refused else {
+                panic!("{bad:?} accepted");
+            };
+            assert!(message.contains("web.listen_address"), "{bad:?}: {message}");
+        }
+        Ok(())
+    }
+
+    #[test]
     fn restart_changes_name_what_a_reload_cannot_apply() -> Result<(), ConfigError> {
         let running = load_toml("")?;
         let reloaded = load_toml(

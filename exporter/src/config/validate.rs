@@ -17,11 +17,11 @@ fn invalid(figment: &Figment, key: &str, reason: impl std::fmt::Display) -> Conf
 }
 
 pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError> {
-    let listen_address = raw.web.listen_address.parse().map_err(|error| {
+    let listen_address = parse_listen_address(&raw.web.listen_address).map_err(|error| {
         invalid(
             figment,
             "web.listen_address",
-            format!("{error} (want ip:port)"),
+            format!("{error} (want ip:port, or :port for every address)"),
         )
     })?;
     let log_level = raw.log.level.parse().map_err(|_| {
@@ -310,4 +310,16 @@ fn validate_target(
         ));
     }
     Ok(rule)
+}
+
+/// `ip:port`, or `:port` for every address (as Prometheus exporters take it): the
+/// IPv6 wildcard, which Linux also opens to IPv4 unless `net.ipv6.bindv6only` is set.
+pub(super) fn parse_listen_address(text: &str) -> Result<std::net::SocketAddr, String> {
+    match text.strip_prefix(':') {
+        Some(port) => port
+            .parse::<u16>()
+            .map(|port| std::net::SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)))
+            .map_err(|error| format!("port {port:?}: {error}")),
+        None => text.parse().map_err(|error| format!("{error}")),
+    }
 }

@@ -281,9 +281,8 @@ fn measure_scrapes(
 /// One scrape asking for gzip: the size of the body poolscope sent.
 fn scrape_gzip(address: &str) -> anyhow::Result<usize> {
     let mut stream = TcpStream::connect(address)?;
-    stream.write_all(
-        b"GET /metrics HTTP/1.0\r\nHost: poolscope\r\nAccept-Encoding: gzip\r\n\r\n",
-    )?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: poolscope\r\nAccept-Encoding: gzip\r\n\r\n")?;
     let mut response = Vec::new();
     stream.read_to_end(&mut response)?;
     let head_end = response
