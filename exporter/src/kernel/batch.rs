@@ -4,6 +4,7 @@
 //! at 110 services was most of a scrape's time.
 use std::{
     cell::RefCell,
+    collections::{BTreeMap, HashSet},
     io,
     mem::{MaybeUninit, size_of},
     os::fd::{AsFd as _, AsRawFd as _, OwnedFd},
@@ -173,4 +174,30 @@ impl BatchMap {
         }
         Ok(())
     }
+
+    /// The entries `ids` of an array of `V` indexed by dense id, each summed over its
+    /// `cpus` values with `add`; streamed into the map in id order (appends), with no
+    /// array of every entry's kilobytes built on the side.
+    pub fn sum_by_id<V: Pod + Default>(
+        &self,
+        ids: &[u32],
+        cpus: usize,
+        add: impl Fn(&mut V, &V),
+    ) -> io::Result<BTreeMap<u32, V>> {
+        let wanted: HashSet<u32> = ids.iter().copied().collect();
+        let end = dense_end(ids);
+        let mut sums: BTreeMap<u32, V> = BTreeMap::new();
+        self.array_each::<V>(end, cpus, |index, value| {
+            let id = index as u32;
+            if wanted.contains(&id) {
+                add(sums.entry(id).or_default(), value);
+            }
+        })?;
+        Ok(sums)
+    }
+}
+
+/// One past the highest of `ids` (dense ids: a batch read of an array from 0).
+pub(super) fn dense_end(ids: &[u32]) -> u32 {
+    ids.iter().max().map_or(0, |&max| max + 1)
 }

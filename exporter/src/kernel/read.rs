@@ -1,9 +1,6 @@
 //! The read for a scrape: every counter of the watched services and pools, the loss
 //! counters, how full each map is and the programs' own run time.
-use std::{
-    collections::{BTreeMap, HashSet},
-    time::Duration,
-};
+use std::{collections::BTreeMap, time::Duration};
 
 use poolscope_shared::{
     DownstreamKey, DownstreamWait, Histogram, LOSSES_SIZE, LockPrimitive, LossErrno, LossSource,
@@ -90,22 +87,15 @@ impl Kernel {
         &self,
         services: &[u32],
     ) -> Result<BTreeMap<u32, ServiceCounters>, KernelError> {
-        let mut totals: BTreeMap<u32, ServiceCounters> = services
-            .iter()
-            .map(|&service| (service, ServiceCounters::default()))
-            .collect();
         self.batch
             .service_counters
-            .array_each::<ServiceCounters>(dense_end(services), self.cpus, |service, cpu| {
-                if let Some(total) = totals.get_mut(&(service as u32)) {
-                    *total = total.plus(cpu);
-                }
+            .sum_by_id::<ServiceCounters>(services, self.cpus, |total, cpu| {
+                *total = total.plus(cpu);
             })
             .map_err(|source| KernelError::Batch {
                 map: maps::SERVICE_COUNTERS,
                 source,
-            })?;
-        Ok(totals)
+            })
     }
     /// Reads the counters of `services` and `pools` and the exporter's own
     /// kernel-side health.
@@ -120,27 +110,24 @@ impl Kernel {
             ..Readout::default()
         };
         readout.services = self.read_services(services)?;
-        let wanted: HashSet<u32> = services.iter().copied().collect();
-        let request_times = &mut readout.request_times;
-        self.batch
+        readout.request_times = self
+            .batch
             .request_times
-            .array_each::<RequestTimes>(dense_end(services), self.cpus, |service, cpu| {
-                let service = service as u32;
-                if wanted.contains(&service) {
-                    let times = request_times.entry(service).or_default();
-                    times.queue.add(&cpu.queue);
-                    times.duration.add(&cpu.duration);
-                    times.latency.add(&cpu.latency);
-                }
+            .sum_by_id::<RequestTimes>(services, self.cpus, |times, cpu| {
+                times.queue.add(&cpu.queue);
+                times.duration.add(&cpu.duration);
+                times.latency.add(&cpu.latency);
             })
             .map_err(|source| KernelError::Batch {
                 map: maps::REQUEST_TIMES,
                 source,
             })?;
-        for &service in services {
-            if self.backend != Backend::Syscall {
-                continue;
-            }
+        let syscall_services = if self.backend == Backend::Syscall {
+            services
+        } else {
+            &[]
+        };
+        for &service in syscall_services {
             for slot in SyscallSlot::ALL {
                 let calls: u64 = self
                     .syscall_counts
@@ -205,9 +192,4 @@ impl Kernel {
         }
         Ok(readout)
     }
-}
-
-/// One past the highest of `ids` (dense ids: a batch read of an array from 0).
-pub(super) fn dense_end(ids: &[u32]) -> u32 {
-    ids.iter().max().map_or(0, |&max| max + 1)
 }

@@ -80,19 +80,12 @@ impl Kernel {
     pub fn read_pools(&self, pools: &[u32], readout: &mut Readout) -> Result<(), KernelError> {
         let batch_error = |map| move |source| KernelError::Batch { map, source };
         // Pool ids are dense: one read of the ids up to the highest.
-        let end = super::read::dense_end(pools);
+        let end = super::batch::dense_end(pools);
         let wanted: HashSet<u32> = pools.iter().copied().collect();
-        // Streamed into the maps in id order (appends): no array of every pool's
-        // kilobytes is built on the side.
-        let mut stats: BTreeMap<u32, PoolStats> = BTreeMap::new();
-        self.batch
+        let stats = self
+            .batch
             .pool_stats
-            .array_each::<PoolStats>(end, self.cpus, |pool, cpu| {
-                let pool = pool as u32;
-                if wanted.contains(&pool) {
-                    stats.entry(pool).or_default().add(cpu);
-                }
-            })
+            .sum_by_id::<PoolStats>(pools, self.cpus, PoolStats::add)
             .map_err(batch_error(maps::POOL_STATS))?;
         let mut waits: BTreeMap<u32, [Histogram; LockPrimitive::COUNT as usize]> = BTreeMap::new();
         self.batch

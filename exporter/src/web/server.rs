@@ -737,26 +737,34 @@ mod tests {
         router: Router,
         request: axum::http::request::Builder,
     ) -> (StatusCode, String, String) {
-        let request = request.body(Body::empty()).expect("request");
-        let response = router.oneshot(request).await.expect("response");
-        let status = response.status();
-        let content_type = response
-            .headers()
+        let (status, headers, body) = send_raw(router, request).await;
+        let content_type = headers
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default()
             .to_owned();
+        (
+            status,
+            content_type,
+            String::from_utf8_lossy(&body).into_owned(),
+        )
+    }
+
+    /// The response's status, headers and body bytes as sent.
+    async fn send_raw(
+        router: Router,
+        request: axum::http::request::Builder,
+    ) -> (StatusCode, HeaderMap, axum::body::Bytes) {
+        let request = request.body(Body::empty()).expect("request");
+        let response = router.oneshot(request).await.expect("response");
+        let (status, headers) = (response.status(), response.headers().clone());
         let body = response
             .into_body()
             .collect()
             .await
             .expect("body")
             .to_bytes();
-        (
-            status,
-            content_type,
-            String::from_utf8_lossy(&body).into_owned(),
-        )
+        (status, headers, body)
     }
 
     #[tokio::test]
@@ -785,22 +793,11 @@ mod tests {
             ("gzip;q=0", false),
             ("identity", false),
         ] {
-            let request = from([127, 0, 0, 1], "/metrics")
-                .header(header::ACCEPT_ENCODING, accept_encoding)
-                .body(Body::empty())
-                .expect("request");
-            let response = router(Arc::default(), LIMITS)
-                .oneshot(request)
-                .await
-                .expect("response");
-            let encoding = response.headers().get(header::CONTENT_ENCODING).cloned();
-            let vary = response.headers().get(header::VARY).cloned();
-            let body = response
-                .into_body()
-                .collect()
-                .await
-                .expect("body")
-                .to_bytes();
+            let request =
+                from([127, 0, 0, 1], "/metrics").header(header::ACCEPT_ENCODING, accept_encoding);
+            let (_, headers, body) = send_raw(router(Arc::default(), LIMITS), request).await;
+            let encoding = headers.get(header::CONTENT_ENCODING).cloned();
+            let vary = headers.get(header::VARY).cloned();
             assert_eq!(
                 vary.as_ref().and_then(|v| v.to_str().ok()),
                 Some("accept-encoding")
