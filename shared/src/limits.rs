@@ -12,7 +12,7 @@ pub const MAX_POOLS: u32 = 1024;
 pub const MAX_THREADS: u32 = 65536;
 /// Default capacity of [`maps::LOCKS`] (each entry holds a 1.8 kB histogram).
 pub const MAX_LOCKS: u32 = 2048;
-/// Capacity of [`maps::DOWNSTREAM_WAITS`]: (pool, peer) pairs.
+/// Default capacity of [`maps::DOWNSTREAM_WAITS`]: (pool, peer) pairs.
 pub const MAX_DOWNSTREAMS: u32 = 4096;
 /// Default capacity of [`maps::LOCK_STACKS`].
 pub const MAX_LOCK_STACKS: u32 = 2048;
@@ -23,12 +23,13 @@ pub const MAX_STACK_COUNTS: u32 = 16384;
 /// Stack maps in rotation: the one being filled, the one whose off-CPU blocks may
 /// still end (they go where their stack is), and the one user space drains.
 pub const STACK_GENERATIONS: u32 = 3;
-/// Capacity of [`maps::MUTEX_CALLS`]: at most one entry per thread inside the call.
-pub const MUTEX_CALLS_CAPACITY: u32 = 16384;
-/// Capacity of [`maps::PENDING_CALLS`]: at most one entry per thread inside a syscall.
-pub const PENDING_CALLS_CAPACITY: u32 = 16384;
-/// Capacity of [`maps::LISTEN_PORTS`].
-pub const LISTEN_PORTS_CAPACITY: u32 = 4096;
+/// Default capacity of [`maps::MUTEX_CALLS`] and of [`maps::PENDING_CALLS`]: one
+/// entry per thread inside a `pthread_mutex_lock` call, and per thread inside a
+/// syscall on a followed connection.
+pub const MAX_CALLS_IN_FLIGHT: u32 = 16384;
+/// Default capacity of [`maps::LISTEN_PORTS`]: listening (namespace, port, address)
+/// keys of watched services.
+pub const MAX_LISTEN_PORTS: u32 = 4096;
 /// Words of [`maps::WATCHED_PORTS`]: 64 ports each, every port.
 pub const WATCHED_PORT_WORDS: u32 = 65536 / 64;
 

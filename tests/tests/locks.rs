@@ -40,6 +40,8 @@ struct OwnTimes {
     blocked_total_s: f64,
     p50_s: f64,
     p99_s: f64,
+    /// Requests answered.
+    served: u64,
 }
 
 impl LockServer {
@@ -66,12 +68,14 @@ impl LockServer {
         let [calls, blocked, total, p50, p99] = fields[..] else {
             anyhow::bail!("locks line {line:?}");
         };
+        let served = self.program.line("served")?.parse()?;
         Ok(OwnTimes {
             calls,
             blocked,
             blocked_total_s: total as f64 / 1e9,
             p50_s: p50 as f64 / 1e9,
             p99_s: p99 as f64 / 1e9,
+            served,
         })
     }
 }
@@ -357,6 +361,110 @@ fn a_process_killed_mid_wait_leaves_no_entries() -> anyhow::Result<()> {
         map_entries(&after, "MUTEX_CALLS"),
         map_entries(&after, "LOCKS"),
         map_entries(&after, "THREADS")
+    );
+    Ok(())
+}
+
+/// The lock maps full, from two `lockserver` processes of one service, each with its
+/// own mutex and stack (`[limits] locks = 1`, `lock_stacks = 1`, `calls_in_flight =
+/// 2`, with the `pthread_mutex_lock` probes):
+/// - `LOCKS` keeps the first (process, lock, stack) and counts each wait of the other
+///   as a failed insert (`E2BIG`); `/debug/locks` shows the one lock;
+/// - `LOCK_STACKS` keeps the first stack; the other's is a collision (`EEXIST`),
+///   counted, its wait kept without a stack: by design this does not degrade;
+/// - `MUTEX_CALLS` holds two threads inside `pthread_mutex_lock`; the calls of the
+///   others at the same time are not timed, each counted (`E2BIG`).
+///
+/// poolscope is degraded naming both keys to raise; the service's request numbers,
+/// which no lock map holds, stay exact; when the processes exit, the maps empty and
+/// poolscope is healthy again.
+#[test]
+fn full_lock_maps_are_counted_and_spare_the_request_numbers() -> anyhow::Result<()> {
+    if !privileged("full_lock_maps_are_counted_and_spare_the_request_numbers") {
+        return Ok(());
+    }
+    let _guard = one_at_a_time();
+    let servers = [
+        LockServer::start(4, Duration::from_millis(1))?,
+        LockServer::start(4, Duration::from_millis(1))?,
+    ];
+    let config = format!(
+        "[probes]\nlock_uprobes = [\"{SERVICE}\"]\n[limits]\nlocks = 1\nlock_stacks = 1\n\
+         calls_in_flight = 2\ndegraded_for = \"2s\"\n{}",
+        pids_config(SERVICE, &[servers[0].pid(), servers[1].pid()])
+    );
+    let mut poolscope = Poolscope::start(&config)?;
+    wait_for_pool(&poolscope)?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_lock_uprobe_processes", &[]) == Some(2.0)
+    })?;
+    let loads: Vec<ClosedLoop> = servers
+        .iter()
+        .map(|server| ClosedLoop::start(server.port, 4, Connections::PerRequest))
+        .collect();
+    let failed = |m: &Metrics, map: &str, errno: &str| {
+        m.value(
+            "poolscope_map_update_errors_total",
+            &[("map", map), ("errno", errno)],
+        )
+        .unwrap_or(0.0)
+    };
+    let during = scrape_until(&poolscope, |m| {
+        failed(m, "LOCKS", "E2BIG") > 0.0
+            && failed(m, "LOCK_STACKS", "EEXIST") > 0.0
+            && failed(m, "MUTEX_CALLS", "E2BIG") > 0.0
+    })?;
+    let health = poolscope.get("/healthz")?;
+    // The maps stay full while the load goes on: a second of requests to compare.
+    std::thread::sleep(Duration::from_secs(1));
+    let report: serde_json::Value = serde_json::from_str(
+        &poolscope.get(&format!("/debug/locks?service={SERVICE}&format=json"))?,
+    )?;
+    let made: u64 = loads
+        .into_iter()
+        .map(|load| load.stop().map(|stats| stats.completed))
+        .sum::<anyhow::Result<u64>>()?;
+    let counted = scrape_until(&poolscope, |m| {
+        m.value("poolscope_requests_in_flight", &[("service", SERVICE)]) == Some(0.0)
+    })?
+    .value("poolscope_requests_total", &[("service", SERVICE)]);
+    println!(
+        "failed inserts: LOCKS {}, LOCK_STACKS {}, MUTEX_CALLS {}; entries: LOCKS {}, \
+         MUTEX_CALLS ≤ 2; requests counted {counted:?} of {made}\n{health}",
+        failed(&during, "LOCKS", "E2BIG"),
+        failed(&during, "LOCK_STACKS", "EEXIST"),
+        failed(&during, "MUTEX_CALLS", "E2BIG"),
+        map_entries(&during, "LOCKS"),
+    );
+    assert_eq!(map_entries(&during, "LOCKS"), 1.0);
+    assert!(map_entries(&during, "MUTEX_CALLS") <= 2.0);
+    assert_eq!(
+        report["locks"].as_array().map(Vec::len),
+        Some(1),
+        "{report}"
+    );
+    assert_eq!(during.value("poolscope_degraded", &[]), Some(1.0));
+    assert!(
+        health.contains("raise limits.locks") && health.contains("raise limits.calls_in_flight"),
+        "{health}"
+    );
+    assert!(!health.contains("LOCK_STACKS"), "{health}");
+    let served: u64 = servers
+        .into_iter()
+        .map(|server| server.finish().map(|own| own.served))
+        .sum::<anyhow::Result<u64>>()?;
+    assert_eq!((counted, made), (Some(served as f64), served));
+
+    let recovered = scrape_until(&poolscope, |m| {
+        m.value("poolscope_degraded", &[]) == Some(0.0)
+    })?;
+    assert_eq!(map_entries(&recovered, "LOCKS"), 0.0);
+    assert_eq!(map_entries(&recovered, "MUTEX_CALLS"), 0.0);
+    assert_eq!(poolscope.get("/healthz")?, "ok\n");
+    let log = poolscope.stop_and_log();
+    assert!(
+        log.contains("kernel map LOCKS is full (capacity 1): raise limits.locks"),
+        "{log}"
     );
     Ok(())
 }

@@ -22,11 +22,17 @@ pub struct Limits {
     /// Each of the three `STACKS` maps.
     pub stacks: u32,
     pub stack_counts: u32,
+    /// `PENDING_CALLS` and `MUTEX_CALLS`: threads inside a followed call at once.
+    pub calls_in_flight: u32,
+    /// `LISTEN_PORTS`: the listeners of watched services (socket backend).
+    pub listen_ports: u32,
+    /// `DOWNSTREAM_WAITS`: (pool, peer) pairs.
+    pub downstreams: u32,
 }
 
 impl Limits {
     /// Each limit under its configuration key.
-    pub fn keyed(&self) -> [(&'static str, u32); 9] {
+    pub fn keyed(&self) -> [(&'static str, u32); 12] {
         [
             ("limits.watched_processes", self.watched_processes),
             ("limits.connections", self.connections),
@@ -37,6 +43,9 @@ impl Limits {
             ("limits.lock_stacks", self.lock_stacks),
             ("limits.stacks", self.stacks),
             ("limits.stack_counts", self.stack_counts),
+            ("limits.calls_in_flight", self.calls_in_flight),
+            ("limits.listen_ports", self.listen_ports),
+            ("limits.downstreams", self.downstreams),
         ]
     }
 
@@ -50,6 +59,9 @@ impl Limits {
             maps::LOCK_STACKS => "limits.lock_stacks",
             maps::STACK_COUNTS => "limits.stack_counts",
             maps::STACK_MAPS => "limits.stacks",
+            maps::PENDING_CALLS | maps::MUTEX_CALLS => "limits.calls_in_flight",
+            maps::LISTEN_PORTS => "limits.listen_ports",
+            maps::DOWNSTREAM_WAITS => "limits.downstreams",
             _ => return None,
         })
     }

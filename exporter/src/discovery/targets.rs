@@ -244,9 +244,17 @@ impl Targets {
                 Some((key, self.ids.get(service)?))
             })
             .collect();
-        if let Err(error) = kernel.set_listen_ports(&ports) {
-            self.map_errors.count(maps::LISTEN_PORTS, &error);
-            tracing::warn!(%error, "cannot update the listening ports of watched services");
+        let failed = kernel.set_listen_ports(&ports);
+        if let Some(first) = failed.first() {
+            // At every scan while it lasts: debug, the health check logs the onset.
+            tracing::debug!(
+                error = %first,
+                "{} update(s) of the listening ports of watched services failed",
+                failed.len()
+            );
+        }
+        for error in &failed {
+            self.map_errors.count(maps::LISTEN_PORTS, error);
         }
     }
 

@@ -257,6 +257,10 @@ impl Kernel {
             .map_max_entries(maps::LOCK_WAITS, limits.max_pools * LockPrimitive::COUNT)
             .map_max_entries(maps::LOCKS, limits.locks)
             .map_max_entries(maps::LOCK_STACKS, limits.lock_stacks)
+            .map_max_entries(maps::PENDING_CALLS, limits.calls_in_flight)
+            .map_max_entries(maps::MUTEX_CALLS, limits.calls_in_flight)
+            .map_max_entries(maps::LISTEN_PORTS, limits.listen_ports)
+            .map_max_entries(maps::DOWNSTREAM_WAITS, limits.downstreams)
             .load(aya::include_bytes_aligned!(concat!(
                 env!("OUT_DIR"),
                 "/poolscope"
@@ -376,11 +380,7 @@ impl Kernel {
     /// its limit's, or the fixed size of a map no limit sets.
     pub fn capacity(&self, name: &str) -> Option<u32> {
         self.limits.size_of(name).or(match name {
-            maps::PENDING_CALLS => Some(poolscope_shared::PENDING_CALLS_CAPACITY),
-            maps::DOWNSTREAM_WAITS => Some(poolscope_shared::MAX_DOWNSTREAMS),
-            maps::MUTEX_CALLS => Some(poolscope_shared::MUTEX_CALLS_CAPACITY),
             maps::PROFILE_SESSIONS => Some(MAX_PROFILE_SESSIONS),
-            maps::LISTEN_PORTS => Some(poolscope_shared::LISTEN_PORTS_CAPACITY),
             _ => None,
         })
     }

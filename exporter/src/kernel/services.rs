@@ -43,7 +43,8 @@ impl WatchTable for Kernel {
         self.socket_namespaces
     }
 
-    fn set_listen_ports(&mut self, ports: &BTreeMap<ListenKey, u32>) -> Result<(), MapError> {
+    fn set_listen_ports(&mut self, ports: &BTreeMap<ListenKey, u32>) -> Vec<MapError> {
+        let mut failed = Vec::new();
         let current: Vec<(ListenKey, u32)> =
             self.listen_ports.iter().filter_map(Result::ok).collect();
         let bits = |keys: &mut dyn Iterator<Item = &ListenKey>| {
@@ -58,27 +59,35 @@ impl WatchTable for Kernel {
         let new_words = bits(&mut ports.keys());
         for (&word, &value) in &new_words {
             let old = old_words.get(&word).copied().unwrap_or(0);
-            if value & !old != 0 {
-                self.watched_ports.set(word, old | value, 0)?;
+            if value & !old != 0
+                && let Err(error) = self.watched_ports.set(word, old | value, 0)
+            {
+                failed.push(error);
             }
         }
         for (key, service) in current {
-            if ports.get(&key) != Some(&service) {
-                self.listen_ports.remove(&key)?;
+            if ports.get(&key) != Some(&service)
+                && let Err(error) = self.listen_ports.remove(&key)
+            {
+                failed.push(error);
             }
         }
         for (key, &service) in ports {
-            if self.listen_ports.get(key, 0).ok() != Some(service) {
-                self.listen_ports.insert(key, service, 0)?;
+            if self.listen_ports.get(key, 0).ok() != Some(service)
+                && let Err(error) = self.listen_ports.insert(key, service, 0)
+            {
+                failed.push(error);
             }
         }
         for (&word, &old) in &old_words {
             let value = new_words.get(&word).copied().unwrap_or(0);
-            if old & !value != 0 {
-                self.watched_ports.set(word, value, 0)?;
+            if old & !value != 0
+                && let Err(error) = self.watched_ports.set(word, value, 0)
+            {
+                failed.push(error);
             }
         }
-        Ok(())
+        failed
     }
 
     fn watched(&self, pid: u32) -> Option<Watched> {

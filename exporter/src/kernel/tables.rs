@@ -35,8 +35,10 @@ pub trait WatchTable {
     /// Makes `LISTEN_PORTS` equal to `ports` ((namespace, local port) → service id),
     /// and `WATCHED_PORTS` hold their ports. A new port's bit is set before its
     /// listener is, and an old one's cleared after, so that no handshake's later
-    /// events are filtered out.
-    fn set_listen_ports(&mut self, ports: &BTreeMap<ListenKey, u32>) -> Result<(), MapError>;
+    /// events are filtered out. Every write is tried: the errors of those that failed
+    /// (a key that does not fit a full `LISTEN_PORTS` fails, a changed one is still
+    /// updated).
+    fn set_listen_ports(&mut self, ports: &BTreeMap<ListenKey, u32>) -> Vec<MapError>;
 
     /// The watch entry of `pid`, if any.
     fn watched(&self, pid: u32) -> Option<Watched>;
@@ -168,9 +170,9 @@ pub mod fake {
             true
         }
 
-        fn set_listen_ports(&mut self, ports: &BTreeMap<ListenKey, u32>) -> Result<(), MapError> {
+        fn set_listen_ports(&mut self, ports: &BTreeMap<ListenKey, u32>) -> Vec<MapError> {
             self.listen_ports = ports.clone();
-            Ok(())
+            Vec::new()
         }
 
         fn watched(&self, pid: u32) -> Option<Watched> {

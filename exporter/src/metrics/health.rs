@@ -492,6 +492,13 @@ mod tests {
     }
 
     #[test]
+    fn every_map_that_can_fill_names_the_limit_to_raise() {
+        for map in ADVISED_MAPS {
+            assert!(Limits::key_of(map).is_some(), "{map} has no [limits] key");
+        }
+    }
+
+    #[test]
     fn the_advice_depends_on_the_errno() {
         let busy = LossKind::MapUpdate {
             map: maps::THREADS,
@@ -499,13 +506,18 @@ mod tests {
         };
         assert!(busy.advice(None).contains("nothing to change"));
         let fixed = LossKind::MapUpdate {
-            map: maps::PENDING_CALLS,
+            map: maps::PROFILE_SESSIONS,
             errno: LossErrno::E2big,
         };
         assert_eq!(
-            fixed.advice(Some(16384)),
-            "kernel map PENDING_CALLS is full (capacity 16384); its size is fixed: too many \
+            fixed.advice(Some(8)),
+            "kernel map PROFILE_SESSIONS is full (capacity 8); its size is fixed: too many \
              at once (see the README's Limits)"
+        );
+        let calls = LossKind::of_kernel(LossSource::MutexCallsInsert, LossErrno::E2big);
+        assert_eq!(
+            calls.advice(Some(16)),
+            "kernel map MUTEX_CALLS is full (capacity 16): raise limits.calls_in_flight"
         );
         let collision = LossKind::of_kernel(LossSource::StackCollision, LossErrno::Eexist);
         assert_eq!(

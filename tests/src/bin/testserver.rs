@@ -6,6 +6,9 @@
 //! with one line:
 //! - `accept <n>`: accept n connections and keep them open → `ok`
 //! - `read`: read once from every kept connection → `ok`
+//! - `block`: each kept connection goes to a thread of its own, which blocks in one
+//!   read of it on the same fd (a dup would be another fd) and exits when the read
+//!   returns → `ok` once every thread has started
 //! - `fork`: fork a child that accepts on the same socket forever → `child <pid>`
 //! - `exit`: exit at once
 use std::{
@@ -63,6 +66,22 @@ fn main() -> std::io::Result<()> {
                 let mut buffer = [0u8; 64];
                 for stream in &mut kept {
                     let _ = stream.read(&mut buffer)?;
+                }
+                writeln!(out, "ok")?;
+            }
+            (Some("block"), _) => {
+                let (started, all_started) = std::sync::mpsc::channel();
+                let blocking = kept.len();
+                for mut stream in kept.drain(..) {
+                    let started = started.clone();
+                    std::thread::spawn(move || {
+                        let _ = started.send(());
+                        let mut buffer = [0u8; 64];
+                        let _ = stream.read(&mut buffer);
+                    });
+                }
+                for _ in 0..blocking {
+                    let _ = all_started.recv();
                 }
                 writeln!(out, "ok")?;
             }
