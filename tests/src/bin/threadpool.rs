@@ -9,7 +9,10 @@
 //! then `workers <tid>,<tid>,...` (kernel tids, in worker order) once every thread has
 //! started, then serves until stdin closes, then prints `served <count> <busy ns>`:
 //! the requests answered, and the sum over them of the time from the read that
-//! returned the request to the return of the write of the response. Errors on single
+//! returned the request to the return of the write of the response. Each line `busy`
+//! on stdin is answered by `busy <count> <busy ns>`, the same totals so far (the
+//! per-window truth of a test: what the workers really spent, oversleeping included).
+//! Errors on single
 //! connections (a client that left early) only count; their number goes to stderr as
 //! `errors <n>` when nonzero.
 //!
@@ -21,7 +24,7 @@
 //!   sleep of its own.
 use std::{
     collections::VecDeque,
-    io::{Read as _, Write as _},
+    io::{BufRead as _, Read as _, Write as _},
     net::{TcpListener, TcpStream},
     os::fd::AsRawFd as _,
     sync::{
@@ -33,7 +36,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use poolscope_tests::{start_named_workers, wait_for_stdin_close, workers_line};
+use poolscope_tests::{start_named_workers, workers_line};
 
 /// The kernel's listen backlog cap by default (net.core.somaxconn); open-loop bursts
 /// must queue in the kernel, not be dropped and retried a second later.
@@ -289,8 +292,18 @@ fn main() -> std::io::Result<()> {
     writeln!(stdout, "{}", workers_line(&tids))?;
     stdout.flush()?;
 
-    // Serve until the test closes stdin.
-    wait_for_stdin_close()?;
+    // Serve until the test closes stdin; each `busy` line asks for the totals so far.
+    for line in std::io::stdin().lock().lines() {
+        if line?.trim() == "busy" {
+            writeln!(
+                stdout,
+                "busy {} {}",
+                totals.served.load(Ordering::Relaxed),
+                totals.busy_ns.load(Ordering::Relaxed)
+            )?;
+            stdout.flush()?;
+        }
+    }
     // Let the workers finish the requests in progress, so that a response the client
     // already has is counted; a client that never sends its request must not keep us.
     let finish_by = Instant::now() + service + Duration::from_secs(5);
