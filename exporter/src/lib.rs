@@ -89,7 +89,7 @@ fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
 pub fn run(overrides: Overrides) -> anyhow::Result<()> {
     let settings = Settings::load(&overrides)?;
     let log = init_logging(settings.log_level);
-    heap::map_large_allocations_apart();
+    heap::set_up();
     match procfs::check_host_pid_namespace(&settings.procfs_root) {
         Ok(()) => {}
         Err(error @ procfs::PidNamespaceError::Unreadable { .. }) => {
