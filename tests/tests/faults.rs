@@ -2,10 +2,13 @@
 //! entries or series behind; a full thread map or too many pools is counted, makes
 //! poolscope degraded (with what to change) and spares the other services' numbers;
 //! `kill -9` leaves nothing behind and a new poolscope attaches cleanly.
-use std::{collections::BTreeSet, time::Duration};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::Duration,
+};
 
 use poolscope_tests::{
-    Metrics, PoolServer, Poolscope, Program,
+    Metrics, PoolServer, Poolscope, Program, TestServer,
     load::{ClosedLoop, Connections},
     one_at_a_time, pids_config, privileged, rss_kb, scrape_until, wait_until,
 };
@@ -366,45 +369,52 @@ fn kill_minus_nine_leaves_nothing_and_a_restart_attaches_cleanly() -> anyhow::Re
     Ok(())
 }
 
-/// One minute of the soak: RSS read every second, the rest at its end.
+/// One row of the soak (a minute by hand, 15 s in CI): RSS read every second, the
+/// rest at its end.
 #[derive(Debug)]
-struct SoakMinute {
-    minute: u64,
+struct SoakRow {
+    row: u64,
     rss_low_kb: u64,
     rss_high_kb: u64,
     snapshots_kb: u64,
     series: usize,
-    threads: f64,
-    watched: f64,
-    conns: f64,
+    /// Every kernel map's `map_entries`.
+    entries: BTreeMap<String, f64>,
     degraded: f64,
 }
 
-/// The soak of the reliability issue, run by hand (it takes `POOLSCOPE_SOAK_MINUTES`,
-/// default 30): a pool at saturation, a process forking 100 children and starting
-/// 1000 threads every 10 s, a scrape and an RSS reading every second; prints, every
-/// minute, poolscope's lowest and highest RSS, the snapshots it keeps, its series and
-/// map entries. It fails if, after the warm-up, the lowest RSS of the minutes does
-/// not stay within ±5 % of one level (the middle of its range: what "flat within
-/// ±5 %" asks), RSS ever reaches 256 MiB, or series or entries grow. The
-/// lowest RSS is what poolscope holds; the highest adds a drain's symbolization
-/// caught in progress. The warm-up is 11 minutes: the stack snapshots kept
-/// (`stacks.keep` 10, one a minute) are memory poolscope is meant to fill first.
-/// `cargo test --release -p poolscope-tests --test faults -- --ignored soak --nocapture`
-#[test]
-#[ignore = "takes 30 minutes; run by hand"]
-fn soak() -> anyhow::Result<()> {
-    if !privileged("soak") {
-        return Ok(());
-    }
-    let _serial = one_at_a_time();
-    let minutes: u64 = std::env::var("POOLSCOPE_SOAK_MINUTES")
-        .ok()
-        .and_then(|m| m.parse().ok())
-        .unwrap_or(30);
+/// How long a soak runs and how it reads.
+struct SoakPlan {
+    rows: u64,
+    row: Duration,
+    /// Rows before poolscope has filled what it is meant to fill (its kept stack
+    /// snapshots), left out of the flatness rule.
+    warm_up_rows: u64,
+    /// `[stacks]` settings: the snapshots' interval and how many are kept.
+    stacks: &'static str,
+}
+
+/// The soak: a pool at saturation, a process forking 100 children and starting 1000
+/// threads every 10 s, a scrape and an RSS reading every second; prints, every row,
+/// poolscope's lowest and highest RSS, the snapshots it keeps, its series and every
+/// map's entries. The rule, the same at every length: it fails if, after the
+/// warm-up,
+/// - the lowest RSS of the rows does not stay within ±5 % of one level (the middle of
+///   its range: what "flat within ±5 %" asks), or RSS ever reaches 256 MiB;
+/// - the highest series count, or any map's highest entries, is higher in the second
+///   half of the rows than in the first (`STACK_COUNTS` and `STACKS` start empty at
+///   each drain: they are checked only for no loss);
+/// - once the load stops and every process goes, any map but those two holds an
+///   entry (what was left behind), or poolscope was degraded (a full map, lost
+///   events) at any row.
+///
+/// The lowest RSS is what poolscope holds; the highest adds a drain's symbolization
+/// caught in progress. The warm-up is the time the kept stack snapshots take to fill.
+fn soak(plan: &SoakPlan) -> anyhow::Result<()> {
     let server = PoolServer::start(4, Duration::from_millis(5))?;
     let config = format!(
-        "{}[[targets]]\nservice = \"churn\"\ncomm = \"churner\"\n",
+        "[stacks]\n{}\n{}[[targets]]\nservice = \"churn\"\ncomm = \"churner\"\n",
+        plan.stacks,
         pids_config("saturated", &[server.pid()])
     );
     let poolscope = Poolscope::start(&config)?;
@@ -414,12 +424,12 @@ fn soak() -> anyhow::Result<()> {
     // 8 clients on 4 workers: always a queue.
     let clients = ClosedLoop::start(server.port, 8, Connections::KeepAlive);
     let started = std::time::Instant::now();
-    let mut rows: Vec<SoakMinute> = Vec::new();
+    let mut rows: Vec<SoakRow> = Vec::new();
     let mut next_churn = started;
     let (mut churn_rounds, mut churn_rounds_watched, mut churn_series_high) = (0u32, 0u32, 0);
-    let mut next_row = started + Duration::from_secs(60);
+    let mut next_row = started + plan.row;
     let (mut rss_low, mut rss_high) = (u64::MAX, 0);
-    while started.elapsed() < Duration::from_secs(minutes * 60) {
+    while (rows.len() as u64) < plan.rows {
         if std::time::Instant::now() >= next_churn {
             let mut churner =
                 Program::start("churner", &["churn".into(), "100".into(), "1000".into()])?;
@@ -441,32 +451,34 @@ fn soak() -> anyhow::Result<()> {
         let rss = rss_kb(poolscope.pid())?;
         (rss_low, rss_high) = (rss_low.min(rss), rss_high.max(rss));
         if std::time::Instant::now() >= next_row {
-            let row = SoakMinute {
-                minute: started.elapsed().as_secs() / 60 - 1,
+            let row = SoakRow {
+                row: rows.len() as u64,
                 rss_low_kb: rss_low,
                 rss_high_kb: rss_high,
                 snapshots_kb: snapshots_kb(&poolscope)?,
                 series: service_series(&metrics).len(),
-                threads: entries(&metrics, "THREADS"),
-                watched: entries(&metrics, "WATCHED"),
-                conns: metrics.connection_entries().unwrap_or(f64::NAN),
+                entries: map_entries(&metrics),
                 degraded: value(&metrics, "poolscope_degraded", &[]),
             };
+            let entries: Vec<String> = row
+                .entries
+                .iter()
+                .filter(|&(_, &count)| count > 0.0)
+                .map(|(map, count)| format!("{map} {count}"))
+                .collect();
             eprintln!(
-                "minute {:>3}: RSS {:>6}..{:>6} kB (snapshots {:>5} kB), series {:>5}, THREADS {:>4}, WATCHED {:>3}, CONNS {:>3}, degraded {}",
-                row.minute,
+                "row {:>3}: RSS {:>6}..{:>6} kB (snapshots {:>5} kB), series {:>5}, degraded {}, {}",
+                row.row,
                 row.rss_low_kb,
                 row.rss_high_kb,
                 row.snapshots_kb,
                 row.series,
-                row.threads,
-                row.watched,
-                row.conns,
-                row.degraded
+                row.degraded,
+                entries.join(", ")
             );
             rows.push(row);
             (rss_low, rss_high) = (u64::MAX, 0);
-            next_row += Duration::from_secs(60);
+            next_row += plan.row;
         }
         std::thread::sleep(Duration::from_secs(1));
     }
@@ -482,12 +494,11 @@ fn soak() -> anyhow::Result<()> {
     );
     let peak = rows.iter().map(|row| row.rss_high_kb).max().unwrap_or(0);
     assert!(peak < 256 * 1024, "RSS reached {peak} kB");
-    const WARM_UP_MINUTES: u64 = 11;
     let settled: Vec<_> = rows
         .iter()
-        .filter(|row| row.minute >= WARM_UP_MINUTES)
+        .filter(|row| row.row >= plan.warm_up_rows)
         .collect();
-    anyhow::ensure!(!settled.is_empty(), "the soak ended before its warm-up did");
+    anyhow::ensure!(settled.len() >= 2, "the soak ended before its warm-up did");
     let mut floors: Vec<u64> = settled.iter().map(|row| row.rss_low_kb).collect();
     floors.sort_unstable();
     let median = floors[floors.len() / 2] as f64;
@@ -495,7 +506,7 @@ fn soak() -> anyhow::Result<()> {
     let level = (low + high) / 2.0;
     let spread = (high - level) / level * 100.0;
     eprintln!(
-        "lowest RSS of each minute after warm-up: min {low} kB, median {median} kB, max {high} kB \
+        "lowest RSS of each row after warm-up: min {low} kB, median {median} kB, max {high} kB \
          (±{spread:.1} % around {level} kB; {:+.1} % / {:+.1} % of the median); highest RSS {peak} kB",
         (low / median - 1.0) * 100.0,
         (high / median - 1.0) * 100.0
@@ -503,22 +514,113 @@ fn soak() -> anyhow::Result<()> {
     assert!(spread <= 5.0, "RSS not flat: ±{spread:.1} %");
     // The churned service comes and goes: compare the highs of each half.
     let (early, late) = settled.split_at(settled.len() / 2);
-    let high = |rows: &[&SoakMinute], field: fn(&SoakMinute) -> f64| {
+    let high = |rows: &[&SoakRow], field: &dyn Fn(&SoakRow) -> f64| {
         rows.iter().map(|row| field(row)).fold(0.0, f64::max)
     };
-    for (name, field) in [
-        (
-            "series",
-            (|row: &SoakMinute| row.series as f64) as fn(&SoakMinute) -> f64,
-        ),
-        ("THREADS", |row: &SoakMinute| row.threads),
-        ("WATCHED", |row: &SoakMinute| row.watched),
-    ] {
-        let (before, after) = (high(early, field), high(late, field));
+    let mut highs = vec![(
+        "series".to_owned(),
+        high(early, &|row| row.series as f64),
+        high(late, &|row| row.series as f64),
+    )];
+    for map in settled[0]
+        .entries
+        .keys()
+        .filter(|map| !DRAINED.contains(&map.as_str()))
+    {
+        let of_map = |row: &SoakRow| row.entries.get(map).copied().unwrap_or(0.0);
+        highs.push((map.clone(), high(early, &of_map), high(late, &of_map)));
+    }
+    for (name, before, after) in &highs {
         eprintln!("{name}: high {before} in the first half, {after} in the second");
+    }
+    for (name, before, after) in &highs {
         assert!(after <= before, "{name} grew: {before} → {after}");
     }
+    // The load and every process gone: nothing left behind.
+    server.finish()?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", "saturated")])
+            .is_none()
+            && m.value("poolscope_targets", &[("service", "churn")])
+                .is_none()
+    })?;
+    // Exits are purged by their events; what a lost one left, the next rescan takes.
+    std::thread::sleep(Duration::from_secs(1));
+    let after = poolscope.scrape()?;
+    let left: Vec<(String, f64)> = map_entries(&after)
+        .into_iter()
+        .filter(|(map, count)| !DRAINED.contains(&map.as_str()) && *count > 0.0)
+        .collect();
+    eprintln!("left once every process is gone: {left:?}");
+    assert!(left.is_empty(), "entries left behind: {left:?}");
+    // Losses that degrade poolscope (a full map, lost events) must not happen; a stack
+    // that collides in its hash bucket is counted, kept without its stack, and does
+    // not degrade (README, Limits).
+    let losses: Vec<String> = after
+        .samples
+        .iter()
+        .filter(|s| s.name == "poolscope_map_update_errors_total" && s.value > 0.0)
+        .map(|s| format!("{:?} {}", s.labels, s.value))
+        .collect();
+    eprintln!("failed map updates during the soak: {losses:?}");
+    let degraded_rows = rows.iter().filter(|row| row.degraded != 0.0).count();
+    assert_eq!(degraded_rows, 0, "poolscope was degraded during the soak");
+    assert_eq!(after.value("poolscope_degraded", &[]), Some(0.0));
     Ok(())
+}
+
+/// Maps emptied at each drain of the stack counts.
+const DRAINED: [&str; 2] = ["STACK_COUNTS", "STACKS"];
+
+/// Every kernel map's `map_entries`.
+fn map_entries(metrics: &Metrics) -> BTreeMap<String, f64> {
+    metrics
+        .samples
+        .iter()
+        .filter(|s| s.name == "poolscope_map_entries")
+        .filter_map(|s| {
+            let map = s.labels.iter().find(|(key, _)| key == "map")?;
+            Some((map.1.clone(), s.value))
+        })
+        .collect()
+}
+
+/// The soak in CI: 4 minutes in rows of 15 s, under the same rule as by hand; the
+/// stack snapshots every 10 s, 3 kept, so that the warm-up is the first minute.
+#[test]
+fn short_soak() -> anyhow::Result<()> {
+    if !privileged("short_soak") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    soak(&SoakPlan {
+        rows: 16,
+        row: Duration::from_secs(15),
+        warm_up_rows: 4,
+        stacks: "interval = \"10s\"\nkeep = 3",
+    })
+}
+
+/// The soak by hand (`POOLSCOPE_SOAK_MINUTES`, default 30), in rows of a minute,
+/// with the default snapshots (one a minute, 10 kept: an 11-minute warm-up).
+/// `cargo test --release -p poolscope-tests --test faults -- --ignored soak --nocapture`
+#[test]
+#[ignore = "takes 30 minutes; run by hand"]
+fn long_soak() -> anyhow::Result<()> {
+    if !privileged("long_soak") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let minutes: u64 = std::env::var("POOLSCOPE_SOAK_MINUTES")
+        .ok()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(30);
+    soak(&SoakPlan {
+        rows: minutes,
+        row: Duration::from_secs(60),
+        warm_up_rows: 11,
+        stacks: "",
+    })
 }
 
 #[test]
@@ -527,7 +629,7 @@ fn a_full_watch_map_is_counted_for_a_forked_child_and_recovers() -> anyhow::Resu
         return Ok(());
     }
     let _serial = one_at_a_time();
-    let mut server = poolscope_tests::TestServer::start(16)?;
+    let mut server = TestServer::start(16)?;
     let service = "forky-full";
     let config = format!(
         "[limits]\nwatched_processes = 1\ndegraded_for = \"2s\"\n{}",
@@ -607,5 +709,181 @@ fn a_full_stack_count_map_is_counted_and_spares_the_request_numbers() -> anyhow:
         value(&after, "poolscope_map_update_errors_total", &full)
     );
     assert_eq!(counted, made as f64);
+    Ok(())
+}
+
+/// The requests `service` counted, once nothing of it is in flight.
+fn settled_requests(poolscope: &Poolscope, service: &str) -> anyhow::Result<f64> {
+    let metrics = scrape_until(poolscope, |m| {
+        m.value("poolscope_requests_in_flight", &[("service", service)]) == Some(0.0)
+    })?;
+    Ok(value(
+        &metrics,
+        "poolscope_requests_total",
+        &[("service", service)],
+    ))
+}
+
+/// `PENDING_CALLS` of 4 (`limits.calls_in_flight`, syscall backend): 8 threads of a
+/// watched server block in a read of a followed connection. The calls that fit are
+/// remembered; each of the others is one failed insert (`E2BIG`), exactly, and
+/// poolscope is degraded with the key to raise. Once the reads return, another
+/// service's requests are counted exactly and poolscope is healthy again.
+#[test]
+fn a_full_pending_call_map_is_counted_and_recovers() -> anyhow::Result<()> {
+    if !privileged("a_full_pending_call_map_is_counted_and_recovers") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    const CAPACITY: usize = 4;
+    const READERS: usize = 8;
+    let mut blocked = TestServer::start(16)?;
+    let readers = (0..READERS)
+        .map(|_| blocked.connect())
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    anyhow::ensure!(blocked.command(&format!("accept {READERS}"))? == "ok");
+    let other = PoolServer::start(2, Duration::from_millis(1))?;
+    let config = format!(
+        "[probes]\nbackend = \"syscall\"\n[limits]\ncalls_in_flight = {CAPACITY}\n\
+         degraded_for = \"2s\"\n{}[[targets]]\nservice = \"other\"\npids = [{}]\n",
+        pids_config("blocked", &[blocked.pid()]),
+        other.pid()
+    );
+    let mut poolscope = Poolscope::start(&config)?;
+    let before = scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", "blocked")]) == Some(1.0)
+            && m.value("poolscope_targets", &[("service", "other")]) == Some(1.0)
+    })?;
+    // The other server's acceptor, blocked in accept() since before the watch, holds
+    // an entry already.
+    let held = entries(&before, "PENDING_CALLS") as usize;
+    anyhow::ensure!(blocked.command("block")? == "ok");
+    let lost = READERS - (CAPACITY - held);
+    let full = [("map", "PENDING_CALLS"), ("errno", "E2BIG")];
+    let during = scrape_until(&poolscope, |m| {
+        m.value("poolscope_map_update_errors_total", &full) >= Some(lost as f64)
+    })?;
+    eprintln!(
+        "PENDING_CALLS of {CAPACITY}, {held} held, {READERS} readers: {} failed inserts",
+        value(&during, "poolscope_map_update_errors_total", &full)
+    );
+    assert_eq!(
+        value(&during, "poolscope_map_update_errors_total", &full),
+        lost as f64
+    );
+    assert_eq!(entries(&during, "PENDING_CALLS"), CAPACITY as f64);
+    assert_eq!(during.value("poolscope_degraded", &[]), Some(1.0));
+    let health = poolscope.get("/healthz")?;
+    assert!(health.contains("raise limits.calls_in_flight"), "{health}");
+
+    // The reads return and their threads exit: the other service is counted exactly.
+    for mut reader in readers {
+        std::io::Write::write_all(&mut reader, b"req\n")?;
+    }
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_map_entries", &[("map", "PENDING_CALLS")]) == Some(held as f64)
+    })?;
+    let clients = ClosedLoop::start(other.port, 2, Connections::KeepAlive);
+    std::thread::sleep(Duration::from_secs(1));
+    let made = clients.stop()?.completed;
+    let counted = settled_requests(&poolscope, "other")?;
+    let served = other.finish()?.count;
+    eprintln!("other service: counted {counted}, made {made}, served {served}");
+    assert_eq!((counted, made), (served as f64, served));
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_degraded", &[]) == Some(0.0)
+    })?;
+    assert_eq!(poolscope.get("/healthz")?, "ok\n");
+    let log = poolscope.stop_and_log();
+    assert!(
+        log.contains(&format!(
+            "kernel map PENDING_CALLS is full (capacity {CAPACITY}): raise limits.calls_in_flight"
+        )),
+        "{log}"
+    );
+    Ok(())
+}
+
+/// `LISTEN_PORTS` of 1 (`limits.listen_ports`, socket backend) and two services,
+/// each listening on a port of its own: one listener fits and its service is counted
+/// exactly; the other's write fails at each scan (`E2BIG`), its service counts no
+/// request, and poolscope is degraded with the key to raise. When the first service
+/// exits, the second's listener takes the room: its new connections are counted
+/// exactly and poolscope is healthy again.
+#[test]
+fn a_full_listen_port_map_is_counted_and_recovers() -> anyhow::Result<()> {
+    if !privileged("a_full_listen_port_map_is_counted_and_recovers") {
+        return Ok(());
+    }
+    if !poolscope_tests::backends().contains(&"socket") {
+        poolscope_tests::skip(
+            "a_full_listen_port_map_is_counted_and_recovers",
+            "no socket backend on this kernel",
+        );
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let first = PoolServer::start(2, Duration::from_millis(1))?;
+    let second = PoolServer::start(2, Duration::from_millis(1))?;
+    let config = format!(
+        "[probes]\nbackend = \"socket\"\n[limits]\nlisten_ports = 1\ndegraded_for = \"2s\"\n\
+         {}[[targets]]\nservice = \"second\"\npids = [{}]\n",
+        pids_config("first", &[first.pid()]),
+        second.pid()
+    );
+    let mut poolscope = Poolscope::start(&config)?;
+    let full = [("map", "LISTEN_PORTS"), ("errno", "E2BIG")];
+    let during = scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", "first")]) == Some(1.0)
+            && m.value("poolscope_targets", &[("service", "second")]) == Some(1.0)
+            && m.value("poolscope_map_update_errors_total", &full) > Some(0.0)
+    })?;
+    assert_eq!(entries(&during, "LISTEN_PORTS"), 1.0);
+    let health = poolscope.get("/healthz")?;
+    assert!(health.contains("raise limits.listen_ports"), "{health}");
+
+    // Both loaded: the service whose listener fits is counted exactly, the other not
+    // at all (which one fits follows the order of the keys).
+    let load = |server: &PoolServer| ClosedLoop::start(server.port, 2, Connections::KeepAlive);
+    let (on_first, on_second) = (load(&first), load(&second));
+    std::thread::sleep(Duration::from_secs(1));
+    let made = [on_first.stop()?.completed, on_second.stop()?.completed];
+    let counted = [
+        settled_requests(&poolscope, "first")?,
+        settled_requests(&poolscope, "second")?,
+    ];
+    eprintln!("LISTEN_PORTS of 1: made {made:?}, counted {counted:?}");
+    let fits = if counted[0] > 0.0 { 0 } else { 1 };
+    assert_eq!(counted[fits], made[fits] as f64);
+    assert_eq!(counted[1 - fits], 0.0);
+
+    // The service that fits exits: the other's listener takes its room.
+    let (gone, stays, stays_name) = if fits == 0 {
+        (first, second, "second")
+    } else {
+        (second, first, "first")
+    };
+    let missed = made[1 - fits];
+    gone.finish()?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_degraded", &[]) == Some(0.0)
+    })?;
+    let clients = load(&stays);
+    std::thread::sleep(Duration::from_secs(1));
+    let made_after = clients.stop()?.completed;
+    let counted_after = settled_requests(&poolscope, stays_name)?;
+    let served = stays.finish()?.count;
+    eprintln!(
+        "{stays_name} alone: counted {counted_after} of {made_after} (served {served}, \
+         {missed} before it fitted)"
+    );
+    assert_eq!(counted_after, made_after as f64);
+    assert_eq!(served, missed + made_after);
+    assert_eq!(poolscope.get("/healthz")?, "ok\n");
+    let log = poolscope.stop_and_log();
+    assert!(
+        log.contains("kernel map LISTEN_PORTS is full (capacity 1): raise limits.listen_ports"),
+        "{log}"
+    );
     Ok(())
 }

@@ -295,13 +295,7 @@ fn main() -> std::io::Result<()> {
     // Serve until the test closes stdin; each `busy` line asks for the totals so far.
     for line in std::io::stdin().lock().lines() {
         if line?.trim() == "busy" {
-            writeln!(
-                stdout,
-                "busy {} {}",
-                totals.served.load(Ordering::Relaxed),
-                totals.busy_ns.load(Ordering::Relaxed)
-            )?;
-            stdout.flush()?;
+            print_totals(&mut stdout, "busy", &totals)?;
         }
     }
     // Let the workers finish the requests in progress, so that a response the client
@@ -326,12 +320,20 @@ fn main() -> std::io::Result<()> {
     if errors > 0 {
         eprintln!("errors {errors}");
     }
+    print_totals(&mut stdout, "served", &totals)
+}
+
+/// `<prefix> <requests served> <busy ns>`, the totals so far.
+fn print_totals(
+    out: &mut impl std::io::Write,
+    prefix: &str,
+    totals: &Totals,
+) -> std::io::Result<()> {
     writeln!(
-        stdout,
-        "served {} {}",
+        out,
+        "{prefix} {} {}",
         totals.served.load(Ordering::Relaxed),
         totals.busy_ns.load(Ordering::Relaxed)
     )?;
-    stdout.flush()?;
-    Ok(())
+    out.flush()
 }
