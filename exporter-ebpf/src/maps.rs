@@ -7,11 +7,11 @@ use aya_ebpf::{
 };
 use poolscope_shared::{
     Conn, DownstreamKey, DownstreamWait, Histogram, LOSSES_SIZE, ListenKey, LockKey, LockPrimitive,
-    LossErrno, LossSource, MAX_CALLS_IN_FLIGHT, MAX_DOWNSTREAMS, MAX_LISTEN_PORTS, MAX_LOCK_STACKS,
-    MAX_LOCKS, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS, MAX_STACKS,
-    MAX_THREADS, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
-    SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, Thread,
-    WATCHED_PORT_WORDS, Watched, loss_index,
+    LossErrno, LossSource, MAX_DOWNSTREAMS, MAX_LISTEN_PORTS, MAX_LOCK_STACKS, MAX_LOCKS,
+    MAX_MUTEX_CALLS_IN_FLIGHT, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS,
+    MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS, PendingCall, PoolStats, ProcessEvent,
+    ProfileSession, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters,
+    StackCount, StackKey, Thread, WATCHED_PORT_WORDS, Watched, loss_index,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -35,7 +35,7 @@ pub static ADOPTING: Array<u32> = Array::with_max_entries(1, 0);
 pub static LISTEN_PORTS: HashMap<ListenKey, u32> = HashMap::with_max_entries(MAX_LISTEN_PORTS, 0);
 #[map]
 pub static PENDING_CALLS: HashMap<u32, PendingCall> =
-    HashMap::with_max_entries(MAX_CALLS_IN_FLIGHT, 0);
+    HashMap::with_max_entries(MAX_SYSCALLS_IN_FLIGHT, 0);
 #[map]
 pub static SYSCALL_SLOTS: Array<u32> = Array::with_max_entries(SYSCALL_TABLE_SIZE, 0);
 #[map]
@@ -67,7 +67,7 @@ pub static DOWNSTREAM_WAITS: HashMap<DownstreamKey, DownstreamWait> =
 #[map]
 pub static LOCK_STACKS: StackTrace = StackTrace::with_max_entries(MAX_LOCK_STACKS, 0);
 #[map]
-pub static MUTEX_CALLS: HashMap<u32, u64> = HashMap::with_max_entries(MAX_CALLS_IN_FLIGHT, 0);
+pub static MUTEX_CALLS: HashMap<u32, u64> = HashMap::with_max_entries(MAX_MUTEX_CALLS_IN_FLIGHT, 0);
 #[map]
 pub static ZERO_HISTOGRAM: Array<Histogram> = Array::with_max_entries(1, 0);
 #[map]

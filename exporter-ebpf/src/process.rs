@@ -164,14 +164,19 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tid = pid_tgid as u32;
     let tgid = (pid_tgid >> 32) as u32;
-    let Some(watch) = watched(tgid) else {
+    let watch = watched(tgid);
+    let followed = thread(tid);
+    // A followed thread of a process no longer watched: before 6.16 (no group_dead)
+    // the main thread's exit ends the watch while the others, killed with it, are
+    // still exiting; their entries must go too.
+    if watch.is_none() && followed.is_none() {
         return Ok(());
-    };
+    }
     // A thread killed inside a syscall or pthread_mutex_lock leaves its entry
     // behind otherwise (a futex wait in progress lives in its THREADS entry).
     let _ = PENDING_CALLS.remove(tid);
     let _ = MUTEX_CALLS.remove(tid);
-    if let Some(thread) = thread(tid) {
+    if let Some(thread) = followed {
         // It runs its exit: its last interval is on CPU.
         threads::change(tid, thread, Activity::Running, now_ns());
         locks::thread_exits(tid, thread);
@@ -186,9 +191,9 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
         // SAFETY: the offset comes from this kernel's format of this tracepoint.
         unsafe { ctx.read_at::<u8>(group_dead_offset as usize)? != 0 }
     };
-    if !process_gone {
+    let Some(watch) = watch.filter(|_| process_gone) else {
         return Ok(());
-    }
+    };
     let _ = WATCHED.remove(tgid);
     send_process_event(
         ProcessEvent {

@@ -23,10 +23,12 @@ pub const MAX_STACK_COUNTS: u32 = 16384;
 /// Stack maps in rotation: the one being filled, the one whose off-CPU blocks may
 /// still end (they go where their stack is), and the one user space drains.
 pub const STACK_GENERATIONS: u32 = 3;
-/// Default capacity of [`maps::MUTEX_CALLS`] and of [`maps::PENDING_CALLS`]: one
-/// entry per thread inside a `pthread_mutex_lock` call, and per thread inside a
-/// syscall on a followed connection.
-pub const MAX_CALLS_IN_FLIGHT: u32 = 16384;
+/// Default capacity of [`maps::PENDING_CALLS`]: one entry per thread inside a syscall
+/// on a followed connection.
+pub const MAX_SYSCALLS_IN_FLIGHT: u32 = 16384;
+/// Default capacity of [`maps::MUTEX_CALLS`]: one entry per thread inside a probed
+/// `pthread_mutex_lock` call.
+pub const MAX_MUTEX_CALLS_IN_FLIGHT: u32 = 16384;
 /// Default capacity of [`maps::LISTEN_PORTS`]: listening (namespace, port, address)
 /// keys of watched services.
 pub const MAX_LISTEN_PORTS: u32 = 4096;

@@ -724,7 +724,7 @@ fn settled_requests(poolscope: &Poolscope, service: &str) -> anyhow::Result<f64>
     ))
 }
 
-/// `PENDING_CALLS` of 4 (`limits.calls_in_flight`, syscall backend): 8 threads of a
+/// `PENDING_CALLS` of 4 (`limits.syscalls_in_flight`, syscall backend): 8 threads of a
 /// watched server block in a read of a followed connection. The calls that fit are
 /// remembered; each of the others is one failed insert (`E2BIG`), exactly, and
 /// poolscope is degraded with the key to raise. Once the reads return, another
@@ -744,7 +744,7 @@ fn a_full_pending_call_map_is_counted_and_recovers() -> anyhow::Result<()> {
     anyhow::ensure!(blocked.command(&format!("accept {READERS}"))? == "ok");
     let other = PoolServer::start(2, Duration::from_millis(1))?;
     let config = format!(
-        "[probes]\nbackend = \"syscall\"\n[limits]\ncalls_in_flight = {CAPACITY}\n\
+        "[probes]\nbackend = \"syscall\"\n[limits]\nsyscalls_in_flight = {CAPACITY}\n\
          degraded_for = \"2s\"\n{}[[targets]]\nservice = \"other\"\npids = [{}]\n",
         pids_config("blocked", &[blocked.pid()]),
         other.pid()
@@ -774,7 +774,10 @@ fn a_full_pending_call_map_is_counted_and_recovers() -> anyhow::Result<()> {
     assert_eq!(entries(&during, "PENDING_CALLS"), CAPACITY as f64);
     assert_eq!(during.value("poolscope_degraded", &[]), Some(1.0));
     let health = poolscope.get("/healthz")?;
-    assert!(health.contains("raise limits.calls_in_flight"), "{health}");
+    assert!(
+        health.contains("raise limits.syscalls_in_flight"),
+        "{health}"
+    );
 
     // The reads return and their threads exit: the other service is counted exactly.
     for mut reader in readers {
@@ -797,7 +800,7 @@ fn a_full_pending_call_map_is_counted_and_recovers() -> anyhow::Result<()> {
     let log = poolscope.stop_and_log();
     assert!(
         log.contains(&format!(
-            "kernel map PENDING_CALLS is full (capacity {CAPACITY}): raise limits.calls_in_flight"
+            "kernel map PENDING_CALLS is full (capacity {CAPACITY}): raise limits.syscalls_in_flight"
         )),
         "{log}"
     );

@@ -366,8 +366,8 @@ fn a_process_killed_mid_wait_leaves_no_entries() -> anyhow::Result<()> {
 }
 
 /// The lock maps full, from two `lockserver` processes of one service, each with its
-/// own mutex and stack (`[limits] locks = 1`, `lock_stacks = 1`, `calls_in_flight =
-/// 2`, with the `pthread_mutex_lock` probes):
+/// own mutex and stack (`[limits] locks = 1`, `lock_stacks = 1`, `mutex_calls_in_flight
+/// = 2`, with the `pthread_mutex_lock` probes):
 /// - `LOCKS` keeps the first (process, lock, stack) and counts each wait of the other
 ///   as a failed insert (`E2BIG`); `/debug/locks` shows the one lock;
 /// - `LOCK_STACKS` keeps the first stack; the other's is a collision (`EEXIST`),
@@ -390,7 +390,7 @@ fn full_lock_maps_are_counted_and_spare_the_request_numbers() -> anyhow::Result<
     ];
     let config = format!(
         "[probes]\nlock_uprobes = [\"{SERVICE}\"]\n[limits]\nlocks = 1\nlock_stacks = 1\n\
-         calls_in_flight = 2\ndegraded_for = \"2s\"\n{}",
+         mutex_calls_in_flight = 2\ndegraded_for = \"2s\"\n{}",
         pids_config(SERVICE, &[servers[0].pid(), servers[1].pid()])
     );
     let mut poolscope = Poolscope::start(&config)?;
@@ -445,7 +445,8 @@ fn full_lock_maps_are_counted_and_spare_the_request_numbers() -> anyhow::Result<
     );
     assert_eq!(during.value("poolscope_degraded", &[]), Some(1.0));
     assert!(
-        health.contains("raise limits.locks") && health.contains("raise limits.calls_in_flight"),
+        health.contains("raise limits.locks")
+            && health.contains("raise limits.mutex_calls_in_flight"),
         "{health}"
     );
     assert!(!health.contains("LOCK_STACKS"), "{health}");

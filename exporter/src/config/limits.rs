@@ -22,8 +22,10 @@ pub struct Limits {
     /// Each of the three `STACKS` maps.
     pub stacks: u32,
     pub stack_counts: u32,
-    /// `PENDING_CALLS` and `MUTEX_CALLS`: threads inside a followed call at once.
-    pub calls_in_flight: u32,
+    /// `PENDING_CALLS`: threads inside a followed syscall at once.
+    pub syscalls_in_flight: u32,
+    /// `MUTEX_CALLS`: threads inside a probed `pthread_mutex_lock` at once.
+    pub mutex_calls_in_flight: u32,
     /// `LISTEN_PORTS`: the listeners of watched services (socket backend).
     pub listen_ports: u32,
     /// `DOWNSTREAM_WAITS`: (pool, peer) pairs.
@@ -32,7 +34,7 @@ pub struct Limits {
 
 impl Limits {
     /// Each limit under its configuration key.
-    pub fn keyed(&self) -> [(&'static str, u32); 12] {
+    pub fn keyed(&self) -> [(&'static str, u32); 13] {
         [
             ("limits.watched_processes", self.watched_processes),
             ("limits.connections", self.connections),
@@ -43,7 +45,8 @@ impl Limits {
             ("limits.lock_stacks", self.lock_stacks),
             ("limits.stacks", self.stacks),
             ("limits.stack_counts", self.stack_counts),
-            ("limits.calls_in_flight", self.calls_in_flight),
+            ("limits.syscalls_in_flight", self.syscalls_in_flight),
+            ("limits.mutex_calls_in_flight", self.mutex_calls_in_flight),
             ("limits.listen_ports", self.listen_ports),
             ("limits.downstreams", self.downstreams),
         ]
@@ -59,7 +62,8 @@ impl Limits {
             maps::LOCK_STACKS => "limits.lock_stacks",
             maps::STACK_COUNTS => "limits.stack_counts",
             maps::STACK_MAPS => "limits.stacks",
-            maps::PENDING_CALLS | maps::MUTEX_CALLS => "limits.calls_in_flight",
+            maps::PENDING_CALLS => "limits.syscalls_in_flight",
+            maps::MUTEX_CALLS => "limits.mutex_calls_in_flight",
             maps::LISTEN_PORTS => "limits.listen_ports",
             maps::DOWNSTREAM_WAITS => "limits.downstreams",
             _ => return None,

@@ -318,12 +318,12 @@ mod tests {
     #[test]
     fn each_limit_sizes_its_maps() -> Result<(), ConfigError> {
         let limits =
-            load_toml("[limits]\nstacks = 11\nconnections = 12\ncalls_in_flight = 13\n")?.limits;
+            load_toml("[limits]\nstacks = 11\nconnections = 12\nsyscalls_in_flight = 13\nmutex_calls_in_flight = 14\n")?.limits;
         assert_eq!(limits.size_of(maps::STACK_MAPS), Some(11));
         assert_eq!(limits.size_of(maps::ADOPT), Some(12));
         assert_eq!(limits.size_of(maps::CONNS), Some(12));
         assert_eq!(limits.size_of(maps::PENDING_CALLS), Some(13));
-        assert_eq!(limits.size_of(maps::MUTEX_CALLS), Some(13));
+        assert_eq!(limits.size_of(maps::MUTEX_CALLS), Some(14));
         assert_eq!(Limits::key_of(maps::CONNS), Some("limits.connections"));
         // Socket storage, one entry per socket: no limit sets it.
         assert_eq!(limits.size_of(maps::SOCK_CONNS), None);
@@ -511,7 +511,7 @@ mod properties {
 
     use super::tests::load_toml;
 
-    const LIMITS: [&str; 16] = [
+    const LIMITS: [&str; 17] = [
         "max_series",
         "max_services",
         "max_pools",
@@ -522,7 +522,8 @@ mod properties {
         "lock_stacks",
         "stacks",
         "stack_counts",
-        "calls_in_flight",
+        "syscalls_in_flight",
+        "mutex_calls_in_flight",
         "listen_ports",
         "downstreams",
         "degraded_for",

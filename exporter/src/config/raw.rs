@@ -76,7 +76,8 @@ impl Default for RawConfig {
                 lock_stacks: poolscope_shared::MAX_LOCK_STACKS,
                 stacks: poolscope_shared::MAX_STACKS,
                 stack_counts: poolscope_shared::MAX_STACK_COUNTS,
-                calls_in_flight: poolscope_shared::MAX_CALLS_IN_FLIGHT,
+                syscalls_in_flight: poolscope_shared::MAX_SYSCALLS_IN_FLIGHT,
+                mutex_calls_in_flight: poolscope_shared::MAX_MUTEX_CALLS_IN_FLIGHT,
                 listen_ports: poolscope_shared::MAX_LISTEN_PORTS,
                 downstreams: poolscope_shared::MAX_DOWNSTREAMS,
                 degraded_for: Duration::from_secs(300),
@@ -225,8 +226,10 @@ pub struct RawLimits {
     /// maps, 1 kB per entry); and (stack, pool, reason) counters per drain.
     pub stacks: u32,
     pub stack_counts: u32,
-    /// Threads inside a followed syscall, and inside `pthread_mutex_lock`, at once.
-    pub calls_in_flight: u32,
+    /// Threads inside a followed syscall at once.
+    pub syscalls_in_flight: u32,
+    /// Threads inside a probed `pthread_mutex_lock` at once.
+    pub mutex_calls_in_flight: u32,
     /// Listening (namespace, port, address) keys of watched services.
     pub listen_ports: u32,
     /// (pool, peer) pairs whose network waits are kept apart.

@@ -56,7 +56,8 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         lock_stacks: raw.limits.lock_stacks,
         stacks: raw.limits.stacks,
         stack_counts: raw.limits.stack_counts,
-        calls_in_flight: raw.limits.calls_in_flight,
+        syscalls_in_flight: raw.limits.syscalls_in_flight,
+        mutex_calls_in_flight: raw.limits.mutex_calls_in_flight,
         listen_ports: raw.limits.listen_ports,
         downstreams: raw.limits.downstreams,
     };

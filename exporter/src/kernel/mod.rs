@@ -257,8 +257,8 @@ impl Kernel {
             .map_max_entries(maps::LOCK_WAITS, limits.max_pools * LockPrimitive::COUNT)
             .map_max_entries(maps::LOCKS, limits.locks)
             .map_max_entries(maps::LOCK_STACKS, limits.lock_stacks)
-            .map_max_entries(maps::PENDING_CALLS, limits.calls_in_flight)
-            .map_max_entries(maps::MUTEX_CALLS, limits.calls_in_flight)
+            .map_max_entries(maps::PENDING_CALLS, limits.syscalls_in_flight)
+            .map_max_entries(maps::MUTEX_CALLS, limits.mutex_calls_in_flight)
             .map_max_entries(maps::LISTEN_PORTS, limits.listen_ports)
             .map_max_entries(maps::DOWNSTREAM_WAITS, limits.downstreams)
             .load(aya::include_bytes_aligned!(concat!(

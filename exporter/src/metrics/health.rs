@@ -517,7 +517,7 @@ mod tests {
         let calls = LossKind::of_kernel(LossSource::MutexCallsInsert, LossErrno::E2big);
         assert_eq!(
             calls.advice(Some(16)),
-            "kernel map MUTEX_CALLS is full (capacity 16): raise limits.calls_in_flight"
+            "kernel map MUTEX_CALLS is full (capacity 16): raise limits.mutex_calls_in_flight"
         );
         let collision = LossKind::of_kernel(LossSource::StackCollision, LossErrno::Eexist);
         assert_eq!(

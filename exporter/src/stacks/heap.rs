@@ -27,7 +27,11 @@ const ARENAS: i32 = 1;
 pub fn set_up() {
     #[cfg(target_env = "gnu")]
     for (option, value, name) in [
-        (libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "mmap threshold"),
+        (
+            libc::M_MMAP_THRESHOLD,
+            MMAP_THRESHOLD_BYTES,
+            "mmap threshold",
+        ),
         (libc::M_ARENA_MAX, ARENAS, "arena count"),
     ] {
         // SAFETY: mallopt takes two integers and only changes the allocator's settings.
