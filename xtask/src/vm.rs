@@ -1,16 +1,20 @@
-//! `cargo xtask vm-test`: poolscope on Debian 12's stock kernel (6.1), in a VM.
+//! `cargo xtask vm-test`: poolscope in a VM on each kernel of [`KERNELS`]: Debian 12's
+//! stock kernel (6.1, the oldest supported: the syscall backend) and the newest one
+//! Debian 12 offers from bookworm-backports (6.12: the socket backend).
 //!
-//! - The guest: Debian's `linux-image-amd64` and a root filesystem that debootstrap
-//!   builds from Debian's packages, turned into an ext4 image. Both are cached under
-//!   [`CACHE`], keyed by a stamp of the recipe, so later runs only boot.
-//! - The run: qemu boots that kernel (KVM where a guest boots under it, software
+//! - The guest: a root filesystem that debootstrap builds from Debian's packages,
+//!   with both kernels installed by apt, turned into an ext4 image. Kernels and image
+//!   are cached under [`CACHE`], keyed by a stamp of the recipe, so later runs only
+//!   boot.
+//! - The run: qemu boots each kernel in turn (KVM where a guest boots under it, software
 //!   emulation otherwise) with the host's `target/release` shared read-only and a work
 //!   directory shared read-write. The guest's init runs [`guest_script`]: poolscope on
 //!   its default configuration (which probes attached, which backend), then a subset
 //!   of the privileged ground-truth tests, the very test binaries the host runs.
-//! - The report: kernel, backend, every probe attached or skipped (with the reason),
-//!   each test passed or failed; the task fails unless the kernel is 6.1, the backend
-//!   is `syscall`, every probe attached and every test passed.
+//! - The report, per kernel: its release, the backend, every probe attached or skipped
+//!   (with the reason), each test passed or failed; the task fails unless each guest
+//!   ran its kernel, auto chose that kernel's backend, every probe attached and every
+//!   test passed.
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
@@ -32,6 +36,30 @@ pub const PACKAGES: &[&str] = &["qemu-system-x86", "debootstrap", "e2fsprogs"];
 const CACHE: &str = "/var/cache/poolscope/vm";
 const SUITE: &str = "bookworm";
 const MIRROR: &str = "http://deb.debian.org/debian";
+
+/// A kernel the guest boots.
+struct GuestKernel {
+    /// The start of the release it must report (and of its file names in /boot).
+    series: &'static str,
+    /// The Debian suite its `linux-image-amd64` comes from.
+    suite: &'static str,
+    /// The backend `auto` must choose on it.
+    backend: &'static str,
+}
+
+/// The oldest kernel poolscope supports, and the newest Debian 12 offers.
+const KERNELS: [GuestKernel; 2] = [
+    GuestKernel {
+        series: "6.1.",
+        suite: SUITE,
+        backend: "syscall",
+    },
+    GuestKernel {
+        series: "6.12.",
+        suite: "bookworm-backports",
+        backend: "socket",
+    },
+];
 /// Besides the minimal base: the kernel, `ip` (loopback up) and curl (scrape).
 const GUEST_PACKAGES: &str = "linux-image-amd64,iproute2,curl";
 /// The guest's /sbin/poolscope-vm-init: mounts the host's shares, runs the script.
@@ -46,13 +74,14 @@ mount -t 9p -o trans=virtio,version=9p2000.L work /poolscope/work
 exec /poolscope/work/run
 ";
 
-/// The ground-truth tests that run in the guest: (test target, test names). Chosen
-/// for the syscall backend and for software emulation, where each request's syscalls
-/// cost ~0.4 ms more than on hardware: tests whose truth is a count, a queue, a
-/// schedstat share or durations from the same syscalls, not those that this cost
-/// alone puts past their bound (5 ms service times within 5 %; a pool kept full
-/// while each request also pays a connection's accept; a 20 ms p50 that the extra
-/// 0.4 ms moves across a histogram bucket's edge, 7 % off in 1 of 3 runs).
+/// The ground-truth tests that run in each guest: (test target, test names), each on
+/// every backend the kernel has (`backends()`). Chosen for software emulation, where
+/// each request's syscalls cost ~0.4 ms more than on hardware: tests whose truth is a
+/// count, a queue, a schedstat share, the program's own CPU clock or durations from
+/// the same syscalls, not those that this cost alone puts past their bound (5 ms
+/// service times within 5 %; a pool kept full while each request also pays a
+/// connection's accept; a 20 ms p50 that the extra 0.4 ms moves across a histogram
+/// bucket's edge, 7 % off in 1 of 3 runs).
 const GUEST_TESTS: &[(&str, &[&str])] = &[
     (
         "foundation",
@@ -75,12 +104,39 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("threads", &["two_spinners_on_one_cpu_wait_half_the_time"]),
+    (
+        "adoption",
+        &[
+            "accepted_unread_connections_older_than_poolscope_are_queued",
+            "keep_alive_connections_older_than_poolscope_are_followed",
+            "old_connections_beyond_the_map_size_are_counted",
+        ],
+    ),
+    (
+        "locks",
+        &[
+            "a_process_killed_mid_wait_leaves_no_entries",
+            "full_lock_maps_are_counted_and_spare_the_request_numbers",
+        ],
+    ),
+    (
+        "stacks",
+        &[
+            "cpu_samples_match_the_programs_cpu_time",
+            "offcpu_time_matches_the_programs_sleeps",
+        ],
+    ),
+    (
+        "faults",
+        &[
+            "a_full_pending_call_map_is_counted_and_recovers",
+            "a_full_watch_map_is_counted_for_a_forked_child_and_recovers",
+        ],
+    ),
 ];
 
-/// The kernel release the guest must run.
-const KERNEL_SERIES: &str = "6.1.";
 const GUEST_MEMORY_MIB: u32 = 2048;
-/// The longest a run may take (the tests take ~2 min under software emulation).
+/// The longest a run may take (each guest takes ~2.5–3 min under software emulation).
 const RUN_TIMEOUT: Duration = Duration::from_secs(20 * 60);
 /// Boots of the test guest: a second one only after the guest's kernel reported a
 /// soft lockup, which software emulation causes now and then (its timers stall: "rcu
@@ -92,38 +148,59 @@ const LOCKUP: &str = "soft lockup";
 /// not working here (nested virtualization often hangs rather than fails).
 const KVM_PROBE_TIMEOUT: Duration = Duration::from_secs(40);
 
-/// The guest's kernel, initrd and root image.
-struct Guest {
+/// One kernel of the guest: its files, cached.
+struct Boot {
     kernel: PathBuf,
     initrd: PathBuf,
+}
+
+/// The guest's kernels (in [`KERNELS`]' order) and root image.
+struct Guest {
+    boots: Vec<Boot>,
     image: PathBuf,
 }
 
 pub fn run(root: &Path) -> anyhow::Result<()> {
-    let started = Instant::now();
     let guest = ensure_guest()?;
     let binaries = build(root)?;
-    let work = root.join("target/vm-test");
-    let accel = accelerator(&guest, root, &work)?;
     let release = root.join("target/release");
-    let mut status = None;
-    for attempt in 1..=RUN_ATTEMPTS {
-        prepare_work(&work, &guest_script(&binaries))?;
-        eprintln!("xtask: booting Debian {SUITE}'s kernel under {accel} (attempt {attempt})");
-        status = boot(&guest, accel, &release, &work, RUN_TIMEOUT)?;
-        match &status {
-            Some(reason) if reason.contains(LOCKUP) && attempt < RUN_ATTEMPTS => {
-                eprintln!("xtask: the guest {reason}; booting it again");
+    let mut problems = Vec::new();
+    let mut accel = None;
+    for (kernel, boot_files) in KERNELS.iter().zip(&guest.boots) {
+        let started = Instant::now();
+        let work = root
+            .join("target/vm-test")
+            .join(kernel.series.trim_end_matches('.'));
+        let accel = match accel {
+            Some(accel) => accel,
+            None => *accel.insert(accelerator(&guest, boot_files, root, &work)?),
+        };
+        let mut status = None;
+        for attempt in 1..=RUN_ATTEMPTS {
+            prepare_work(&work, &guest_script(&binaries))?;
+            eprintln!(
+                "xtask: booting {}'s kernel {}x under {accel} (attempt {attempt})",
+                kernel.suite, kernel.series
+            );
+            status = boot(&guest, boot_files, accel, &release, &work, RUN_TIMEOUT)?;
+            match &status {
+                Some(reason) if reason.contains(LOCKUP) && attempt < RUN_ATTEMPTS => {
+                    eprintln!("xtask: the guest {reason}; booting it again");
+                }
+                _ => break,
             }
-            _ => break,
         }
+        let report = Report::read(&work)?;
+        println!(
+            "{}",
+            report.table(kernel, accel, started.elapsed(), status.as_deref(), &work)
+        );
+        problems.extend(report.problems(kernel));
     }
-    let report = Report::read(&work)?;
-    println!(
-        "{}",
-        report.table(accel, started.elapsed(), status.as_deref())
-    );
-    report.verdict()
+    if problems.is_empty() {
+        return Ok(());
+    }
+    bail!("vm-test failed:\n  {}", problems.join("\n  "))
 }
 
 /// Builds what the guest runs: poolscope, the test programs and the test binaries
@@ -195,12 +272,24 @@ fn test_executable(messages: &str, target: &str) -> Option<String> {
 fn ensure_guest() -> anyhow::Result<Guest> {
     let cache = Path::new(CACHE).join(SUITE);
     let guest = Guest {
-        kernel: cache.join("vmlinuz"),
-        initrd: cache.join("initrd.img"),
+        boots: KERNELS
+            .iter()
+            .map(|kernel| Boot {
+                kernel: cache.join(format!("vmlinuz-{}x", kernel.series)),
+                initrd: cache.join(format!("initrd.img-{}x", kernel.series)),
+            })
+            .collect(),
         image: cache.join("rootfs.img"),
     };
     let stamp = cache.join("recipe");
-    let recipe = format!("{SUITE} {MIRROR} {GUEST_PACKAGES}\n{GUEST_INIT}");
+    let kernels: Vec<String> = KERNELS
+        .iter()
+        .map(|kernel| format!("{} from {}", kernel.series, kernel.suite))
+        .collect();
+    let recipe = format!(
+        "{SUITE} {MIRROR} {GUEST_PACKAGES}\nkernels {}\n{GUEST_INIT}",
+        kernels.join(", ")
+    );
     if fs::read_to_string(&stamp).is_ok_and(|s| s == recipe) {
         return Ok(guest);
     }
@@ -223,10 +312,42 @@ fn ensure_guest() -> anyhow::Result<Guest> {
     let init = rootfs.join("sbin/poolscope-vm-init");
     fs::write(&init, GUEST_INIT).with_context(|| format!("writing {}", init.display()))?;
     fs::set_permissions(&init, fs::Permissions::from_mode(0o755))?;
-    // The kernel and initrd debootstrap installed (one of each, the newest 6.1).
+    // debootstrap installed the suite's kernel; the others come from their suites,
+    // by the guest's own apt (its initramfs-tools makes their initrds).
+    for kernel in KERNELS.iter().filter(|kernel| kernel.suite != SUITE) {
+        let sources = rootfs.join(format!("etc/apt/sources.list.d/{}.list", kernel.suite));
+        fs::write(&sources, format!("deb {MIRROR} {} main\n", kernel.suite))
+            .with_context(|| format!("writing {}", sources.display()))?;
+        let log = cache.join(format!("kernel-{}.log", kernel.suite));
+        let apt = |args: &[&str]| {
+            let mut command = vec![rootfs_arg.as_str(), "env", "DEBIAN_FRONTEND=noninteractive"];
+            command.extend(args);
+            run_quietly("chroot", &command, &log)
+        };
+        apt(&["apt-get", "update", "-q"])?;
+        apt(&[
+            "apt-get",
+            "install",
+            "-y",
+            "-q",
+            "--no-install-recommends",
+            "-t",
+            kernel.suite,
+            "linux-image-amd64",
+        ])?;
+    }
+    // Each kernel and its initrd (the newest of its series).
     let boot = rootfs.join("boot");
-    fs::copy(newest(&boot, "vmlinuz-")?, &guest.kernel)?;
-    fs::copy(newest(&boot, "initrd.img-")?, &guest.initrd)?;
+    for (kernel, files) in KERNELS.iter().zip(&guest.boots) {
+        fs::copy(
+            newest(&boot, &format!("vmlinuz-{}", kernel.series))?,
+            &files.kernel,
+        )?;
+        fs::copy(
+            newest(&boot, &format!("initrd.img-{}", kernel.series))?,
+            &files.initrd,
+        )?;
+    }
     let image_arg = guest.image.to_string_lossy().into_owned();
     run_quietly(
         "mke2fs",
@@ -280,7 +401,12 @@ fn run_quietly(program: &str, args: &[&str], log: &Path) -> anyhow::Result<()> {
 }
 
 /// KVM where a guest boots under it; software emulation otherwise.
-fn accelerator(guest: &Guest, root: &Path, work: &Path) -> anyhow::Result<&'static str> {
+fn accelerator(
+    guest: &Guest,
+    boot_files: &Boot,
+    root: &Path,
+    work: &Path,
+) -> anyhow::Result<&'static str> {
     let kvm = fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -291,7 +417,7 @@ fn accelerator(guest: &Guest, root: &Path, work: &Path) -> anyhow::Result<&'stat
     }
     prepare_work(work, &format!("echo {BOOTED}\n{POWER_OFF}"))?;
     let release = root.join("target/release");
-    let booted = boot(guest, "kvm", &release, work, KVM_PROBE_TIMEOUT)?.is_none()
+    let booted = boot(guest, boot_files, "kvm", &release, work, KVM_PROBE_TIMEOUT)?.is_none()
         && fs::read_to_string(work.join("serial.log")).is_ok_and(|s| s.contains(BOOTED));
     if booted {
         return Ok("kvm");
@@ -325,6 +451,7 @@ fn prepare_work(work: &Path, script: &str) -> anyhow::Result<()> {
 /// Boots the guest until it powers off; `Some(reason)` if it had to be stopped.
 fn boot(
     guest: &Guest,
+    boot_files: &Boot,
     accel: &str,
     release: &Path,
     work: &Path,
@@ -351,9 +478,9 @@ fn boot(
         .arg("-serial")
         .arg(format!("file:{}", work.join("serial.log").display()))
         .arg("-kernel")
-        .arg(&guest.kernel)
+        .arg(&boot_files.kernel)
         .arg("-initrd")
-        .arg(&guest.initrd)
+        .arg(&boot_files.initrd)
         .args([
             "-append",
             "root=/dev/vda rw console=ttyS0 init=/sbin/poolscope-vm-init panic=-1 quiet",
@@ -484,12 +611,20 @@ impl Report {
         })
     }
 
-    fn table(&self, accel: &str, took: Duration, stopped: Option<&str>) -> String {
+    fn table(
+        &self,
+        kernel: &GuestKernel,
+        accel: &str,
+        took: Duration,
+        stopped: Option<&str>,
+        work: &Path,
+    ) -> String {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "\nvm-test: Debian {SUITE}, kernel {}, {accel}, {} s",
+            "\nvm-test: Debian {SUITE}, kernel {} (from {}), {accel}, {} s",
             self.kernel,
+            kernel.suite,
             took.as_secs()
         );
         if let Some(reason) = stopped {
@@ -519,30 +654,33 @@ impl Report {
         }
         let _ = write!(
             out,
-            "logs: target/vm-test/ (serial.log, poolscope.log, tests/)"
+            "logs: {} (serial.log, poolscope.log, tests/)",
+            work.display()
         );
         out
     }
 
-    fn verdict(&self) -> anyhow::Result<()> {
+    /// What is wrong with the run on `kernel`, each prefixed by the kernel.
+    fn problems(&self, kernel: &GuestKernel) -> Vec<String> {
         let mut problems = Vec::new();
-        if !self.kernel.starts_with(KERNEL_SERIES) {
+        if !self.kernel.starts_with(kernel.series) {
             problems.push(format!(
-                "the guest ran kernel {:?}, not {KERNEL_SERIES}x",
-                self.kernel
+                "the guest ran kernel {:?}, not {}x",
+                self.kernel, kernel.series
             ));
         }
-        if self.backend.as_deref() != Some("syscall") {
-            problems.push(format!("backend {:?}, not syscall", self.backend));
+        if self.backend.as_deref() != Some(kernel.backend) {
+            problems.push(format!(
+                "backend {:?}, not {}",
+                self.backend, kernel.backend
+            ));
         }
         if self.probes.is_empty() {
             problems.push("poolscope served no probe_attached".to_owned());
         }
         for (probe, skipped) in &self.probes {
             if let Some(reason) = skipped {
-                problems.push(format!(
-                    "probe {probe} skipped: {reason} (target/vm-test/poolscope.log)"
-                ));
+                problems.push(format!("probe {probe} skipped: {reason} (poolscope.log)"));
             }
         }
         if self.poolscope_exit != "0" {
@@ -556,10 +694,10 @@ impl Report {
                 problems.push(format!("{test} did not pass"));
             }
         }
-        if problems.is_empty() {
-            return Ok(());
-        }
-        bail!("vm-test failed:\n  {}", problems.join("\n  "))
+        problems
+            .into_iter()
+            .map(|problem| format!("kernel {}x: {problem}", kernel.series))
+            .collect()
     }
 }
 
