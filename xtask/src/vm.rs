@@ -81,7 +81,9 @@ exec /poolscope/work/run
 /// the same syscalls, not those that this cost alone puts past their bound (5 ms
 /// service times within 5 %; a pool kept full while each request also pays a
 /// connection's accept; a 20 ms p50 that the extra 0.4 ms moves across a histogram
-/// bucket's edge, 7 % off in 1 of 3 runs).
+/// bucket's edge, 7 % off in 1 of 3 runs; CPU samples split between two functions by
+/// the program's CPU clock: the count exact, 988 of 988, but the share 66.6 % against
+/// 74.7 % in 1 of 3 runs on 6.12, the emulated timer's samples not uniform in time).
 const GUEST_TESTS: &[(&str, &[&str])] = &[
     (
         "foundation",
@@ -119,13 +121,7 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
             "full_lock_maps_are_counted_and_spare_the_request_numbers",
         ],
     ),
-    (
-        "stacks",
-        &[
-            "cpu_samples_match_the_programs_cpu_time",
-            "offcpu_time_matches_the_programs_sleeps",
-        ],
-    ),
+    ("stacks", &["offcpu_time_matches_the_programs_sleeps"]),
     (
         "faults",
         &[
