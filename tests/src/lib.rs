@@ -124,6 +124,18 @@ pub fn scrape_until(
     Ok(last)
 }
 
+/// Whether `service`'s count of requests has settled on the `made` requests of a load
+/// that stopped: none in flight and at least `made` counted. A request counts when it
+/// ends, at its connection's next request or close, and the server closes a little
+/// after the client has its answer: `requests_in_flight` 0 alone let a scrape fall in
+/// between and count one request short (1 of 6 runs in a 6.1 guest). A shortfall
+/// fails the caller's `scrape_until` with the last scrape; an excess, its comparison.
+pub fn requests_settled(metrics: &Metrics, service: &str, made: u64) -> bool {
+    let service = [("service", service)];
+    metrics.value("poolscope_requests_in_flight", &service) == Some(0.0)
+        && metrics.value("poolscope_requests_total", &service) >= Some(made as f64)
+}
+
 /// Serializes the timing tests of one test binary: they share two CPUs.
 pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -10,7 +10,7 @@ use std::{
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, Program, TestServer,
     load::{ClosedLoop, Connections},
-    one_at_a_time, pids_config, privileged, rss_kb, scrape_until, wait_until,
+    one_at_a_time, pids_config, privileged, requests_settled, rss_kb, scrape_until, wait_until,
 };
 
 /// Every series of a scrape but the exporter's own (whose values and, for BPF run
@@ -178,9 +178,7 @@ fn a_full_thread_map_is_counted_and_spares_other_services() -> anyhow::Result<()
     let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
     std::thread::sleep(Duration::from_secs(2));
     let made = clients.stop()?.completed;
-    let other = scrape_until(&poolscope, |m| {
-        m.value("poolscope_requests_in_flight", &[("service", "other")]) == Some(0.0)
-    })?;
+    let other = scrape_until(&poolscope, |m| requests_settled(m, "other", made))?;
     let counted = value(&other, "poolscope_requests_total", &[("service", "other")]);
     let served = server.finish()?;
     eprintln!(
@@ -351,10 +349,7 @@ fn kill_minus_nine_leaves_nothing_and_a_restart_attaches_cleanly() -> anyhow::Re
     let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
     std::thread::sleep(Duration::from_secs(1));
     let made = clients.stop()?.completed;
-    let later = scrape_until(&second, |m| {
-        m.value("poolscope_requests_in_flight", &[("service", service)]) == Some(0.0)
-            && requests(m) > 0.0
-    })?;
+    let later = scrape_until(&second, |m| requests_settled(m, service, made))?;
     eprintln!(
         "first: {} programs, {} probes attached, {} requests; after kill -9 and a restart: \
          {} probes attached, {} requests counted of {made} made",
@@ -700,8 +695,7 @@ fn a_full_stack_count_map_is_counted_and_spares_the_request_numbers() -> anyhow:
     assert!(health.contains("raise limits.stack_counts"), "{health}");
     let made = clients.stop()?.completed;
     let after = scrape_until(&poolscope, |m| {
-        m.value("poolscope_requests_in_flight", &[("service", service)]) == Some(0.0)
-            && m.value("poolscope_degraded", &[]) == Some(0.0)
+        requests_settled(m, service, made) && m.value("poolscope_degraded", &[]) == Some(0.0)
     })?;
     let counted = value(&after, "poolscope_requests_total", &[("service", service)]);
     eprintln!(
@@ -712,11 +706,9 @@ fn a_full_stack_count_map_is_counted_and_spares_the_request_numbers() -> anyhow:
     Ok(())
 }
 
-/// The requests `service` counted, once nothing of it is in flight.
-fn settled_requests(poolscope: &Poolscope, service: &str) -> anyhow::Result<f64> {
-    let metrics = scrape_until(poolscope, |m| {
-        m.value("poolscope_requests_in_flight", &[("service", service)]) == Some(0.0)
-    })?;
+/// The requests `service` counted, once the `made` ones are in ([`requests_settled`]).
+fn settled_requests(poolscope: &Poolscope, service: &str, made: u64) -> anyhow::Result<f64> {
+    let metrics = scrape_until(poolscope, |m| requests_settled(m, service, made))?;
     Ok(value(
         &metrics,
         "poolscope_requests_total",
@@ -789,7 +781,7 @@ fn a_full_pending_call_map_is_counted_and_recovers() -> anyhow::Result<()> {
     let clients = ClosedLoop::start(other.port, 2, Connections::KeepAlive);
     std::thread::sleep(Duration::from_secs(1));
     let made = clients.stop()?.completed;
-    let counted = settled_requests(&poolscope, "other")?;
+    let counted = settled_requests(&poolscope, "other", made)?;
     let served = other.finish()?.count;
     eprintln!("other service: counted {counted}, made {made}, served {served}");
     assert_eq!((counted, made), (served as f64, served));
@@ -851,10 +843,17 @@ fn a_full_listen_port_map_is_counted_and_recovers() -> anyhow::Result<()> {
     let (on_first, on_second) = (load(&first), load(&second));
     std::thread::sleep(Duration::from_secs(1));
     let made = [on_first.stop()?.completed, on_second.stop()?.completed];
-    let counted = [
-        settled_requests(&poolscope, "first")?,
-        settled_requests(&poolscope, "second")?,
-    ];
+    // Settled once the service that fits has them all (the other never will).
+    let settled = scrape_until(&poolscope, |m| {
+        requests_settled(m, "first", made[0]) || requests_settled(m, "second", made[1])
+    })?;
+    let counted = ["first", "second"].map(|service| {
+        value(
+            &settled,
+            "poolscope_requests_total",
+            &[("service", service)],
+        )
+    });
     eprintln!("LISTEN_PORTS of 1: made {made:?}, counted {counted:?}");
     let fits = if counted[0] > 0.0 { 0 } else { 1 };
     assert_eq!(counted[fits], made[fits] as f64);
@@ -874,7 +873,7 @@ fn a_full_listen_port_map_is_counted_and_recovers() -> anyhow::Result<()> {
     let clients = load(&stays);
     std::thread::sleep(Duration::from_secs(1));
     let made_after = clients.stop()?.completed;
-    let counted_after = settled_requests(&poolscope, stays_name)?;
+    let counted_after = settled_requests(&poolscope, stays_name, made_after)?;
     let served = stays.finish()?.count;
     eprintln!(
         "{stays_name} alone: counted {counted_after} of {made_after} (served {served}, \

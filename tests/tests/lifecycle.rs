@@ -5,7 +5,7 @@ use std::{process::Command, time::Duration};
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, TestServer, bin_dir,
     load::{ClosedLoop, Connections},
-    one_at_a_time, pids_config, privileged, scrape_until, wait_until,
+    one_at_a_time, pids_config, privileged, requests_settled, scrape_until, wait_until,
 };
 
 /// Needs no privileges: the config is checked before anything is loaded.
@@ -157,9 +157,7 @@ fn reloads_under_load_lose_no_request_and_a_refused_one_is_exported() -> anyhow:
     poolscope.signal(libc::SIGHUP);
     let refused = scrape_until(&poolscope, |m| reload_ok(m) == Some(0.0))?;
     let made = clients.stop()?.completed;
-    let after = scrape_until(&poolscope, |m| {
-        m.value("poolscope_requests_in_flight", &[("service", service)]) == Some(0.0)
-    })?;
+    let after = scrape_until(&poolscope, |m| requests_settled(m, service, made))?;
     let counted = after
         .value("poolscope_requests_total", &[("service", service)])
         .unwrap_or(0.0);

@@ -11,7 +11,7 @@ use std::time::Duration;
 use poolscope_tests::{
     Metrics, Poolscope, Program,
     load::{ClosedLoop, Connections, OpenLoop},
-    one_at_a_time, parse_tids, pids_config, privileged, scrape_until,
+    one_at_a_time, parse_tids, pids_config, privileged, requests_settled, scrape_until,
 };
 
 const SERVICE: &str = "lk";
@@ -424,10 +424,8 @@ fn full_lock_maps_are_counted_and_spare_the_request_numbers() -> anyhow::Result<
         .into_iter()
         .map(|load| load.stop().map(|stats| stats.completed))
         .sum::<anyhow::Result<u64>>()?;
-    let counted = scrape_until(&poolscope, |m| {
-        m.value("poolscope_requests_in_flight", &[("service", SERVICE)]) == Some(0.0)
-    })?
-    .value("poolscope_requests_total", &[("service", SERVICE)]);
+    let counted = scrape_until(&poolscope, |m| requests_settled(m, SERVICE, made))?
+        .value("poolscope_requests_total", &[("service", SERVICE)]);
     println!(
         "failed inserts: LOCKS {}, LOCK_STACKS {}, MUTEX_CALLS {}; entries: LOCKS {}, \
          MUTEX_CALLS ≤ 2; requests counted {counted:?} of {made}\n{health}",

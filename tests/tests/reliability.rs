@@ -15,7 +15,7 @@ use poolscope_tests::{
     load::{ClosedLoop, Connections},
     one_at_a_time, privileged,
     profiles::http_get,
-    rss_kb, scrape_until,
+    requests_settled, rss_kb, scrape_until,
 };
 
 /// What the scrapers got back.
@@ -209,9 +209,7 @@ fn a_server_in_its_own_pid_namespace_is_counted_exactly() -> anyhow::Result<()> 
         let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
         thread::sleep(Duration::from_secs(2));
         let made = clients.stop()?.completed;
-        let metrics = scrape_until(&poolscope, |m| {
-            m.value("poolscope_requests_in_flight", &[("service", service)]) == Some(0.0)
-        })?;
+        let metrics = scrape_until(&poolscope, |m| requests_settled(m, service, made))?;
         let counted = metrics
             .value("poolscope_requests_total", &[("service", service)])
             .unwrap_or(0.0);

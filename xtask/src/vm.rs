@@ -555,6 +555,8 @@ struct Report {
     probes: BTreeMap<String, Option<String>>,
     /// test → passed; a test with no result line did not run to its end.
     tests: Vec<(String, Option<bool>)>,
+    /// What each failed test printed: CI keeps only the output, not the guest's logs.
+    failures: Vec<(String, String)>,
     poolscope_exit: String,
     /// poolscope's start-up summary (attached, on demand, skipped).
     summary: String,
@@ -584,8 +586,16 @@ impl Report {
             }
         }
         let mut tests = Vec::new();
+        let mut failures = Vec::new();
         for (target, names) in GUEST_TESTS {
-            let results = test_results(&read(&format!("tests/{target}.log")), names);
+            let log = read(&format!("tests/{target}.log"));
+            let results = test_results(&log, names);
+            for (name, result) in names.iter().zip(&results) {
+                if *result == Some(false) {
+                    let output = test_output(&log, name).unwrap_or("(no output found)");
+                    failures.push((format!("{target}::{name}"), output.to_owned()));
+                }
+            }
             tests.extend(
                 names
                     .iter()
@@ -598,6 +608,7 @@ impl Report {
             backend,
             probes,
             tests,
+            failures,
             poolscope_exit: read("poolscope.exit").trim().to_owned(),
             summary: read("poolscope.log")
                 .lines()
@@ -647,6 +658,9 @@ impl Report {
                 None => "did not finish",
             };
             let _ = writeln!(out, "{test:<84} {result}");
+        }
+        for (test, output) in &self.failures {
+            let _ = writeln!(out, "--- what {test} printed ---\n{output}");
         }
         let _ = write!(
             out,
@@ -727,9 +741,22 @@ fn test_results(log: &str, names: &[&str]) -> Vec<Option<bool>> {
         .collect()
 }
 
+/// What test `name` printed in a libtest log run with `--nocapture` (the guest's):
+/// from its `test <name> ...` line to the next test's or the failure summary.
+fn test_output<'log>(log: &'log str, name: &str) -> Option<&'log str> {
+    let start = log.find(&format!("test {name} ... "))?;
+    let rest = &log[start..];
+    let end = ["\ntest ", "\nfailures:\n"]
+        .iter()
+        .filter_map(|next| rest.find(next))
+        .min()
+        .unwrap_or(rest.len());
+    Some(rest[..end].trim_end())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{test_executable, test_results};
+    use super::{test_executable, test_output, test_results};
 
     #[test]
     fn failures_are_read_from_the_summary_of_a_run() {
@@ -738,9 +765,20 @@ mod tests {
                       failures:\n\n---- slow stdout ----\nError: 6% off\n\n\
                       failures:\n    slow\n\ntest result: FAILED. 1 passed; 1 failed\n";
         assert_eq!(test_results(failed, &names), [Some(true), Some(false)]);
+        assert_eq!(test_output(failed, "slow"), Some("test slow ... FAILED"));
+        let inline = "running 2 tests\ntest slow ... counted 4001 of 4002\n\nthread 'slow' \
+                      panicked at t.rs:1:5:\nassertion failed\nFAILED\ntest fast ... ok\n";
+        assert_eq!(
+            test_output(inline, "slow"),
+            Some(
+                "test slow ... counted 4001 of 4002\n\nthread 'slow' panicked at t.rs:1:5:\n\
+                 assertion failed\nFAILED"
+            )
+        );
         let passed =
             "running 2 tests\ntest fast ... ok\ntest slow ... ok\n\ntest result: ok. 2 passed\n";
         assert_eq!(test_results(passed, &names), [Some(true), Some(true)]);
+        assert_eq!(test_output(passed, "absent"), None);
         let cut = "running 2 tests\ntest fast ... ok\n";
         assert_eq!(test_results(cut, &names), [None, None]);
         let filtered = "running 1 test\ntest fast ... ok\n\ntest result: ok. 1 passed\n";
