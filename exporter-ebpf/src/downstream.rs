@@ -152,6 +152,7 @@ pub fn waited(pool: u32, peer: Peer, ns: u64, ended: bool) {
     let key = DownstreamKey { pool, peer };
     let Some(wait) = get_or_insert(
         &DOWNSTREAM_WAITS,
+        None,
         &key,
         &DownstreamWait::default(),
         LossSource::DownstreamInsert,

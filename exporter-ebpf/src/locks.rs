@@ -21,6 +21,7 @@ use aya_ebpf::{
 };
 use poolscope_shared::{
     LockKey, LockPrimitive, LossErrno, LossSource, Serving, Thread, lock_wait_index,
+    maps::CountedMap,
 };
 
 use crate::{
@@ -28,7 +29,7 @@ use crate::{
     clock::now_ns,
     maps::{
         LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, ZERO_HISTOGRAM, add_to_shared_histogram,
-        count_loss, get_or_insert,
+        count_loss, get_or_insert, insert_counted, remove_counted,
     },
     threads::{self, thread},
 };
@@ -154,7 +155,13 @@ fn record_lock_wait(tid: u32, thread: &mut Thread) {
     let Some(zero) = ZERO_HISTOGRAM.get(0) else {
         return;
     };
-    let Some(lock) = get_or_insert(&LOCKS, &key, zero, LossSource::LocksInsert) else {
+    let Some(lock) = get_or_insert(
+        &LOCKS,
+        Some(CountedMap::Locks),
+        &key,
+        zero,
+        LossSource::LocksInsert,
+    ) else {
         return;
     };
     // SAFETY: a live map value; concurrent updates are atomic adds.
@@ -178,7 +185,7 @@ fn record(tid: u32, primitive: LockPrimitive, waited: u64) {
 pub fn mutex_lock_enter(_ctx: ProbeContext) -> u32 {
     let tid = bpf_get_current_pid_tgid() as u32;
     if thread(tid).is_some_and(|thread| threads::serving(thread) != Serving::Nothing)
-        && let Err(code) = MUTEX_CALLS.insert(tid, now_ns(), 0)
+        && let Err(code) = insert_counted(&MUTEX_CALLS, CountedMap::MutexCalls, &tid, &now_ns())
     {
         count_loss(LossSource::MutexCallsInsert, LossErrno::of(code.into()));
     }
@@ -193,7 +200,7 @@ pub fn mutex_lock_return(_ctx: RetProbeContext) -> u32 {
     let Some(entered) = (unsafe { MUTEX_CALLS.get(tid).copied() }) else {
         return 0;
     };
-    let _ = MUTEX_CALLS.remove(tid);
+    remove_counted(&MUTEX_CALLS, CountedMap::MutexCalls, &tid);
     record(
         tid,
         LockPrimitive::PthreadMutex,

@@ -11,7 +11,7 @@ use poolscope_shared::{
     MAX_MUTEX_CALLS_IN_FLIGHT, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS,
     MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS, PendingCall, PoolStats, ProcessEvent,
     ProfileSession, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters,
-    StackCount, StackKey, Thread, WATCHED_PORT_WORDS, Watched, loss_index,
+    StackCount, StackKey, Thread, WATCHED_PORT_WORDS, Watched, loss_index, maps::CountedMap,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -22,7 +22,7 @@ pub static CONNS: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
 #[btf_map]
 pub static SOCK_CONNS: SkStorage<Conn> = SkStorage::new();
 #[map]
-pub static SOCK_CONN_COUNT: PerCpuArray<i64> = PerCpuArray::with_max_entries(1, 0);
+pub static ENTRY_COUNTS: PerCpuArray<i64> = PerCpuArray::with_max_entries(CountedMap::COUNT, 0);
 #[map]
 pub static SERVICE_EPOCHS: Array<u32> = Array::with_max_entries(MAX_SERVICES, 0);
 #[map]
@@ -113,11 +113,53 @@ pub fn inserted_errno(inserted: Result<(), i32>) -> LossErrno {
     }
 }
 
-/// The entry of `key` in a map shared by all CPUs, made from `initial` if absent;
-/// `None` (counted under `loss`) if it cannot be made, e.g. the map is full.
+/// Counts an entry made (`1`) or removed (`-1`) in `map`.
+#[inline(always)]
+pub fn count_entries(map: CountedMap, change: i64) {
+    if let Some(count) = ENTRY_COUNTS.get_ptr_mut(map as u32) {
+        // SAFETY: per-CPU slot, no other writer while we run on this CPU.
+        unsafe { *count += change };
+    }
+}
+
+/// Stores `key` → `value` in `map`, whose entries are counted as `counted`,
+/// replacing an entry already there (which counts nothing).
+#[inline(always)]
+pub fn insert_counted<K, V>(
+    map: &HashMap<K, V>,
+    counted: CountedMap,
+    key: &K,
+    value: &V,
+) -> Result<(), i32> {
+    match map.insert(key, value, u64::from(aya_ebpf::bindings::BPF_NOEXIST)) {
+        Ok(()) => {
+            count_entries(counted, 1);
+            Ok(())
+        }
+        // Removed meanwhile by another CPU, the replacement fails (ENOENT): a loss
+        // like any other, counted by the caller.
+        Err(code) if LossErrno::of(code.into()) == LossErrno::Eexist => {
+            map.insert(key, value, u64::from(aya_ebpf::bindings::BPF_EXIST))
+        }
+        Err(code) => Err(code),
+    }
+}
+
+/// Removes `key` from `map`, whose entries are counted as `counted`, if it is there.
+#[inline(always)]
+pub fn remove_counted<K, V>(map: &HashMap<K, V>, counted: CountedMap, key: &K) {
+    if map.remove(key).is_ok() {
+        count_entries(counted, -1);
+    }
+}
+
+/// The entry of `key` in a map shared by all CPUs, made from `initial` if absent
+/// (and counted, if the map's entries are); `None` (counted under `loss`) if it
+/// cannot be made, e.g. the map is full.
 #[inline(always)]
 pub fn get_or_insert<K, V>(
     map: &HashMap<K, V>,
+    counted: Option<CountedMap>,
     key: &K,
     initial: &V,
     loss: LossSource,
@@ -127,6 +169,9 @@ pub fn get_or_insert<K, V>(
     }
     // BPF_NOEXIST: another CPU may have made it meanwhile; then use that one.
     let inserted = map.insert(key, initial, u64::from(aya_ebpf::bindings::BPF_NOEXIST));
+    if let (Ok(()), Some(counted)) = (inserted, counted) {
+        count_entries(counted, 1);
+    }
     let value = map.get_ptr_mut(key);
     if value.is_none() {
         count_loss(loss, inserted_errno(inserted));

@@ -15,6 +15,7 @@ use aya_ebpf::{
 };
 use poolscope_shared::{
     Activity, LossErrno, LossSource, ProcessEvent, ProcessEventKind, Thread, Watched,
+    maps::CountedMap,
 };
 
 use crate::{
@@ -22,7 +23,7 @@ use crate::{
     locks,
     maps::{
         MUTEX_CALLS, PENDING_CALLS, THREAD_POOLS, THREADS, WATCHED, Wakeup, count_loss,
-        send_process_event, watched,
+        remove_counted, send_process_event, watched,
     },
     threads::{self, thread},
 };
@@ -164,18 +165,20 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tid = pid_tgid as u32;
     let tgid = (pid_tgid >> 32) as u32;
-    let watch = watched(tgid);
     let followed = thread(tid);
     // A followed thread of a process no longer watched: before 6.16 (no group_dead)
     // the main thread's exit ends the watch while the others, killed with it, are
-    // still exiting; their entries must go too.
-    if watch.is_none() && followed.is_none() {
+    // still exiting; their entries must go too. WATCHED is looked up only if THREADS
+    // has no entry, and again below: holding both lookups' pointers let the compiler
+    // OR them to test both at once, which the verifier refuses ("pointer |= pointer
+    // prohibited").
+    if followed.is_none() && watched(tgid).is_none() {
         return Ok(());
     }
     // A thread killed inside a syscall or pthread_mutex_lock leaves its entry
     // behind otherwise (a futex wait in progress lives in its THREADS entry).
-    let _ = PENDING_CALLS.remove(tid);
-    let _ = MUTEX_CALLS.remove(tid);
+    remove_counted(&PENDING_CALLS, CountedMap::PendingCalls, &tid);
+    remove_counted(&MUTEX_CALLS, CountedMap::MutexCalls, &tid);
     if let Some(thread) = followed {
         // It runs its exit: its last interval is on CPU.
         threads::change(tid, thread, Activity::Running, now_ns());
@@ -191,7 +194,10 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
         // SAFETY: the offset comes from this kernel's format of this tracepoint.
         unsafe { ctx.read_at::<u8>(group_dead_offset as usize)? != 0 }
     };
-    let Some(watch) = watch.filter(|_| process_gone) else {
+    if !process_gone {
+        return Ok(());
+    }
+    let Some(watch) = watched(tgid) else {
         return Ok(());
     };
     let _ = WATCHED.remove(tgid);

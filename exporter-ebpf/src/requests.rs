@@ -12,10 +12,14 @@
 //! requests, or a request read before the watch and not answered yet).
 use poolscope_shared::{
     Conn, Histogram, LossErrno, LossSource, Phase, ServiceCounters, histogram_bucket,
+    maps::CountedMap,
 };
 
 use crate::{
-    maps::{CONNS, REQUEST_TIMES, compare_and_swap, count_loss, update_service},
+    maps::{
+        CONNS, REQUEST_TIMES, compare_and_swap, count_loss, insert_counted, remove_counted,
+        update_service,
+    },
     threads::{self, End},
 };
 
@@ -58,7 +62,7 @@ pub fn accepted(service: u32) {
 pub fn connected(key: u64, service: u32, owner_since_ns: u64, now: u64) {
     closed(key, now);
     let conn = new_connection(service, owner_since_ns, 0, now);
-    if let Err(code) = CONNS.insert(key, conn, 0) {
+    if let Err(code) = insert_counted(&CONNS, CountedMap::Conns, &key, &conn) {
         count_loss(LossSource::ConnsInsert, LossErrno::of(code.into()));
         return;
     }
@@ -248,7 +252,7 @@ pub fn closed(key: u64, now: u64) {
     // SAFETY: a live map value (freed only after every program that holds it ends).
     if let Some(gone) = closing(unsafe { &mut *conn }) {
         // After the copy: the map may hand the slot to a new entry at once.
-        let _ = CONNS.remove(key);
+        remove_counted(&CONNS, CountedMap::Conns, &key);
         gone.account(now);
     }
 }

@@ -20,12 +20,14 @@ use aya_ebpf::{
     macros::btf_tracepoint,
     programs::BtfTracePointContext,
 };
-use poolscope_shared::{Conn, ListenKey, LossErrno, LossSource, watched_port_bit};
+use poolscope_shared::{
+    Conn, ListenKey, LossErrno, LossSource, maps::CountedMap, watched_port_bit,
+};
 
 use crate::{
     clock::now_ns,
     maps::{
-        ADOPT, ADOPTING, LISTEN_PORTS, SERVICE_EPOCHS, SOCK_CONN_COUNT, SOCK_CONNS, WATCHED_PORTS,
+        ADOPT, ADOPTING, LISTEN_PORTS, SERVICE_EPOCHS, SOCK_CONNS, WATCHED_PORTS, count_entries,
         count_loss,
     },
     requests::{self, Arrivals},
@@ -244,6 +246,7 @@ fn adopt(sk: *const u8) -> Option<*mut Conn> {
     let mut adopted = unsafe { ADOPT.get(inode).copied() }?;
     // Whoever removes the entry accounts for it: user space prunes closed ones.
     ADOPT.remove(inode).ok()?;
+    count_entries(CountedMap::Adopt, -1);
     store(sk, &mut adopted)
 }
 
@@ -279,7 +282,7 @@ fn store(sk: *const u8, conn: &mut Conn) -> Option<*mut Conn> {
         count_loss(LossSource::SockConnsInsert, LossErrno::Enomem);
         return None;
     }
-    count_entries(1);
+    count_entries(CountedMap::SockConns, 1);
     Some(stored.cast())
 }
 
@@ -288,15 +291,7 @@ fn store(sk: *const u8, conn: &mut Conn) -> Option<*mut Conn> {
 fn unstore(sk: *const u8) {
     // SAFETY: as above.
     if unsafe { bpf_sk_storage_delete(sock_conns(), sk.cast_mut().cast()) } == 0 {
-        count_entries(-1);
-    }
-}
-
-#[inline(always)]
-fn count_entries(change: i64) {
-    if let Some(count) = SOCK_CONN_COUNT.get_ptr_mut(0) {
-        // SAFETY: per-CPU slot, no other writer while we run on this CPU.
-        unsafe { *count += change };
+        count_entries(CountedMap::SockConns, -1);
     }
 }
 

@@ -2,7 +2,7 @@
 //! current stacks into one, and counting a sample or block under its key. Shared by
 //! the always-on stack counts and the on-demand profiling sessions.
 use aya_ebpf::{maps::StackTrace, programs::tracing::StackIdContext};
-use poolscope_shared::{LossErrno, LossSource, StackCount, StackKey};
+use poolscope_shared::{LossErrno, LossSource, StackCount, StackKey, maps::CountedMap};
 
 use crate::maps::{
     STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, atomic_add, count_loss, get_or_insert,
@@ -49,6 +49,7 @@ pub fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
 pub fn add(key: &StackKey, ns: u64) {
     let Some(count) = get_or_insert(
         &STACK_COUNTS,
+        Some(CountedMap::StackCounts),
         key,
         &StackCount::default(),
         LossSource::StackCountsInsert,

@@ -16,13 +16,17 @@ use aya_ebpf::{
     programs::RawTracePointContext,
 };
 use poolscope_shared::{
-    LossErrno, LossSource, PendingCall, SyscallSlot, fd_conn_key, syscall_counter_index,
+    LossErrno, LossSource, PendingCall, SyscallSlot, fd_conn_key, maps::CountedMap,
+    syscall_counter_index,
 };
 
 use crate::{
     abi::{FIRST_ARG_OFFSET, NUMBER_OFFSET},
     clock::now_ns,
-    maps::{CONNS, PENDING_CALLS, SYSCALL_SLOTS, add_to_counter, count_loss, watched},
+    maps::{
+        CONNS, PENDING_CALLS, SYSCALL_SLOTS, add_to_counter, count_loss, insert_counted,
+        remove_counted, watched,
+    },
     requests::{self, Arrivals},
 };
 
@@ -84,7 +88,7 @@ fn remember_call(tid: u32, slot: SyscallSlot, fd: u32, number: u32) {
         number,
         _pad: 0,
     };
-    if let Err(code) = PENDING_CALLS.insert(tid, call, 0) {
+    if let Err(code) = insert_counted(&PENDING_CALLS, CountedMap::PendingCalls, &tid, &call) {
         count_loss(LossSource::PendingCallsInsert, LossErrno::of(code.into()));
     }
 }
@@ -98,7 +102,7 @@ pub fn sys_exit(ctx: RawTracePointContext) -> i32 {
     let Some(call) = (unsafe { PENDING_CALLS.get(tid).copied() }) else {
         return 0;
     };
-    let _ = PENDING_CALLS.remove(tid);
+    remove_counted(&PENDING_CALLS, CountedMap::PendingCalls, &tid);
     let regs: *const u8 = ctx.arg(0);
     // SAFETY: regs is the kernel's pt_regs of this syscall; the helper checks the read.
     let number = unsafe { bpf_probe_read_kernel(regs.add(NUMBER_OFFSET).cast::<u64>()) };

@@ -11,9 +11,12 @@ pub const CONNS: &str = "CONNS";
 /// no hash lookup, and the kernel frees it with the socket, so none goes stale.
 /// Unbounded by design (a socket's own memory limit applies).
 pub const SOCK_CONNS: &str = "SOCK_CONNS";
-/// per-CPU array of one i64: entries made in [`SOCK_CONNS`] less those removed,
-/// summed over CPUs (the kernel cannot count a storage map's entries for us).
-pub const SOCK_CONN_COUNT: &str = "SOCK_CONN_COUNT";
+/// per-CPU array, index [`CountedMap`] → i64: the entries the kernel made in that
+/// map less those it removed, on this CPU. User space adds its own inserts and
+/// removals; the sum is how full the map is, read in O(1) per scrape (walking a
+/// map's keys costs a syscall per entry, and the kernel cannot count a storage
+/// map's entries at all).
+pub const ENTRY_COUNTS: &str = "ENTRY_COUNTS";
 /// array, index service id → u32 epoch, raised by user space whenever the id is
 /// given to another service. A [`SOCK_CONNS`] entry claimed in an earlier epoch
 /// belongs to a departed service and is dropped at its next event: user space
@@ -96,3 +99,60 @@ pub const STACKS: [&str; crate::STACK_GENERATIONS as usize] = ["STACKS_0", "STAC
 /// array[[`crate::MAX_PROFILE_SESSIONS`]]: the on-demand profiling sessions
 /// ([`crate::ProfileSession`]), written by user space.
 pub const PROFILE_SESSIONS: &str = "PROFILE_SESSIONS";
+
+/// The maps whose entries are counted where they are made and removed
+/// ([`ENTRY_COUNTS`]): every insert that made an entry and every removal that found
+/// one, in the kernel and in user space. An insert that replaces an entry in place
+/// counts nothing. None of them evicts on its own (no LRU), so the count is exact.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CountedMap {
+    SockConns,
+    Conns,
+    Adopt,
+    PendingCalls,
+    MutexCalls,
+    Locks,
+    StackCounts,
+    ListenPorts,
+}
+
+impl CountedMap {
+    pub const ALL: [Self; 8] = [
+        Self::SockConns,
+        Self::Conns,
+        Self::Adopt,
+        Self::PendingCalls,
+        Self::MutexCalls,
+        Self::Locks,
+        Self::StackCounts,
+        Self::ListenPorts,
+    ];
+    pub const COUNT: u32 = Self::ALL.len() as u32;
+
+    /// The map's name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::SockConns => SOCK_CONNS,
+            Self::Conns => CONNS,
+            Self::Adopt => ADOPT,
+            Self::PendingCalls => PENDING_CALLS,
+            Self::MutexCalls => MUTEX_CALLS,
+            Self::Locks => LOCKS,
+            Self::StackCounts => STACK_COUNTS,
+            Self::ListenPorts => LISTEN_PORTS,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CountedMap;
+
+    #[test]
+    fn each_counted_map_has_its_own_slot() {
+        for (slot, map) in CountedMap::ALL.into_iter().enumerate() {
+            assert_eq!(map as usize, slot, "{}", map.name());
+        }
+    }
+}

@@ -5,11 +5,13 @@
 //!   program's functions; with the opt-in uprobes, one `pthread_mutex` wait per call;
 //! - the same program with one worker (no contention): no futex lock wait at all;
 //! - `threadpool`, whose idle workers wait on a condition variable: no lock wait;
-//! - a process killed while its threads wait on the mutex leaves no entry behind.
-use std::time::Duration;
+//! - a process killed while its threads wait on the mutex leaves no entry behind;
+//! - full lock maps are counted, and every counted map holds what `map_entries` says.
+use std::{io::Write as _, net::TcpStream, time::Duration};
 
 use poolscope_tests::{
     Metrics, Poolscope, Program,
+    kernel_maps::walked_entries,
     load::{ClosedLoop, Connections, OpenLoop},
     one_at_a_time, parse_tids, pids_config, privileged, requests_settled, scrape_until,
 };
@@ -466,4 +468,116 @@ fn full_lock_maps_are_counted_and_spare_the_request_numbers() -> anyhow::Result<
         "{log}"
     );
     Ok(())
+}
+
+/// Every map whose entries poolscope counts as they are made and removed (instead of
+/// walking it at each scrape) holds what its `map_entries` says, by a walk of its
+/// keys with the kernel's own calls: after churn of every kind (connections made
+/// and closed, syscalls and `pthread_mutex_lock` calls in flight, contended locks,
+/// stack samples, connections and blocked accepts older than poolscope, adopted),
+/// at rest with entries in each, and once the server is gone. A reading counts
+/// once two scrapes around the walk agree (the maps move while threads run).
+#[test]
+fn counted_map_entries_match_a_walk_of_each_map() -> anyhow::Result<()> {
+    if !privileged("counted_map_entries_match_a_walk_of_each_map") {
+        return Ok(());
+    }
+    let _guard = one_at_a_time();
+    for backend in poolscope_tests::backends() {
+        let server = LockServer::start(4, Duration::from_millis(1))?;
+        // Older than poolscope: two connections whose workers wait for the request
+        // (adopted), and two workers blocked in accept.
+        let mut early: Vec<TcpStream> = (0..2)
+            .map(|_| TcpStream::connect(("127.0.0.1", server.port)))
+            .collect::<Result<_, _>>()?;
+        std::thread::sleep(Duration::from_millis(200));
+        let config = format!(
+            "[probes]\nbackend = \"{backend}\"\nlock_uprobes = [\"{SERVICE}\"]\n{}",
+            pids_config(SERVICE, &[server.pid()])
+        );
+        let poolscope = Poolscope::start(&config)?;
+        wait_for_pool(&poolscope)?;
+        for stream in &mut early {
+            stream.write_all(b"req\n")?;
+        }
+        let load = ClosedLoop::start(server.port, 4, Connections::PerRequest);
+        std::thread::sleep(Duration::from_secs(2));
+        let made = load.stop()?.completed;
+        // (The two older requests may or may not count: adoption.rs says which.)
+        scrape_until(&poolscope, |m| requests_settled(m, SERVICE, made))?;
+        // At rest with entries: two connections whose requests are not sent yet
+        // (their workers blocked in read), the other two workers in accept.
+        let idle: Vec<TcpStream> = (0..2)
+            .map(|_| TcpStream::connect(("127.0.0.1", server.port)))
+            .collect::<Result<_, _>>()?;
+        let mut maps = vec!["LOCKS", "STACK_COUNTS", "MUTEX_CALLS"];
+        maps.extend(match backend {
+            "syscall" => ["CONNS", "PENDING_CALLS"].as_slice(),
+            _ => ["LISTEN_PORTS", "ADOPT"].as_slice(),
+        });
+        let at_rest = compare_with_walks(&poolscope, &maps)?;
+        println!("{backend} backend, at rest: (map, map_entries, walked) {at_rest:?}");
+        let entries = |map: &str| at_rest.iter().find(|(name, ..)| *name == map).map(|e| e.1);
+        assert!(
+            entries("LOCKS") >= Some(1),
+            "no contended lock: {at_rest:?}"
+        );
+        if backend == "syscall" {
+            // The two idle connections, and the four workers' reads and accepts.
+            assert_eq!(entries("CONNS"), Some(2), "{at_rest:?}");
+            assert_eq!(entries("PENDING_CALLS"), Some(4), "{at_rest:?}");
+        } else {
+            assert_eq!(entries("LISTEN_PORTS"), Some(1), "{at_rest:?}");
+        }
+        drop(idle);
+        drop(server);
+        scrape_until(&poolscope, |m| {
+            m.value("poolscope_targets", &[("service", SERVICE)])
+                .is_none()
+                // The exit is followed at once, its listener at the next rescan.
+                && map_entries(m, "LISTEN_PORTS") == 0.0
+        })?;
+        let gone = compare_with_walks(&poolscope, &maps)?;
+        println!("{backend} backend, server gone: {gone:?}");
+        // Its stack counts stay until their generation is drained; nothing else.
+        assert!(
+            gone.iter()
+                .all(|(map, entries, _)| *map == "STACK_COUNTS" || *entries == 0),
+            "{gone:?}"
+        );
+    }
+    Ok(())
+}
+
+/// For each of `maps`: its name, `map_entries` and a walk of its keys, taken where
+/// two scrapes around the walk agree (5 s at most); fails where they differ.
+fn compare_with_walks(
+    poolscope: &Poolscope,
+    maps: &[&'static str],
+) -> anyhow::Result<Vec<(&'static str, u64, u64)>> {
+    let mut readings = Vec::new();
+    for &map in maps {
+        let mut reading = None;
+        for _ in 0..50 {
+            let before = map_entries(&poolscope.scrape()?, map);
+            let walked = walked_entries(poolscope.pid(), map)? as u64;
+            let after = map_entries(&poolscope.scrape()?, map);
+            if before == after {
+                reading = Some((map, before as u64, walked));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let Some(reading) = reading else {
+            anyhow::bail!("{map} never held still for two scrapes");
+        };
+        anyhow::ensure!(
+            reading.1 == reading.2,
+            "{map}: map_entries {} but {} keys walked",
+            reading.1,
+            reading.2
+        );
+        readings.push(reading);
+    }
+    Ok(readings)
 }

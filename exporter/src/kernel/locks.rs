@@ -6,7 +6,7 @@ use aya::programs::{
     UProbe,
     uprobe::{UProbeLinkId, UProbeScope},
 };
-use poolscope_shared::{Histogram, LockKey};
+use poolscope_shared::{Histogram, LockKey, maps::CountedMap};
 
 use super::{
     Kernel, KernelError,
@@ -83,9 +83,11 @@ impl Kernel {
             .filter_map(Result::ok)
             .filter(|key| key.tgid == pid)
             .collect();
-        for key in keys {
-            // Gone already if the map was cleared meanwhile; nothing else to do.
-            let _ = self.locks.remove(&key);
-        }
+        // One gone already (the map cleared meanwhile) was counted by its remover.
+        let removed = keys
+            .iter()
+            .filter(|key| self.locks.remove(key).is_ok())
+            .count();
+        self.count_own_entries(CountedMap::Locks, -(removed as i64));
     }
 }

@@ -6,6 +6,7 @@ mod attach;
 mod batch;
 pub mod btf;
 pub mod caps;
+mod entries;
 mod locks;
 mod map_errors;
 mod offsets;
@@ -26,7 +27,8 @@ use aya::{
 use poolscope_shared::{
     Conn, DownstreamKey, DownstreamWait, Histogram, ListenKey, LockKey, LockPrimitive,
     MAX_PROFILE_SESSIONS, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
-    ServiceCounters, StackCount, StackKey, SyscallSlot, Thread, Watched, maps,
+    ServiceCounters, StackCount, StackKey, SyscallSlot, Thread, Watched,
+    maps::{self, CountedMap},
 };
 
 pub use self::attach::{Backend, Probe, ProbeState, Skip};
@@ -103,7 +105,6 @@ pub struct Kernel {
     ebpf: Ebpf,
     watched: HashMap<MapData, u32, Watched>,
     conns: HashMap<MapData, u64, Conn>,
-    sock_conn_count: PerCpuArray<MapData, i64>,
     service_epochs: Array<MapData, u32>,
     listen_ports: HashMap<MapData, ListenKey, u32>,
     socket_namespaces: bool,
@@ -123,7 +124,6 @@ pub struct Kernel {
     locks: HashMap<MapData, LockKey, Histogram>,
     lock_stacks: StackTraceMap<MapData>,
     downstream_waits: HashMap<MapData, DownstreamKey, DownstreamWait>,
-    mutex_calls: HashMap<MapData, u32, u64>,
     stack_epoch: Array<MapData, u32>,
     stack_counts: HashMap<MapData, StackKey, StackCount>,
     stacks: Vec<StackTraceMap<MapData>>,
@@ -140,6 +140,9 @@ pub struct Kernel {
     cpus: usize,
     /// The maps a scrape reads whole, for batch reads.
     batch: BatchMaps,
+    /// Per [`CountedMap`]: the entries user space made less those it removed (the
+    /// kernel's own are in `ENTRY_COUNTS`).
+    own_entries: [i64; CountedMap::COUNT as usize],
 }
 
 /// Descriptors of the maps a scrape reads whole ([`BatchMap`]).
@@ -151,6 +154,7 @@ struct BatchMaps {
     service_counters: BatchMap,
     request_times: BatchMap,
     losses: BatchMap,
+    entry_counts: BatchMap,
 }
 
 impl BatchMaps {
@@ -167,6 +171,7 @@ impl BatchMaps {
             service_counters: of(maps::SERVICE_COUNTERS)?,
             request_times: of(maps::REQUEST_TIMES)?,
             losses: of(maps::LOSSES)?,
+            entry_counts: of(maps::ENTRY_COUNTS)?,
         })
     }
 }
@@ -335,7 +340,6 @@ impl Kernel {
         let kernel = Self {
             watched: take(&mut ebpf, maps::WATCHED)?,
             conns: take(&mut ebpf, maps::CONNS)?,
-            sock_conn_count: take(&mut ebpf, maps::SOCK_CONN_COUNT)?,
             service_epochs: take(&mut ebpf, maps::SERVICE_EPOCHS)?,
             listen_ports: take(&mut ebpf, maps::LISTEN_PORTS)?,
             socket_namespaces: socket_namespace.is_some(),
@@ -354,7 +358,6 @@ impl Kernel {
             locks: take(&mut ebpf, maps::LOCKS)?,
             lock_stacks: take(&mut ebpf, maps::LOCK_STACKS)?,
             downstream_waits: take(&mut ebpf, maps::DOWNSTREAM_WAITS)?,
-            mutex_calls: take(&mut ebpf, maps::MUTEX_CALLS)?,
             stack_epoch: take(&mut ebpf, maps::STACK_EPOCH)?,
             stack_counts: take(&mut ebpf, maps::STACK_COUNTS)?,
             stacks,
@@ -368,6 +371,7 @@ impl Kernel {
             _stats: stats,
             cpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
             batch,
+            own_entries: [0; CountedMap::COUNT as usize],
         };
         Ok((kernel, events))
     }

@@ -4,7 +4,8 @@ use std::{collections::BTreeMap, time::Duration};
 
 use poolscope_shared::{
     DownstreamKey, DownstreamWait, Histogram, LOSSES_SIZE, LockPrimitive, LossErrno, LossSource,
-    PoolStats, RequestTimes, ServiceCounters, SyscallSlot, Thread, loss_index, maps,
+    PoolStats, RequestTimes, ServiceCounters, SyscallSlot, Thread, loss_index,
+    maps::{self, CountedMap},
     syscall_counter_index,
 };
 
@@ -51,18 +52,6 @@ pub struct ProgramStats {
     pub runs: u64,
 }
 impl Kernel {
-    /// Entries in `SOCK_CONNS`: the kernel's count of those made less those removed.
-    fn sock_conn_entries(&self) -> Result<usize, KernelError> {
-        let counts = self
-            .sock_conn_count
-            .get(&0, 0)
-            .map_err(|source| KernelError::Map {
-                map: maps::SOCK_CONN_COUNT,
-                source,
-            })?;
-        // Each CPU's count may be negative (made on one CPU, removed on another).
-        Ok(usize::try_from(counts.iter().sum::<i64>()).unwrap_or(0))
-    }
     /// Every kernel-side loss counter, summed over CPUs.
     pub fn losses(&self) -> Result<Vec<(LossSource, LossErrno, u64)>, KernelError> {
         let mut sums = vec![0u64; LOSSES_SIZE as usize];
@@ -140,46 +129,34 @@ impl Kernel {
         }
         self.read_pools(pools, &mut readout)?;
         readout.losses = self.losses()?;
-        let fill = |name: &'static str, entries: usize| MapFill {
+        let fill = |name: &'static str, entries: u64| MapFill {
             name,
-            entries: entries as u64,
+            entries,
             capacity: self.capacity(name),
         };
+        let counted = self.counted_entries()?;
+        let count = |map: CountedMap| fill(map.name(), counted[map as usize]);
         readout.maps = vec![
-            fill(maps::WATCHED, readout.watched.len()),
-            match self.backend {
-                Backend::Syscall => {
-                    fill(maps::CONNS, self.conns.keys().filter(Result::is_ok).count())
-                }
-                Backend::Socket => fill(maps::SOCK_CONNS, self.sock_conn_entries()?),
-            },
-            fill(
-                maps::PENDING_CALLS,
-                self.pending_calls.keys().filter(Result::is_ok).count(),
-            ),
-            fill(maps::THREADS, readout.threads.len()),
-            fill(maps::LOCKS, self.locks.keys().filter(Result::is_ok).count()),
-            fill(maps::DOWNSTREAM_WAITS, readout.downstreams.len()),
-            fill(
-                maps::STACK_COUNTS,
-                self.stack_counts.keys().filter(Result::is_ok).count(),
-            ),
-            fill(
-                maps::MUTEX_CALLS,
-                self.mutex_calls.keys().filter(Result::is_ok).count(),
-            ),
+            fill(maps::WATCHED, readout.watched.len() as u64),
+            count(match self.backend {
+                Backend::Syscall => CountedMap::Conns,
+                Backend::Socket => CountedMap::SockConns,
+            }),
+            count(CountedMap::PendingCalls),
+            fill(maps::THREADS, readout.threads.len() as u64),
+            count(CountedMap::Locks),
+            fill(maps::DOWNSTREAM_WAITS, readout.downstreams.len() as u64),
+            count(CountedMap::StackCounts),
+            count(CountedMap::MutexCalls),
             fill(
                 maps::PROFILE_SESSIONS,
                 self.profile_sessions
                     .iter()
                     .filter(|session| session.as_ref().is_ok_and(|s| s.active != 0))
-                    .count(),
+                    .count() as u64,
             ),
-            fill(
-                maps::LISTEN_PORTS,
-                self.listen_ports.keys().filter(Result::is_ok).count(),
-            ),
-            fill(maps::ADOPT, self.adopt.keys().filter(Result::is_ok).count()),
+            count(CountedMap::ListenPorts),
+            count(CountedMap::Adopt),
         ];
         for (name, program) in self.ebpf.programs() {
             if let Ok(info) = program.info() {

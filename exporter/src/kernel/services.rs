@@ -5,23 +5,21 @@ use std::collections::BTreeMap;
 use aya::maps::{HashMap, MapData, MapError, PerCpuValues};
 use poolscope_shared::{
     Conn, ListenKey, PendingCall, Phase, RequestTimes, ServiceCounters, SyscallSlot, Watched,
-    conn_key_tgid, fd_conn_key, syscall_counter_index, watched_port_bit,
+    conn_key_tgid, fd_conn_key, maps::CountedMap, syscall_counter_index, watched_port_bit,
 };
 
 use super::{BPF_NOEXIST, Backend, Kernel, ServedConnection, WatchTable, syscalls::syscall_number};
 
-/// Removes the entries of `service` from a map of connections (`CONNS`, `ADOPT`).
-fn drop_service_connections(map: &mut HashMap<MapData, u64, Conn>, service: u32) {
+/// Removes the entries of `service` from a map of connections (`CONNS`, `ADOPT`):
+/// how many it removed (one gone meanwhile, closed or adopted, is not).
+fn drop_service_connections(map: &mut HashMap<MapData, u64, Conn>, service: u32) -> i64 {
     let keys: Vec<u64> = map
         .iter()
         .filter_map(Result::ok)
         .filter(|(_, conn)| conn.service == service)
         .map(|(key, _)| key)
         .collect();
-    for key in keys {
-        // Gone meanwhile (closed or adopted): fine.
-        let _ = map.remove(&key);
-    }
+    keys.iter().filter(|key| map.remove(key).is_ok()).count() as i64
 }
 
 /// What [`Kernel::adopt_connections`] did.
@@ -66,17 +64,23 @@ impl WatchTable for Kernel {
             }
         }
         for (key, service) in current {
-            if ports.get(&key) != Some(&service)
-                && let Err(error) = self.listen_ports.remove(&key)
-            {
-                failed.push(error);
+            if ports.get(&key) != Some(&service) {
+                match self.listen_ports.remove(&key) {
+                    Ok(()) => self.count_own_entries(CountedMap::ListenPorts, -1),
+                    Err(error) => failed.push(error),
+                }
             }
         }
         for (key, &service) in ports {
-            if self.listen_ports.get(key, 0).ok() != Some(service)
-                && let Err(error) = self.listen_ports.insert(key, service, 0)
-            {
-                failed.push(error);
+            let before = self.listen_ports.get(key, 0).ok();
+            if before != Some(service) {
+                match self.listen_ports.insert(key, service, 0) {
+                    Ok(()) if before.is_none() => {
+                        self.count_own_entries(CountedMap::ListenPorts, 1);
+                    }
+                    Ok(()) => {}
+                    Err(error) => failed.push(error),
+                }
             }
         }
         for (&word, &old) in &old_words {
@@ -129,7 +133,9 @@ impl WatchTable for Kernel {
                 _pad: 0,
             };
             // BPF_NOEXIST: an entry made by the syscall itself is newer than our look.
-            let _ = self.pending_calls.insert(tid, call, BPF_NOEXIST);
+            if self.pending_calls.insert(tid, call, BPF_NOEXIST).is_ok() {
+                self.count_own_entries(CountedMap::PendingCalls, 1);
+            }
         }
     }
 
@@ -170,18 +176,21 @@ impl WatchTable for Kernel {
                 epoch,
             };
             // BPF_NOEXIST: an entry the kernel made itself is newer than our look.
-            let inserted = match self.backend {
-                Backend::Syscall => {
+            let (map, inserted) = match self.backend {
+                Backend::Syscall => (
+                    CountedMap::Conns,
                     self.conns
-                        .insert(fd_conn_key(pid, connection.fd), conn, BPF_NOEXIST)
-                }
-                Backend::Socket if self.socket_inodes => {
-                    self.adopt.insert(connection.inode, conn, BPF_NOEXIST)
-                }
+                        .insert(fd_conn_key(pid, connection.fd), conn, BPF_NOEXIST),
+                ),
+                Backend::Socket if self.socket_inodes => (
+                    CountedMap::Adopt,
+                    self.adopt.insert(connection.inode, conn, BPF_NOEXIST),
+                ),
                 Backend::Socket => continue,
             };
             match inserted {
                 Ok(()) => {
+                    self.count_own_entries(map, 1);
                     if self.backend == Backend::Socket {
                         adopted.pending.push(connection.inode);
                     }
@@ -203,6 +212,7 @@ impl WatchTable for Kernel {
     fn forget_adoption(&mut self, inode: u64) -> Option<Phase> {
         let conn = self.adopt.get(&inode, 0).ok()?;
         self.adopt.remove(&inode).ok()?;
+        self.count_own_entries(CountedMap::Adopt, -1);
         Some(Phase::from_u32(conn.phase))
     }
 
@@ -224,11 +234,13 @@ impl WatchTable for Kernel {
             .filter_map(Result::ok)
             .filter(|(key, conn)| conn_key_tgid(*key) == pid && conn.owner_since_ns == since_ns)
             .collect();
-        stale
+        let purged: Vec<(u32, Phase)> = stale
             .into_iter()
             .filter(|(key, _)| self.conns.remove(key).is_ok())
             .map(|(_, conn)| (conn.service, Phase::from_u32(conn.phase)))
-            .collect()
+            .collect();
+        self.count_own_entries(CountedMap::Conns, -(purged.len() as i64));
+        purged
     }
 
     fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
@@ -237,8 +249,10 @@ impl WatchTable for Kernel {
         // service gets the id next.
         // The socket backend's connections live in their sockets, out of our reach:
         // a new epoch makes the kernel drop them at their next event.
-        drop_service_connections(&mut self.conns, service);
-        drop_service_connections(&mut self.adopt, service);
+        let dropped = drop_service_connections(&mut self.conns, service);
+        self.count_own_entries(CountedMap::Conns, -dropped);
+        let dropped = drop_service_connections(&mut self.adopt, service);
+        self.count_own_entries(CountedMap::Adopt, -dropped);
         let epoch = self.service_epochs.get(&service, 0)?;
         self.service_epochs.set(service, epoch.wrapping_add(1), 0)?;
         let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;

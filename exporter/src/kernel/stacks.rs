@@ -4,7 +4,10 @@ use aya::{
     maps::{MapData, stack_trace::StackTraceMap},
     programs::PerfEvent,
 };
-use poolscope_shared::{ProfileSession, STACK_GENERATIONS, StackCount, StackKey, maps};
+use poolscope_shared::{
+    ProfileSession, STACK_GENERATIONS, StackCount, StackKey,
+    maps::{self, CountedMap},
+};
 
 use super::{
     Kernel, KernelError,
@@ -50,10 +53,12 @@ impl Kernel {
 
     /// Empties `generation` (its counts and its stack map) for reuse.
     pub fn clear_stacks(&mut self, generation: u32, counted: &[StackKey]) {
-        for key in counted {
-            // Gone already only if someone else cleared it; nothing to do then.
-            let _ = self.stack_counts.remove(key);
-        }
+        // One gone already (someone else cleared it) was counted by its remover.
+        let removed = counted
+            .iter()
+            .filter(|key| self.stack_counts.remove(key).is_ok())
+            .count();
+        self.count_own_entries(CountedMap::StackCounts, -(removed as i64));
         if let Some(map) = self.stacks.get_mut(generation as usize) {
             let ids: Vec<u32> = map.stack_ids().filter_map(Result::ok).collect();
             for id in ids {

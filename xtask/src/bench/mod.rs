@@ -49,11 +49,12 @@
 //! nginx load above with poolscope off and on (socket backend) at 0, 49 and 999 Hz.
 //!
 //! Then how poolscope's cost grows with the number of services on the node
-//! (`BENCH_ONLY=scale`, see `scale.rs`).
+//! (`BENCH_ONLY=scale`, see `scale.rs`), and what reading how full the maps are costs
+//! a scrape as they fill (`BENCH_ONLY=fill`, see `fill.rs`).
 //!
 //! `BENCH_ROUNDS` (default 3 rounds of all modes) and `BENCH_SECONDS` (default 5) tune
 //! the first four; `BENCH_LOCK_HOLD_US` (default 200) the lock's hold time.
-//! `BENCH_ONLY=nginx`, `sched`, `locks`, `stacks` or `scale` runs one of them;
+//! `BENCH_ONLY=nginx`, `sched`, `locks`, `stacks`, `scale` or `fill` runs one of them;
 //! `BENCH_POOLSCOPE=<path>` measures another poolscope binary (an older commit's).
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -69,12 +70,14 @@ use std::{
 use anyhow::{Context as _, bail};
 
 mod bpf;
+mod fill;
 mod locks;
 mod nginx;
 mod scale;
 mod sched;
 mod stacks;
 
+use fill::run_fill;
 use locks::run_locks;
 use nginx::run_nginx;
 use scale::run_scale;
@@ -120,15 +123,16 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let seconds = env_number("BENCH_SECONDS", 5).max(1);
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     type Part = fn(&Path, PathBuf, usize, u64) -> anyhow::Result<()>;
-    let parts: [(&str, Part); 5] = [
+    let parts: [(&str, Part); 6] = [
         ("nginx", run_nginx),
         ("sched", run_sched),
         ("locks", run_locks),
         ("stacks", run_stacks),
         ("scale", run_scale),
+        ("fill", run_fill),
     ];
     if !only.is_empty() && !parts.iter().any(|(name, _)| *name == only) {
-        bail!("BENCH_ONLY={only}: nginx, sched, locks, stacks or scale");
+        bail!("BENCH_ONLY={only}: nginx, sched, locks, stacks, scale or fill");
     }
     let dir = root.join("target/bench");
     let _ = fs::remove_dir_all(&dir);
@@ -333,6 +337,17 @@ fn spawn_poolscope(
     // `BENCH_POOLSCOPE`: another build (an older commit's) measured by the same bench.
     let binary = std::env::var_os("BENCH_POOLSCOPE")
         .map_or_else(|| root.join("target/release/poolscope"), PathBuf::from);
+    spawn_poolscope_binary(&binary, config, address, env)
+}
+
+/// Starts poolscope `binary` with `config`, serving on `address`, with more settings
+/// from `env`.
+fn spawn_poolscope_binary(
+    binary: &Path,
+    config: &Path,
+    address: &str,
+    env: &[(&str, &str)],
+) -> anyhow::Result<Guard> {
     let child = Command::new(binary)
         .arg("--config.file")
         .arg(config)

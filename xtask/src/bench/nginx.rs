@@ -232,29 +232,11 @@ impl<'a> Bench<'a> {
         let nginx_port = free_port()?;
         fs::create_dir_all(dir.join("www")).context("creating target/bench/www")?;
         fs::write(dir.join("www/index.html"), "x".repeat(612))?;
-        fs::write(dir.join("nginx.conf"), nginx_config(&dir, nginx_port))?;
         fs::write(
             dir.join("poolscope.toml"),
             "[[targets]]\nservice = \"nginx\"\ncomm = \"^nginx$\"\n",
         )?;
-
-        let mut nginx = Guard(
-            Command::new("taskset")
-                .args(["-c", "0", "nginx", "-p"])
-                .arg(&dir)
-                .arg("-c")
-                .arg(dir.join("nginx.conf"))
-                .stderr(Stdio::null())
-                .spawn()
-                .context("starting nginx")?,
-        );
-        wait_for_port(nginx_port)?;
-        if let Some(status) = nginx.0.try_wait()? {
-            bail!(
-                "nginx exited ({status}); see {}",
-                dir.join("error.log").display()
-            );
-        }
+        let nginx = start_nginx(&dir, &nginx_config(&dir, nginx_port), nginx_port)?;
         let bench = Bench {
             root,
             seconds,
@@ -267,6 +249,30 @@ impl<'a> Bench<'a> {
         bench.wrk()?;
         Ok((nginx, bench))
     }
+}
+
+/// Starts nginx on CPU 0 with `config` (written to `dir`/nginx.conf), until the guard
+/// drops; returns once it listens on `port`.
+pub(super) fn start_nginx(dir: &Path, config: &str, port: u16) -> anyhow::Result<Guard> {
+    fs::write(dir.join("nginx.conf"), config)?;
+    let mut nginx = Guard(
+        Command::new("taskset")
+            .args(["-c", "0", "nginx", "-p"])
+            .arg(dir)
+            .arg("-c")
+            .arg(dir.join("nginx.conf"))
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting nginx")?,
+    );
+    wait_for_port(port)?;
+    if let Some(status) = nginx.0.try_wait()? {
+        bail!(
+            "nginx exited ({status}); see {}",
+            dir.join("error.log").display()
+        );
+    }
+    Ok(nginx)
 }
 
 fn nginx_config(dir: &Path, port: u16) -> String {

@@ -1,0 +1,115 @@
+//! The truth about a running poolscope's kernel maps, read apart from poolscope:
+//! its map ids from `/proc/<pid>/fdinfo`, each map's name from the kernel
+//! (`BPF_OBJ_GET_INFO_BY_FD`) and its entries by walking its keys
+//! (`BPF_MAP_GET_NEXT_KEY`), with raw `bpf(2)` calls and none of poolscope's code.
+use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+
+use anyhow::{Context as _, bail};
+
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+const BPF_MAP_GET_FD_BY_ID: libc::c_long = 14;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+
+/// The leading fields of `struct bpf_map_info` (include/uapi/linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct MapInfo {
+    map_type: u32,
+    id: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+    name: [u8; 16],
+}
+
+/// `bpf(cmd, attr)`: its result, or the errno as an error.
+fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<libc::c_long> {
+    // SAFETY: `attr` is a valid, initialized `union bpf_attr` member of its size.
+    let result = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            std::ptr::from_mut(attr),
+            std::mem::size_of::<T>(),
+        )
+    };
+    if result < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(result)
+    }
+}
+
+/// The map `name` of process `pid` (an fd of its own) and its key size.
+fn open_map(pid: u32, name: &str) -> anyhow::Result<(OwnedFd, usize)> {
+    let fdinfo = format!("/proc/{pid}/fdinfo");
+    for entry in std::fs::read_dir(&fdinfo).with_context(|| fdinfo.clone())? {
+        let Ok(text) = std::fs::read_to_string(entry?.path()) else {
+            continue;
+        };
+        let Some(id) = text
+            .lines()
+            .find_map(|line| line.strip_prefix("map_id:"))
+            .and_then(|id| id.trim().parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let mut by_id = [id, 0, 0];
+        let raw = bpf(BPF_MAP_GET_FD_BY_ID, &mut by_id).context("BPF_MAP_GET_FD_BY_ID")?;
+        // SAFETY: the call returned a new descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        let mut info = MapInfo::default();
+        #[repr(C)]
+        struct InfoAttr {
+            fd: u32,
+            len: u32,
+            info: u64,
+        }
+        let mut attr = InfoAttr {
+            fd: fd.as_raw_fd() as u32,
+            len: std::mem::size_of::<MapInfo>() as u32,
+            info: std::ptr::from_mut(&mut info) as u64,
+        };
+        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).context("BPF_OBJ_GET_INFO_BY_FD")?;
+        let length = info.name.iter().position(|&b| b == 0).unwrap_or(16);
+        if &info.name[..length] == name.as_bytes() {
+            return Ok((fd, info.key_size as usize));
+        }
+    }
+    bail!("process {pid} holds no map named {name}")
+}
+
+/// The entries of poolscope's (process `pid`'s) hash map `name`, walked key by key.
+pub fn walked_entries(pid: u32, name: &str) -> anyhow::Result<usize> {
+    let (fd, key_size) = open_map(pid, name)?;
+    #[repr(C)]
+    struct NextKeyAttr {
+        fd: u32,
+        _pad: u32,
+        key: u64,
+        next_key: u64,
+    }
+    let mut key = vec![0u8; key_size];
+    let mut next = vec![0u8; key_size];
+    let mut entries = 0;
+    let mut first = true;
+    loop {
+        let mut attr = NextKeyAttr {
+            fd: fd.as_raw_fd() as u32,
+            _pad: 0,
+            // NULL: the first key.
+            key: if first { 0 } else { key.as_ptr() as u64 },
+            next_key: next.as_mut_ptr() as u64,
+        };
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(_) => {
+                entries += 1;
+                first = false;
+                key.copy_from_slice(&next);
+            }
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(entries),
+            Err(error) => return Err(error).context(format!("BPF_MAP_GET_NEXT_KEY of {name}")),
+        }
+    }
+}
