@@ -369,3 +369,115 @@ fn a_poll_on_many_fds_is_idle_and_a_failing_downstream_frees_its_workers() -> an
         &[0.6],
     )
 }
+
+/// `DOWNSTREAM_WAITS` of 1 (`limits.downstreams`): two services, each a C pool whose
+/// workers call a backend of their own. The first service's (pool, peer) takes the
+/// one entry; each backend call of the other is one failed insert (`E2BIG`): its wait
+/// still counts as network time (within 5 % of the server's own clock), only without
+/// its peer, and poolscope is degraded with the key to raise. When the first service
+/// exits, its entry goes, the other's peer takes the room and poolscope is healthy
+/// again.
+#[test]
+fn a_full_downstream_map_is_counted_and_recovers() -> anyhow::Result<()> {
+    if !privileged("a_full_downstream_map_is_counted_and_recovers") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir()?;
+    let binary = downstream::build_c(dir.path())?;
+    let backends = [
+        Backend::start(BACKEND_DELAY_MS)?,
+        Backend::start(BACKEND_DELAY_MS)?,
+    ];
+    let mut first = downstream::start(Kind::CPoll, WORKERS, backends[0].port, Some(&binary))?;
+    let mut second = downstream::start(Kind::CPoll, WORKERS, backends[1].port, Some(&binary))?;
+    let ports: [u16; 2] = [first.line("port")?.parse()?, second.line("port")?.parse()?];
+    let poolscope = Poolscope::start(&format!(
+        "[limits]\ndownstreams = 1\ndegraded_for = \"2s\"\n\
+         [[targets]]\nservice = \"first\"\npids = [{}]\n\
+         [[targets]]\nservice = \"second\"\npids = [{}]\n",
+        first.pid(),
+        second.pid()
+    ))?;
+    scrape_until(&poolscope, |m| {
+        ["first", "second"].iter().all(|service| {
+            m.value(
+                "poolscope_pool_threads",
+                &[("service", service), ("pool", POOL)],
+            ) == Some(f64::from(WORKERS))
+        })
+    })?;
+    let peers = backends.each_ref().map(|b| format!("127.0.0.1:{}", b.port));
+    let peer_wait = |m: &Metrics, service: &str, peer: &str| {
+        pool_sum(
+            m,
+            "poolscope_downstream_wait_seconds_total",
+            service,
+            ("peer", &[peer]),
+        )
+    };
+    let rate = 0.6 * f64::from(WORKERS) * 1000.0 / BACKEND_DELAY_MS as f64;
+    // The first service's peer takes the one entry.
+    let first_load = OpenLoop::start(ports[0], rate, SENDERS);
+    scrape_until(&poolscope, |m| peer_wait(m, "first", &peers[0]) > 0.0)?;
+    let network = |m: &Metrics| {
+        pool_sum(
+            m,
+            "poolscope_offcpu_seconds_total",
+            "second",
+            ("reason", &["network"]),
+        )
+    };
+    let (truth_before, before) = (stats(&mut second)?, poolscope.scrape()?);
+    let second_load = OpenLoop::start(ports[1], rate, SENDERS);
+    std::thread::sleep(RUN);
+    let sent = second_load.stop()?;
+    std::thread::sleep(Duration::from_millis(100));
+    let (truth_after, during) = (stats(&mut second)?, poolscope.scrape()?);
+    let health = poolscope.get("/healthz")?;
+    let full = [("map", "DOWNSTREAM_WAITS"), ("errno", "E2BIG")];
+    let failed = during
+        .value("poolscope_map_update_errors_total", &full)
+        .unwrap_or(0.0);
+    let truth_wait = (truth_after.wait_ns - truth_before.wait_ns) as f64 / 1e9;
+    let counted_wait = network(&during) - network(&before);
+    eprintln!(
+        "DOWNSTREAM_WAITS of 1: {failed} failed inserts, {} entries; second service: \
+         {sent:?}, network wait {counted_wait:.3} s, its own clock {truth_wait:.3} s",
+        during
+            .value("poolscope_map_entries", &[("map", "DOWNSTREAM_WAITS")])
+            .unwrap_or(f64::NAN)
+    );
+    assert!(failed > 0.0);
+    assert_eq!(
+        during.value("poolscope_map_entries", &[("map", "DOWNSTREAM_WAITS")]),
+        Some(1.0)
+    );
+    assert_eq!(peer_wait(&during, "second", &peers[1]), 0.0);
+    assert!(
+        (counted_wait - truth_wait).abs() <= 0.05 * truth_wait,
+        "network wait {counted_wait:.3} s, truth {truth_wait:.3} s ± 5 %"
+    );
+    assert_eq!(during.value("poolscope_degraded", &[]), Some(1.0));
+    assert!(health.contains("raise limits.downstreams"), "{health}");
+
+    // The first service exits: its entry goes, the second's peer takes the room.
+    first_load.stop()?;
+    drop(first);
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", "first")])
+            .is_none()
+    })?;
+    let again = OpenLoop::start(ports[1], rate, SENDERS);
+    let recovered = scrape_until(&poolscope, |m| {
+        peer_wait(m, "second", &peers[1]) > 0.0 && m.value("poolscope_degraded", &[]) == Some(0.0)
+    });
+    again.stop()?;
+    let recovered = recovered?;
+    assert_eq!(
+        recovered.value("poolscope_map_entries", &[("map", "DOWNSTREAM_WAITS")]),
+        Some(1.0)
+    );
+    assert_eq!(poolscope.get("/healthz")?, "ok\n");
+    Ok(())
+}

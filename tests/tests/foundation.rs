@@ -274,3 +274,48 @@ fn an_exec_is_discovered_without_waiting_for_a_rescan() -> anyhow::Result<()> {
     })?;
     Ok(())
 }
+
+/// Every kernel program loads and attaches on this kernel, with each backend it has
+/// and the lock probes on: a program the verifier refuses is skipped and only
+/// degrades poolscope, so the other tests may pass without it (a change once made
+/// the verifier refuse `process_exit` on 6.18 while they all passed).
+#[test]
+fn every_probe_attaches_on_this_kernel() -> anyhow::Result<()> {
+    if !privileged("every_probe_attaches_on_this_kernel") {
+        return Ok(());
+    }
+    for backend in backends() {
+        let server = TestServer::start(64)?;
+        let config = format!(
+            "[probes]\nbackend = \"{backend}\"\nlock_uprobes = [\"probed\"]\n{}",
+            pids_config("probed", &[server.pid()])
+        );
+        let poolscope = Poolscope::start(&config)?;
+        let metrics = scrape_until(&poolscope, |m| {
+            m.value("poolscope_lock_uprobe_processes", &[]) == Some(1.0)
+        })?;
+        let attached: Vec<(&str, f64)> = metrics
+            .samples
+            .iter()
+            .filter(|s| s.name == "poolscope_probe_attached")
+            .map(|s| {
+                let probe = s.labels.iter().find(|(k, _)| k == "probe");
+                (probe.map_or("?", |(_, v)| v.as_str()), s.value)
+            })
+            .collect();
+        println!("{backend} backend: {attached:?}");
+        let skipped: Vec<&str> = metrics
+            .text
+            .lines()
+            .filter(|l| l.starts_with("poolscope_probe_skipped{"))
+            .collect();
+        assert!(skipped.is_empty(), "{backend}: {skipped:?}");
+        assert!(attached.len() >= 9, "{backend}: {attached:?}");
+        assert!(
+            attached.iter().all(|(_, up)| *up == 1.0),
+            "{backend}: {attached:?}"
+        );
+        assert_eq!(metrics.value("poolscope_degraded", &[]), Some(0.0));
+    }
+    Ok(())
+}

@@ -89,6 +89,7 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
         "foundation",
         &[
             "auto_discovery_finds_a_listening_process_by_comm",
+            "every_probe_attaches_on_this_kernel",
             "an_exec_is_discovered_without_waiting_for_a_rescan",
             "closed_unserved_connections_leave_the_gauge_and_the_map",
             "forked_children_count_under_the_parent_service",
@@ -118,6 +119,7 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
         "locks",
         &[
             "a_process_killed_mid_wait_leaves_no_entries",
+            "counted_map_entries_match_a_walk_of_each_map",
             "full_lock_maps_are_counted_and_spare_the_request_numbers",
         ],
     ),

@@ -108,6 +108,10 @@ pub trait ThreadTable {
 
     /// Zeroes the stats of a pool id before it is reused for another pool.
     fn reset_pool(&mut self, pool: u32) -> Result<(), MapError>;
+
+    /// Drops what the kernel keeps per (pool, peer) of pools whose service is gone:
+    /// left there, each would hold a `DOWNSTREAM_WAITS` entry until its id is reused.
+    fn release_pools(&mut self, pools: &[u32]);
 }
 
 /// In-memory tables for unit tests of what writes them: each map as a plain
@@ -136,6 +140,7 @@ pub mod fake {
         pub threads: BTreeMap<u32, Thread>,
         pub thread_pools: BTreeMap<u32, u32>,
         pub pools_reset: BTreeSet<u32>,
+        pub pools_released: BTreeSet<u32>,
     }
 
     impl Default for FakeTables {
@@ -150,6 +155,7 @@ pub mod fake {
                 threads: BTreeMap::new(),
                 thread_pools: BTreeMap::new(),
                 pools_reset: BTreeSet::new(),
+                pools_released: BTreeSet::new(),
             }
         }
     }
@@ -270,6 +276,10 @@ pub mod fake {
         fn reset_pool(&mut self, pool: u32) -> Result<(), MapError> {
             self.pools_reset.insert(pool);
             Ok(())
+        }
+
+        fn release_pools(&mut self, pools: &[u32]) {
+            self.pools_released.extend(pools);
         }
     }
 }

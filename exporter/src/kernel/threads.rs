@@ -38,17 +38,23 @@ impl ThreadTable for Kernel {
             self.lock_waits
                 .set(lock_wait_index(pool, primitive), Histogram::default(), 0)?;
         }
+        // Normally gone already (released with its service), unless a thread of the
+        // departed pool was still exiting then.
+        self.release_pools(&[pool]);
+        Ok(())
+    }
+
+    fn release_pools(&mut self, pools: &[u32]) {
         let peers: Vec<DownstreamKey> = self
             .downstream_waits
             .keys()
             .filter_map(Result::ok)
-            .filter(|key| key.pool == pool)
+            .filter(|key| pools.contains(&key.pool))
             .collect();
         for key in peers {
             // Gone already if removed meanwhile; nothing else to do.
             let _ = self.downstream_waits.remove(&key);
         }
-        Ok(())
     }
 }
 

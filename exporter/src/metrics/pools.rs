@@ -370,7 +370,16 @@ impl Pools {
                 self.name_thread(kernel, *tid, thread.service, &comm, process);
             }
         }
-        self.ids.retain(|key| live.contains(&key.service));
+        let gone: Vec<u32> = self
+            .ids
+            .iter()
+            .filter(|(_, key)| !live.contains(&key.service))
+            .map(|(id, _)| id)
+            .collect();
+        if !gone.is_empty() {
+            kernel.release_pools(&gone);
+            self.ids.retain(|key| live.contains(&key.service));
+        }
         let ids = self.ids();
         self.history.retain(|id, _| ids.contains(id));
     }
@@ -504,9 +513,11 @@ mod tests {
             .collect();
         pools.sync(&mut tables, &[4], &threads);
         assert_eq!(pools.views().len(), 2, "service 4 is live");
+        assert!(tables.pools_released.is_empty());
         pools.sync(&mut tables, &[], &threads);
         assert!(pools.views().is_empty());
         assert!(tables.threads.is_empty());
+        assert_eq!(tables.pools_released.len(), 2, "both pools of service 4");
         Ok(())
     }
 
