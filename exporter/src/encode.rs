@@ -5,7 +5,7 @@
 //! `promtool check metrics` and older scrapers read, so both are written here.)
 use std::fmt::Write as _;
 
-/// Every metric name starts with this.
+/// Every metric name of poolscope's own starts with this.
 pub const PREFIX: &str = "poolscope_";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +58,8 @@ pub struct Sample {
 /// A metric family; `name` has no prefix and, for counters, no `_total`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Family {
+    /// [`PREFIX`], or nothing for a family named by Prometheus' conventions.
+    pub prefix: &'static str,
     pub name: &'static str,
     pub help: &'static str,
     pub kind: Kind,
@@ -67,10 +69,20 @@ pub struct Family {
 impl Family {
     pub fn new(name: &'static str, kind: Kind, help: &'static str) -> Self {
         Self {
+            prefix: PREFIX,
             name,
             help,
             kind,
             samples: Vec::new(),
+        }
+    }
+
+    /// A family named as the Prometheus client libraries name it (`process_*`),
+    /// without poolscope's prefix.
+    pub fn standard(name: &'static str, kind: Kind, help: &'static str) -> Self {
+        Self {
+            prefix: "",
+            ..Self::new(name, kind, help)
         }
     }
 
@@ -203,7 +215,7 @@ fn write_labels(labels: &[(&'static str, String)], extra: Option<(&str, f64)>, o
     out.push('}');
 }
 
-/// One line: `poolscope_<name><suffix>{labels[,extra]} value`.
+/// One line: `<prefixed name><suffix>{labels[,extra]} value`.
 fn write_line(
     name: &str,
     suffix: &str,
@@ -212,7 +224,7 @@ fn write_line(
     value: f64,
     out: &mut String,
 ) {
-    let _ = write!(out, "{PREFIX}{name}{suffix}");
+    let _ = write!(out, "{name}{suffix}");
     write_labels(labels, extra, out);
     out.push(' ');
     write_value(value, out);
@@ -235,14 +247,11 @@ pub fn render(families: &[Family], format: Format) -> String {
         } else {
             ""
         };
-        let _ = write!(out, "# HELP {PREFIX}{}{family_suffix} ", family.name);
+        let name = format!("{}{}", family.prefix, family.name);
+        let name = name.as_str();
+        let _ = write!(out, "# HELP {name}{family_suffix} ");
         escape_help(family.help, format, &mut out);
-        let _ = writeln!(
-            out,
-            "\n# TYPE {PREFIX}{}{family_suffix} {kind}",
-            family.name
-        );
-        let name = family.name;
+        let _ = writeln!(out, "\n# TYPE {name}{family_suffix} {kind}");
         for sample in &family.samples {
             let labels = &sample.labels;
             match &sample.value {

@@ -148,19 +148,21 @@ fn config_keys() -> anyhow::Result<Vec<(String, String)>> {
     Ok(keys)
 }
 
-/// One `Family::new("name", Kind::…, …)` of the exporter.
+/// One `Family::new("name", Kind::…, …)` of the exporter, or `Family::standard(…)`
+/// (a name of Prometheus' conventions, `process_*`, without the prefix).
 #[derive(Debug)]
 struct Declared {
     name: String,
     kind: String,
     file: String,
+    prefix: &'static str,
 }
 
 impl Declared {
     /// The name Prometheus sees: prefixed, counters with `_total`.
     fn exposed(&self) -> String {
         let suffix = if self.kind == "counter" { "_total" } else { "" };
-        format!("{PREFIX}{}{suffix}", self.name)
+        format!("{}{}{suffix}", self.prefix, self.name)
     }
 }
 
@@ -178,7 +180,7 @@ fn rust_files(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
 
 /// The metric families declared in `exporter/src/` outside unit-test modules.
 fn declared_families() -> anyhow::Result<Vec<Declared>> {
-    const CALL: &str = "Family::new(";
+    const CALLS: [(&str, &str); 2] = [("Family::new(", PREFIX), ("Family::standard(", "")];
     let src = workspace().join("exporter/src");
     let mut files = Vec::new();
     rust_files(&src, &mut files)?;
@@ -196,15 +198,19 @@ fn declared_families() -> anyhow::Result<Vec<Declared>> {
         let source = source
             .find("#[cfg(test)]\nmod tests")
             .map_or(source.as_str(), |end| &source[..end]);
-        for (at, _) in source.match_indices(CALL) {
-            let rest = source[at + CALL.len()..].trim_start();
+        for (call, prefix, at) in CALLS.iter().flat_map(|&(call, prefix)| {
+            source
+                .match_indices(call)
+                .map(move |(at, _)| (call, prefix, at))
+        }) {
+            let rest = source[at + call.len()..].trim_start();
             let context = || {
                 let line = source[..at].lines().count() + 1;
                 format!("{file}:{line}")
             };
             let Some(rest) = rest.strip_prefix('"') else {
                 bail!(
-                    "{}: Family::new without a string literal name; tests/tests/docs.rs \
+                    "{}: {call} without a string literal name; tests/tests/docs.rs \
                      can only check literal names against the README",
                     context()
                 );
@@ -234,6 +240,7 @@ fn declared_families() -> anyhow::Result<Vec<Declared>> {
                 name: name.to_owned(),
                 kind: kind.to_owned(),
                 file: file.clone(),
+                prefix,
             });
         }
     }
@@ -343,7 +350,7 @@ fn every_metric_family_is_in_the_metrics_reference() -> anyhow::Result<()> {
         .into_iter()
         .filter_map(|row| {
             let name = code_cell(row.first()?)?;
-            name.starts_with(PREFIX)
+            (name.starts_with(PREFIX) || name.starts_with("process_"))
                 .then(|| (name.to_owned(), row.get(1).cloned().unwrap_or_default()))
         })
         .collect();
@@ -420,8 +427,15 @@ fn parsers_read_what_they_should() -> anyhow::Result<()> {
         name: "requests".into(),
         kind: "counter".into(),
         file: String::new(),
+        prefix: PREFIX,
     };
     ensure!(family.exposed() == "poolscope_requests_total");
+    let standard = Declared {
+        name: "process_cpu_seconds".into(),
+        prefix: "",
+        ..family
+    };
+    ensure!(standard.exposed() == "process_cpu_seconds_total");
     Ok(())
 }
 

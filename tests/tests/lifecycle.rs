@@ -1,11 +1,12 @@
 //! The exporter's own lifecycle: refusing bad config at start, SIGHUP reloads (good
-//! and bad, idle and under load), and a clean stop on SIGTERM.
+//! and bad, idle and under load), a clean stop on SIGTERM, and its own `process_*`
+//! numbers against what the kernel says of its process.
 use std::{process::Command, time::Duration};
 
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, TestServer, bin_dir,
     load::{ClosedLoop, Connections},
-    one_at_a_time, pids_config, privileged, requests_settled, scrape_until, wait_until,
+    one_at_a_time, pids_config, privileged, requests_settled, rss_kb, scrape_until, wait_until,
 };
 
 /// Needs no privileges: the config is checked before anything is loaded.
@@ -187,5 +188,95 @@ fn reloads_under_load_lose_no_request_and_a_refused_one_is_exported() -> anyhow:
         "{log}"
     );
     assert!(log.contains("limits.degraded_for"), "{log}");
+    Ok(())
+}
+
+/// What the kernel says of a process: (CPU seconds, start time in Unix seconds)
+/// from `/proc/<pid>/stat` and `/proc/stat`, and its open descriptors.
+fn kernel_view(pid: u32) -> anyhow::Result<(f64, f64, usize)> {
+    // SAFETY: sysconf(3) has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let fields: Vec<f64> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|field| field.parse().unwrap_or(f64::NAN))
+        .collect();
+    // utime, stime and starttime: fields 14, 15 and 22 of proc(5), 3 before.
+    let field = |n: usize| fields.get(n - 3).copied().unwrap_or(f64::NAN);
+    let boot: f64 = std::fs::read_to_string("/proc/stat")?
+        .lines()
+        .find_map(|line| line.strip_prefix("btime "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(f64::NAN);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count();
+    Ok((
+        (field(14) + field(15)) / ticks,
+        boot + field(22) / ticks,
+        fds,
+    ))
+}
+
+/// poolscope's `process_*` families are its own process as the kernel sees it: CPU
+/// time between the kernel's before and after the scrape, resident memory between
+/// `VmRSS` before and after, descriptors within the scrape's own few, the start
+/// time to the clock tick.
+#[test]
+fn process_metrics_are_poolscopes_own_process() -> anyhow::Result<()> {
+    if !privileged("process_metrics_are_poolscopes_own_process") {
+        return Ok(());
+    }
+    let server = TestServer::start(8)?;
+    let poolscope = Poolscope::start(&pids_config("own", &[server.pid()]))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", "own")]) == Some(1.0)
+    })?;
+    let pid = poolscope.pid();
+    let (cpu_before, start, fds_before) = kernel_view(pid)?;
+    let rss_before = rss_kb(pid)? as f64 * 1024.0;
+    let metrics = poolscope.scrape()?;
+    let (cpu_after, _, fds_after) = kernel_view(pid)?;
+    let rss_after = rss_kb(pid)? as f64 * 1024.0;
+    let value = |name: &str| metrics.value(name, &[]).unwrap_or(f64::NAN);
+    println!(
+        "process_*: cpu {} s (kernel {cpu_before}..{cpu_after}), rss {} (VmRSS {rss_before}..{rss_after}), \
+         fds {} (kernel {fds_before}, {fds_after}), start {} (kernel {start}), max fds {}",
+        value("process_cpu_seconds_total"),
+        value("process_resident_memory_bytes"),
+        value("process_open_fds"),
+        value("process_start_time_seconds"),
+        value("process_max_fds"),
+    );
+    let cpu = value("process_cpu_seconds_total");
+    assert!(cpu >= cpu_before && cpu <= cpu_after, "cpu {cpu}");
+    let rss = value("process_resident_memory_bytes");
+    let (low, high) = (rss_before.min(rss_after), rss_before.max(rss_after));
+    // stat's rss and VmRSS come from the same counters, kept per CPU and summed at
+    // different moments (1.9 % apart when measured).
+    assert!(rss >= low * 0.95 && rss <= high * 1.05, "rss {rss}");
+    let fds = value("process_open_fds");
+    // The scrape's connection (and its accept) is open while it reads them.
+    assert!(
+        (fds - fds_before as f64).abs() <= 2.0 && (fds - fds_after as f64).abs() <= 2.0,
+        "fds {fds}"
+    );
+    assert!((value("process_start_time_seconds") - start).abs() < 0.011);
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit(2) with a valid struct.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    // poolscope inherits the test's limit, unless it raises its own.
+    assert!(value("process_max_fds") >= limit.rlim_cur as f64);
+    assert_eq!(
+        metrics.value(
+            "poolscope_scrape_collector_success",
+            &[("collector", "process")]
+        ),
+        Some(1.0)
+    );
     Ok(())
 }

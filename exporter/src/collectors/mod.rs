@@ -6,6 +6,7 @@
 pub mod downstream;
 pub mod own;
 pub mod pools;
+pub mod process;
 pub mod services;
 
 use std::{collections::BTreeMap, time::Instant};

@@ -15,6 +15,7 @@ use crate::{
     collectors::{
         self, PoolRow, Reading, Timings,
         own::{SelfStats, self_families},
+        process::process_families,
         services::{queue_depths, service_listeners},
     },
     discovery::procfs,
@@ -189,6 +190,13 @@ impl Exporter {
             None => self.health.last(),
         }
         .degraded();
+        // poolscope's own process (`self`: right in any pid namespace).
+        let process = timings.time("process", || {
+            let used =
+                procfs::process_use(&self.procfs_root, "self", ticks_per_second(), page_size());
+            let read = used.is_some();
+            (used, read)
+        });
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
             backend: locked.backend.name(),
@@ -204,6 +212,7 @@ impl Exporter {
             locked.kernel.as_ref(),
         ));
         families.extend(self.profiles.families());
+        families.extend(process.as_ref().map(process_families).unwrap_or_default());
         families
     }
 
@@ -255,4 +264,16 @@ impl Exporter {
             );
         }
     }
+}
+
+/// Clock ticks per second, the unit of CPU times in procfs.
+fn ticks_per_second() -> u64 {
+    // SAFETY: sysconf(3) with a valid name has no preconditions.
+    u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).unwrap_or(100)
+}
+
+/// The page size, the unit of resident memory in procfs.
+fn page_size() -> u64 {
+    // SAFETY: as above.
+    u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
 }

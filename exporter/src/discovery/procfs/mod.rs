@@ -16,10 +16,12 @@ use std::{
 };
 
 mod containers;
+mod own;
 mod sockets;
 
 use containers::read_pod_name;
 pub use containers::*;
+pub use own::*;
 pub use sockets::*;
 use sockets::{listening_tables, socket_inodes};
 

@@ -1,0 +1,54 @@
+//! poolscope's own process as every Prometheus client library exports it
+//! (`process_*`, without poolscope's prefix, so that the usual dashboards and alerts
+//! on exporters' CPU, memory and descriptors work unchanged).
+use crate::{
+    discovery::procfs::ProcessUse,
+    encode::{Family, Kind},
+};
+
+pub fn process_families(used: &ProcessUse) -> Vec<Family> {
+    vec![
+        Family::standard(
+            "process_cpu_seconds",
+            Kind::Counter,
+            "Total user and system CPU time spent in seconds.",
+        )
+        .with(&[], used.cpu_seconds),
+        Family::standard(
+            "process_resident_memory_bytes",
+            Kind::Gauge,
+            "Resident memory size in bytes.",
+        )
+        .with(&[], used.resident_bytes),
+        Family::standard(
+            "process_virtual_memory_bytes",
+            Kind::Gauge,
+            "Virtual memory size in bytes.",
+        )
+        .with(&[], used.virtual_bytes),
+        Family::standard(
+            "process_virtual_memory_max_bytes",
+            Kind::Gauge,
+            "Maximum amount of virtual memory available in bytes.",
+        )
+        .with(&[], used.virtual_max_bytes),
+        Family::standard(
+            "process_open_fds",
+            Kind::Gauge,
+            "Number of open file descriptors.",
+        )
+        .with(&[], used.open_fds),
+        Family::standard(
+            "process_max_fds",
+            Kind::Gauge,
+            "Maximum number of open file descriptors.",
+        )
+        .with(&[], used.max_fds),
+        Family::standard(
+            "process_start_time_seconds",
+            Kind::Gauge,
+            "Start time of the process since unix epoch in seconds.",
+        )
+        .with(&[], used.start_time_seconds),
+    ]
+}

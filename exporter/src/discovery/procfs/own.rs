@@ -1,0 +1,170 @@
+//! A process's own resource use as the Prometheus client libraries export it
+//! (`process_*`): CPU time, memory, descriptors and start time, from
+//! `/proc/<pid>/stat`, `/proc/<pid>/limits`, `/proc/<pid>/fd` and `/proc/stat`.
+use std::{fs, path::Path};
+
+/// One reading of a process's resource use.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProcessUse {
+    pub cpu_seconds: f64,
+    pub resident_bytes: f64,
+    pub virtual_bytes: f64,
+    /// The `RLIMIT_AS` soft limit; unlimited as the largest u64, as the client
+    /// libraries do.
+    pub virtual_max_bytes: f64,
+    pub open_fds: f64,
+    /// The `RLIMIT_NOFILE` soft limit.
+    pub max_fds: f64,
+    /// Since the Unix epoch.
+    pub start_time_seconds: f64,
+}
+
+/// The fields of `/proc/<pid>/stat` it takes, in clock ticks and pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatUse {
+    pub user_ticks: u64,
+    pub system_ticks: u64,
+    pub start_ticks: u64,
+    pub virtual_bytes: u64,
+    pub resident_pages: u64,
+}
+
+/// Parses `/proc/<pid>/stat` (fields counted from the last `)`, as the comm may
+/// hold anything).
+pub fn parse_stat_use(content: &str) -> Option<StatUse> {
+    let close = content.rfind(')')?;
+    let fields: Vec<&str> = content.get(close + 1..)?.split_ascii_whitespace().collect();
+    // Field n (1-based, proc(5)) is at n - 3 after the `)`.
+    let field = |n: usize| fields.get(n - 3)?.parse::<u64>().ok();
+    Some(StatUse {
+        user_ticks: field(14)?,
+        system_ticks: field(15)?,
+        start_ticks: field(22)?,
+        virtual_bytes: field(23)?,
+        resident_pages: field(24)?,
+    })
+}
+
+/// The soft limit of `name` (`Max open files`) in `/proc/<pid>/limits`; `unlimited`
+/// as `u64::MAX`.
+pub fn parse_soft_limit(limits: &str, name: &str) -> Option<u64> {
+    let rest = limits.lines().find_map(|line| line.strip_prefix(name))?;
+    match rest.split_ascii_whitespace().next()? {
+        "unlimited" => Some(u64::MAX),
+        soft => soft.parse().ok(),
+    }
+}
+
+/// The boot time (`btime`) in `/proc/stat`, in Unix seconds.
+pub fn parse_boot_time(stat: &str) -> Option<u64> {
+    stat.lines()
+        .find_map(|line| line.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The resource use of process `entry` (a pid, or `self`) under procfs `root`;
+/// `None` if a file is missing or malformed. `ticks_per_second` and `page_size` are
+/// the system's.
+pub fn process_use(
+    root: &Path,
+    entry: &str,
+    ticks_per_second: u64,
+    page_size: u64,
+) -> Option<ProcessUse> {
+    let dir = root.join(entry);
+    let stat = parse_stat_use(&fs::read_to_string(dir.join("stat")).ok()?)?;
+    let limits = fs::read_to_string(dir.join("limits")).ok()?;
+    let boot = parse_boot_time(&fs::read_to_string(root.join("stat")).ok()?)?;
+    let open_fds = fs::read_dir(dir.join("fd")).ok()?.count();
+    let ticks = ticks_per_second.max(1) as f64;
+    Some(ProcessUse {
+        cpu_seconds: (stat.user_ticks + stat.system_ticks) as f64 / ticks,
+        resident_bytes: (stat.resident_pages * page_size) as f64,
+        virtual_bytes: stat.virtual_bytes as f64,
+        virtual_max_bytes: parse_soft_limit(&limits, "Max address space")? as f64,
+        open_fds: open_fds as f64,
+        max_fds: parse_soft_limit(&limits, "Max open files")? as f64,
+        start_time_seconds: boot as f64 + stat.start_ticks as f64 / ticks,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_boot_time, parse_soft_limit, parse_stat_use, process_use};
+
+    /// A stat line whose comm holds a space and a parenthesis.
+    const STAT: &str = "4242 (pool scope)) S 1 4242 4242 0 -1 4194560 2120 0 0 0 \
+                        150 75 0 0 20 0 9 0 123456 104857600 2560 18446744073709551615 \
+                        1 1 0 0 0 0 0 4096 0 0 0 0 17 1 0 0 0 0 0\n";
+    const LIMITS: &str = "Limit                     Soft Limit           Hard Limit           Units\n\
+                          Max cpu time              unlimited            unlimited            seconds\n\
+                          Max open files            20000                40000                files\n\
+                          Max address space         unlimited            unlimited            bytes\n";
+
+    #[test]
+    fn reads_cpu_memory_and_start_from_stat() {
+        let stat = parse_stat_use(STAT);
+        assert_eq!(
+            stat.map(|s| (
+                s.user_ticks,
+                s.system_ticks,
+                s.start_ticks,
+                s.virtual_bytes,
+                s.resident_pages
+            )),
+            Some((150, 75, 123_456, 104_857_600, 2560))
+        );
+        assert_eq!(parse_stat_use("4242 (cut) S 1 2"), None);
+    }
+
+    #[test]
+    fn reads_soft_limits_and_boot_time() {
+        assert_eq!(parse_soft_limit(LIMITS, "Max open files"), Some(20_000));
+        assert_eq!(
+            parse_soft_limit(LIMITS, "Max address space"),
+            Some(u64::MAX)
+        );
+        assert_eq!(parse_soft_limit(LIMITS, "Max locked memory"), None);
+        assert_eq!(
+            parse_boot_time("cpu  1 2 3\nbtime 1700000000\n"),
+            Some(1_700_000_000)
+        );
+        assert_eq!(parse_boot_time("cpu  1 2 3\n"), None);
+    }
+
+    #[test]
+    fn a_process_tree_gives_what_the_client_libraries_export() -> std::io::Result<()> {
+        let root = tempfile::tempdir()?;
+        let dir = root.path().join("4242");
+        std::fs::create_dir_all(dir.join("fd"))?;
+        std::fs::write(dir.join("stat"), STAT)?;
+        std::fs::write(dir.join("limits"), LIMITS)?;
+        for fd in ["0", "1", "2", "7"] {
+            std::fs::write(dir.join("fd").join(fd), "")?;
+        }
+        std::fs::write(root.path().join("stat"), "cpu  1 2 3\nbtime 1700000000\n")?;
+        let used = process_use(root.path(), "4242", 100, 4096);
+        assert_eq!(
+            used.map(|u| (
+                u.cpu_seconds,
+                u.resident_bytes,
+                u.virtual_bytes,
+                u.open_fds,
+                u.max_fds,
+                u.start_time_seconds
+            )),
+            Some((
+                2.25,
+                10_485_760.0,
+                104_857_600.0,
+                4.0,
+                20_000.0,
+                1_700_001_234.56
+            ))
+        );
+        assert_eq!(process_use(root.path(), "9999", 100, 4096), None);
+        Ok(())
+    }
+}
