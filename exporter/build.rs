@@ -3,6 +3,7 @@
 use anyhow::{Context as _, anyhow};
 
 fn main() -> anyhow::Result<()> {
+    revision();
     let metadata = cargo_metadata::MetadataCommand::new()
         .no_deps()
         .exec()
@@ -32,4 +33,31 @@ fn main() -> anyhow::Result<()> {
         }],
         aya_build::Toolchain::Custom(&toolchain),
     )
+}
+
+/// The git commit built (`POOLSCOPE_REVISION`, in `poolscope_build_info` and on the
+/// landing page): `unknown` outside a git checkout. Rebuilt when the commit changes.
+fn revision() {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|output| output.status.success())
+            .map(|output| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+    };
+    let revision =
+        git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".to_owned());
+    println!("cargo:rustc-env=POOLSCOPE_REVISION={revision}");
+    // HEAD, and the branch it points to (its file, or packed-refs once packed).
+    for path in ["HEAD", "packed-refs"] {
+        if let Some(path) = git(&["rev-parse", "--git-path", path]) {
+            println!("cargo:rerun-if-changed={path}");
+        }
+    }
+    if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"])
+        .and_then(|reference| git(&["rev-parse", "--git-path", &reference]))
+    {
+        println!("cargo:rerun-if-changed={branch}");
+    }
 }

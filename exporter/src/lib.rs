@@ -33,6 +33,9 @@ use crate::{
     web::{listener, server, webconfig},
 };
 
+/// The git commit this binary was built from (`unknown` outside a git checkout).
+pub const REVISION: &str = env!("POOLSCOPE_REVISION");
+
 /// How often to look for process events that did not wake us (execs).
 const EVENT_POLL_INTERVAL: Duration = Duration::from_millis(200);
 
@@ -153,6 +156,7 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::from_std(listener)?;
     let (scrapes, debug_access) = (settings.scrapes, settings.debug_endpoints);
+    let telemetry_path = settings.telemetry_path.clone();
     let exporter = Arc::new(Exporter::new(kernel, settings));
     if let Err(error) = exporter.rescan() {
         tracing::warn!(%error, "initial scan failed");
@@ -176,11 +180,16 @@ async fn serve(
 
     tracing::info!(
         address = %listener.local_addr()?,
+        path = %telemetry_path,
         web = web_config.current().summary(),
         "serving /metrics"
     );
     let gate = Arc::new(server::ScrapeGate::new(scrapes));
-    let app = server::app(exporter.clone(), gate.clone(), debug_access).layer(
+    let routes = server::Routes {
+        telemetry_path,
+        debug: debug_access,
+    };
+    let app = server::app(exporter.clone(), gate.clone(), routes).layer(
         axum::middleware::from_fn_with_state(web_config.clone(), webconfig::authorize),
     );
     // The no-op tap makes axum give handlers the client's address (listener.rs).

@@ -17,6 +17,9 @@ struct Cli {
     /// Address to serve /metrics on: ip:port, or :port for every address (default 127.0.0.1:9435).
     #[arg(long = "web.listen-address")]
     web_listen_address: Option<String>,
+    /// Path under which to serve the metrics (default /metrics).
+    #[arg(long = "web.telemetry-path")]
+    web_telemetry_path: Option<String>,
     /// Web configuration file (YAML, Prometheus exporter-toolkit format): TLS,
     /// client certificates, basic auth.
     #[arg(long = "web.config.file", env = "POOLSCOPE_WEB_CONFIG_FILE")]
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
     let overrides = Overrides {
         config_file: cli.config_file,
         listen_address: cli.web_listen_address,
+        telemetry_path: cli.web_telemetry_path,
         log_level: cli.log_level,
         web_config_file: cli.web_config_file,
     };

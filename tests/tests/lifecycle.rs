@@ -6,7 +6,9 @@ use std::{process::Command, time::Duration};
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, TestServer, bin_dir,
     load::{ClosedLoop, Connections},
-    one_at_a_time, pids_config, privileged, requests_settled, rss_kb, scrape_until, wait_until,
+    one_at_a_time, pids_config, privileged,
+    profiles::http_get,
+    requests_settled, rss_kb, scrape_until, wait_until,
 };
 
 /// Needs no privileges: the config is checked before anything is loaded.
@@ -278,5 +280,55 @@ fn process_metrics_are_poolscopes_own_process() -> anyhow::Result<()> {
         ),
         Some(1.0)
     );
+    Ok(())
+}
+
+/// `--web.telemetry-path` moves the metrics (and `/metrics` is then not found); `/`
+/// is an HTML page linking them, with the version and the git commit that
+/// `poolscope_build_info{revision}` also carries.
+#[test]
+fn telemetry_path_landing_page_and_revision() -> anyhow::Result<()> {
+    if !privileged("telemetry_path_landing_page_and_revision") {
+        return Ok(());
+    }
+    let args = [
+        "--web.telemetry-path".to_owned(),
+        "/probe/metrics".to_owned(),
+    ];
+    let poolscope = Poolscope::start_with("", &args, |p| p.get("/healthz").is_ok())?;
+    let metrics = http_get(poolscope.port, "/probe/metrics")?;
+    assert_eq!(metrics.status, 200);
+    let text = String::from_utf8_lossy(&metrics.body).into_owned();
+    assert!(text.contains("poolscope_build_info{"), "{text}");
+    assert_eq!(http_get(poolscope.port, "/metrics")?.status, 404);
+    let landing = http_get(poolscope.port, "/")?;
+    let page = String::from_utf8_lossy(&landing.body).into_owned();
+    assert!(
+        landing.content_type.starts_with("text/html"),
+        "{}",
+        landing.content_type
+    );
+    assert!(page.contains("<a href=\"/probe/metrics\">"), "{page}");
+    let built = text
+        .lines()
+        .find(|line| line.starts_with("poolscope_build_info{"))
+        .and_then(|line| line.split_once("revision=\""))
+        .and_then(|(_, rest)| rest.split_once('"'))
+        .map(|(revision, _)| revision.to_owned())
+        .unwrap_or_default();
+    let checkout = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()?;
+    // Equal when the binary was built at this commit (CI builds it so).
+    println!(
+        "build_info revision {built}; this checkout {}",
+        String::from_utf8_lossy(&checkout.stdout).trim()
+    );
+    assert!(
+        built.len() == 12 && built.chars().all(|c| c.is_ascii_hexdigit()),
+        "{built:?}"
+    );
+    assert!(page.contains(&format!("commit {built}")), "{page}");
     Ok(())
 }

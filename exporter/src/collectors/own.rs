@@ -10,6 +10,8 @@ use crate::{
 #[derive(Clone, Debug, Default)]
 pub struct SelfStats {
     pub version: &'static str,
+    /// The git commit built (`unknown` outside a checkout).
+    pub revision: &'static str,
     pub backend: &'static str,
     /// Every loss counter ([`health::losses`]).
     pub losses: Vec<Loss>,
@@ -120,10 +122,14 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
         Family::new(
             "build_info",
             Kind::Gauge,
-            "poolscope's version and request backend; always 1.",
+            "poolscope's version, git commit and request backend; always 1.",
         )
         .with(
-            &[("version", stats.version), ("backend", stats.backend)],
+            &[
+                ("version", stats.version),
+                ("revision", stats.revision),
+                ("backend", stats.backend),
+            ],
             1.0,
         ),
     ];

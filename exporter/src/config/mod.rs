@@ -39,6 +39,7 @@ pub const DEFAULT_LISTEN_ADDRESS: &str = "127.0.0.1:9435";
 pub struct Overrides {
     pub config_file: Option<PathBuf>,
     pub listen_address: Option<String>,
+    pub telemetry_path: Option<String>,
     pub log_level: Option<String>,
     /// `--web.config.file`: TLS and basic auth (`web/webconfig/`), not part of the TOML
     /// configuration.
@@ -58,6 +59,8 @@ pub enum ConfigError {
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub listen_address: SocketAddr,
+    /// Where `/metrics` is served (`web.telemetry_path`).
+    pub telemetry_path: String,
     pub scrapes: ScrapeLimits,
     pub debug_endpoints: DebugAccess,
     pub log_level: tracing::level_filters::LevelFilter,
@@ -145,6 +148,10 @@ impl Settings {
                 self.listen_address != running.listen_address,
             ),
             (
+                "web.telemetry_path",
+                self.telemetry_path != running.telemetry_path,
+            ),
+            (
                 "web.max_concurrent_scrapes, web.scrape_timeout, web.scrape_timeout_offset",
                 self.scrapes != running.scrapes,
             ),
@@ -222,6 +229,9 @@ fn figment(overrides: &Overrides) -> Result<Figment, ConfigError> {
     if let Some(address) = &overrides.listen_address {
         figment = figment.merge(Serialized::default("web.listen_address", address));
     }
+    if let Some(path) = &overrides.telemetry_path {
+        figment = figment.merge(Serialized::default("web.telemetry_path", path));
+    }
     if let Some(level) = &overrides.log_level {
         figment = figment.merge(Serialized::default("log.level", level));
     }
@@ -275,6 +285,30 @@ mod tests {
             Ok(settings) => panic!("accepted {toml:?} as {settings:?}"),
             Err(error) => error.to_string(),
         }
+    }
+
+    #[test]
+    fn the_telemetry_path_is_absolute_plain_and_no_other_endpoints() -> Result<(), ConfigError> {
+        assert_eq!(load_toml("")?.telemetry_path, "/metrics");
+        let settings = load_toml("[web]\ntelemetry_path = \"/probe/v1.metrics\"\n")?;
+        assert_eq!(settings.telemetry_path, "/probe/v1.metrics");
+        for bad in [
+            "",
+            "/",
+            "metrics",
+            "/a b",
+            "/a?b",
+            "/<x>",
+            "/healthz",
+            "/debug/threads",
+        ] {
+            let refused = load_toml(&format!("[web]\ntelemetry_path = \"{bad}\"\n"));
+            let Err(ConfigError::Invalid(message)) = refused else {
+                panic!("{bad:?} accepted");
+            };
+            assert!(message.contains("web.telemetry_path"), "{bad:?}: {message}");
+        }
+        Ok(())
     }
 
     #[test]

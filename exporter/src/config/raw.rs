@@ -26,6 +26,7 @@ impl Default for RawConfig {
         Self {
             web: RawWeb {
                 listen_address: DEFAULT_LISTEN_ADDRESS.to_owned(),
+                telemetry_path: "/metrics".to_owned(),
                 max_concurrent_scrapes: 4,
                 scrape_timeout: Duration::from_secs(10),
                 scrape_timeout_offset: Duration::from_millis(500),
@@ -95,6 +96,7 @@ impl Default for RawConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct RawWeb {
     pub listen_address: String,
+    pub telemetry_path: String,
     pub max_concurrent_scrapes: u32,
     #[serde(with = "humantime_serde")]
     pub scrape_timeout: Duration,

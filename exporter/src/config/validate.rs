@@ -24,6 +24,8 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
             format!("{error} (want ip:port, or :port for every address)"),
         )
     })?;
+    let telemetry_path = parse_telemetry_path(&raw.web.telemetry_path)
+        .map_err(|reason| invalid(figment, "web.telemetry_path", reason))?;
     let log_level = raw.log.level.parse().map_err(|_| {
         invalid(
             figment,
@@ -114,6 +116,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         .collect::<Result<_, _>>()?;
     Ok(Settings {
         listen_address,
+        telemetry_path,
         scrapes,
         debug_endpoints: raw.web.debug_endpoints,
         log_level,
@@ -318,6 +321,22 @@ fn validate_target(
 
 /// `ip:port`, or `:port` for every address (as Prometheus exporters take it): the
 /// IPv6 wildcard, which Linux also opens to IPv4 unless `net.ipv6.bindv6only` is set.
+/// The path of the metrics (`--web.telemetry-path`): absolute, of letters, digits and
+/// `/_.-` (so that it needs no escaping in the landing page's links), and none of
+/// the other endpoints'.
+pub(super) fn parse_telemetry_path(path: &str) -> Result<String, String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "/_.-".contains(c);
+    if !path.starts_with('/') || path.len() < 2 || !path.chars().all(allowed) {
+        return Err(format!(
+            "{path:?}: want an absolute path such as /metrics, of letters, digits and /_.-"
+        ));
+    }
+    if path == "/healthz" || path == "/debug" || path.starts_with("/debug/") {
+        return Err(format!("{path:?} is another endpoint's"));
+    }
+    Ok(path.to_owned())
+}
+
 pub(super) fn parse_listen_address(text: &str) -> Result<std::net::SocketAddr, String> {
     match text.strip_prefix(':') {
         Some(port) => port

@@ -199,6 +199,7 @@ impl Exporter {
         });
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
+            revision: crate::REVISION,
             backend: locked.backend.name(),
             losses,
             degraded,

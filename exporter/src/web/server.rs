@@ -29,7 +29,7 @@ use axum::{
     extract::{ConnectInfo, Path, Query, Request, State},
     http::{HeaderMap, HeaderValue, StatusCode, header},
     middleware::{self, Next},
-    response::{IntoResponse, Response},
+    response::{Html, IntoResponse, Response},
     routing::get,
 };
 
@@ -39,6 +39,7 @@ use crate::{
     encode::{Family, Format, Kind, render},
     stacks::profile::{self, ProfileError, View},
     stacks::sessions::{ProfileQuery, Refusal, Ticket},
+    web::landing::landing_page,
 };
 
 /// Something that reads every metric family for one scrape.
@@ -242,9 +243,21 @@ impl ScrapeGate {
     }
 }
 
+/// Where the router serves what: the metrics' path, and who may use `/debug/*`.
+#[derive(Clone, Debug)]
+pub struct Routes {
+    pub telemetry_path: String,
+    pub debug: DebugAccess,
+}
+
 /// The router. Serve it with `into_make_service_with_connect_info::<SocketAddr>()`:
 /// `/debug/*` needs the client's address.
-pub fn app(gatherer: Arc<dyn Gatherer>, gate: Arc<ScrapeGate>, debug: DebugAccess) -> Router {
+pub fn app(gatherer: Arc<dyn Gatherer>, gate: Arc<ScrapeGate>, routes: Routes) -> Router {
+    let Routes {
+        telemetry_path,
+        debug,
+    } = routes;
+    let landing = Html(landing_page(&telemetry_path, debug));
     let debug_routes = Router::new()
         .route("/debug/threads", get(debug_threads))
         .route("/debug/locks", get(debug_locks))
@@ -254,7 +267,7 @@ pub fn app(gatherer: Arc<dyn Gatherer>, gate: Arc<ScrapeGate>, debug: DebugAcces
         .route_layer(middleware::from_fn_with_state(debug, debug_guard));
     Router::new()
         .route(
-            "/metrics",
+            &telemetry_path,
             get(move |State(gatherer), headers| metrics(gatherer, gate, headers)),
         )
         // 200 either way: restarting poolscope does not make a map larger, so a
@@ -263,7 +276,7 @@ pub fn app(gatherer: Arc<dyn Gatherer>, gate: Arc<ScrapeGate>, debug: DebugAcces
             "/healthz",
             get(|State(gatherer): State<Arc<dyn Gatherer>>| async move { gatherer.health() }),
         )
-        .route("/", get(|| async { "poolscope: see /metrics\n" }))
+        .route("/", get(move || async move { landing }))
         .merge(debug_routes)
         .with_state(gatherer)
 }
@@ -639,7 +652,10 @@ mod tests {
         app(
             gatherer,
             Arc::new(ScrapeGate::new(limits)),
-            DebugAccess::Localhost,
+            Routes {
+                telemetry_path: "/metrics".to_owned(),
+                debug: DebugAccess::Localhost,
+            },
         )
     }
 
@@ -1035,7 +1051,10 @@ mod tests {
             app(
                 Arc::new(Fixed::default()),
                 Arc::new(ScrapeGate::new(LIMITS)),
-                access,
+                Routes {
+                    telemetry_path: "/metrics".to_owned(),
+                    debug: access,
+                },
             )
         };
         let local = send(
