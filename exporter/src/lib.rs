@@ -10,6 +10,7 @@ pub mod discovery;
 pub mod encode;
 pub mod exporter;
 pub mod kernel;
+pub mod logging;
 pub mod metrics;
 pub mod stacks;
 pub mod web;
@@ -19,15 +20,13 @@ use std::{sync::Arc, time::Duration};
 use anyhow::Context as _;
 use poolscope_shared::ProcessEvent;
 use tokio::{io::unix::AsyncFd, sync::Notify};
-use tracing_subscriber::{
-    filter::LevelFilter, layer::SubscriberExt as _, reload, util::SubscriberInitExt as _,
-};
 
 use crate::{
     config::{Overrides, Settings},
     discovery::procfs,
     exporter::Exporter,
     kernel::{Kernel, ProbeState, ProcessEvents, Sampling, caps},
+    logging::LogHandle,
     metrics::pools,
     stacks::{heap, snapshots::Trigger},
     web::{listener, server, webconfig},
@@ -45,21 +44,6 @@ const MAX_STACK_DRAIN_INTERVAL: Duration = Duration::from_secs(10);
 
 /// After an exec-triggered rescan, wait at least this long before the next one.
 const MIN_TRIGGERED_RESCAN_GAP: Duration = Duration::from_secs(1);
-
-type LogHandle = reload::Handle<LevelFilter, tracing_subscriber::Registry>;
-
-fn init_logging(level: LevelFilter) -> LogHandle {
-    let (filter, handle) = reload::Layer::new(level);
-    tracing_subscriber::registry()
-        .with(filter)
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
-        )
-        .init();
-    handle
-}
 
 /// The request backend: the socket one where this kernel has its tracepoints, unless
 /// the config forces one. A forced backend the kernel lacks is refused rather than
@@ -91,7 +75,7 @@ fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
 /// thread starts: capabilities are per thread, and later threads inherit these.
 pub fn run(overrides: Overrides) -> anyhow::Result<()> {
     let settings = Settings::load(&overrides)?;
-    let log = init_logging(settings.log_level);
+    let log = logging::init(settings.log_level, settings.log_format);
     heap::set_up();
     match procfs::check_host_pid_namespace(&settings.procfs_root) {
         Ok(()) => {}

@@ -27,6 +27,9 @@ struct Cli {
     /// error, warn, info, debug or trace.
     #[arg(long = "log.level")]
     log_level: Option<String>,
+    /// text, logfmt or json.
+    #[arg(long = "log.format")]
+    log_format: Option<String>,
     /// Only check the configuration (file, environment, flags, web config file) and exit.
     #[arg(long = "config.check")]
     config_check: bool,
@@ -41,6 +44,7 @@ fn main() -> ExitCode {
         listen_address: cli.web_listen_address,
         telemetry_path: cli.web_telemetry_path,
         log_level: cli.log_level,
+        log_format: cli.log_format,
         web_config_file: cli.web_config_file,
     };
     if cli.config_check {

@@ -332,3 +332,37 @@ fn telemetry_path_landing_page_and_revision() -> anyhow::Result<()> {
     assert!(page.contains(&format!("commit {built}")), "{page}");
     Ok(())
 }
+
+/// `--log.format=json` writes one JSON object per line, with the level and message;
+/// `--log.format=logfmt` writes `ts=… level=… … msg=…` lines.
+#[test]
+fn log_formats_write_one_record_per_line() -> anyhow::Result<()> {
+    if !privileged("log_formats_write_one_record_per_line") {
+        return Ok(());
+    }
+    for format in ["json", "logfmt"] {
+        let args = ["--log.format".to_owned(), format.to_owned()];
+        let mut poolscope = Poolscope::start_with("", &args, |p| p.get("/healthz").is_ok())?;
+        let log = poolscope.stop_and_log();
+        let lines: Vec<&str> = log.lines().filter(|line| !line.trim().is_empty()).collect();
+        anyhow::ensure!(lines.len() >= 3, "{format}: {log}");
+        for line in &lines {
+            match format {
+                "json" => {
+                    let record: serde_json::Value = serde_json::from_str(line)
+                        .map_err(|error| anyhow::anyhow!("{error}: {line}"))?;
+                    anyhow::ensure!(
+                        record["level"].is_string() && record["message"].is_string(),
+                        "{line}"
+                    );
+                }
+                _ => anyhow::ensure!(
+                    line.starts_with("ts=") && line.contains(" level=") && line.contains(" msg="),
+                    "{line}"
+                ),
+            }
+        }
+        println!("{format}: {} lines, e.g. {}", lines.len(), lines[0]);
+    }
+    Ok(())
+}

@@ -41,6 +41,7 @@ pub struct Overrides {
     pub listen_address: Option<String>,
     pub telemetry_path: Option<String>,
     pub log_level: Option<String>,
+    pub log_format: Option<String>,
     /// `--web.config.file`: TLS and basic auth (`web/webconfig/`), not part of the TOML
     /// configuration.
     pub web_config_file: Option<PathBuf>,
@@ -64,6 +65,7 @@ pub struct Settings {
     pub scrapes: ScrapeLimits,
     pub debug_endpoints: DebugAccess,
     pub log_level: tracing::level_filters::LevelFilter,
+    pub log_format: LogFormat,
     pub rescan_interval: Duration,
     pub procfs_root: PathBuf,
     pub backend: Backend,
@@ -151,6 +153,7 @@ impl Settings {
                 "web.telemetry_path",
                 self.telemetry_path != running.telemetry_path,
             ),
+            ("log.format", self.log_format != running.log_format),
             (
                 "web.max_concurrent_scrapes, web.scrape_timeout, web.scrape_timeout_offset",
                 self.scrapes != running.scrapes,
@@ -231,6 +234,9 @@ fn figment(overrides: &Overrides) -> Result<Figment, ConfigError> {
     }
     if let Some(path) = &overrides.telemetry_path {
         figment = figment.merge(Serialized::default("web.telemetry_path", path));
+    }
+    if let Some(format) = &overrides.log_format {
+        figment = figment.merge(Serialized::default("log.format", format));
     }
     if let Some(level) = &overrides.log_level {
         figment = figment.merge(Serialized::default("log.level", level));

@@ -34,6 +34,7 @@ impl Default for RawConfig {
             },
             log: RawLog {
                 level: "info".to_owned(),
+                format: LogFormat::Text,
             },
             discovery: RawDiscovery {
                 rescan_interval: Duration::from_secs(5),
@@ -109,6 +110,20 @@ pub struct RawWeb {
 #[serde(deny_unknown_fields, default)]
 pub struct RawLog {
     pub level: String,
+    pub format: LogFormat,
+}
+
+/// How the log is written (`[log] format`, `--log.format`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// tracing's readable lines.
+    #[default]
+    Text,
+    /// `ts=… level=… msg=…`, as Prometheus writes.
+    Logfmt,
+    /// One JSON object per line.
+    Json,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]

@@ -120,6 +120,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         scrapes,
         debug_endpoints: raw.web.debug_endpoints,
         log_level,
+        log_format: raw.log.format,
         rescan_interval: raw.discovery.rescan_interval,
         procfs_root: raw.discovery.procfs_root.clone(),
         backend: raw.probes.backend,
