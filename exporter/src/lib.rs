@@ -107,9 +107,15 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         "kernel probes loaded (each skipped one is logged above with its reason)"
     );
 
-    let listener = bind(settings.listen_address)
-        .with_context(|| format!("cannot listen on {}", settings.listen_address))?;
-    listener.set_nonblocking(true)?;
+    let listeners = settings
+        .listen_addresses
+        .iter()
+        .map(|&address| {
+            let listener = bind(address).with_context(|| format!("cannot listen on {address}"))?;
+            listener.set_nonblocking(true)?;
+            Ok(listener)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     match caps::drop_unneeded(!settings.lock_uprobes.is_empty()) {
         Ok((before, after)) if before != after => tracing::info!(
             kept = %caps::Names(after.permitted),
@@ -124,7 +130,7 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?
         .block_on(serve(
-            settings, kernel, events, listener, web_config, overrides, log,
+            settings, kernel, events, listeners, web_config, overrides, log,
         ))
 }
 
@@ -133,12 +139,15 @@ async fn serve(
     settings: Settings,
     kernel: Kernel,
     events: ProcessEvents,
-    listener: std::net::TcpListener,
+    listeners: Vec<std::net::TcpListener>,
     web_config: Arc<webconfig::WebState>,
     overrides: Overrides,
     log: LogHandle,
 ) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let listeners = listeners
+        .into_iter()
+        .map(tokio::net::TcpListener::from_std)
+        .collect::<Result<Vec<_>, _>>()?;
     let (scrapes, debug_access) = (settings.scrapes, settings.debug_endpoints);
     let telemetry_path = settings.telemetry_path.clone();
     let exporter = Arc::new(Exporter::new(kernel, settings));
@@ -162,8 +171,12 @@ async fn serve(
         shutdown_tx,
     )?;
 
+    let addresses = listeners
+        .iter()
+        .map(|listener| listener.local_addr().map(|address| address.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
     tracing::info!(
-        address = %listener.local_addr()?,
+        address = addresses.join(","),
         path = %telemetry_path,
         web = web_config.current().summary(),
         "serving /metrics"
@@ -178,7 +191,7 @@ async fn serve(
     );
     // The no-op tap makes axum give handlers the client's address (listener.rs).
     let listener = axum::serve::ListenerExt::tap_io(
-        listener::Listener::spawn(listener, web_config, gate, listener::HANDSHAKE_TIMEOUT)?,
+        listener::Listener::spawn(listeners, web_config, gate, listener::HANDSHAKE_TIMEOUT)?,
         |_| {},
     );
     axum::serve(

@@ -14,9 +14,10 @@ struct Cli {
     /// TOML configuration file.
     #[arg(long = "config.file", env = "POOLSCOPE_CONFIG_FILE")]
     config_file: Option<PathBuf>,
-    /// Address to serve /metrics on: ip:port, or :port for every address (default 127.0.0.1:9435).
+    /// Address to serve /metrics on: ip:port, or :port for every address (default
+    /// 127.0.0.1:9435); repeat it to listen on several.
     #[arg(long = "web.listen-address")]
-    web_listen_address: Option<String>,
+    web_listen_address: Vec<String>,
     /// Path under which to serve the metrics (default /metrics).
     #[arg(long = "web.telemetry-path")]
     web_telemetry_path: Option<String>,
@@ -41,7 +42,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let overrides = Overrides {
         config_file: cli.config_file,
-        listen_address: cli.web_listen_address,
+        listen_addresses: cli.web_listen_address,
         telemetry_path: cli.web_telemetry_path,
         log_level: cli.log_level,
         log_format: cli.log_format,

@@ -366,3 +366,26 @@ fn log_formats_write_one_record_per_line() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `--web.listen-address` given twice: both addresses serve the same endpoints.
+#[test]
+fn a_repeated_listen_address_serves_on_each() -> anyhow::Result<()> {
+    if !privileged("a_repeated_listen_address_serves_on_each") {
+        return Ok(());
+    }
+    let second = poolscope_tests::free_port()?;
+    let args = [
+        "--web.listen-address".to_owned(),
+        format!("127.0.0.1:{second}"),
+    ];
+    let poolscope = Poolscope::start_with("", &args, |p| p.get("/healthz").is_ok())?;
+    for port in [poolscope.port, second] {
+        let metrics = http_get(port, "/metrics")?;
+        assert_eq!(metrics.status, 200, "port {port}");
+        assert!(
+            String::from_utf8_lossy(&metrics.body).contains("poolscope_build_info{"),
+            "port {port}"
+        );
+    }
+    Ok(())
+}

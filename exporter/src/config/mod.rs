@@ -38,7 +38,8 @@ pub const DEFAULT_LISTEN_ADDRESS: &str = "127.0.0.1:9435";
 #[derive(Clone, Debug, Default)]
 pub struct Overrides {
     pub config_file: Option<PathBuf>,
-    pub listen_address: Option<String>,
+    /// `--web.listen-address`, as often as given (none: the configuration's).
+    pub listen_addresses: Vec<String>,
     pub telemetry_path: Option<String>,
     pub log_level: Option<String>,
     pub log_format: Option<String>,
@@ -59,7 +60,8 @@ pub enum ConfigError {
 /// Validated settings, ready to use.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    pub listen_address: SocketAddr,
+    /// Where `/metrics`, `/healthz` and `/debug/*` are served; at least one.
+    pub listen_addresses: Vec<SocketAddr>,
     /// Where `/metrics` is served (`web.telemetry_path`).
     pub telemetry_path: String,
     pub scrapes: ScrapeLimits,
@@ -147,7 +149,7 @@ impl Settings {
         let mut changed: Vec<&'static str> = [
             (
                 "web.listen_address",
-                self.listen_address != running.listen_address,
+                self.listen_addresses != running.listen_addresses,
             ),
             (
                 "web.telemetry_path",
@@ -229,8 +231,11 @@ fn figment(overrides: &Overrides) -> Result<Figment, ConfigError> {
             })
             .split("__"),
     );
-    if let Some(address) = &overrides.listen_address {
-        figment = figment.merge(Serialized::default("web.listen_address", address));
+    if !overrides.listen_addresses.is_empty() {
+        figment = figment.merge(Serialized::default(
+            "web.listen_address",
+            &overrides.listen_addresses,
+        ));
     }
     if let Some(path) = &overrides.telemetry_path {
         figment = figment.merge(Serialized::default("web.telemetry_path", path));
@@ -321,14 +326,33 @@ mod tests {
     fn a_listen_address_of_only_a_port_is_every_address() -> Result<(), ConfigError> {
         let settings = load_toml("[web]\nlisten_address = \":9435\"\n")?;
         assert_eq!(
-            settings.listen_address,
-            "[::]:9435".parse().expect("address")
+            settings.listen_addresses,
+            ["[::]:9435".parse().expect("address")]
         );
         let settings = load_toml("[web]\nlisten_address = \"10.0.0.1:80\"\n")?;
         assert_eq!(
-            settings.listen_address,
-            "10.0.0.1:80".parse().expect("address")
+            settings.listen_addresses,
+            ["10.0.0.1:80".parse().expect("address")]
         );
+        let settings = load_toml("[web]\nlisten_address = [\"127.0.0.1:80\", \"10.0.0.1:80\"]\n")?;
+        assert_eq!(
+            settings.listen_addresses,
+            [
+                "127.0.0.1:80".parse().expect("address"),
+                "10.0.0.1:80".parse().expect("address")
+            ]
+        );
+        for bad in [
+            "[]",
+            "[\"127.0.0.1:80\", \"127.0.0.1:80\"]",
+            "[\"127.0.0.1:80\", \"x\"]",
+        ] {
+            let refused = load_toml(&format!("[web]\nlisten_address = {bad}\n"));
+            let Err(ConfigError::Invalid(message)) = refused else {
+                panic!("{bad:?} accepted");
+            };
+            assert!(message.contains("web.listen_address"), "{bad:?}: {message}");
+        }
         for bad in [":", ":http", ":70000", "localhost:9435", "9435"] {
             let refused = load_toml(&format!("[web]\nlisten_address = \"{bad}\"\n"));
             let Err(ConfigError::Invalid(message)) = refused else {
@@ -374,10 +398,9 @@ mod tests {
     fn defaults_listen_on_localhost_and_auto_discover() -> Result<(), ConfigError> {
         let settings = load_toml("")?;
         assert_eq!(
-            settings.listen_address,
-            DEFAULT_LISTEN_ADDRESS.parse().expect("addr")
+            settings.listen_addresses,
+            [DEFAULT_LISTEN_ADDRESS.parse().expect("addr")]
         );
-        assert!(settings.listen_address.ip().is_loopback());
         assert!(settings.targets.is_empty());
         assert_eq!(settings.backend, Backend::Auto);
         Ok(())
@@ -403,7 +426,10 @@ mod tests {
             cgroup = "nginx.service"
             "#,
         )?;
-        assert_eq!(settings.listen_address.port(), 9999);
+        assert_eq!(
+            settings.listen_addresses,
+            ["0.0.0.0:9999".parse().expect("addr")]
+        );
         assert_eq!(settings.rescan_interval, Duration::from_secs(2));
         assert_eq!(settings.backend, Backend::Syscall);
         assert_eq!(settings.targets.len(), 2);
@@ -530,11 +556,17 @@ mod tests {
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         let settings = Settings::load(&Overrides {
             config_file: Some(path),
-            listen_address: Some("127.0.0.1:2".into()),
+            listen_addresses: vec!["127.0.0.1:2".into(), "127.0.0.1:3".into()],
             log_level: Some("debug".into()),
             ..Overrides::default()
         })?;
-        assert_eq!(settings.listen_address.port(), 2);
+        assert_eq!(
+            settings.listen_addresses,
+            [
+                "127.0.0.1:2".parse().expect("addr"),
+                "127.0.0.1:3".parse().expect("addr")
+            ]
+        );
         assert_eq!(
             settings.log_level,
             tracing::level_filters::LevelFilter::DEBUG

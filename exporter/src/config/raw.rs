@@ -25,7 +25,7 @@ impl Default for RawConfig {
     fn default() -> Self {
         Self {
             web: RawWeb {
-                listen_address: DEFAULT_LISTEN_ADDRESS.to_owned(),
+                listen_address: ListenAddresses::One(DEFAULT_LISTEN_ADDRESS.to_owned()),
                 telemetry_path: "/metrics".to_owned(),
                 max_concurrent_scrapes: 4,
                 scrape_timeout: Duration::from_secs(10),
@@ -96,7 +96,7 @@ impl Default for RawConfig {
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawWeb {
-    pub listen_address: String,
+    pub listen_address: ListenAddresses,
     pub telemetry_path: String,
     pub max_concurrent_scrapes: u32,
     #[serde(with = "humantime_serde")]
@@ -104,6 +104,30 @@ pub struct RawWeb {
     #[serde(with = "humantime_serde")]
     pub scrape_timeout_offset: Duration,
     pub debug_endpoints: DebugAccess,
+}
+
+/// `[web] listen_address`: one address, or a list of them (as `--web.listen-address`
+/// repeated).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum ListenAddresses {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Default for ListenAddresses {
+    fn default() -> Self {
+        Self::Many(Vec::new())
+    }
+}
+
+impl ListenAddresses {
+    pub fn as_slice(&self) -> &[String] {
+        match self {
+            Self::One(address) => std::slice::from_ref(address),
+            Self::Many(addresses) => addresses,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]

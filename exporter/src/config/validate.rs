@@ -17,13 +17,8 @@ fn invalid(figment: &Figment, key: &str, reason: impl std::fmt::Display) -> Conf
 }
 
 pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, ConfigError> {
-    let listen_address = parse_listen_address(&raw.web.listen_address).map_err(|error| {
-        invalid(
-            figment,
-            "web.listen_address",
-            format!("{error} (want ip:port, or :port for every address)"),
-        )
-    })?;
+    let listen_addresses = parse_listen_addresses(raw.web.listen_address.as_slice())
+        .map_err(|reason| invalid(figment, "web.listen_address", reason))?;
     let telemetry_path = parse_telemetry_path(&raw.web.telemetry_path)
         .map_err(|reason| invalid(figment, "web.telemetry_path", reason))?;
     let log_level = raw.log.level.parse().map_err(|_| {
@@ -115,7 +110,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         .map(|(index, target)| validate_target(target, index, figment))
         .collect::<Result<_, _>>()?;
     Ok(Settings {
-        listen_address,
+        listen_addresses,
         telemetry_path,
         scrapes,
         debug_endpoints: raw.web.debug_endpoints,
@@ -336,6 +331,23 @@ pub(super) fn parse_telemetry_path(path: &str) -> Result<String, String> {
         return Err(format!("{path:?} is another endpoint's"));
     }
     Ok(path.to_owned())
+}
+
+/// Every address to listen on: at least one, none twice.
+fn parse_listen_addresses(texts: &[String]) -> Result<Vec<std::net::SocketAddr>, String> {
+    let mut addresses = Vec::with_capacity(texts.len());
+    for text in texts {
+        let address = parse_listen_address(text)
+            .map_err(|error| format!("{error} (want ip:port, or :port for every address)"))?;
+        if addresses.contains(&address) {
+            return Err(format!("{text:?} is given twice"));
+        }
+        addresses.push(address);
+    }
+    if addresses.is_empty() {
+        return Err("no address to listen on".to_owned());
+    }
+    Ok(addresses)
 }
 
 pub(super) fn parse_listen_address(text: &str) -> Result<std::net::SocketAddr, String> {

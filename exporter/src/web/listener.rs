@@ -110,17 +110,27 @@ pub struct Listener {
 }
 
 impl Listener {
-    /// Starts accepting on `tcp`; stops when the listener is dropped. A TLS handshake
-    /// has `handshake_timeout` ([`HANDSHAKE_TIMEOUT`]) to complete.
+    /// Starts accepting on each of `tcp` (`--web.listen-address` repeated), into one
+    /// queue; stops when the listener is dropped. A TLS handshake has
+    /// `handshake_timeout` ([`HANDSHAKE_TIMEOUT`]) to complete.
     pub fn spawn(
-        tcp: TcpListener,
+        tcp: Vec<TcpListener>,
         web: Arc<WebState>,
         gate: Arc<ScrapeGate>,
         handshake_timeout: Duration,
     ) -> io::Result<Self> {
-        let local = tcp.local_addr()?;
+        let Some(first) = tcp.first() else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "no address to listen on",
+            ));
+        };
+        let local = first.local_addr()?;
         let (sender, ready) = mpsc::channel(READY_BACKLOG);
-        tokio::spawn(accept_loop(tcp, web, gate, sender, handshake_timeout));
+        for tcp in tcp {
+            let (web, gate, sender) = (web.clone(), gate.clone(), sender.clone());
+            tokio::spawn(accept_loop(tcp, web, gate, sender, handshake_timeout));
+        }
         Ok(Self { ready, local })
     }
 }
@@ -238,7 +248,7 @@ mod tests {
             timeout_offset: Duration::from_millis(500),
         }));
         let tcp = TcpListener::bind("127.0.0.1:0").await?;
-        let listener = Listener::spawn(tcp, web.clone(), gate.clone(), handshake_timeout)?;
+        let listener = Listener::spawn(vec![tcp], web.clone(), gate.clone(), handshake_timeout)?;
         let address = listener.local_addr()?;
         let app = Router::new()
             .route(
