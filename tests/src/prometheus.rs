@@ -54,6 +54,16 @@ impl Prometheus {
     /// Starts Prometheus scraping `targets` (`host:port`) as job `job` and evaluating
     /// `rule_files`, both every second, and waits until it is ready.
     pub fn start(job: &str, targets: &[String], rule_files: &[PathBuf]) -> anyhow::Result<Self> {
+        Self::start_with_features(job, targets, rule_files, &[])
+    }
+
+    /// As [`Self::start`], with `--enable-feature` for each of `features`.
+    pub fn start_with_features(
+        job: &str,
+        targets: &[String],
+        rule_files: &[PathBuf],
+        features: &[&str],
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let quoted = |text: &str| format!("'{}'", text.replace('\'', "''"));
         let rules: Vec<String> = rule_files
@@ -80,6 +90,11 @@ impl Prometheus {
                 dir.path().join("data").display()
             ))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .args(
+                features
+                    .iter()
+                    .map(|feature| format!("--enable-feature={feature}")),
+            )
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

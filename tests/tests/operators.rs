@@ -23,7 +23,7 @@ use poolscope_tests::{
     load::{ClosedLoop, Connections},
     one_at_a_time, parse_tids, privileged,
     prometheus::Prometheus,
-    scrape_until, wait_until,
+    requests_settled, scrape_until, wait_until,
 };
 use serde_json::Value;
 
@@ -949,6 +949,163 @@ fn check_panel_query(prometheus: &Prometheus, query: &Query, expr: &str) -> anyh
             "{}: legend {:?} shows {label}, which {expr} does not return: {result}",
             query.place,
             query.legend
+        );
+    }
+    Ok(())
+}
+
+/// The one float a query returns, if it returns one series.
+fn one_value(prometheus: &Prometheus, expr: &str) -> anyhow::Result<f64> {
+    let (_, result) = prometheus.query(expr)?;
+    match result.as_array().map(Vec::as_slice) {
+        Some([series]) => sample_value(series).with_context(|| format!("{expr}: {series}")),
+        _ => bail!("{expr}: not one series: {result}"),
+    }
+}
+
+/// Native histograms (issue 29): a Prometheus with native histograms on asks for the
+/// protobuf exposition and stores each request histogram as one series; its
+/// `histogram_quantile` agrees with the window quantiles (one native bucket per fine
+/// bucket: within 4.5 %) and with a classic Prometheus' quantile over the classic
+/// buckets (the same classic bucket) on the same requests, whose count all three
+/// have exactly.
+#[test]
+fn native_histograms_in_a_real_prometheus_agree_with_the_classic_buckets_and_the_window()
+-> anyhow::Result<()> {
+    if !privileged(
+        "native_histograms_in_a_real_prometheus_agree_with_the_classic_buckets_and_the_window",
+    ) {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    // 2 workers of 5 ms, 4 keep-alive clients: latencies of ~10 ms, half of it queued.
+    let pooled = PoolServer::start(2, Duration::from_millis(5))?;
+    let config = format!(
+        "[discovery]\nrescan_interval = \"500ms\"\n\
+         [[targets]]\nservice = \"pooled\"\npids = [{}]\n",
+        pooled.pid()
+    );
+    let poolscope = Poolscope::start(&config)?;
+    // Watched (and its window's first reading, empty, taken) before any request: the
+    // window then holds every request of the test (it is shorter than 60 s).
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", "pooled")]) == Some(1.0)
+    })?;
+    let instance = [format!("127.0.0.1:{}", poolscope.port)];
+    let native =
+        Prometheus::start_with_features("poolscope", &instance, &[], &["native-histograms"])?;
+    let classic = Prometheus::start("poolscope", &instance, &[])?;
+    let clients = ClosedLoop::start(pooled.port, 4, Connections::KeepAlive);
+    std::thread::sleep(Duration::from_secs(8));
+    let made = clients.stop()?;
+    let settled = scrape_until(&poolscope, |m| {
+        requests_settled(m, "pooled", made.completed)
+    })?;
+    ensure!(
+        settled.value("poolscope_requests_total", &[("service", "pooled")])
+            == Some(made.completed as f64),
+        "poolscope counted other than the {} requests made",
+        made.completed
+    );
+    let counts = |prometheus: &Prometheus, expr: &str| one_value(prometheus, expr).ok();
+    let native_count = "histogram_count(poolscope_request_latency_seconds{service=\"pooled\"})";
+    let classic_count = "poolscope_request_latency_seconds_count{service=\"pooled\"}";
+    let scraped = wait_until(Duration::from_secs(15), || {
+        counts(&native, native_count) == Some(made.completed as f64)
+            && counts(&classic, classic_count) == Some(made.completed as f64)
+    });
+    ensure!(
+        scraped,
+        "the Prometheus servers did not count the {} requests: native {:?} ({}), classic {:?} ({})",
+        made.completed,
+        counts(&native, native_count),
+        native.log(),
+        counts(&classic, classic_count),
+        classic.log()
+    );
+
+    // One series per histogram: no classic buckets in the native Prometheus, and the
+    // rest of the series the same.
+    let (_, buckets) = native.query("poolscope_request_latency_seconds_bucket")?;
+    ensure!(
+        buckets.as_array().is_some_and(Vec::is_empty),
+        "classic buckets stored: {buckets}"
+    );
+    let series = "count({__name__=~\"poolscope_.+\", service=\"pooled\"})";
+    let (native_series, classic_series) =
+        (one_value(&native, series)?, one_value(&classic, series)?);
+    let classic_buckets = one_value(
+        &classic,
+        "count(poolscope_request_latency_seconds_bucket{service=\"pooled\"})",
+    )?;
+    // Each of the three request histograms: its buckets, _sum and _count against one.
+    assert_eq!(
+        classic_series - native_series,
+        3.0 * (classic_buckets + 1.0),
+        "series of the service: classic {classic_series}, native {native_series}"
+    );
+
+    let (_, bucket_series) =
+        classic.query("poolscope_request_latency_seconds_bucket{service=\"pooled\"}")?;
+    let mut bounds: Vec<(f64, f64)> = bucket_series
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|series| {
+            let le = series["metric"]["le"].as_str()?.parse().ok()?;
+            Some((le, sample_value(series)?))
+        })
+        .collect();
+    bounds.sort_by(|a, b| a.0.total_cmp(&b.0));
+    eprintln!(
+        "{} requests (client p50 {:?}, p99 {:?}); series of the service: classic \
+         {classic_series}, native {native_series}",
+        made.completed,
+        made.quantile(0.5),
+        made.quantile(0.99)
+    );
+    for q in [0.5, 0.9, 0.99] {
+        let window = one_value(
+            &classic,
+            &format!(
+                "poolscope_request_latency_window_seconds{{service=\"pooled\",quantile=\"{q}\"}}"
+            ),
+        )?;
+        let native_q = one_value(
+            &native,
+            &format!(
+                "histogram_quantile({q}, poolscope_request_latency_seconds{{service=\"pooled\"}})"
+            ),
+        )?;
+        let classic_q = one_value(
+            &classic,
+            &format!(
+                "histogram_quantile({q}, poolscope_request_latency_seconds_bucket{{service=\"pooled\"}})"
+            ),
+        )?;
+        // The classic bucket the rank falls in.
+        let rank = q * made.completed as f64;
+        let upper_at = bounds
+            .iter()
+            .position(|&(_, cumulative)| cumulative >= rank)
+            .with_context(|| format!("no bucket reaches rank {rank}: {bounds:?}"))?;
+        let lower = upper_at.checked_sub(1).map_or(0.0, |at| bounds[at].0);
+        let upper = bounds[upper_at].0;
+        eprintln!(
+            "q{q}: window {window:.6} s, native {native_q:.6} s, classic {classic_q:.6} s \
+             in ({lower}, {upper}]"
+        );
+        ensure!(
+            (native_q / window - 1.0).abs() <= 0.045,
+            "q{q}: native {native_q} against the window's {window}"
+        );
+        ensure!(
+            (lower..=upper).contains(&window) && (lower..=upper).contains(&classic_q),
+            "q{q}: window {window} or classic {classic_q} outside ({lower}, {upper}]"
+        );
+        ensure!(
+            lower / 1.045 <= native_q && native_q <= upper * 1.045,
+            "q{q}: native {native_q} outside the classic bucket ({lower}, {upper}]"
         );
     }
     Ok(())

@@ -74,17 +74,12 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
     );
     let buckets = ClassicBuckets::new(layout.octaves_per_bucket);
     let distribution = |histogram: &Histogram| {
-        let (sum, count) = (histogram.sum_ns as f64 / 1e9, histogram.count());
         if layout.pool_histogram_buckets {
-            Value::Histogram {
-                buckets: buckets.of(histogram),
-                sum,
-                count,
-            }
+            buckets.value(histogram)
         } else {
             Value::Summary {
                 quantiles: Vec::new(),
-                totals: Some((sum, count)),
+                totals: Some((histogram.sum_ns as f64 / 1e9, histogram.count())),
             }
         }
     };

@@ -169,14 +169,7 @@ impl RequestFamilies {
         }
         let cumulative = [&times.queue, &times.duration, &times.latency];
         for (family, histogram) in self.histograms.iter_mut().zip(cumulative) {
-            family.push_value(
-                labels,
-                Value::Histogram {
-                    buckets: self.buckets.of(histogram),
-                    sum: histogram.sum_ns as f64 / 1e9,
-                    count: histogram.count(),
-                },
-            );
+            family.push_value(labels, self.buckets.value(histogram));
         }
         // Quantiles over the window, without `_sum` and `_count`: those are the
         // histogram's (counters to Prometheus, so cumulative, not the window's).

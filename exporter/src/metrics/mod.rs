@@ -3,5 +3,6 @@
 //! and poolscope's own health and loss counters (`health`).
 pub mod health;
 pub mod locks;
+pub mod native;
 pub mod pools;
 pub mod window;

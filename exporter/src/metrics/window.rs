@@ -9,7 +9,7 @@ use std::{
 
 use poolscope_shared::{HISTOGRAM_BUCKETS, Histogram, RequestTimes, histogram_bucket_bounds};
 
-use crate::config::OctavesPerBucket;
+use crate::{config::OctavesPerBucket, encode::Value, metrics::native::native_buckets};
 
 /// Quantiles exported by the `_window` summaries.
 pub const QUANTILES: [f64; 4] = [0.5, 0.9, 0.99, 0.999];
@@ -58,6 +58,17 @@ impl ClassicBuckets {
                 (lower_ns as f64 / 1e9, cumulative)
             })
             .collect()
+    }
+
+    /// `histogram` as an exported histogram: these classic buckets, and its native
+    /// buckets for the protobuf exposition.
+    pub fn value(self, histogram: &Histogram) -> Value {
+        Value::Histogram {
+            buckets: self.of(histogram),
+            sum: histogram.sum_ns as f64 / 1e9,
+            count: histogram.count(),
+            native: Some(native_buckets(histogram)),
+        }
     }
 }
 

@@ -311,6 +311,7 @@ impl Sessions {
                         .collect(),
                     sum: self.start_sum,
                     count: self.start_count,
+                    native: None,
                 },
             ),
         ]

@@ -36,7 +36,7 @@ use axum::{
 use crate::{
     clock::monotonic_ns,
     config::{DebugAccess, ScrapeLimits},
-    encode::{Family, Format, Kind, render},
+    encode::{Exposition, Family, Kind, weighted_items},
     stacks::profile::{self, ProfileError, View},
     stacks::sessions::{ProfileQuery, Refusal, Ticket},
     web::landing::landing_page,
@@ -316,14 +316,9 @@ fn accepts_gzip(headers: &HeaderMap) -> bool {
         .get_all(header::ACCEPT_ENCODING)
         .iter()
         .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .any(|coding| {
-            let mut parts = coding.split(';').map(str::trim);
-            let name = parts.next().unwrap_or_default();
-            let weight = parts
-                .find_map(|param| param.strip_prefix("q="))
-                .map_or(Some(1.0), |q| q.parse::<f64>().ok());
-            (name.eq_ignore_ascii_case("gzip") || name == "*") && weight.is_some_and(|q| q > 0.0)
+        .flat_map(weighted_items)
+        .any(|(coding, _, weight)| {
+            (coding.eq_ignore_ascii_case("gzip") || coding == "*") && weight > 0.0
         })
 }
 
@@ -356,7 +351,7 @@ async fn metrics(
         )
             .into_response();
     };
-    let format = Format::negotiate(
+    let format = Exposition::negotiate(
         headers
             .get(header::ACCEPT)
             .and_then(|value| value.to_str().ok()),
@@ -370,12 +365,8 @@ async fn metrics(
         let _permit = permit;
         let mut families = gatherer.gather();
         families.extend(counters.families());
-        let text = render(&families, format);
-        if gzip {
-            gzip_fast(text.as_bytes())
-        } else {
-            Ok(text.into_bytes())
-        }
+        let body = format.render(&families);
+        if gzip { gzip_fast(&body) } else { Ok(body) }
     });
     match tokio::time::timeout(deadline, work).await {
         Ok(Ok(Ok(body))) => {

@@ -1,9 +1,12 @@
-//! Metric families and their two wire formats: Prometheus text 0.0.4 and OpenMetrics
-//! 1.0, chosen by the scraper's Accept header. Also the series cap. Pure functions.
+//! Metric families and their three wire formats: Prometheus text 0.0.4, OpenMetrics
+//! 1.0 and the protobuf exposition (with native histograms, `protobuf`), chosen by
+//! the scraper's Accept header. Also the series cap. Pure functions.
 //!
 //! (prometheus-client only writes OpenMetrics; the classic text format is what
 //! `promtool check metrics` and older scrapers read, so both are written here.)
 use std::fmt::Write as _;
+
+mod protobuf;
 
 /// Every metric name of poolscope's own starts with this.
 pub const PREFIX: &str = "poolscope_";
@@ -25,6 +28,8 @@ pub enum Value {
         buckets: Vec<(f64, u64)>,
         sum: f64,
         count: u64,
+        /// The same counts as a native histogram, for the protobuf exposition.
+        native: Option<NativeBuckets>,
     },
     Summary {
         /// (quantile, value)
@@ -33,6 +38,18 @@ pub enum Value {
         /// whose totals are the same-named histogram's).
         totals: Option<(f64, u64)>,
     },
+}
+
+/// A native histogram's buckets (positive values only; durations are never negative).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NativeBuckets {
+    /// Bucket `i` holds (base^(i-1), base^i], base = 2^(2^-schema).
+    pub schema: i32,
+    /// Values up to this are counted in `zero_count`.
+    pub zero_threshold: f64,
+    pub zero_count: u64,
+    /// (bucket index, count), ascending, buckets that counted nothing left out.
+    pub positive: Vec<(i32, u64)>,
 }
 
 impl Value {
@@ -108,6 +125,7 @@ impl Family {
     }
 }
 
+/// The text formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
     /// `text/plain; version=0.0.4`
@@ -116,19 +134,85 @@ pub enum Format {
     OpenMetrics,
 }
 
-impl Format {
-    /// OpenMetrics when the Accept header asks for it, else the classic text format.
-    pub fn negotiate(accept: Option<&str>) -> Self {
-        match accept {
-            Some(accept) if accept.contains("application/openmetrics-text") => Self::OpenMetrics,
-            _ => Self::Text,
+/// What a scrape is answered in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exposition {
+    Text(Format),
+    /// `application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily;
+    /// encoding=delimited`, which Prometheus asks for first when it ingests native
+    /// histograms.
+    Protobuf,
+}
+
+/// The items of an HTTP header with weights (`Accept`, `Accept-Encoding`): each
+/// item's name, its parameters and its weight (`q`, 1 when absent; an unreadable
+/// weight makes it 0, never chosen).
+pub fn weighted_items(value: &str) -> impl Iterator<Item = (&str, Vec<(&str, &str)>, f64)> {
+    value.split(',').map(|item| {
+        let mut parts = item.split(';').map(str::trim);
+        let name = parts.next().unwrap_or_default();
+        let mut weight = 1.0;
+        let mut params = Vec::new();
+        for (key, value) in parts.filter_map(|param| param.split_once('=')) {
+            let (key, value) = (key.trim(), value.trim().trim_matches('"'));
+            if key.eq_ignore_ascii_case("q") {
+                weight = value.parse::<f64>().unwrap_or(0.0);
+            } else {
+                params.push((key, value));
+            }
         }
+        (name, params, weight)
+    })
+}
+
+impl Exposition {
+    /// The format the `Accept` header weighs highest, as Prometheus' own scrapers and
+    /// client libraries negotiate (the first listed wins a tie); the classic text
+    /// format when nothing we write is asked for, or for `*/*`.
+    pub fn negotiate(accept: Option<&str>) -> Self {
+        let mut best = (Self::Text(Format::Text), 0.0);
+        for (media_type, params, weight) in weighted_items(accept.unwrap_or_default()) {
+            let param = |name: &str| {
+                params
+                    .iter()
+                    .find(|(key, _)| key.eq_ignore_ascii_case(name))
+                    .map(|&(_, value)| value)
+            };
+            let offered = match media_type.to_ascii_lowercase().as_str() {
+                "application/vnd.google.protobuf"
+                    if param("proto") == Some("io.prometheus.client.MetricFamily")
+                        && param("encoding") == Some("delimited") =>
+                {
+                    Self::Protobuf
+                }
+                "application/openmetrics-text" => Self::Text(Format::OpenMetrics),
+                "text/plain" | "text/*" | "*/*" => Self::Text(Format::Text),
+                _ => continue,
+            };
+            if weight > best.1 {
+                best = (offered, weight);
+            }
+        }
+        best.0
     }
 
     pub fn content_type(self) -> &'static str {
         match self {
-            Self::Text => "text/plain; version=0.0.4; charset=utf-8",
-            Self::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Self::Text(Format::Text) => "text/plain; version=0.0.4; charset=utf-8",
+            Self::Text(Format::OpenMetrics) => {
+                "application/openmetrics-text; version=1.0.0; charset=utf-8"
+            }
+            Self::Protobuf => {
+                "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; \
+                 encoding=delimited"
+            }
+        }
+    }
+
+    pub fn render(self, families: &[Family]) -> Vec<u8> {
+        match self {
+            Self::Text(format) => render(families, format).into_bytes(),
+            Self::Protobuf => protobuf::render(families),
         }
     }
 }
@@ -215,9 +299,20 @@ fn write_labels(labels: &[(&'static str, String)], extra: Option<(&str, f64)>, o
     out.push('}');
 }
 
+/// A metric name as its prefix and the rest, written without joining them first.
+#[derive(Clone, Copy)]
+struct Name(&'static str, &'static str);
+
+impl std::fmt::Display for Name {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)?;
+        f.write_str(self.1)
+    }
+}
+
 /// One line: `<prefixed name><suffix>{labels[,extra]} value`.
 fn write_line(
-    name: &str,
+    name: Name,
     suffix: &str,
     labels: &[(&'static str, String)],
     extra: Option<(&str, f64)>,
@@ -247,8 +342,7 @@ pub fn render(families: &[Family], format: Format) -> String {
         } else {
             ""
         };
-        let name = format!("{}{}", family.prefix, family.name);
-        let name = name.as_str();
+        let name = Name(family.prefix, family.name);
         let _ = write!(out, "# HELP {name}{family_suffix} ");
         escape_help(family.help, format, &mut out);
         let _ = writeln!(out, "\n# TYPE {name}{family_suffix} {kind}");
@@ -262,6 +356,7 @@ pub fn render(families: &[Family], format: Format) -> String {
                     buckets,
                     sum,
                     count,
+                    native: _,
                 } => {
                     for (le, cumulative) in buckets {
                         let le = Some(("le", *le));
@@ -329,18 +424,54 @@ mod tests {
     }
 
     #[test]
-    fn negotiation() {
-        assert_eq!(Format::negotiate(None), Format::Text);
-        assert_eq!(
-            Format::negotiate(Some("text/plain;version=0.0.4")),
-            Format::Text
-        );
-        assert_eq!(
-            Format::negotiate(Some(
-                "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
-            )),
-            Format::OpenMetrics
-        );
+    fn negotiation_by_weight() {
+        use Exposition::{Protobuf, Text};
+        // Prometheus 2.42's Accept headers, without and with native histograms on.
+        let classic = "application/openmetrics-text;version=1.0.0,\
+                       application/openmetrics-text;version=0.0.1;q=0.75,\
+                       text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        let native = "application/vnd.google.protobuf;\
+                      proto=io.prometheus.client.MetricFamily;encoding=delimited,\
+                      application/openmetrics-text;version=1.0.0;q=0.8,\
+                      application/openmetrics-text;version=0.0.1;q=0.75,\
+                      text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        for (accept, expected) in [
+            (None, Text(Format::Text)),
+            (Some(""), Text(Format::Text)),
+            (Some("text/plain;version=0.0.4"), Text(Format::Text)),
+            (Some(classic), Text(Format::OpenMetrics)),
+            (Some(native), Protobuf),
+            // By weight, not by order; the first of equals.
+            (
+                Some("text/plain;q=0.9, application/openmetrics-text;q=0.3"),
+                Text(Format::Text),
+            ),
+            (
+                Some("text/plain;q=0.3, application/openmetrics-text; q=0.9"),
+                Text(Format::OpenMetrics),
+            ),
+            (
+                Some("*/*, application/openmetrics-text"),
+                Text(Format::Text),
+            ),
+            // Protobuf only as Prometheus' delimited MetricFamily stream.
+            (Some("application/vnd.google.protobuf"), Text(Format::Text)),
+            (
+                Some(
+                    "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=text",
+                ),
+                Text(Format::Text),
+            ),
+            // Refused (q=0) or unreadable weights are never chosen.
+            (Some("application/openmetrics-text;q=0"), Text(Format::Text)),
+            (
+                Some("application/openmetrics-text;q=high"),
+                Text(Format::Text),
+            ),
+            (Some("image/png"), Text(Format::Text)),
+        ] {
+            assert_eq!(Exposition::negotiate(accept), expected, "{accept:?}");
+        }
     }
 
     #[test]
@@ -362,6 +493,7 @@ mod tests {
                     buckets: vec![(0.5, 1), (1.0, 3)],
                     sum: 2.25,
                     count: 4,
+                    native: None,
                 },
             ),
             Family::new("request_duration_window_seconds", Kind::Summary, "Window.").with_value(
