@@ -331,6 +331,7 @@ mod tests {
             MetricsSettings {
                 octaves_per_bucket: half_octave,
                 pool_histogram_buckets: true,
+                ..MetricsSettings::default()
             },
         );
         assert_eq!(

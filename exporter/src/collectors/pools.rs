@@ -72,7 +72,7 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
         "Time the pool's threads spent blocked on I/O (state blocked_io), by what they \
          waited for: disk, network, sleep, other.",
     );
-    let buckets = ClassicBuckets::new(layout.octaves_per_bucket);
+    let buckets = ClassicBuckets::configured(layout);
     let distribution = |histogram: &Histogram| {
         if layout.pool_histogram_buckets {
             buckets.value(histogram)

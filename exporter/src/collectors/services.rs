@@ -224,7 +224,7 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
             &inputs,
             kernel.map_or(&no_syscalls, |k| &k.syscalls),
             reading.listeners.unwrap_or_default(),
-            ClassicBuckets::new(reading.metrics.octaves_per_bucket),
+            ClassicBuckets::configured(reading.metrics),
         ),
         whole: kernel.is_some() && reading.listeners.is_some(),
     }

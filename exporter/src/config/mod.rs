@@ -84,13 +84,26 @@ pub struct Settings {
     pub targets: Vec<TargetRule>,
 }
 
-/// How histograms are exposed to classic (text) scrapers (`[metrics]`).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// How histograms are exposed (`[metrics]`).
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MetricsSettings {
     pub octaves_per_bucket: OctavesPerBucket,
     /// Pools' run-queue and lock-wait histograms with their buckets; otherwise
     /// their `_sum` and `_count` only.
     pub pool_histogram_buckets: bool,
+    /// Histograms also carry native buckets (read by scrapers of the protobuf
+    /// exposition with native histograms on).
+    pub native_histograms: bool,
+}
+
+impl Default for MetricsSettings {
+    fn default() -> Self {
+        Self {
+            octaves_per_bucket: OctavesPerBucket::default(),
+            pool_histogram_buckets: false,
+            native_histograms: true,
+        }
+    }
 }
 
 /// Octaves between two classic bucket bounds: one the kernel's fine buckets (8 per

@@ -87,6 +87,7 @@ impl Default for RawConfig {
             metrics: RawMetrics {
                 octaves_per_bucket: 3.0,
                 pool_histogram_buckets: false,
+                native_histograms: true,
             },
             targets: Vec::new(),
         }
@@ -280,7 +281,7 @@ pub struct RawLimits {
     pub degraded_for: Duration,
 }
 
-/// How histograms are exposed to classic (text) scrapers. Each histogram costs one
+/// How histograms are exposed. Each classic histogram costs one
 /// series per bucket per service or pool: the defaults keep an idle service under 40
 /// series and a busy one with two pools under 100.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -292,6 +293,10 @@ pub struct RawMetrics {
     /// Pools' run-queue and lock-wait histograms with buckets; off: `_sum` and
     /// `_count` only (the mean wait).
     pub pool_histogram_buckets: bool,
+    /// Histograms with native buckets too, for scrapers that ask for the protobuf
+    /// exposition (a Prometheus with native histograms on keeps them instead of the
+    /// classic buckets); off, such scrapers get the classic buckets.
+    pub native_histograms: bool,
 }
 
 /// One `[[targets]]` entry; every selector given must match.

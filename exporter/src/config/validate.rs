@@ -130,6 +130,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         metrics: MetricsSettings {
             octaves_per_bucket,
             pool_histogram_buckets: raw.metrics.pool_histogram_buckets,
+            native_histograms: raw.metrics.native_histograms,
         },
         targets,
     })

@@ -9,7 +9,11 @@ use std::{
 
 use poolscope_shared::{HISTOGRAM_BUCKETS, Histogram, RequestTimes, histogram_bucket_bounds};
 
-use crate::{config::OctavesPerBucket, encode::Value, metrics::native::native_buckets};
+use crate::{
+    config::{MetricsSettings, OctavesPerBucket},
+    encode::Value,
+    metrics::native::native_buckets,
+};
 
 /// Quantiles exported by the `_window` summaries.
 pub const QUANTILES: [f64; 4] = [0.5, 0.9, 0.99, 0.999];
@@ -26,12 +30,23 @@ pub struct ClassicBuckets {
     /// Eighths of an octave between two bounds (the kernel has 8 fine buckets per
     /// octave).
     step: usize,
+    /// Whether exported histograms carry native buckets too.
+    native: bool,
 }
 
 impl ClassicBuckets {
+    /// With native buckets too.
     pub fn new(octaves: OctavesPerBucket) -> Self {
         Self {
             step: octaves.eighths(),
+            native: true,
+        }
+    }
+
+    pub fn configured(settings: MetricsSettings) -> Self {
+        Self {
+            native: settings.native_histograms,
+            ..Self::new(settings.octaves_per_bucket)
         }
     }
 
@@ -67,7 +82,7 @@ impl ClassicBuckets {
             buckets: self.of(histogram),
             sum: histogram.sum_ns as f64 / 1e9,
             count: histogram.count(),
-            native: Some(native_buckets(histogram)),
+            native: self.native.then(|| native_buckets(histogram)),
         }
     }
 }
@@ -220,6 +235,26 @@ mod tests {
                 .windows(2)
                 .all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1)
         );
+    }
+
+    #[test]
+    fn native_buckets_only_when_configured() {
+        let histogram = histogram_of(&[500, 70_000, 70_001, 3_000_000]);
+        let native = |native_histograms| match ClassicBuckets::configured(MetricsSettings {
+            native_histograms,
+            ..MetricsSettings::default()
+        })
+        .value(&histogram)
+        {
+            Value::Histogram { native, count, .. } => {
+                assert_eq!(count, 4);
+                native
+            }
+            other => panic!("not a histogram: {other:?}"),
+        };
+        let counts = native(true).map(|n| (n.zero_count, n.positive.len()));
+        assert_eq!(counts, Some((1, 2)));
+        assert_eq!(native(false), None);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! series (all, and per service), the bytes plain and gzip-compressed (as poolscope
 //! sends them to a scraper that asks), the scrape time p50 and p99, poolscope's RSS and
 //! its CPU per scrape, the series the cap dropped, and the p50 and CPU of the same
-//! scrapes asking for gzip.
+//! scrapes asking for gzip, and asking as a Prometheus with native histograms on
+//! (protobuf, gzip): its bytes and the series it stores.
 use std::{
     fmt::Write as _,
     fs,
@@ -54,7 +55,23 @@ struct Measured {
     /// The same scrapes asking for gzip (`Accept-Encoding: gzip`, as Prometheus does).
     gzip_p50_ms: f64,
     gzip_cpu_ms_per_scrape: f64,
+    /// The same scrapes as a Prometheus with native histograms asks for them.
+    native: Timed,
+    /// Series such a Prometheus stores: one per histogram.
+    native_series: usize,
 }
+
+/// Scrapes of one kind, back to back.
+struct Timed {
+    bytes: usize,
+    p50_ms: f64,
+    cpu_ms_per_scrape: f64,
+}
+
+/// The Accept header of Prometheus 2.42 with `--enable-feature=native-histograms`.
+const NATIVE_ACCEPT: &str = "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;\
+    encoding=delimited,application/openmetrics-text;version=1.0.0;q=0.8,\
+    application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
 
 pub(super) fn run_scale(
     root: &Path,
@@ -98,6 +115,17 @@ pub(super) fn run_scale(
         "gz p50 ms",
         "gz CPU ms"
     );
+    let print_native = |m: &Measured| {
+        println!(
+            "{:>8} {:>6}: native (protobuf, gzip) {} series, {} bytes, p50 {:.2} ms, CPU {:.2} ms/scrape",
+            m.services,
+            if m.loaded { "loaded" } else { "idle" },
+            m.native_series,
+            m.native.bytes,
+            m.native.p50_ms,
+            m.native.cpu_ms_per_scrape
+        );
+    };
     for m in &results {
         println!(
             "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>7.1} {:>10.2} {:>8} {:>10.2} {:>10.2}",
@@ -116,6 +144,7 @@ pub(super) fn run_scale(
             m.gzip_cpu_ms_per_scrape
         );
     }
+    results.iter().for_each(print_native);
     for m in results.iter().filter(|m| m.services == 110) {
         let load = if m.loaded { "loaded" } else { "idle" };
         println!(
@@ -234,16 +263,24 @@ fn measure_scrapes(
             .context("a scrape without a body")?;
     }
     let cpu_ms_per_scrape = (cpu() - cpu_before) * 1e3 / SCRAPES as f64;
-    let gzip_cpu_before = cpu();
-    let mut gzip_times_ms = Vec::with_capacity(SCRAPES);
-    let mut gzip_bytes = 0;
-    for _ in 0..SCRAPES {
-        let started = Instant::now();
-        gzip_bytes = scrape_gzip(address)?;
-        gzip_times_ms.push(started.elapsed().as_secs_f64() * 1e3);
-    }
-    let gzip_cpu_ms_per_scrape = (cpu() - gzip_cpu_before) * 1e3 / SCRAPES as f64;
-    gzip_times_ms.sort_by(f64::total_cmp);
+    let timed = |accept: &str| -> anyhow::Result<Timed> {
+        let cpu_before = cpu();
+        let mut times_ms = Vec::with_capacity(SCRAPES);
+        let mut bytes = 0;
+        for _ in 0..SCRAPES {
+            let started = Instant::now();
+            bytes = scrape_gzip(address, accept)?;
+            times_ms.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+        times_ms.sort_by(f64::total_cmp);
+        Ok(Timed {
+            bytes,
+            p50_ms: times_ms[SCRAPES / 2],
+            cpu_ms_per_scrape: (cpu() - cpu_before) * 1e3 / SCRAPES as f64,
+        })
+    };
+    let gzip = timed("text/plain")?;
+    let native = timed(NATIVE_ACCEPT)?;
     times_ms.sort_by(f64::total_cmp);
     let at = |q: f64| times_ms[((q * SCRAPES as f64) as usize).min(SCRAPES - 1)];
     let samples: Vec<&str> = body.lines().filter(|l| !l.starts_with('#')).collect();
@@ -256,6 +293,9 @@ fn measure_scrapes(
         .find_map(|l| l.strip_prefix("poolscope_series_dropped_total "))
         .and_then(|v| v.parse().ok())
         .unwrap_or(f64::NAN);
+    // A histogram's buckets, `_sum` and `_count` are one native series.
+    let histograms = samples.iter().filter(|l| l.contains("le=\"+Inf\"")).count();
+    let bucket_lines = samples.iter().filter(|l| l.contains("_bucket{")).count();
     let rss_kb: f64 = fs::read_to_string(format!("/proc/{pid}/status"))?
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -267,22 +307,29 @@ fn measure_scrapes(
         series: samples.len(),
         per_service: of_services as f64 / services as f64,
         bytes: body.len(),
-        gzip_bytes,
+        gzip_bytes: gzip.bytes,
         p50_ms: at(0.5),
         p99_ms: at(0.99),
         rss_mb: rss_kb / 1024.0,
         cpu_ms_per_scrape,
         dropped,
-        gzip_p50_ms: gzip_times_ms[SCRAPES / 2],
-        gzip_cpu_ms_per_scrape,
+        gzip_p50_ms: gzip.p50_ms,
+        gzip_cpu_ms_per_scrape: gzip.cpu_ms_per_scrape,
+        native,
+        native_series: samples.len() - bucket_lines - histograms,
     })
 }
 
-/// One scrape asking for gzip: the size of the body poolscope sent.
-fn scrape_gzip(address: &str) -> anyhow::Result<usize> {
+/// One scrape asking for gzip and `accept`: the size of the body poolscope sent.
+fn scrape_gzip(address: &str, accept: &str) -> anyhow::Result<usize> {
     let mut stream = TcpStream::connect(address)?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: poolscope\r\nAccept-Encoding: gzip\r\n\r\n")?;
+    stream.write_all(
+        format!(
+            "GET /metrics HTTP/1.0\r\nHost: poolscope\r\nAccept: {accept}\r\n\
+             Accept-Encoding: gzip\r\n\r\n"
+        )
+        .as_bytes(),
+    )?;
     let mut response = Vec::new();
     stream.read_to_end(&mut response)?;
     let head_end = response
@@ -292,6 +339,11 @@ fn scrape_gzip(address: &str) -> anyhow::Result<usize> {
     let head = String::from_utf8_lossy(&response[..head_end]).to_ascii_lowercase();
     if !head.contains("content-encoding: gzip") {
         bail!("poolscope did not gzip a scrape that asked for it");
+    }
+    if accept.starts_with("application/vnd.google.protobuf")
+        && !head.contains("content-type: application/vnd.google.protobuf")
+    {
+        bail!("poolscope did not answer in protobuf a scrape that asked for it");
     }
     Ok(response.len() - head_end - 4)
 }
