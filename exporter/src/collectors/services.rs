@@ -211,7 +211,7 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
                 .and_then(|k| k.services.get(&view.id))
                 .unwrap_or(&no_counters),
             times: kernel
-                .and_then(|k| k.request_times.get(&view.id))
+                .and_then(|k| k.request_times.get(&view.id).map(Box::as_ref))
                 .unwrap_or(&no_times),
             window: reading.windows.get(&view.id).unwrap_or(&no_times),
             components: components.get(&view.id).copied().unwrap_or_default(),

@@ -68,7 +68,8 @@ impl Value {
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sample {
-    pub labels: Vec<(&'static str, String)>,
+    /// This sample's labels: a range of its family's `label_names`.
+    labels: std::ops::Range<usize>,
     pub value: Value,
 }
 
@@ -81,6 +82,12 @@ pub struct Family {
     pub help: &'static str,
     pub kind: Kind,
     pub samples: Vec<Sample>,
+    /// Every sample's label names in order, each with the end of its value in
+    /// `label_values` (where the one before ends, it starts): a scrape makes
+    /// thousands of samples, and a few growing buffers per family instead of a few
+    /// strings per sample halved what building them cost.
+    label_names: Vec<(&'static str, usize)>,
+    label_values: String,
 }
 
 impl Family {
@@ -91,6 +98,8 @@ impl Family {
             help,
             kind,
             samples: Vec::new(),
+            label_names: Vec::new(),
+            label_values: String::new(),
         }
     }
 
@@ -118,10 +127,31 @@ impl Family {
     }
 
     pub fn push_value(&mut self, labels: &[(&'static str, &str)], value: Value) {
+        let first = self.label_names.len();
+        for (name, value) in labels {
+            self.label_values.push_str(value);
+            self.label_names.push((name, self.label_values.len()));
+        }
         self.samples.push(Sample {
-            labels: labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect(),
+            labels: first..self.label_names.len(),
             value,
         });
+    }
+
+    /// The labels of `sample`, one of this family's: (name, value).
+    pub fn labels<'a>(
+        &'a self,
+        sample: &Sample,
+    ) -> impl ExactSizeIterator<Item = (&'static str, &'a str)> + Clone + 'a {
+        let start_of = |index: usize| index.checked_sub(1).map_or(0, |i| self.label_names[i].1);
+        let values = &self.label_values;
+        let labels = sample.labels.clone();
+        let mut start = start_of(labels.start);
+        self.label_names[labels].iter().map(move |&(name, end)| {
+            let value = values.get(start..end).unwrap_or_default();
+            start = end;
+            (name, value)
+        })
     }
 }
 
@@ -241,6 +271,11 @@ pub fn cap_series(families: &mut Vec<Family>, max_series: usize) -> u64 {
 
 /// Label values: backslash, double quote and newline are escaped (both formats).
 fn escape_label_value(value: &str, out: &mut String) {
+    // Most values need no escape: copied whole.
+    if !value.contains(['\\', '"', '\n']) {
+        out.push_str(value);
+        return;
+    }
     for c in value.chars() {
         match c {
             '\\' => out.push_str("\\\\"),
@@ -269,30 +304,56 @@ fn write_value(value: f64, out: &mut String) {
     } else if value.is_infinite() {
         out.push_str(if value > 0.0 { "+Inf" } else { "-Inf" });
     } else if value.fract() == 0.0 && value.abs() < 1e15 {
-        let _ = write!(out, "{}", value as i64);
+        write_integer(value as i64, out);
     } else {
         let _ = write!(out, "{value}");
     }
 }
 
-fn write_labels(labels: &[(&'static str, String)], extra: Option<(&str, f64)>, out: &mut String) {
-    if labels.is_empty() && extra.is_none() {
+/// `value` in decimal, without the formatting machinery (most values are counts).
+fn write_integer(value: i64, out: &mut String) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut rest = value.unsigned_abs();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    if value < 0 {
+        out.push('-');
+    }
+    out.extend(digits[at..].iter().map(|&digit| char::from(digit)));
+}
+
+fn write_labels<'a>(
+    labels: impl ExactSizeIterator<Item = (&'static str, &'a str)>,
+    extra: Option<(&str, f64)>,
+    out: &mut String,
+) {
+    let count = labels.len();
+    if count == 0 && extra.is_none() {
         return;
     }
     out.push('{');
-    for (i, (name, value)) in labels.iter().enumerate() {
+    for (i, (name, value)) in labels.enumerate() {
         if i > 0 {
             out.push(',');
         }
-        let _ = write!(out, "{name}=\"");
+        out.push_str(name);
+        out.push_str("=\"");
         escape_label_value(value, out);
         out.push('"');
     }
     if let Some((name, value)) = extra {
-        if !labels.is_empty() {
+        if count > 0 {
             out.push(',');
         }
-        let _ = write!(out, "{name}=\"");
+        out.push_str(name);
+        out.push_str("=\"");
         write_value(value, out);
         out.push('"');
     }
@@ -311,15 +372,17 @@ impl std::fmt::Display for Name {
 }
 
 /// One line: `<prefixed name><suffix>{labels[,extra]} value`.
-fn write_line(
+fn write_line<'a>(
     name: Name,
     suffix: &str,
-    labels: &[(&'static str, String)],
+    labels: impl ExactSizeIterator<Item = (&'static str, &'a str)>,
     extra: Option<(&str, f64)>,
     value: f64,
     out: &mut String,
 ) {
-    let _ = write!(out, "{name}{suffix}");
+    out.push_str(name.0);
+    out.push_str(name.1);
+    out.push_str(suffix);
     write_labels(labels, extra, out);
     out.push(' ');
     write_value(value, out);
@@ -347,10 +410,10 @@ pub fn render(families: &[Family], format: Format) -> String {
         escape_help(family.help, format, &mut out);
         let _ = writeln!(out, "\n# TYPE {name}{family_suffix} {kind}");
         for sample in &family.samples {
-            let labels = &sample.labels;
+            let labels = family.labels(sample);
             match &sample.value {
                 Value::Number(value) => {
-                    write_line(name, number_suffix, labels, None, *value, &mut out);
+                    write_line(name, number_suffix, labels.clone(), None, *value, &mut out);
                 }
                 Value::Histogram {
                     buckets,
@@ -360,21 +423,49 @@ pub fn render(families: &[Family], format: Format) -> String {
                 } => {
                     for (le, cumulative) in buckets {
                         let le = Some(("le", *le));
-                        write_line(name, "_bucket", labels, le, *cumulative as f64, &mut out);
+                        write_line(
+                            name,
+                            "_bucket",
+                            labels.clone(),
+                            le,
+                            *cumulative as f64,
+                            &mut out,
+                        );
                     }
                     let inf = Some(("le", f64::INFINITY));
-                    write_line(name, "_bucket", labels, inf, *count as f64, &mut out);
-                    write_line(name, "_sum", labels, None, *sum, &mut out);
-                    write_line(name, "_count", labels, None, *count as f64, &mut out);
+                    write_line(
+                        name,
+                        "_bucket",
+                        labels.clone(),
+                        inf,
+                        *count as f64,
+                        &mut out,
+                    );
+                    write_line(name, "_sum", labels.clone(), None, *sum, &mut out);
+                    write_line(
+                        name,
+                        "_count",
+                        labels.clone(),
+                        None,
+                        *count as f64,
+                        &mut out,
+                    );
                 }
                 Value::Summary { quantiles, totals } => {
                     for (quantile, value) in quantiles {
                         let quantile = Some(("quantile", *quantile));
-                        write_line(name, "", labels, quantile, *value, &mut out);
+                        write_line(name, "", labels.clone(), quantile, *value, &mut out);
                     }
                     if let Some((sum, count)) = totals {
-                        write_line(name, "_sum", labels, None, *sum, &mut out);
-                        write_line(name, "_count", labels, None, *count as f64, &mut out);
+                        write_line(name, "_sum", labels.clone(), None, *sum, &mut out);
+                        write_line(
+                            name,
+                            "_count",
+                            labels.clone(),
+                            None,
+                            *count as f64,
+                            &mut out,
+                        );
                     }
                 }
             }
@@ -524,6 +615,28 @@ mod tests {
         assert_eq!(cap_series(&mut capped, 4), 5);
         assert_eq!(capped.len(), 1);
         assert_eq!(capped[0].kind, Kind::Summary);
+    }
+
+    #[test]
+    fn integers_as_the_formatter_writes_them() {
+        for value in [
+            0i64,
+            7,
+            -7,
+            10,
+            99,
+            100,
+            -100,
+            123_456_789,
+            999_999_999_999_999,
+        ] {
+            let mut out = String::new();
+            write_value(value as f64, &mut out);
+            assert_eq!(out, value.to_string());
+        }
+        let mut out = String::new();
+        write_value(-0.0, &mut out);
+        assert_eq!(out, "0");
     }
 
     #[test]

@@ -140,11 +140,14 @@ fn spans_and_deltas(native: &NativeBuckets) -> (Vec<pb::BucketSpan>, Vec<i64>) {
     (spans, deltas)
 }
 
-fn labels(sample: &super::Sample, extra: Option<(&str, String)>) -> Vec<pb::LabelPair> {
-    sample
-        .labels
-        .iter()
-        .map(|(name, value)| ((*name).to_owned(), value.clone()))
+fn labels(
+    family: &Family,
+    sample: &super::Sample,
+    extra: Option<(&str, String)>,
+) -> Vec<pb::LabelPair> {
+    family
+        .labels(sample)
+        .map(|(name, value)| (name.to_owned(), value.to_owned()))
         .chain(extra.map(|(name, value)| (name.to_owned(), value)))
         .map(|(name, value)| pb::LabelPair {
             name: Some(name),
@@ -178,7 +181,7 @@ fn family_message(family: &Family) -> Vec<pb::MetricFamily> {
     for sample in &family.samples {
         let single = |value: f64| Some(pb::Single { value: Some(value) });
         let mut metric = pb::Metric {
-            label: labels(sample, None),
+            label: labels(family, sample, None),
             ..pb::Metric::default()
         };
         match (&sample.value, family.kind) {
@@ -216,7 +219,7 @@ fn family_message(family: &Family) -> Vec<pb::MetricFamily> {
                 let Some((sum, count)) = totals else {
                     for &(quantile, value) in quantiles {
                         quantile_gauges.metric.push(pb::Metric {
-                            label: labels(sample, Some(("quantile", quantile.to_string()))),
+                            label: labels(family, sample, Some(("quantile", quantile.to_string()))),
                             gauge: single(value),
                             ..pb::Metric::default()
                         });

@@ -37,8 +37,9 @@ struct BatchAttr {
 #[derive(Debug)]
 pub(super) struct BatchMap {
     fd: OwnedFd,
-    /// Keys and values of the last array read, kept for the next.
-    buffer: RefCell<Vec<u8>>,
+    /// Values and keys of the last array read, kept for the next; in u64s, so that
+    /// values of 8-byte alignment are read in place.
+    buffer: RefCell<Vec<u64>>,
 }
 
 impl BatchMap {
@@ -129,27 +130,31 @@ impl BatchMap {
 
     /// Calls `each(index, value)` for every value of entries `0..end` of an array of
     /// `V`: `cpus` per entry for a per-CPU array, one for a plain one. The values are
-    /// read into one buffer kept between calls (a scrape reads megabytes).
+    /// read into one buffer kept between calls (a scrape reads megabytes), and lent
+    /// from it in place.
     pub fn array_each<V: Pod>(
         &self,
         end: u32,
         cpus: usize,
         mut each: impl FnMut(usize, &V),
     ) -> io::Result<()> {
+        const WORD: usize = size_of::<u64>();
         if end == 0 {
             return Ok(());
         }
         // The kernel copies per-CPU values at a stride of their size rounded up to 8.
         let stride = if cpus > 1 {
-            size_of::<V>().next_multiple_of(8)
+            size_of::<V>().next_multiple_of(WORD)
         } else {
             size_of::<V>()
         };
         let per_entry = stride * cpus;
         let mut buffer = self.buffer.borrow_mut();
-        let (keys, values) = (end as usize * size_of::<u32>(), per_entry * end as usize);
-        buffer.resize(keys + values, 0);
-        let (key_bytes, value_bytes) = buffer.split_at_mut(keys);
+        let values = (per_entry * end as usize).next_multiple_of(WORD);
+        let keys = end as usize * size_of::<u32>();
+        buffer.resize((values + keys).div_ceil(WORD), 0);
+        let bytes: &mut [u8] = bytemuck_bytes(&mut buffer);
+        let (value_bytes, key_bytes) = bytes.split_at_mut(values);
         let mut next = 0u64;
         let (filled, _) = self.lookup(
             None,
@@ -164,29 +169,36 @@ impl BatchMap {
                 format!("{filled} of {end} array entries read"),
             ));
         }
+        let value_bytes = &value_bytes[..per_entry * end as usize];
         for (index, entry) in value_bytes.chunks_exact(per_entry).enumerate() {
             for value in entry.chunks_exact(stride) {
-                // SAFETY: each chunk holds one whole V (stride ≥ its size), and V is
-                // Pod; read_unaligned needs no alignment.
-                let value = unsafe { value.as_ptr().cast::<V>().read_unaligned() };
-                each(index, &value);
+                let at = value.as_ptr().cast::<V>();
+                if at.is_aligned() {
+                    // SAFETY: the chunk holds one whole V (stride ≥ its size) at an
+                    // address aligned for V, and V is Pod: any bytes are a valid V.
+                    each(index, unsafe { &*at });
+                } else {
+                    // SAFETY: as above; read_unaligned needs no alignment.
+                    each(index, &unsafe { at.read_unaligned() });
+                }
             }
         }
         Ok(())
     }
 
     /// The entries `ids` of an array of `V` indexed by dense id, each summed over its
-    /// `cpus` values with `add`; streamed into the map in id order (appends), with no
-    /// array of every entry's kilobytes built on the side.
+    /// `cpus` values with `add`; boxed (kilobytes each: the tree's nodes move only
+    /// pointers) and streamed into the map in id order, with no array of every
+    /// entry's kilobytes built on the side.
     pub fn sum_by_id<V: Pod + Default>(
         &self,
         ids: &[u32],
         cpus: usize,
         add: impl Fn(&mut V, &V),
-    ) -> io::Result<BTreeMap<u32, V>> {
+    ) -> io::Result<BTreeMap<u32, Box<V>>> {
         let wanted: HashSet<u32> = ids.iter().copied().collect();
         let end = dense_end(ids);
-        let mut sums: BTreeMap<u32, V> = BTreeMap::new();
+        let mut sums: BTreeMap<u32, Box<V>> = BTreeMap::new();
         self.array_each::<V>(end, cpus, |index, value| {
             let id = index as u32;
             if wanted.contains(&id) {
@@ -195,6 +207,13 @@ impl BatchMap {
         })?;
         Ok(sums)
     }
+}
+
+/// The bytes of `words`.
+fn bytemuck_bytes(words: &mut [u64]) -> &mut [u8] {
+    // SAFETY: any u64 is 8 initialized bytes, u8 has no alignment, and the slice
+    // borrows `words` mutably for as long as it lives.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), size_of_val(words)) }
 }
 
 /// One past the highest of `ids` (dense ids: a batch read of an array from 0).

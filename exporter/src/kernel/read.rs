@@ -18,12 +18,12 @@ pub struct Readout {
     pub watched: BTreeMap<u32, u64>,
     pub services: BTreeMap<u32, ServiceCounters>,
     /// Durations of finished requests per service, since the service id was assigned.
-    pub request_times: BTreeMap<u32, RequestTimes>,
+    pub request_times: BTreeMap<u32, Box<RequestTimes>>,
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
     /// Closed intervals of each pool's threads, read before `threads`.
-    pub pools: BTreeMap<u32, PoolStats>,
-    /// Lock waits of each pool, per [`LockPrimitive`].
-    pub lock_waits: BTreeMap<u32, [Histogram; LockPrimitive::COUNT as usize]>,
+    pub pools: BTreeMap<u32, Box<PoolStats>>,
+    /// Lock waits of each pool that waited, per [`LockPrimitive`].
+    pub lock_waits: BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>>,
     /// Network waits of each pool's serving threads, per socket peer.
     pub downstreams: Vec<(DownstreamKey, DownstreamWait)>,
     /// CLOCK_MONOTONIC ns between reading `pools` and `threads`: the end of each
@@ -81,6 +81,7 @@ impl Kernel {
             .sum_by_id::<ServiceCounters>(services, self.cpus, |total, cpu| {
                 *total = total.plus(cpu);
             })
+            .map(|sums| sums.into_iter().map(|(id, sum)| (id, *sum)).collect())
             .map_err(|source| KernelError::Batch {
                 map: maps::SERVICE_COUNTERS,
                 source,

@@ -93,14 +93,16 @@ impl Kernel {
             .pool_stats
             .sum_by_id::<PoolStats>(pools, self.cpus, PoolStats::add)
             .map_err(batch_error(maps::POOL_STATS))?;
-        let mut waits: BTreeMap<u32, [Histogram; LockPrimitive::COUNT as usize]> = BTreeMap::new();
+        let mut waits: BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>> =
+            BTreeMap::new();
         self.batch
             .lock_waits
             .array_each::<Histogram>(end * LockPrimitive::COUNT, 1, |index, histogram| {
                 let index = index as u32;
                 let (pool, primitive) =
                     (index / LockPrimitive::COUNT, index % LockPrimitive::COUNT);
-                if wanted.contains(&pool) {
+                // Most pools never wait on a lock: no entry rather than zeros.
+                if wanted.contains(&pool) && histogram.buckets.iter().any(|&count| count > 0) {
                     waits.entry(pool).or_default()[primitive as usize] = *histogram;
                 }
             })

@@ -155,7 +155,7 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
         .map(|(pool, stats)| {
             let mut totals = from_stats(stats);
             if let Some(waits) = readout.lock_waits.get(pool) {
-                totals.lock_waits = Box::new(*waits);
+                totals.lock_waits = waits.clone();
             }
             (*pool, totals)
         })
@@ -562,7 +562,7 @@ mod tests {
         stats.time_ns[Activity::OffIdle as usize] = 50;
         stats.request_ns[Activity::Running as usize] = 80;
         let readout = Readout {
-            pools: BTreeMap::from([(7, stats)]),
+            pools: BTreeMap::from([(7, Box::new(stats))]),
             threads_read_ns: 1_000,
             threads: vec![
                 (1, thread(Activity::Running, 900, 2), Some(7)),
