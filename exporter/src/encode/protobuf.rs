@@ -2,13 +2,13 @@
 //! message length-delimited): what Prometheus asks for when it ingests native
 //! histograms. Histograms carry both their classic buckets and their native ones;
 //! Prometheus keeps the native histogram, one series, when it has native histograms on.
-use prost::Message as _;
-
 use super::{Family, Kind, NativeBuckets, Value};
 
 /// The messages of `io.prometheus.client` (github.com/prometheus/client_model,
-/// io/prometheus/client/metrics.proto, proto2) that poolscope writes, by hand so that
-/// no protoc is needed. Tags are the proto's; proto2's repeated scalars are unpacked.
+/// io/prometheus/client/metrics.proto, proto2) that poolscope writes, declared for
+/// prost (no protoc needed) to read back what [`Writer`] wrote. Tags are the proto's;
+/// proto2's repeated scalars are unpacked.
+#[cfg(test)]
 mod pb {
     #[derive(Clone, PartialEq, prost::Message)]
     pub struct MetricFamily {
@@ -115,151 +115,265 @@ mod pb {
     }
 }
 
-/// Spans and deltas of sparse native buckets (ascending index): a span per run of
-/// consecutive indexes, its offset the gap since the last span; each count as the
-/// difference from the previous bucket's.
-fn spans_and_deltas(native: &NativeBuckets) -> (Vec<pb::BucketSpan>, Vec<i64>) {
-    let mut spans: Vec<pb::BucketSpan> = Vec::new();
-    let mut deltas = Vec::with_capacity(native.positive.len());
-    let (mut next_index, mut previous_count) = (None::<i32>, 0i64);
-    for &(index, count) in &native.positive {
-        let count = i64::try_from(count).unwrap_or(i64::MAX);
-        match (next_index, spans.last_mut()) {
-            (Some(next), Some(span)) if next == index => {
-                span.length = Some(span.length.unwrap_or(0) + 1);
-            }
-            _ => spans.push(pb::BucketSpan {
-                offset: Some(next_index.map_or(index, |next| index - next)),
-                length: Some(1),
-            }),
+/// The protobuf wire types poolscope writes.
+#[derive(Clone, Copy)]
+enum Wire {
+    Varint = 0,
+    Fixed64 = 1,
+    Len = 2,
+}
+
+/// Field numbers of the messages above, and `MetricType` values.
+mod tag {
+    pub const FAMILY_NAME: u32 = 1;
+    pub const FAMILY_HELP: u32 = 2;
+    pub const FAMILY_TYPE: u32 = 3;
+    pub const FAMILY_METRIC: u32 = 4;
+    pub const METRIC_LABEL: u32 = 1;
+    pub const METRIC_GAUGE: u32 = 2;
+    pub const METRIC_COUNTER: u32 = 3;
+    pub const METRIC_SUMMARY: u32 = 4;
+    pub const METRIC_HISTOGRAM: u32 = 7;
+    pub const LABEL_NAME: u32 = 1;
+    pub const LABEL_VALUE: u32 = 2;
+    pub const SINGLE_VALUE: u32 = 1;
+    pub const SAMPLE_COUNT: u32 = 1;
+    pub const SAMPLE_SUM: u32 = 2;
+    pub const SUMMARY_QUANTILE: u32 = 3;
+    pub const QUANTILE_QUANTILE: u32 = 1;
+    pub const QUANTILE_VALUE: u32 = 2;
+    pub const HISTOGRAM_BUCKET: u32 = 3;
+    pub const HISTOGRAM_SCHEMA: u32 = 5;
+    pub const HISTOGRAM_ZERO_THRESHOLD: u32 = 6;
+    pub const HISTOGRAM_ZERO_COUNT: u32 = 7;
+    pub const HISTOGRAM_POSITIVE_SPAN: u32 = 12;
+    pub const HISTOGRAM_POSITIVE_DELTA: u32 = 13;
+    pub const BUCKET_CUMULATIVE_COUNT: u32 = 1;
+    pub const BUCKET_UPPER_BOUND: u32 = 2;
+    pub const SPAN_OFFSET: u32 = 1;
+    pub const SPAN_LENGTH: u32 = 2;
+
+    pub const COUNTER: u64 = 0;
+    pub const GAUGE: u64 = 1;
+    pub const SUMMARY: u64 = 2;
+    pub const HISTOGRAM: u64 = 4;
+}
+
+/// Writes the wire format straight into one buffer: no message structs, no string
+/// copies (a scrape writes thousands of metrics).
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn varint(&mut self, mut value: u64) {
+        while value >= 0x80 {
+            self.0.push((value as u8) | 0x80);
+            value >>= 7;
         }
-        deltas.push(count - previous_count);
-        previous_count = count;
-        next_index = Some(index + 1);
+        self.0.push(value as u8);
     }
-    (spans, deltas)
-}
 
-fn labels(
-    family: &Family,
-    sample: &super::Sample,
-    extra: Option<(&str, String)>,
-) -> Vec<pb::LabelPair> {
-    family
-        .labels(sample)
-        .map(|(name, value)| (name.to_owned(), value.to_owned()))
-        .chain(extra.map(|(name, value)| (name.to_owned(), value)))
-        .map(|(name, value)| pb::LabelPair {
-            name: Some(name),
-            value: Some(value),
-        })
-        .collect()
-}
+    fn key(&mut self, field: u32, wire: Wire) {
+        self.varint(u64::from(field << 3 | wire as u32));
+    }
 
-fn family_message(family: &Family) -> Vec<pb::MetricFamily> {
-    let base = format!("{}{}", family.prefix, family.name);
-    let (kind, name) = match family.kind {
-        Kind::Counter => (pb::MetricType::Counter, format!("{base}_total")),
-        Kind::Gauge => (pb::MetricType::Gauge, base.clone()),
-        Kind::Histogram => (pb::MetricType::Histogram, base.clone()),
-        Kind::Summary => (pb::MetricType::Summary, base.clone()),
-    };
-    let mut main = pb::MetricFamily {
-        name: Some(name),
-        help: Some(family.help.to_owned()),
-        r#type: Some(kind as i32),
-        metric: Vec::with_capacity(family.samples.len()),
-    };
-    // Quantiles without `_sum` and `_count` (the `_window` summaries): Prometheus
-    // would read a protobuf summary's missing totals as zeros, two series of false
-    // numbers; as gauges by `quantile` they are the series the text format makes.
-    let mut quantile_gauges = pb::MetricFamily {
-        r#type: Some(pb::MetricType::Gauge as i32),
-        metric: Vec::new(),
-        ..main.clone()
-    };
-    for sample in &family.samples {
-        let single = |value: f64| Some(pb::Single { value: Some(value) });
-        let mut metric = pb::Metric {
-            label: labels(family, sample, None),
-            ..pb::Metric::default()
-        };
-        match (&sample.value, family.kind) {
-            (Value::Number(value), Kind::Counter) => metric.counter = single(*value),
-            (Value::Number(value), _) => metric.gauge = single(*value),
-            (
-                Value::Histogram {
-                    buckets,
-                    sum,
-                    count,
-                    native,
-                },
-                _,
-            ) => {
-                let (positive_span, positive_delta) =
-                    native.as_ref().map(spans_and_deltas).unwrap_or_default();
-                metric.histogram = Some(pb::Histogram {
-                    sample_count: Some(*count),
-                    sample_sum: Some(*sum),
-                    bucket: buckets
-                        .iter()
-                        .map(|&(upper_bound, cumulative_count)| pb::Bucket {
-                            cumulative_count: Some(cumulative_count),
-                            upper_bound: Some(upper_bound),
-                        })
-                        .collect(),
-                    schema: native.as_ref().map(|native| native.schema),
-                    zero_threshold: native.as_ref().map(|native| native.zero_threshold),
-                    zero_count: native.as_ref().map(|native| native.zero_count),
-                    positive_span,
-                    positive_delta,
-                });
+    fn double(&mut self, field: u32, value: f64) {
+        self.key(field, Wire::Fixed64);
+        self.0.extend_from_slice(&value.to_le_bytes());
+    }
+
+    fn uint(&mut self, field: u32, value: u64) {
+        self.key(field, Wire::Varint);
+        self.varint(value);
+    }
+
+    /// `sint32`/`sint64`: zigzag, so that small negative numbers stay short.
+    fn sint(&mut self, field: u32, value: i64) {
+        self.uint(field, ((value << 1) ^ (value >> 63)) as u64);
+    }
+
+    fn string(&mut self, field: u32, value: &str) {
+        self.key(field, Wire::Len);
+        self.varint(value.len() as u64);
+        self.0.extend_from_slice(value.as_bytes());
+    }
+
+    /// A message `body` writes, as field `field` (or, without, as one record of the
+    /// length-delimited stream): its length goes before it once it is written.
+    fn message(&mut self, field: Option<u32>, body: impl FnOnce(&mut Self)) {
+        if let Some(field) = field {
+            self.key(field, Wire::Len);
+        }
+        let start = self.0.len();
+        body(self);
+        let length = self.0.len() - start;
+        let mut prefix = Self(Vec::with_capacity(10));
+        prefix.varint(length as u64);
+        self.0.splice(start..start, prefix.0);
+    }
+
+    fn labels<'a>(
+        &mut self,
+        labels: impl Iterator<Item = (&'static str, &'a str)>,
+        extra: Option<(&'static str, &'a str)>,
+    ) {
+        for (name, value) in labels.chain(extra) {
+            self.message(Some(tag::METRIC_LABEL), |label| {
+                label.string(tag::LABEL_NAME, name);
+                label.string(tag::LABEL_VALUE, value);
+            });
+        }
+    }
+
+    /// Native buckets as spans (one per run of consecutive indexes, its offset the
+    /// gap since the last span) and deltas (each count less the one before).
+    fn native(&mut self, native: &NativeBuckets) {
+        self.sint(tag::HISTOGRAM_SCHEMA, i64::from(native.schema));
+        self.double(tag::HISTOGRAM_ZERO_THRESHOLD, native.zero_threshold);
+        self.uint(tag::HISTOGRAM_ZERO_COUNT, native.zero_count);
+        let mut buckets = native.positive.iter().peekable();
+        let mut next_index = None::<i32>;
+        while let Some(&(first, _)) = buckets.next() {
+            let mut length = 1u64;
+            while buckets
+                .next_if(|&&(index, _)| index == first + length as i32)
+                .is_some()
+            {
+                length += 1;
             }
-            (Value::Summary { quantiles, totals }, _) => {
-                let Some((sum, count)) = totals else {
+            self.message(Some(tag::HISTOGRAM_POSITIVE_SPAN), |span| {
+                span.sint(
+                    tag::SPAN_OFFSET,
+                    i64::from(next_index.map_or(first, |next| first - next)),
+                );
+                span.uint(tag::SPAN_LENGTH, length);
+            });
+            next_index = Some(first + length as i32);
+        }
+        let mut previous = 0i64;
+        for &(_, count) in &native.positive {
+            let count = i64::try_from(count).unwrap_or(i64::MAX);
+            self.sint(tag::HISTOGRAM_POSITIVE_DELTA, count - previous);
+            previous = count;
+        }
+    }
+
+    fn family(&mut self, family: &Family) {
+        let (kind, suffix) = match family.kind {
+            Kind::Counter => (tag::COUNTER, "_total"),
+            Kind::Gauge => (tag::GAUGE, ""),
+            Kind::Histogram => (tag::HISTOGRAM, ""),
+            Kind::Summary => (tag::SUMMARY, ""),
+        };
+        let name = [family.prefix, family.name, suffix].concat();
+        let header = |out: &mut Self, kind: u64| {
+            out.string(tag::FAMILY_NAME, &name);
+            out.string(tag::FAMILY_HELP, family.help);
+            out.uint(tag::FAMILY_TYPE, kind);
+        };
+        // Quantiles without `_sum` and `_count` (the `_window` summaries): Prometheus
+        // would read a protobuf summary's missing totals as zeros, two series of false
+        // numbers; as gauges by `quantile` they are the series the text format makes.
+        let quantiles_alone =
+            |sample: &&super::Sample| matches!(sample.value, Value::Summary { totals: None, .. });
+        if family
+            .samples
+            .iter()
+            .any(|sample| !quantiles_alone(&sample))
+        {
+            self.message(None, |out| {
+                header(out, kind);
+                for sample in family.samples.iter().filter(|s| !quantiles_alone(s)) {
+                    out.message(Some(tag::FAMILY_METRIC), |metric| {
+                        metric.labels(family.labels(sample), None);
+                        metric.value(family.kind, &sample.value);
+                    });
+                }
+            });
+        }
+        if family.samples.iter().any(|sample| quantiles_alone(&sample)) {
+            self.message(None, |out| {
+                header(out, tag::GAUGE);
+                for sample in family.samples.iter().filter(quantiles_alone) {
+                    let Value::Summary { quantiles, .. } = &sample.value else {
+                        continue;
+                    };
                     for &(quantile, value) in quantiles {
-                        quantile_gauges.metric.push(pb::Metric {
-                            label: labels(family, sample, Some(("quantile", quantile.to_string()))),
-                            gauge: single(value),
-                            ..pb::Metric::default()
+                        let quantile = quantile.to_string();
+                        out.message(Some(tag::FAMILY_METRIC), |metric| {
+                            metric.labels(family.labels(sample), Some(("quantile", &quantile)));
+                            metric.message(Some(tag::METRIC_GAUGE), |gauge| {
+                                gauge.double(tag::SINGLE_VALUE, value);
+                            });
                         });
                     }
-                    continue;
+                }
+            });
+        }
+    }
+
+    /// The value of one metric, as the message its kind takes.
+    fn value(&mut self, kind: Kind, value: &Value) {
+        match value {
+            Value::Number(number) => {
+                let field = if kind == Kind::Counter {
+                    tag::METRIC_COUNTER
+                } else {
+                    tag::METRIC_GAUGE
                 };
-                metric.summary = Some(pb::Summary {
-                    sample_count: Some(*count),
-                    sample_sum: Some(*sum),
-                    quantile: quantiles
-                        .iter()
-                        .map(|&(quantile, value)| pb::Quantile {
-                            quantile: Some(quantile),
-                            value: Some(value),
-                        })
-                        .collect(),
+                self.message(Some(field), |single| {
+                    single.double(tag::SINGLE_VALUE, *number)
+                });
+            }
+            Value::Histogram {
+                buckets,
+                sum,
+                count,
+                native,
+            } => self.message(Some(tag::METRIC_HISTOGRAM), |histogram| {
+                histogram.uint(tag::SAMPLE_COUNT, *count);
+                histogram.double(tag::SAMPLE_SUM, *sum);
+                for &(upper_bound, cumulative) in buckets {
+                    histogram.message(Some(tag::HISTOGRAM_BUCKET), |bucket| {
+                        bucket.uint(tag::BUCKET_CUMULATIVE_COUNT, cumulative);
+                        bucket.double(tag::BUCKET_UPPER_BOUND, upper_bound);
+                    });
+                }
+                if let Some(native) = native {
+                    histogram.native(native);
+                }
+            }),
+            Value::Summary { quantiles, totals } => {
+                self.message(Some(tag::METRIC_SUMMARY), |summary| {
+                    if let Some((sum, count)) = totals {
+                        summary.uint(tag::SAMPLE_COUNT, *count);
+                        summary.double(tag::SAMPLE_SUM, *sum);
+                    }
+                    for &(quantile, value) in quantiles {
+                        summary.message(Some(tag::SUMMARY_QUANTILE), |pair| {
+                            pair.double(tag::QUANTILE_QUANTILE, quantile);
+                            pair.double(tag::QUANTILE_VALUE, value);
+                        });
+                    }
                 });
             }
         }
-        main.metric.push(metric);
     }
-    [main, quantile_gauges]
-        .into_iter()
-        .filter(|family| !family.metric.is_empty())
-        .collect()
 }
 
 /// Every family, each as a length-delimited `MetricFamily`.
 pub fn render(families: &[Family]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(families.len() * 128);
-    for family in families.iter().flat_map(family_message) {
-        // Writing into a Vec cannot run out of room.
-        let _ = family.encode_length_delimited(&mut out);
+    let mut out = Writer(Vec::with_capacity(families.len() * 256));
+    for family in families {
+        out.family(family);
     }
-    out
+    out.0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use prost::Message as _;
 
     fn decode(bytes: &[u8]) -> Vec<pb::MetricFamily> {
         let mut rest = bytes;
@@ -273,25 +387,63 @@ mod tests {
         families
     }
 
+    /// The histogram of the one metric `render` wrote for `native`.
+    fn native_read_back(native: NativeBuckets) -> pb::Histogram {
+        let family = Family::new("latency_seconds", Kind::Histogram, "Latency.").with_value(
+            &[],
+            Value::Histogram {
+                buckets: Vec::new(),
+                sum: 1.0,
+                count: native.zero_count + native.positive.iter().map(|&(_, c)| c).sum::<u64>(),
+                native: Some(native),
+            },
+        );
+        let read = decode(&render(&[family]));
+        read[0].metric[0].histogram.clone().unwrap_or_default()
+    }
+
     #[test]
     fn spans_follow_runs_of_indexes_and_deltas_the_counts() {
-        let native = NativeBuckets {
+        let histogram = native_read_back(NativeBuckets {
             schema: 4,
             zero_threshold: 1e-6,
-            zero_count: 0,
-            positive: vec![(-3, 2), (-2, 5), (4, 1), (5, 1), (6, 7)],
-        };
-        let (spans, deltas) = spans_and_deltas(&native);
-        let spans: Vec<(i32, u32)> = spans
+            zero_count: 3,
+            positive: vec![(-3, 2), (-2, 5), (4, 1), (5, 1), (6, 7), (300, 1)],
+        });
+        let spans: Vec<(i32, u32)> = histogram
+            .positive_span
             .iter()
             .map(|span| (span.offset.unwrap_or(0), span.length.unwrap_or(0)))
             .collect();
-        assert_eq!(spans, [(-3, 2), (5, 3)]);
-        assert_eq!(deltas, [2, 3, -4, 0, 6]);
+        assert_eq!(spans, [(-3, 2), (5, 3), (293, 1)]);
+        assert_eq!(histogram.positive_delta, [2, 3, -4, 0, 6, -6]);
+        assert_eq!(histogram.schema, Some(4));
+        assert_eq!(histogram.zero_count, Some(3));
+        assert_eq!(histogram.sample_count, Some(20));
+        let empty = native_read_back(NativeBuckets::default());
+        assert!(empty.positive_span.is_empty() && empty.positive_delta.is_empty());
+    }
+
+    #[test]
+    fn lengths_past_one_byte_and_escapes_read_back() {
+        // A label value of 300 bytes (a two-byte length) with bytes text escapes.
+        let long = "\"\\\n".repeat(100);
+        let family = Family::new("queue_depth", Kind::Gauge, "Depth.")
+            .with(&[("service", &long), ("pool", "")], -2.5);
+        let read = decode(&render(&[family]));
+        let labels: Vec<(Option<String>, Option<String>)> = read[0].metric[0]
+            .label
+            .iter()
+            .map(|label| (label.name.clone(), label.value.clone()))
+            .collect();
         assert_eq!(
-            spans_and_deltas(&NativeBuckets::default()),
-            (vec![], vec![])
+            labels,
+            [
+                (Some("service".to_owned()), Some(long)),
+                (Some("pool".to_owned()), Some(String::new()))
+            ]
         );
+        assert_eq!(read[0].metric[0].gauge.and_then(|g| g.value), Some(-2.5));
     }
 
     #[test]
