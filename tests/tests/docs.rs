@@ -18,7 +18,7 @@ use anyhow::{Context as _, bail, ensure};
 
 const METRICS_REFERENCE: &str = "Metrics reference";
 const CONFIG_REFERENCE: &str = "Configuration reference";
-/// The exposed name of every family (`encode.rs`: `PREFIX`).
+/// The exposed name of every family (`encode/mod.rs`: `PREFIX`).
 const PREFIX: &str = "poolscope_";
 
 fn workspace() -> PathBuf {

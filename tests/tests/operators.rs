@@ -40,7 +40,7 @@ const MIN_SCRAPES: f64 = 12.0;
 const BUILTIN_VARIABLES: [&str; 4] = ["__rate_interval", "__interval", "__range", "__interval_ms"];
 
 /// Units a panel may use; one per kind of quantity so that boards read alike.
-const UNITS: [&str; 5] = ["s", "percentunit", "short", "reqps", "cps"];
+const UNITS: [&str; 6] = ["s", "percentunit", "short", "reqps", "cps", "bytes"];
 
 fn repo_root() -> anyhow::Result<PathBuf> {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -85,20 +85,30 @@ fn product_code(dir: &Path) -> anyhow::Result<String> {
 }
 
 /// Every series name poolscope can export: the `Family::new("name", Kind::…` calls
+/// (and `Family::standard`, the `process_*` families, without the prefix)
 /// under `exporter/src/` (outside unit tests: each collector names its own families,
-/// and the web server and profiling sessions theirs), with encode.rs's prefix and the
+/// and the web server and profiling sessions theirs), with encode/mod.rs's prefix and the
 /// suffixes it writes for each kind.
 fn exported_metrics() -> anyhow::Result<BTreeSet<String>> {
     let root = repo_root()?;
     let code = product_code(&root.join("exporter/src"))?;
-    let encode = std::fs::read_to_string(root.join("exporter/src/encode.rs"))?;
+    let encode = std::fs::read_to_string(root.join("exporter/src/encode/mod.rs"))?;
     let prefix = encode
         .split("pub const PREFIX: &str = \"")
         .nth(1)
         .and_then(|rest| rest.split('"').next())
-        .context("no PREFIX in exporter/src/encode.rs")?;
+        .context("no PREFIX in exporter/src/encode/mod.rs")?;
     let mut names = BTreeSet::new();
-    for call in code.split("Family::new(").skip(1) {
+    let calls = code
+        .split("Family::new(")
+        .skip(1)
+        .map(|call| (prefix, call))
+        .chain(
+            code.split("Family::standard(")
+                .skip(1)
+                .map(|call| ("", call)),
+        );
+    for (prefix, call) in calls {
         let call = call.trim_start();
         let name = call
             .strip_prefix('"')

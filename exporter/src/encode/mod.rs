@@ -389,6 +389,18 @@ fn write_line<'a>(
     out.push('\n');
 }
 
+/// The `_sum` and `_count` lines of a histogram or summary.
+fn write_totals<'a>(
+    name: Name,
+    labels: impl ExactSizeIterator<Item = (&'static str, &'a str)> + Clone,
+    sum: f64,
+    count: u64,
+    out: &mut String,
+) {
+    write_line(name, "_sum", labels.clone(), None, sum, out);
+    write_line(name, "_count", labels, None, count as f64, out);
+}
+
 /// Renders families in `format`.
 pub fn render(families: &[Family], format: Format) -> String {
     let mut out = String::with_capacity(families.len() * 256);
@@ -441,15 +453,7 @@ pub fn render(families: &[Family], format: Format) -> String {
                         *count as f64,
                         &mut out,
                     );
-                    write_line(name, "_sum", labels.clone(), None, *sum, &mut out);
-                    write_line(
-                        name,
-                        "_count",
-                        labels.clone(),
-                        None,
-                        *count as f64,
-                        &mut out,
-                    );
+                    write_totals(name, labels, *sum, *count, &mut out);
                 }
                 Value::Summary { quantiles, totals } => {
                     for (quantile, value) in quantiles {
@@ -457,15 +461,7 @@ pub fn render(families: &[Family], format: Format) -> String {
                         write_line(name, "", labels.clone(), quantile, *value, &mut out);
                     }
                     if let Some((sum, count)) = totals {
-                        write_line(name, "_sum", labels.clone(), None, *sum, &mut out);
-                        write_line(
-                            name,
-                            "_count",
-                            labels.clone(),
-                            None,
-                            *count as f64,
-                            &mut out,
-                        );
+                        write_totals(name, labels, *sum, *count, &mut out);
                     }
                 }
             }
