@@ -159,17 +159,27 @@ mod tag {
     pub const HISTOGRAM: u64 = 4;
 }
 
+/// `value` as a varint: its bytes and how many of them are used.
+fn varint_bytes(mut value: u64) -> ([u8; 10], usize) {
+    let mut bytes = [0u8; 10];
+    let mut length = 0;
+    while value >= 0x80 {
+        bytes[length] = (value as u8) | 0x80;
+        value >>= 7;
+        length += 1;
+    }
+    bytes[length] = value as u8;
+    (bytes, length + 1)
+}
+
 /// Writes the wire format straight into one buffer: no message structs, no string
 /// copies (a scrape writes thousands of metrics).
 struct Writer(Vec<u8>);
 
 impl Writer {
-    fn varint(&mut self, mut value: u64) {
-        while value >= 0x80 {
-            self.0.push((value as u8) | 0x80);
-            value >>= 7;
-        }
-        self.0.push(value as u8);
+    fn varint(&mut self, value: u64) {
+        let (bytes, length) = varint_bytes(value);
+        self.0.extend_from_slice(&bytes[..length]);
     }
 
     fn key(&mut self, field: u32, wire: Wire) {
@@ -205,10 +215,9 @@ impl Writer {
         }
         let start = self.0.len();
         body(self);
-        let length = self.0.len() - start;
-        let mut prefix = Self(Vec::with_capacity(10));
-        prefix.varint(length as u64);
-        self.0.splice(start..start, prefix.0);
+        let (prefix, prefix_length) = varint_bytes((self.0.len() - start) as u64);
+        self.0
+            .splice(start..start, prefix[..prefix_length].iter().copied());
     }
 
     fn labels<'a>(

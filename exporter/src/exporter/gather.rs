@@ -134,6 +134,16 @@ impl Exporter {
         Ok(queues)
     }
 
+    /// The system's procfs units, read once (a procfs unreadable so far is tried
+    /// again at the next scrape).
+    fn procfs_units(&self) -> Option<procfs::ProcfsUnits> {
+        if let Some(units) = self.procfs_units.get() {
+            return Some(*units);
+        }
+        let units = procfs::ProcfsUnits::read(&self.procfs_root)?;
+        Some(*self.procfs_units.get_or_init(|| units))
+    }
+
     /// Every family of a scrape.
     pub(super) fn gather_families(&self) -> Vec<Family> {
         let settings = self.settings();
@@ -192,8 +202,9 @@ impl Exporter {
         .degraded();
         // poolscope's own process (`self`: right in any pid namespace).
         let process = timings.time("process", || {
-            let used =
-                procfs::process_use(&self.procfs_root, "self", ticks_per_second(), page_size());
+            let used = self
+                .procfs_units()
+                .and_then(|units| procfs::process_use(&self.procfs_root, "self", &units));
             let read = used.is_some();
             (used, read)
         });
@@ -265,16 +276,4 @@ impl Exporter {
             );
         }
     }
-}
-
-/// Clock ticks per second, the unit of CPU times in procfs.
-fn ticks_per_second() -> u64 {
-    // SAFETY: sysconf(3) with a valid name has no preconditions.
-    u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).unwrap_or(100)
-}
-
-/// The page size, the unit of resident memory in procfs.
-fn page_size() -> u64 {
-    // SAFETY: as above.
-    u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096)
 }

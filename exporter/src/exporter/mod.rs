@@ -75,6 +75,8 @@ pub struct Exporter {
     stopping: tokio::sync::watch::Sender<bool>,
     /// Fixed at start (a reload does not move it).
     procfs_root: PathBuf,
+    /// Read at the first scrape that could.
+    procfs_units: std::sync::OnceLock<procfs::ProcfsUnits>,
     reload_status: Mutex<ReloadStatus>,
 }
 
@@ -118,6 +120,7 @@ impl Exporter {
             rescan_now: Arc::new(Notify::new()),
             stopping: tokio::sync::watch::Sender::new(false),
             procfs_root,
+            procfs_units: std::sync::OnceLock::new(),
         }
     }
 

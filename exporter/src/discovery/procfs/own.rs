@@ -64,24 +64,48 @@ pub fn parse_boot_time(stat: &str) -> Option<u64> {
         .ok()
 }
 
+/// What turns a process's procfs numbers into units; fixed while the system runs,
+/// so read once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcfsUnits {
+    /// Clock ticks per second: the unit of CPU times.
+    pub ticks_per_second: u64,
+    /// The unit of resident memory.
+    pub page_size: u64,
+    /// Unix seconds at boot: where start times count from.
+    pub boot_time: u64,
+}
+
+impl ProcfsUnits {
+    /// The system's clock tick and page size, and the boot time in `root`'s `stat`.
+    pub fn read(root: &Path) -> Option<Self> {
+        // SAFETY: sysconf(3) with a valid name has no preconditions.
+        let (ticks, page) = unsafe {
+            (
+                libc::sysconf(libc::_SC_CLK_TCK),
+                libc::sysconf(libc::_SC_PAGESIZE),
+            )
+        };
+        Some(Self {
+            ticks_per_second: u64::try_from(ticks).unwrap_or(100),
+            page_size: u64::try_from(page).unwrap_or(4096),
+            boot_time: parse_boot_time(&fs::read_to_string(root.join("stat")).ok()?)?,
+        })
+    }
+}
+
 /// The resource use of process `entry` (a pid, or `self`) under procfs `root`;
-/// `None` if a file is missing or malformed. `ticks_per_second` and `page_size` are
-/// the system's.
-pub fn process_use(
-    root: &Path,
-    entry: &str,
-    ticks_per_second: u64,
-    page_size: u64,
-) -> Option<ProcessUse> {
+/// `None` if a file is missing or malformed.
+pub fn process_use(root: &Path, entry: &str, units: &ProcfsUnits) -> Option<ProcessUse> {
     let dir = root.join(entry);
     let stat = parse_stat_use(&fs::read_to_string(dir.join("stat")).ok()?)?;
     let limits = fs::read_to_string(dir.join("limits")).ok()?;
-    let boot = parse_boot_time(&fs::read_to_string(root.join("stat")).ok()?)?;
     let open_fds = fs::read_dir(dir.join("fd")).ok()?.count();
-    let ticks = ticks_per_second.max(1) as f64;
+    let ticks = units.ticks_per_second.max(1) as f64;
+    let boot = units.boot_time;
     Some(ProcessUse {
         cpu_seconds: (stat.user_ticks + stat.system_ticks) as f64 / ticks,
-        resident_bytes: (stat.resident_pages * page_size) as f64,
+        resident_bytes: (stat.resident_pages * units.page_size) as f64,
         virtual_bytes: stat.virtual_bytes as f64,
         virtual_max_bytes: parse_soft_limit(&limits, "Max address space")? as f64,
         open_fds: open_fds as f64,
@@ -92,7 +116,7 @@ pub fn process_use(
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_boot_time, parse_soft_limit, parse_stat_use, process_use};
+    use super::{ProcfsUnits, parse_boot_time, parse_soft_limit, parse_stat_use, process_use};
 
     /// A stat line whose comm holds a space and a parenthesis.
     const STAT: &str = "4242 (pool scope)) S 1 4242 4242 0 -1 4194560 2120 0 0 0 \
@@ -145,7 +169,18 @@ mod tests {
             std::fs::write(dir.join("fd").join(fd), "")?;
         }
         std::fs::write(root.path().join("stat"), "cpu  1 2 3\nbtime 1700000000\n")?;
-        let used = process_use(root.path(), "4242", 100, 4096);
+        let units = ProcfsUnits::read(root.path()).map(|units| ProcfsUnits {
+            ticks_per_second: 100,
+            page_size: 4096,
+            ..units
+        });
+        assert_eq!(units.map(|u| u.boot_time), Some(1_700_000_000));
+        let units = units.unwrap_or(ProcfsUnits {
+            ticks_per_second: 0,
+            page_size: 0,
+            boot_time: 0,
+        });
+        let used = process_use(root.path(), "4242", &units);
         assert_eq!(
             used.map(|u| (
                 u.cpu_seconds,
@@ -164,7 +199,7 @@ mod tests {
                 1_700_001_234.56
             ))
         );
-        assert_eq!(process_use(root.path(), "9999", 100, 4096), None);
+        assert_eq!(process_use(root.path(), "9999", &units), None);
         Ok(())
     }
 }
