@@ -2,6 +2,7 @@
 //! installs what is missing (rust-src, bpf-linker linked to rustc's own libLLVM, the
 //! Debian packages the task needs) and says nothing when nothing is missing.
 mod bench;
+mod manifests;
 mod setup;
 mod vm;
 
@@ -17,6 +18,7 @@ const USAGE: &str = "usage: cargo xtask <command>
   test                      install what is missing, run lint, unit and privileged tests, then vm-test
   vm-test                   install what is missing, run poolscope and ground-truth tests on Debian 12's 6.1 kernel in qemu
   bench                     install what is missing, measure poolscope's cost on nginx, per context switch, per lock and of stack snapshots (BENCH_ONLY=nginx|sched|locks|stacks)
+  manifests [--job-selector S]  write deploy/kubernetes/'s PrometheusRule and dashboard ConfigMaps from alerts/ and dashboards/
   setup                     only install what is missing";
 
 /// Debian packages the tests use: promtool (prometheus); the real servers of
@@ -112,6 +114,7 @@ fn main() -> anyhow::Result<()> {
             )?;
             bench::run(&root)
         }
+        Some("manifests") => manifests::run(&root, args.get(1..).unwrap_or_default()),
         Some("setup") => {
             setup::ensure(&[TEST_PACKAGES, bench::PACKAGES, vm::PACKAGES].concat())?;
             setup::ensure_kubernetes_validate(&root)
