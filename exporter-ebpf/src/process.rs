@@ -165,20 +165,24 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tid = pid_tgid as u32;
     let tgid = (pid_tgid >> 32) as u32;
+    // A thread killed inside a syscall or pthread_mutex_lock leaves its entry
+    // behind otherwise (a futex wait in progress lives in its THREADS entry). Before
+    // anything is looked up: before 6.16 (no group_dead) the main thread's exit ends
+    // the watch while the others, killed with it, are still exiting, and user space,
+    // told of the exit, may already have dropped their THREADS entries; the checks
+    // below would then skip them and leave these entries for good (seen on 6.1 and
+    // 6.12 under emulation). Two deletes of absent keys for any other thread's exit.
+    remove_counted(&PENDING_CALLS, CountedMap::PendingCalls, &tid);
+    remove_counted(&MUTEX_CALLS, CountedMap::MutexCalls, &tid);
     let followed = thread(tid);
-    // A followed thread of a process no longer watched: before 6.16 (no group_dead)
-    // the main thread's exit ends the watch while the others, killed with it, are
-    // still exiting; their entries must go too. WATCHED is looked up only if THREADS
-    // has no entry, and again below: holding both lookups' pointers let the compiler
-    // OR them to test both at once, which the verifier refuses ("pointer |= pointer
-    // prohibited").
+    // A followed thread of a process no longer watched: before 6.16 the main
+    // thread's exit ends the watch while the others are still exiting; their entries
+    // must go too. WATCHED is looked up only if THREADS has no entry, and again
+    // below: holding both lookups' pointers let the compiler OR them to test both at
+    // once, which the verifier refuses ("pointer |= pointer prohibited").
     if followed.is_none() && watched(tgid).is_none() {
         return Ok(());
     }
-    // A thread killed inside a syscall or pthread_mutex_lock leaves its entry
-    // behind otherwise (a futex wait in progress lives in its THREADS entry).
-    remove_counted(&PENDING_CALLS, CountedMap::PendingCalls, &tid);
-    remove_counted(&MUTEX_CALLS, CountedMap::MutexCalls, &tid);
     if let Some(thread) = followed {
         // It runs its exit: its last interval is on CPU.
         threads::change(tid, thread, Activity::Running, now_ns());

@@ -978,7 +978,8 @@ fn one_value(prometheus: &Prometheus, expr: &str) -> anyhow::Result<f64> {
 /// `histogram_quantile` agrees with the window quantiles (one native bucket per fine
 /// bucket: within 4.5 %) and with a classic Prometheus' quantile over the classic
 /// buckets (the same classic bucket) on the same requests, whose count all three
-/// have exactly.
+/// have exactly. A poolscope with `[metrics] native_histograms = false` scraped by the
+/// same native Prometheus gives it the classic buckets (what the shipped rules read).
 #[test]
 fn native_histograms_in_a_real_prometheus_agree_with_the_classic_buckets_and_the_window()
 -> anyhow::Result<()> {
@@ -996,14 +997,25 @@ fn native_histograms_in_a_real_prometheus_agree_with_the_classic_buckets_and_the
         pooled.pid()
     );
     let poolscope = Poolscope::start(&config)?;
+    let classic_only = Poolscope::start(&format!(
+        "[discovery]\nrescan_interval = \"500ms\"\n[metrics]\nnative_histograms = false\n\
+         [[targets]]\nservice = \"pooled_classic\"\npids = [{}]\n",
+        pooled.pid()
+    ))?;
     // Watched (and its window's first reading, empty, taken) before any request: the
     // window then holds every request of the test (it is shorter than 60 s).
     scrape_until(&poolscope, |m| {
         m.value("poolscope_targets", &[("service", "pooled")]) == Some(1.0)
     })?;
+    scrape_until(&classic_only, |m| {
+        m.value("poolscope_targets", &[("service", "pooled_classic")]) == Some(1.0)
+    })?;
     let instance = [format!("127.0.0.1:{}", poolscope.port)];
-    let native =
-        Prometheus::start_with_features("poolscope", &instance, &[], &["native-histograms"])?;
+    let both = [
+        instance[0].clone(),
+        format!("127.0.0.1:{}", classic_only.port),
+    ];
+    let native = Prometheus::start_with_features("poolscope", &both, &[], &["native-histograms"])?;
     let classic = Prometheus::start("poolscope", &instance, &[])?;
     let clients = ClosedLoop::start(pooled.port, 4, Connections::KeepAlive);
     std::thread::sleep(Duration::from_secs(8));
@@ -1020,9 +1032,11 @@ fn native_histograms_in_a_real_prometheus_agree_with_the_classic_buckets_and_the
     let counts = |prometheus: &Prometheus, expr: &str| one_value(prometheus, expr).ok();
     let native_count = "histogram_count(poolscope_request_latency_seconds{service=\"pooled\"})";
     let classic_count = "poolscope_request_latency_seconds_count{service=\"pooled\"}";
+    let opted_out_count = "poolscope_request_latency_seconds_count{service=\"pooled_classic\"}";
     let scraped = wait_until(Duration::from_secs(15), || {
         counts(&native, native_count) == Some(made.completed as f64)
             && counts(&classic, classic_count) == Some(made.completed as f64)
+            && counts(&native, opted_out_count) == Some(made.completed as f64)
     });
     ensure!(
         scraped,
@@ -1036,10 +1050,22 @@ fn native_histograms_in_a_real_prometheus_agree_with_the_classic_buckets_and_the
 
     // One series per histogram: no classic buckets in the native Prometheus, and the
     // rest of the series the same.
-    let (_, buckets) = native.query("poolscope_request_latency_seconds_bucket")?;
+    let (_, buckets) =
+        native.query("poolscope_request_latency_seconds_bucket{service=\"pooled\"}")?;
     ensure!(
         buckets.as_array().is_some_and(Vec::is_empty),
         "classic buckets stored: {buckets}"
+    );
+    // Opted out: classic buckets, no native histogram, in the same Prometheus.
+    let opted_out_buckets = one_value(
+        &native,
+        "count(poolscope_request_latency_seconds_bucket{service=\"pooled_classic\"})",
+    )?;
+    let (_, opted_out_native) = native
+        .query("histogram_count(poolscope_request_latency_seconds{service=\"pooled_classic\"})")?;
+    ensure!(
+        opted_out_buckets >= 9.0 && opted_out_native.as_array().is_some_and(Vec::is_empty),
+        "native_histograms = false: {opted_out_buckets} buckets, native {opted_out_native}"
     );
     let series = "count({__name__=~\"poolscope_.+\", service=\"pooled\"})";
     let (native_series, classic_series) =
