@@ -15,7 +15,7 @@ use poolscope_shared::{
 };
 
 use crate::{
-    abi::FIRST_ARG_OFFSET,
+    abi::SavedRegisters,
     maps::{DOWNSTREAM_WAITS, WATCHED_PORTS, atomic_add, get_or_insert},
 };
 
@@ -66,15 +66,11 @@ fn read<T>(base: *const u8, at: &u32) -> Option<T> {
 /// registers `regs`), if it is a socket with a peer and not a watched listener's
 /// connection. A poll's fds (at most `polled_fds`, capped) are tried in order.
 #[inline(always)]
-pub fn peer_of_wait(regs: *const u8, class: WaitClass, polled_fds: u64) -> Peer {
+pub fn peer_of_wait(regs: SavedRegisters, class: WaitClass, polled_fds: u64) -> Peer {
     if offset(&SOCKET_SK_OFFSET) == 0 {
         return Peer::NONE;
     }
-    // SAFETY: the helper checks the read.
-    let Ok(first) = (unsafe { bpf_probe_read_kernel(regs.add(FIRST_ARG_OFFSET).cast::<u64>()) })
-    else {
-        return Peer::NONE;
-    };
+    let first = regs.first_arg();
     match class {
         WaitClass::Network => peer_of_fd(first as i32).unwrap_or(Peer::NONE),
         WaitClass::Poll => {

@@ -15,9 +15,9 @@
 //! Requeues (condition variables) keep the wait on the address it began on; PI
 //! locks, timeouts and signals end the wait when the thread runs again, like a wake.
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_kernel, bpf_probe_read_user},
+    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
     macros::{uprobe, uretprobe},
-    programs::{ProbeContext, RawTracePointContext, RetProbeContext, tracing::StackIdContext as _},
+    programs::{BtfTracePointContext, ProbeContext, RetProbeContext, tracing::StackIdContext as _},
 };
 use poolscope_shared::{
     LockKey, LockPrimitive, LossErrno, LossSource, Serving, Thread, lock_wait_index,
@@ -25,7 +25,7 @@ use poolscope_shared::{
 };
 
 use crate::{
-    abi::{FIRST_ARG_OFFSET, SECOND_ARG_OFFSET, SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV},
+    abi::{SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV, SavedRegisters},
     clock::now_ns,
     maps::{
         LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, ZERO_HISTOGRAM, add_to_shared_histogram,
@@ -49,16 +49,11 @@ const FUTEX_WAITV_UADDR: usize = 8;
 /// The futex address a thread blocked in syscall `number` waits on, if that call is
 /// a waiting one; `regs` are its saved user registers.
 #[inline(always)]
-fn waited_address(regs: *const u8, number: u64) -> Option<u64> {
-    // SAFETY: `regs` is the thread's pt_regs from bpf_task_pt_regs; the helpers check
-    // every read.
-    let first: u64 = unsafe { bpf_probe_read_kernel(regs.add(FIRST_ARG_OFFSET).cast()).ok()? };
+fn waited_address(regs: SavedRegisters, number: u64) -> Option<u64> {
+    let first = regs.first_arg();
     match number {
         SYS_FUTEX => {
-            // SAFETY: as above.
-            let op: u64 =
-                unsafe { bpf_probe_read_kernel(regs.add(SECOND_ARG_OFFSET).cast()) }.ok()?;
-            let command = op as u32 & !FUTEX_OP_FLAGS;
+            let command = regs.second_arg() as u32 & !FUTEX_OP_FLAGS;
             (command < 32 && FUTEX_WAITING_OPS & (1 << command) != 0).then_some(first)
         }
         SYS_FUTEX_WAIT => Some(first),
@@ -83,10 +78,10 @@ const REWAIT_NS: u64 = 20_000;
 /// new one begins with the user stack it began at.
 #[inline(always)]
 pub fn switched_out(
-    ctx: &RawTracePointContext,
+    ctx: &BtfTracePointContext,
     tid: u32,
     thread: &mut Thread,
-    wait: Option<(*const u8, u64)>,
+    wait: Option<(SavedRegisters, u64)>,
     now: u64,
 ) {
     let address = wait.and_then(|(regs, number)| waited_address(regs, number));
@@ -146,7 +141,7 @@ fn record_lock_wait(tid: u32, thread: &mut Thread) {
     let waited = thread.lock_waited_ns;
     thread.lock_ended_ns = 0;
     thread.lock_waited_ns = 0;
-    record(tid, LockPrimitive::Futex, waited);
+    record(threads::pool(tid, thread), LockPrimitive::Futex, waited);
     let key = LockKey {
         tgid: thread.lock_tgid,
         stack: thread.lock_stack,
@@ -168,10 +163,10 @@ fn record_lock_wait(tid: u32, thread: &mut Thread) {
     add_to_shared_histogram(unsafe { &mut *lock }, waited);
 }
 
-/// One lock wait of `tid` into its pool's histogram.
+/// One lock wait into the histogram of `pool` (none: the thread has no pool yet).
 #[inline(always)]
-fn record(tid: u32, primitive: LockPrimitive, waited: u64) {
-    let Some(pool) = threads::pool_of(tid) else {
+fn record(pool: Option<u32>, primitive: LockPrimitive, waited: u64) {
+    let Some(pool) = pool else {
         return;
     };
     if let Some(histogram) = LOCK_WAITS.get_ptr_mut(lock_wait_index(pool, primitive)) {
@@ -202,7 +197,7 @@ pub fn mutex_lock_return(_ctx: RetProbeContext) -> u32 {
     };
     remove_counted(&MUTEX_CALLS, CountedMap::MutexCalls, &tid);
     record(
-        tid,
+        threads::pool_of(tid),
         LockPrimitive::PthreadMutex,
         now_ns().saturating_sub(entered),
     );

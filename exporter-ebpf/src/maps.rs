@@ -11,7 +11,8 @@ use poolscope_shared::{
     MAX_MUTEX_CALLS_IN_FLIGHT, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS,
     MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS, PendingCall, PoolStats, ProcessEvent,
     ProfileSession, RequestTimes, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters,
-    StackCount, StackKey, Thread, WATCHED_PORT_WORDS, Watched, loss_index, maps::CountedMap,
+    StackCount, StackKey, TID_FILTER_SLOTS, Thread, WATCHED_PORT_WORDS, Watched, loss_index,
+    maps::CountedMap,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -51,7 +52,13 @@ pub static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LOSSES_SIZE,
 #[map]
 pub static THREADS: HashMap<u32, Thread> = HashMap::with_max_entries(MAX_THREADS, 0);
 #[map]
+pub static TID_FILTER: Array<u32> = Array::with_max_entries(TID_FILTER_SLOTS, 0);
+#[map]
+pub static TID_FILTER_USER: Array<u32> = Array::with_max_entries(TID_FILTER_SLOTS, 0);
+#[map]
 pub static THREAD_POOLS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_THREADS, 0);
+#[map]
+pub static POOL_EPOCH: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 pub static POOL_STATS: PerCpuArray<PoolStats> = PerCpuArray::with_max_entries(MAX_POOLS, 0);
 #[map]
@@ -181,11 +188,11 @@ pub fn get_or_insert<K, V>(
 
 /// Adds `value` to a counter that other CPUs may update at the same time.
 #[inline(always)]
-pub fn atomic_add(counter: &mut u64, value: u64) {
-    // SAFETY: `counter` is a valid, aligned u64 in a map value; the intrinsic is one
-    // BPF atomic add instruction.
+pub fn atomic_add<T: Copy>(counter: &mut T, value: T) {
+    // SAFETY: `counter` is a valid, aligned integer in a map value; the intrinsic is
+    // one BPF atomic add instruction (32 or 64 bits).
     unsafe {
-        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+        core::intrinsics::atomic_xadd::<T, T, { core::intrinsics::AtomicOrdering::Relaxed }>(
             counter, value,
         );
     }

@@ -22,8 +22,8 @@ use crate::{
     clock::now_ns,
     locks,
     maps::{
-        MUTEX_CALLS, PENDING_CALLS, THREAD_POOLS, THREADS, WATCHED, Wakeup, count_loss,
-        remove_counted, send_process_event, watched,
+        MUTEX_CALLS, PENDING_CALLS, THREAD_POOLS, WATCHED, Wakeup, count_loss, remove_counted,
+        send_process_event, watched,
     },
     threads::{self, thread},
 };
@@ -93,7 +93,7 @@ fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
 #[inline(always)]
 fn follow_thread(tid: u32, creator_tid: u32, service: u32) {
     let thread = Thread::new(service, Activity::Runnable, now_ns());
-    if let Err(code) = THREADS.insert(tid, thread, 0) {
+    if let Err(code) = threads::follow(tid, &thread) {
         count_loss(LossSource::ThreadsInsert, LossErrno::of(code.into()));
         return;
     }
@@ -193,7 +193,7 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
         // It runs its exit: its last interval is on CPU.
         threads::change(tid, thread, Activity::Running, now_ns());
         locks::thread_exits(tid, thread);
-        let _ = THREADS.remove(tid);
+        threads::unfollow(tid);
     }
     let _ = THREAD_POOLS.remove(tid);
     // SAFETY: a load-time constant; volatile so that the compiler does not fold it.

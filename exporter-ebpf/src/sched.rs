@@ -1,24 +1,19 @@
-//! Scheduler events (raw tracepoints `sched_switch`, `sched_wakeup`): the on-CPU,
-//! run-queue and off-CPU intervals of watched threads, with what each waits for.
+//! Scheduler events (`sched_switch`, `sched_wakeup`): the on-CPU, run-queue and
+//! off-CPU intervals of watched threads, with what each waits for.
 //!
-//! Raw tracepoints because these run on every context switch of the host: no record
-//! is built, and a thread we do not watch costs a failed lookup in `THREADS` (two per
-//! switch, one per wakeup). A task's tid is read from its `task_struct` at the offset
-//! user space found in the kernel's BTF. What a blocking thread waits for comes from
-//! the syscall it is in (its saved registers: the number, and a poll's fd count) and
-//! from what it holds (one request, several, none); a futex wait while serving is
-//! also a lock wait (`locks.rs`).
-use aya_ebpf::{
-    helpers::{
-        bpf_get_current_pid_tgid, bpf_get_current_task_btf, bpf_probe_read_kernel, bpf_task_pt_regs,
-    },
-    macros::raw_tracepoint,
-    programs::RawTracePointContext,
-};
+//! BTF-typed raw tracepoints (`tp_btf`) because these run on every context switch
+//! of the host: no record is built, and the tasks' tids are loaded straight from
+//! their `task_struct`s (typed pointers, no probe-read helper), at the offset user
+//! space found in the kernel's BTF. A thread we do not watch then costs two reads
+//! of the followed-tid filter (`threads::thread`). What a blocking thread waits for
+//! comes from the syscall it is in (its saved registers: the number, and a poll's
+//! fd count) and from what it holds (one request, several, none); a futex wait
+//! while serving is also a lock wait (`locks.rs`).
+use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
 use poolscope_shared::{Activity, Peer, Serving, WaitClass};
 
 use crate::{
-    abi::{NUMBER_OFFSET, SECOND_ARG_OFFSET},
+    abi::SavedRegisters,
     clock::now_ns,
     downstream, locks,
     maps::WAIT_CLASSES,
@@ -35,29 +30,33 @@ const TASK_UNINTERRUPTIBLE: u32 = 0x2;
 /// The state bits that say how a task sleeps; the rest are modifiers.
 const TASK_STATE_MASK: u32 = 0xff;
 
+/// The tid of `task`, a `task_struct` pointer argument of a `tp_btf` program.
 #[inline(always)]
-fn task_tid(task: *const u8) -> Result<u32, i64> {
-    // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
+fn task_tid(task: *const u8) -> u32 {
+    // SAFETY: a load-time constant (read-only data, so the verifier knows its value);
+    // volatile so that the compiler does not fold it.
     let offset = unsafe { core::ptr::read_volatile(&TASK_PID_OFFSET) };
-    // SAFETY: `task` is the kernel's task_struct of this event; the helper checks the read.
-    let pid: i32 = unsafe { bpf_probe_read_kernel(task.add(offset as usize).cast::<i32>())? };
-    Ok(pid as u32)
+    // SAFETY: `task` is a typed pointer the kernel passed to this event; the verifier
+    // checks that the load is of the `pid` field (by its offset and size), and the
+    // kernel handles a fault in it.
+    let pid = unsafe { core::ptr::read_volatile(task.add(offset as usize).cast::<i32>()) };
+    pid as u32
 }
 
 /// sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next,
 /// unsigned int prev_state); runs on the CPU, in the context of `prev`.
-#[raw_tracepoint(tracepoint = "sched_switch")]
-pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
-    match try_sched_switch(&ctx) {
-        Ok(()) | Err(_) => 0,
-    }
+#[btf_tracepoint(function = "sched_switch")]
+pub fn sched_switch(ctx: BtfTracePointContext) -> i32 {
+    try_sched_switch(&ctx);
+    0
 }
 
-fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
+fn try_sched_switch(ctx: &BtfTracePointContext) {
     // The clock is read only for watched threads (most switches are not theirs),
     // once per switch.
     let mut now = 0;
-    let prev_tid = bpf_get_current_pid_tgid() as u32;
+    let prev_task: *const u8 = ctx.arg(1);
+    let prev_tid = task_tid(prev_task);
     if let Some(prev) = thread(prev_tid) {
         let preempt: u64 = ctx.arg(0);
         let prev_state: u64 = ctx.arg(3);
@@ -67,7 +66,7 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
         if preempt & 1 != 0 || state == 0 {
             threads::change(prev_tid, prev, Activity::Runnable, now);
         } else {
-            let call = current_syscall();
+            let call = current_syscall(prev_task);
             let class = call.map_or(WaitClass::Other, |(_, class, _)| class);
             let serving = threads::serving(prev);
             let polled = polled_fds(call, serving);
@@ -87,22 +86,15 @@ fn try_sched_switch(ctx: &RawTracePointContext) -> Result<(), i64> {
         locks::switched_out(ctx, prev_tid, prev, lock_wait, now);
     }
     let next: *const u8 = ctx.arg(2);
-    switched_in(task_tid(next)?, now);
-    Ok(())
+    switched_in(task_tid(next), now);
 }
 
-/// The syscall the current thread is in: its saved user registers, what it waits
-/// for, and its number. `None` if the registers cannot be read.
+/// The syscall `task` (the current one) is in: its saved user registers, what it
+/// waits for, and its number. `None` if it has no saved registers.
 #[inline(always)]
-fn current_syscall() -> Option<(*const u8, WaitClass, u64)> {
-    // SAFETY: the current task is valid while its program runs; the helper returns
-    // its saved user registers (0 if none).
-    let regs = unsafe { bpf_task_pt_regs(bpf_get_current_task_btf()) } as *const u8;
-    if regs.is_null() {
-        return None;
-    }
-    // SAFETY: the helper checks the read.
-    let number = unsafe { bpf_probe_read_kernel(regs.add(NUMBER_OFFSET).cast::<u64>()) }.ok()?;
+fn current_syscall(task: *const u8) -> Option<(SavedRegisters, WaitClass, u64)> {
+    let regs = SavedRegisters::of(task)?;
+    let number = regs.number();
     // Outside a syscall (a fault) the number is -1 or an error code; the table's
     // default for those is Other.
     let class = match WAIT_CLASSES.get(number as u32) {
@@ -113,26 +105,20 @@ fn current_syscall() -> Option<(*const u8, WaitClass, u64)> {
 }
 
 /// The fd count of a `poll` that the rule of [`Activity::blocked`] needs: read only
-/// for a thread that serves one request at a time (0 otherwise, and 0 if the
-/// register cannot be read, which classifies the poll as a worker's).
+/// for a thread that serves one request at a time (0 otherwise).
 #[inline(always)]
-fn polled_fds(call: Option<(*const u8, WaitClass, u64)>, serving: Serving) -> u64 {
+fn polled_fds(call: Option<(SavedRegisters, WaitClass, u64)>, serving: Serving) -> u64 {
     match call {
-        Some((regs, WaitClass::Poll, _)) if serving == Serving::OneAtATime => {
-            // SAFETY: the helper checks the read.
-            unsafe { bpf_probe_read_kernel(regs.add(SECOND_ARG_OFFSET).cast::<u64>()) }.unwrap_or(0)
-        }
+        Some((regs, WaitClass::Poll, _)) if serving == Serving::OneAtATime => regs.second_arg(),
         _ => 0,
     }
 }
 
 /// sched_wakeup(struct task_struct *p)
-#[raw_tracepoint(tracepoint = "sched_wakeup")]
-pub fn sched_wakeup(ctx: RawTracePointContext) -> i32 {
+#[btf_tracepoint(function = "sched_wakeup")]
+pub fn sched_wakeup(ctx: BtfTracePointContext) -> i32 {
     let task: *const u8 = ctx.arg(0);
-    if let Ok(tid) = task_tid(task) {
-        woken(tid);
-    }
+    woken(task_tid(task));
     0
 }
 

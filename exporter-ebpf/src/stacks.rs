@@ -15,7 +15,7 @@
 use aya_ebpf::{
     helpers::bpf_get_current_pid_tgid,
     macros::perf_event,
-    programs::{PerfEventContext, RawTracePointContext},
+    programs::{BtfTracePointContext, PerfEventContext},
 };
 use poolscope_shared::{
     Activity, LossErrno, LossSource, NO_POOL, STACK_GENERATIONS, StackKey, Thread,
@@ -25,7 +25,7 @@ use crate::{
     maps::count_loss,
     sessions,
     stackmaps::{add, capture, current_epoch},
-    threads::{pool_of, thread},
+    threads::{pool, pool_of, thread},
 };
 
 /// Shortest block recorded, set at load time; `u64::MAX` turns off-CPU stacks off.
@@ -71,7 +71,7 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
 /// The current watched thread blocks at `now` (`sched_switch`, not a preemption;
 /// its activity says why): its stacks are kept until it is woken.
 #[inline(always)]
-pub fn blocked(ctx: &RawTracePointContext, thread: &mut Thread, now: u64) {
+pub fn blocked(ctx: &BtfTracePointContext, thread: &mut Thread, now: u64) {
     // SAFETY: a load-time constant, as above.
     let idle = unsafe { core::ptr::read_volatile(&OFFCPU_IDLE) } != 0;
     if offcpu_min_ns() == u64::MAX
@@ -120,7 +120,7 @@ pub fn unblocked(tid: u32, thread: &mut Thread, now: u64) {
         generation,
         activity: activity as u32,
         tgid: thread.offcpu_tgid,
-        pool: pool_of(tid).unwrap_or(NO_POOL),
+        pool: pool(tid, thread).unwrap_or(NO_POOL),
         user_stack,
         kernel_stack,
         session: 0,

@@ -3,21 +3,80 @@
 //! thread's entry in `THREADS` holds its [`Activity`] since when; leaving an activity
 //! closes the interval into the per-CPU stats of the thread's pool, and, while the
 //! thread holds requests, into their components too.
-use aya_ebpf::helpers::bpf_get_current_pid_tgid;
-use poolscope_shared::{Activity, Peer, Serving, Thread, histogram_bucket};
+use aya_ebpf::{
+    bindings::{BPF_EXIST, BPF_NOEXIST},
+    helpers::bpf_get_current_pid_tgid,
+};
+use poolscope_shared::{
+    Activity, NO_POOL, Peer, Serving, Thread, histogram_bucket, tid_filter_slot,
+};
 
 use crate::{
     downstream,
-    maps::{POOL_STATS, THREAD_POOLS, THREADS},
+    maps::{
+        POOL_EPOCH, POOL_STATS, THREAD_POOLS, THREADS, TID_FILTER, TID_FILTER_USER, atomic_add,
+    },
 };
 
 /// A thread holding more requests than this is miscounted (a lost end); the cap
 /// keeps one such thread from multiplying its time without bound.
 const MAX_SERVING: u32 = 4096;
 
+/// The map helpers' error when a key to create exists.
+const EEXIST: i32 = 17;
+
+/// Whether `tid` may have an entry in `THREADS`: false for almost every thread we
+/// do not follow, read from two arrays (lookups the verifier inlines) instead of a
+/// hash lookup.
+#[inline(always)]
+fn maybe_followed(tid: u32) -> bool {
+    let slot = tid_filter_slot(tid);
+    let by_kernel = TID_FILTER.get(slot).copied().unwrap_or(0);
+    let by_user = TID_FILTER_USER.get(slot).copied().unwrap_or(0);
+    by_kernel.wrapping_add(by_user) != 0
+}
+
+/// Counts one more (`1`) or one less (`u32::MAX`) entry in `tid`'s filter slot.
+#[inline(always)]
+fn count_in_filter(tid: u32, change: u32) {
+    if let Some(count) = TID_FILTER.get_ptr_mut(tid_filter_slot(tid)) {
+        // SAFETY: a live array slot; other CPUs change it by atomic adds only.
+        atomic_add(unsafe { &mut *count }, change);
+    }
+}
+
+/// Follows `tid` from now with `thread` (replacing a stale entry). Counted in the
+/// filter before the entry exists, so that no entry is ever behind a zero slot.
+#[inline(always)]
+pub fn follow(tid: u32, thread: &Thread) -> Result<(), i32> {
+    count_in_filter(tid, 1);
+    match THREADS.insert(tid, thread, u64::from(BPF_NOEXIST)) {
+        Ok(()) => Ok(()),
+        Err(code) => {
+            count_in_filter(tid, u32::MAX);
+            if code == -EEXIST {
+                THREADS.insert(tid, thread, u64::from(BPF_EXIST))
+            } else {
+                Err(code)
+            }
+        }
+    }
+}
+
+/// Stops following `tid`: its entry goes, then its count.
+#[inline(always)]
+pub fn unfollow(tid: u32) {
+    if THREADS.remove(tid).is_ok() {
+        count_in_filter(tid, u32::MAX);
+    }
+}
+
 /// The entry of a watched thread.
 #[inline(always)]
 pub fn thread(tid: u32) -> Option<&'static mut Thread> {
+    if !maybe_followed(tid) {
+        return None;
+    }
     // SAFETY: entries are updated by the events of their own thread, which do not
     // run concurrently, and by cross-CPU events (wakeups, a request ended by another
     // thread) whose rare races cost one interval at most.
@@ -47,7 +106,7 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
     if wait_ended {
         thread.downstream = Peer::NONE;
     }
-    let Some(pool) = pool_of(tid) else {
+    let Some(pool) = pool(tid, thread) else {
         return;
     };
     if activity == Activity::OffNetwork && downstream.port != 0 {
@@ -135,7 +194,22 @@ pub fn serving(thread: &Thread) -> Serving {
     }
 }
 
-/// The pool of thread `tid`, if it has one yet.
+/// The pool of `thread` (`tid`), if it has one yet: the entry's own copy while no
+/// thread's pool changed since it was read (an array read, not a hash lookup).
+#[inline(always)]
+pub fn pool(tid: u32, thread: &mut Thread) -> Option<u32> {
+    // The epoch before the hash map: a change user space makes after this read
+    // raises the epoch again, so the copy is read again at the next event.
+    let current = POOL_EPOCH.get(0).copied().unwrap_or(0).wrapping_add(1);
+    if thread.pool_epoch != current {
+        thread.pool = pool_of(tid).unwrap_or(NO_POOL);
+        thread.pool_epoch = current;
+    }
+    (thread.pool != NO_POOL).then_some(thread.pool)
+}
+
+/// The pool of thread `tid`, if it has one yet, from the hash map: for events that
+/// may interrupt the thread's own (samples) or have no entry at hand.
 #[inline(always)]
 pub fn pool_of(tid: u32) -> Option<u32> {
     // SAFETY: copied out at once.

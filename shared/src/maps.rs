@@ -59,9 +59,23 @@ pub const PROCESS_EVENTS: &str = "PROCESS_EVENTS";
 /// is doing since when. Written by the kernel only (user space inserts a thread
 /// it finds already running, once).
 pub const THREADS: &str = "THREADS";
+/// array, index [`crate::tid_filter_slot`] → u32: the `THREADS` entries the kernel
+/// made in that slot less those it removed (wrapping). With [`TID_FILTER_USER`],
+/// user space's own, it is the scheduler programs' first check: a slot whose two
+/// counts sum to zero holds no followed thread, which two inlined array reads tell
+/// without the hash lookup (most context switches of a host are not ours).
+pub const TID_FILTER: &str = "TID_FILTER";
+/// array, index [`crate::tid_filter_slot`] → u32: the `THREADS` entries user space
+/// made in that slot less those it removed; written by user space only, so that
+/// neither side overwrites the other's count.
+pub const TID_FILTER_USER: &str = "TID_FILTER_USER";
 /// tid (u32) → pool id: user space names pools; a new thread starts in its
 /// creator's pool until user space reads its name.
 pub const THREAD_POOLS: &str = "THREAD_POOLS";
+/// array of one u32: raised by user space after each change it makes to
+/// [`THREAD_POOLS`], so that the kernel's copies of a thread's pool in its entry
+/// (`Thread::pool`) are read again.
+pub const POOL_EPOCH: &str = "POOL_EPOCH";
 /// per-CPU array, index pool id → [`crate::PoolStats`].
 pub const POOL_STATS: &str = "POOL_STATS";
 /// syscall number (index) → [`crate::WaitClass`] as u32, filled by user space.

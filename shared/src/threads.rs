@@ -5,6 +5,16 @@
 use crate::maps;
 use crate::{HISTOGRAM_BUCKETS, Histogram};
 
+/// Slots of the followed-tid filter ([`maps::TID_FILTER`]); a power of two. Tids
+/// are dense, so consecutive tids take different slots: with a thousand followed
+/// threads, about 1.5 % of other tids share a slot and pay the hash lookup.
+pub const TID_FILTER_SLOTS: u32 = 65536;
+
+/// The filter slot of `tid`.
+pub const fn tid_filter_slot(tid: u32) -> u32 {
+    tid & (TID_FILTER_SLOTS - 1)
+}
+
 /// What a thread is doing (DESIGN §3), as an index into [`PoolStats::time_ns`]. The
 /// off-CPU activities are the `offcpu_seconds_total` reasons; the thread states are
 /// their sums: `blocked_lock` = `OffLock`, `idle` = `OffIdle`, `blocked_io` = the rest.
@@ -168,11 +178,16 @@ pub struct Thread {
     /// 1 once this thread held two requests at once: it multiplexes connections (an
     /// event loop), so its poll or select waits for any of them, not a downstream.
     pub multiplexes: u32,
-    pub _pad: u32,
+    /// The thread's pool as the kernel last read it from [`maps::THREAD_POOLS`]
+    /// ([`crate::NO_POOL`]: none), valid while `pool_epoch` is the epoch in
+    /// [`maps::POOL_EPOCH`] plus one (0: never read). User space raises the epoch
+    /// after it changes a thread's pool, so the kernel reads the hash map once per
+    /// change instead of at every event.
+    pub pool: u32,
     /// The socket peer of the network wait the thread is in ([`Peer::NONE`]: none
     /// known), to which the wait's time goes in [`maps::DOWNSTREAM_WAITS`].
     pub downstream: Peer,
-    pub _pad2: u32,
+    pub pool_epoch: u32,
     pub since_ns: u64,
     /// This thread's time on CPU and in the run queue, closed intervals only
     /// (`/debug/threads`, comparable with /proc/<pid>/task/<tid>/schedstat).
@@ -210,9 +225,9 @@ impl Thread {
             serving: 0,
             hands_off: 0,
             multiplexes: 0,
-            _pad: 0,
+            pool: crate::NO_POOL,
             downstream: Peer::NONE,
-            _pad2: 0,
+            pool_epoch: 0,
             since_ns,
             running_ns: 0,
             runnable_ns: 0,
@@ -307,6 +322,7 @@ impl PoolStats {
 }
 
 const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
+const _: () = assert!(TID_FILTER_SLOTS.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<Thread>() == 136);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);

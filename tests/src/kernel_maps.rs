@@ -1,11 +1,13 @@
 //! The truth about a running poolscope's kernel maps, read apart from poolscope:
 //! its map ids from `/proc/<pid>/fdinfo`, each map's name from the kernel
-//! (`BPF_OBJ_GET_INFO_BY_FD`) and its entries by walking its keys
-//! (`BPF_MAP_GET_NEXT_KEY`), with raw `bpf(2)` calls and none of poolscope's code.
+//! (`BPF_OBJ_GET_INFO_BY_FD`), a hash map's entries by walking its keys
+//! (`BPF_MAP_GET_NEXT_KEY`) and an array's values by looking each up
+//! (`BPF_MAP_LOOKUP_ELEM`), with raw `bpf(2)` calls and none of poolscope's code.
 use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
 
 use anyhow::{Context as _, bail};
 
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_MAP_GET_FD_BY_ID: libc::c_long = 14;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
@@ -41,6 +43,23 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<libc::c_long> {
     }
 }
 
+/// The kernel's description of map `fd`.
+fn map_info(fd: &OwnedFd, info: &mut MapInfo) -> anyhow::Result<()> {
+    #[repr(C)]
+    struct InfoAttr {
+        fd: u32,
+        len: u32,
+        info: u64,
+    }
+    let mut attr = InfoAttr {
+        fd: fd.as_raw_fd() as u32,
+        len: std::mem::size_of::<MapInfo>() as u32,
+        info: std::ptr::from_mut(info) as u64,
+    };
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).context("BPF_OBJ_GET_INFO_BY_FD")?;
+    Ok(())
+}
+
 /// The map `name` of process `pid` (an fd of its own) and its key size.
 fn open_map(pid: u32, name: &str) -> anyhow::Result<(OwnedFd, usize)> {
     let fdinfo = format!("/proc/{pid}/fdinfo");
@@ -60,18 +79,7 @@ fn open_map(pid: u32, name: &str) -> anyhow::Result<(OwnedFd, usize)> {
         // SAFETY: the call returned a new descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
         let mut info = MapInfo::default();
-        #[repr(C)]
-        struct InfoAttr {
-            fd: u32,
-            len: u32,
-            info: u64,
-        }
-        let mut attr = InfoAttr {
-            fd: fd.as_raw_fd() as u32,
-            len: std::mem::size_of::<MapInfo>() as u32,
-            info: std::ptr::from_mut(&mut info) as u64,
-        };
-        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).context("BPF_OBJ_GET_INFO_BY_FD")?;
+        map_info(&fd, &mut info)?;
         let length = info.name.iter().position(|&b| b == 0).unwrap_or(16);
         if &info.name[..length] == name.as_bytes() {
             return Ok((fd, info.key_size as usize));
@@ -82,6 +90,11 @@ fn open_map(pid: u32, name: &str) -> anyhow::Result<(OwnedFd, usize)> {
 
 /// The entries of poolscope's (process `pid`'s) hash map `name`, walked key by key.
 pub fn walked_entries(pid: u32, name: &str) -> anyhow::Result<usize> {
+    Ok(walked_keys(pid, name)?.len())
+}
+
+/// The keys of poolscope's (process `pid`'s) hash map `name`, walked one by one.
+pub fn walked_keys(pid: u32, name: &str) -> anyhow::Result<Vec<Vec<u8>>> {
     let (fd, key_size) = open_map(pid, name)?;
     #[repr(C)]
     struct NextKeyAttr {
@@ -92,7 +105,7 @@ pub fn walked_entries(pid: u32, name: &str) -> anyhow::Result<usize> {
     }
     let mut key = vec![0u8; key_size];
     let mut next = vec![0u8; key_size];
-    let mut entries = 0;
+    let mut keys = Vec::new();
     let mut first = true;
     loop {
         let mut attr = NextKeyAttr {
@@ -104,12 +117,46 @@ pub fn walked_entries(pid: u32, name: &str) -> anyhow::Result<usize> {
         };
         match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
             Ok(_) => {
-                entries += 1;
+                keys.push(next.clone());
                 first = false;
                 key.copy_from_slice(&next);
             }
-            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(entries),
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(keys),
             Err(error) => return Err(error).context(format!("BPF_MAP_GET_NEXT_KEY of {name}")),
         }
     }
+}
+
+/// Every value of poolscope's (process `pid`'s) array map `name` of u32 values,
+/// looked up index by index.
+pub fn array_u32(pid: u32, name: &str) -> anyhow::Result<Vec<u32>> {
+    let (fd, _) = open_map(pid, name)?;
+    let mut info = MapInfo::default();
+    map_info(&fd, &mut info)?;
+    if info.value_size != 4 {
+        bail!("{name} holds values of {} bytes, not u32", info.value_size);
+    }
+    #[repr(C)]
+    struct LookupAttr {
+        fd: u32,
+        _pad: u32,
+        key: u64,
+        value: u64,
+        flags: u64,
+    }
+    (0..info.max_entries)
+        .map(|index| {
+            let mut value = 0u32;
+            let mut attr = LookupAttr {
+                fd: fd.as_raw_fd() as u32,
+                _pad: 0,
+                key: std::ptr::from_ref(&index) as u64,
+                value: std::ptr::from_mut(&mut value) as u64,
+                flags: 0,
+            };
+            bpf(BPF_MAP_LOOKUP_ELEM, &mut attr)
+                .with_context(|| format!("BPF_MAP_LOOKUP_ELEM of {name}[{index}]"))?;
+            Ok(value)
+        })
+        .collect()
 }

@@ -9,6 +9,7 @@ use std::{
 
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, Program, TestServer,
+    kernel_maps::{array_u32, walked_keys},
     load::{ClosedLoop, Connections},
     one_at_a_time, pids_config, privileged, requests_settled, rss_kb, scrape_until, wait_until,
 };
@@ -50,6 +51,46 @@ fn snapshots_kb(poolscope: &Poolscope) -> anyhow::Result<u64> {
         .filter_map(|snapshot| snapshot["bytes"].as_u64())
         .sum::<u64>()
         / 1024)
+}
+
+/// A slot of the followed-tid filter that disagrees with `THREADS`: (slot, the
+/// filter's count, the keys walked in it).
+type SlotMismatch = (usize, u32, u32);
+
+/// The followed-tid filter of poolscope `pid` against a walk of `THREADS`: the slots
+/// where the kernel's and user space's counts (summed, wrapping) differ from the
+/// keys the walk found in them, and the keys walked. Read until they agree (5 s at
+/// most: the maps move while threads come and go).
+fn tid_filter_mismatches(pid: u32) -> anyhow::Result<(Vec<SlotMismatch>, usize)> {
+    let mut reading = (Vec::new(), 0);
+    for _ in 0..50 {
+        let by_kernel = array_u32(pid, "TID_FILTER")?;
+        let by_user = array_u32(pid, "TID_FILTER_USER")?;
+        let keys = walked_keys(pid, "THREADS")?;
+        // The slot of a tid is its remainder by the number of slots.
+        let slots = by_kernel.len();
+        let mut walked = vec![0u32; slots];
+        for key in &keys {
+            let tid = u32::from_ne_bytes(key.as_slice().try_into()?);
+            walked[tid as usize % slots] += 1;
+        }
+        let mismatches: Vec<SlotMismatch> = (0..walked.len())
+            .map(|slot| {
+                (
+                    slot,
+                    by_kernel[slot].wrapping_add(by_user[slot]),
+                    walked[slot],
+                )
+            })
+            .filter(|(_, filter, walked)| filter != walked)
+            .collect();
+        reading = (mismatches, keys.len());
+        if reading.0.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(reading)
 }
 
 #[test]
@@ -139,6 +180,18 @@ fn a_thousand_processes_and_ten_thousand_threads_leave_nothing_behind() -> anyho
         assert_eq!(sample.value, 0.0, "{sample:?}");
     }
     assert_eq!(second.value("poolscope_degraded", &[]), Some(0.0));
+
+    // The filter the scheduler programs check first counts every entry the churn
+    // left (threads user space found at the watch, others the kernel made), and
+    // nothing once the process is gone: a slot counted short would hide a thread.
+    let (mismatches, walked) = tid_filter_mismatches(poolscope.pid())?;
+    eprintln!("followed-tid filter: {walked} THREADS entries, {mismatches:?} slots differ");
+    assert!(walked > 0 && mismatches.is_empty(), "{mismatches:?}");
+    drop(churner);
+    scrape_until(&poolscope, |m| entries(m, "THREADS") == 0.0)?;
+    let (mismatches, walked) = tid_filter_mismatches(poolscope.pid())?;
+    eprintln!("after the exit: {walked} THREADS entries, {mismatches:?} slots differ");
+    assert!(walked == 0 && mismatches.is_empty(), "{mismatches:?}");
     Ok(())
 }
 

@@ -117,8 +117,8 @@ pub(super) const PROCESS_ATTACHMENTS: [Attachment; 3] = [
 
 /// Thread states: attached with either backend.
 pub(super) const THREAD_ATTACHMENTS: [Attachment; 3] = [
-    raw_tracepoint("sched_switch", "sched", "sched_switch").reading_task_struct(),
-    raw_tracepoint("sched_wakeup", "sched", "sched_wakeup").reading_task_struct(),
+    btf_tracepoint("sched_switch", "sched", "sched_switch").reading_task_struct(),
+    btf_tracepoint("sched_wakeup", "sched", "sched_wakeup").reading_task_struct(),
     tracepoint("process_rename", "task", "task_rename"),
 ];
 

@@ -27,7 +27,7 @@ use aya::{
 use poolscope_shared::{
     Conn, DownstreamKey, DownstreamWait, Histogram, ListenKey, LockKey, LockPrimitive,
     MAX_PROFILE_SESSIONS, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
-    ServiceCounters, StackCount, StackKey, SyscallSlot, Thread, Watched,
+    ServiceCounters, StackCount, StackKey, SyscallSlot, TID_FILTER_SLOTS, Thread, Watched,
     maps::{self, CountedMap},
 };
 
@@ -118,6 +118,12 @@ pub struct Kernel {
     syscall_counts: PerCpuArray<MapData, u64>,
     service_counters: PerCpuArray<MapData, ServiceCounters>,
     threads: HashMap<MapData, u32, Thread>,
+    /// User space's half of the followed-tid filter, and the counts it holds (user
+    /// space is its only writer).
+    tid_filter_user: Array<MapData, u32>,
+    own_tid_filter: Box<[u32]>,
+    /// Raised after each change to `thread_pools` (user space is its only writer).
+    pool_epoch: Array<MapData, u32>,
     thread_pools: HashMap<MapData, u32, u32>,
     pool_stats: PerCpuArray<MapData, PoolStats>,
     lock_waits: Array<MapData, Histogram>,
@@ -352,6 +358,9 @@ impl Kernel {
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
             service_counters: take(&mut ebpf, maps::SERVICE_COUNTERS)?,
             threads: take(&mut ebpf, maps::THREADS)?,
+            tid_filter_user: take(&mut ebpf, maps::TID_FILTER_USER)?,
+            own_tid_filter: vec![0; TID_FILTER_SLOTS as usize].into_boxed_slice(),
+            pool_epoch: take(&mut ebpf, maps::POOL_EPOCH)?,
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
             lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,

@@ -5,13 +5,21 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use aya::maps::{MapError, PerCpuValues};
 use poolscope_shared::{
     DownstreamKey, Histogram, LockPrimitive, PoolStats, Thread, lock_wait_index, maps,
+    tid_filter_slot,
 };
 
 use super::{BPF_NOEXIST, Kernel, KernelError, Readout, ThreadTable};
 
 impl ThreadTable for Kernel {
     fn follow_thread(&mut self, tid: u32, thread: Thread) -> Result<(), MapError> {
-        match self.threads.insert(tid, thread, BPF_NOEXIST) {
+        // Counted in the filter before the entry exists: the scheduler programs
+        // never look up an entry whose slot they read as empty.
+        self.count_in_tid_filter(tid, 1)?;
+        let inserted = self.threads.insert(tid, thread, BPF_NOEXIST);
+        if inserted.is_err() {
+            self.count_in_tid_filter(tid, u32::MAX)?;
+        }
+        match inserted {
             Err(MapError::SyscallError(error))
                 if error.io_error.raw_os_error() == Some(libc::EEXIST) =>
             {
@@ -22,12 +30,18 @@ impl ThreadTable for Kernel {
     }
 
     fn set_thread_pool(&mut self, tid: u32, pool: u32) -> Result<(), MapError> {
-        self.thread_pools.insert(tid, pool, 0)
+        self.thread_pools.insert(tid, pool, 0)?;
+        // After the change: the kernel's copies of this thread's pool are read again.
+        let epoch = self.pool_epoch.get(&0, 0)?.wrapping_add(1);
+        self.pool_epoch.set(0, epoch, 0)
     }
 
     fn forget_thread(&mut self, tid: u32) {
-        // Either may be gone already (the thread exited).
-        let _ = self.threads.remove(&tid);
+        // Either may be gone already (the thread exited, and the kernel counted it).
+        if self.threads.remove(&tid).is_ok() {
+            // A slot left counted only costs its tids a hash lookup.
+            let _ = self.count_in_tid_filter(tid, u32::MAX);
+        }
         let _ = self.thread_pools.remove(&tid);
     }
 
@@ -59,6 +73,17 @@ impl ThreadTable for Kernel {
 }
 
 impl Kernel {
+    /// Adds `change` (1, or `u32::MAX` for one less) to user space's count of
+    /// `tid`'s filter slot.
+    fn count_in_tid_filter(&mut self, tid: u32, change: u32) -> Result<(), MapError> {
+        let slot = tid_filter_slot(tid);
+        let count = &mut self.own_tid_filter[slot as usize];
+        let changed = count.wrapping_add(change);
+        self.tid_filter_user.set(slot, changed, 0)?;
+        *count = changed;
+        Ok(())
+    }
+
     /// Every followed thread with its pool (if named).
     fn thread_entries(&self) -> Result<Vec<(u32, Thread, Option<u32>)>, KernelError> {
         let batch_error = |map| move |source| KernelError::Batch { map, source };
