@@ -28,8 +28,8 @@ use crate::{
     abi::{SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV, SavedRegisters},
     clock::now_ns,
     maps::{
-        LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, ZERO_HISTOGRAM, add_to_shared_histogram,
-        count_loss, get_or_insert, insert_counted, remove_counted,
+        EEXIST, LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, ZERO_HISTOGRAM,
+        add_to_shared_histogram, count_loss, get_or_insert, insert_counted, remove_counted,
     },
     threads::{self, thread},
 };
@@ -41,8 +41,6 @@ const FUTEX_WAITING_OPS: u32 = 1 << 0 | 1 << 6 | 1 << 9 | 1 << 11 | 1 << 13;
 const FUTEX_OP_FLAGS: u32 = 128 | 256;
 /// bpf_get_stackid flag: the user stack.
 const BPF_F_USER_STACK: u64 = 1 << 8;
-/// bpf_get_stackid's error when the stack's bucket holds another stack.
-const EEXIST: i32 = 17;
 /// Offset of `uaddr` in `struct futex_waitv` (after the u64 `val`).
 const FUTEX_WAITV_UADDR: usize = 8;
 

@@ -186,6 +186,10 @@ pub fn get_or_insert<K, V>(
     value
 }
 
+/// The map and stack helpers' error when a key to create exists, or a stack's
+/// bucket holds another stack.
+pub const EEXIST: i32 = 17;
+
 /// Adds `value` to a counter that other CPUs may update at the same time.
 #[inline(always)]
 pub fn atomic_add<T: Copy>(counter: &mut T, value: T) {

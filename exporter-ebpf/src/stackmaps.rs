@@ -5,13 +5,12 @@ use aya_ebpf::{maps::StackTrace, programs::tracing::StackIdContext};
 use poolscope_shared::{LossErrno, LossSource, StackCount, StackKey, maps::CountedMap};
 
 use crate::maps::{
-    STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, atomic_add, count_loss, get_or_insert,
+    EEXIST, STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, atomic_add, count_loss,
+    get_or_insert,
 };
 
 /// bpf_get_stackid flag: the user stack.
 const BPF_F_USER_STACK: u64 = 1 << 8;
-/// bpf_get_stackid's error when the stack's bucket holds another stack.
-const EEXIST: i32 = 17;
 
 #[inline(always)]
 pub fn current_epoch() -> u32 {

@@ -14,16 +14,14 @@ use poolscope_shared::{
 use crate::{
     downstream,
     maps::{
-        POOL_EPOCH, POOL_STATS, THREAD_POOLS, THREADS, TID_FILTER, TID_FILTER_USER, atomic_add,
+        EEXIST, POOL_EPOCH, POOL_STATS, THREAD_POOLS, THREADS, TID_FILTER, TID_FILTER_USER,
+        atomic_add,
     },
 };
 
 /// A thread holding more requests than this is miscounted (a lost end); the cap
 /// keeps one such thread from multiplying its time without bound.
 const MAX_SERVING: u32 = 4096;
-
-/// The map helpers' error when a key to create exists.
-const EEXIST: i32 = 17;
 
 /// Whether `tid` may have an entry in `THREADS`: false for almost every thread we
 /// do not follow, read from two arrays (lookups the verifier inlines) instead of a

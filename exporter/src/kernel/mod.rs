@@ -122,8 +122,10 @@ pub struct Kernel {
     /// space is its only writer).
     tid_filter_user: Array<MapData, u32>,
     own_tid_filter: Box<[u32]>,
-    /// Raised after each change to `thread_pools` (user space is its only writer).
+    /// Raised after each change to `thread_pools`, and its value (user space is its
+    /// only writer).
     pool_epoch: Array<MapData, u32>,
+    pools_epoch: u32,
     thread_pools: HashMap<MapData, u32, u32>,
     pool_stats: PerCpuArray<MapData, PoolStats>,
     lock_waits: Array<MapData, Histogram>,
@@ -361,6 +363,7 @@ impl Kernel {
             tid_filter_user: take(&mut ebpf, maps::TID_FILTER_USER)?,
             own_tid_filter: vec![0; TID_FILTER_SLOTS as usize].into_boxed_slice(),
             pool_epoch: take(&mut ebpf, maps::POOL_EPOCH)?,
+            pools_epoch: 0,
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
             lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,

@@ -32,8 +32,10 @@ impl ThreadTable for Kernel {
     fn set_thread_pool(&mut self, tid: u32, pool: u32) -> Result<(), MapError> {
         self.thread_pools.insert(tid, pool, 0)?;
         // After the change: the kernel's copies of this thread's pool are read again.
-        let epoch = self.pool_epoch.get(&0, 0)?.wrapping_add(1);
-        self.pool_epoch.set(0, epoch, 0)
+        let epoch = self.pools_epoch.wrapping_add(1);
+        self.pool_epoch.set(0, epoch, 0)?;
+        self.pools_epoch = epoch;
+        Ok(())
     }
 
     fn forget_thread(&mut self, tid: u32) {
