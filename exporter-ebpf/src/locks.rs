@@ -17,7 +17,7 @@
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
     macros::{uprobe, uretprobe},
-    programs::{BtfTracePointContext, ProbeContext, RetProbeContext, tracing::StackIdContext as _},
+    programs::{BtfTracePointContext, ProbeContext, RetProbeContext},
 };
 use poolscope_shared::{
     LockKey, LockPrimitive, LossErrno, LossSource, Serving, Thread, lock_wait_index,
@@ -28,9 +28,10 @@ use crate::{
     abi::{SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV, SavedRegisters},
     clock::now_ns,
     maps::{
-        EEXIST, LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, ZERO_HISTOGRAM,
-        add_to_shared_histogram, count_loss, get_or_insert, insert_counted, remove_counted,
+        LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, ZERO_HISTOGRAM, add_to_shared_histogram,
+        count_loss, get_or_insert, insert_counted, remove_counted,
     },
+    stackmaps::{BPF_F_USER_STACK, stack_id},
     threads::{self, thread},
 };
 
@@ -39,8 +40,6 @@ use crate::{
 const FUTEX_WAITING_OPS: u32 = 1 << 0 | 1 << 6 | 1 << 9 | 1 << 11 | 1 << 13;
 /// FUTEX_PRIVATE_FLAG | FUTEX_CLOCK_REALTIME: modifiers, not the operation.
 const FUTEX_OP_FLAGS: u32 = 128 | 256;
-/// bpf_get_stackid flag: the user stack.
-const BPF_F_USER_STACK: u64 = 1 << 8;
 /// Offset of `uaddr` in `struct futex_waitv` (after the u64 `val`).
 const FUTEX_WAITV_UADDR: usize = 8;
 
@@ -96,15 +95,12 @@ pub fn switched_out(
     let Some(address) = address else {
         return;
     };
-    let stack = match ctx.get_stackid(&LOCK_STACKS, BPF_F_USER_STACK) {
-        Ok(id) => id as i32,
-        Err(error) => {
-            if error == -EEXIST {
-                count_loss(LossSource::LockStackCollision, LossErrno::Eexist);
-            }
-            -1
-        }
-    };
+    let stack = stack_id(
+        ctx,
+        &LOCK_STACKS,
+        BPF_F_USER_STACK,
+        LossSource::LockStackCapture,
+    );
     thread.lock_since_ns = now;
     thread.lock_waited_ns = 0;
     thread.lock_address = address;

@@ -5,27 +5,31 @@ use aya_ebpf::{maps::StackTrace, programs::tracing::StackIdContext};
 use poolscope_shared::{LossErrno, LossSource, StackCount, StackKey, maps::CountedMap};
 
 use crate::maps::{
-    EEXIST, STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, atomic_add, count_loss,
-    get_or_insert,
+    STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, atomic_add, count_loss, get_or_insert,
 };
 
 /// bpf_get_stackid flag: the user stack.
-const BPF_F_USER_STACK: u64 = 1 << 8;
+pub const BPF_F_USER_STACK: u64 = 1 << 8;
+
+/// bpf_get_stackid's error when there is no stack to walk (or it cannot be read).
+const EFAULT: i32 = 14;
 
 #[inline(always)]
 pub fn current_epoch() -> u32 {
     STACK_EPOCH.get(0).copied().unwrap_or(0)
 }
 
-/// The id of the current user or kernel stack in `map`; -1 if not captured (no
-/// such stack, or its bucket is taken, which is counted).
+/// The id of the current user stack (`BPF_F_USER_STACK` in `flags`) or kernel stack
+/// in `map`; -1 if not captured, counted under `loss` by its errno (its bucket held
+/// another stack, no free bucket, or no stack could be walked). A sample taken in
+/// user mode has no kernel stack: that is not a loss.
 #[inline(always)]
-fn stack_id<C: StackIdContext>(ctx: &C, map: &StackTrace, flags: u64) -> i32 {
+pub fn stack_id<C: StackIdContext>(ctx: &C, map: &StackTrace, flags: u64, loss: LossSource) -> i32 {
     match ctx.get_stackid(map, flags) {
         Ok(id) => id as i32,
         Err(error) => {
-            if error == -EEXIST {
-                count_loss(LossSource::StackCollision, LossErrno::Eexist);
+            if error != -EFAULT || flags & BPF_F_USER_STACK != 0 {
+                count_loss(loss, LossErrno::of(error.into()));
             }
             -1
         }
@@ -40,7 +44,10 @@ pub fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
         1 => &STACKS_1,
         _ => &STACKS_2,
     };
-    (stack_id(ctx, map, BPF_F_USER_STACK), stack_id(ctx, map, 0))
+    (
+        stack_id(ctx, map, BPF_F_USER_STACK, LossSource::StackCapture),
+        stack_id(ctx, map, 0, LossSource::StackCapture),
+    )
 }
 
 /// Adds one sample or block of `ns` to `key`'s count.

@@ -25,14 +25,16 @@ pub enum LossSource {
     /// A [`maps::LOCKS`] insert failed: that wait is in `lock_wait_seconds` but not
     /// in the top locks.
     LocksInsert,
-    /// A lock wait's stack did not fit in [`maps::LOCK_STACKS`] (its hash bucket
-    /// held another stack): the wait is kept without a stack.
-    LockStackCollision,
+    /// A lock wait's stack was not kept in [`maps::LOCK_STACKS`] (its hash bucket
+    /// held another stack, or the stack could not be walked): the wait is kept
+    /// without a stack.
+    LockStackCapture,
     /// A [`maps::MUTEX_CALLS`] insert failed: one `pthread_mutex_lock` call not timed.
     MutexCallsInsert,
-    /// A stack did not fit in its [`maps::STACKS`] map (its hash bucket held another
-    /// stack): the sample or block is kept without that stack.
-    StackCollision,
+    /// A stack was not kept in its [`maps::STACKS`] map (its hash bucket held another
+    /// stack, or the stack could not be walked): the sample or block is kept without
+    /// that stack.
+    StackCapture,
     /// A [`maps::STACK_COUNTS`] insert failed: one sample or block lost.
     StackCountsInsert,
     /// An off-CPU block outlived its stack map (it began two epochs before it
@@ -56,9 +58,9 @@ impl LossSource {
         Self::ProcessEvents,
         Self::ThreadsInsert,
         Self::LocksInsert,
-        Self::LockStackCollision,
+        Self::LockStackCapture,
         Self::MutexCallsInsert,
-        Self::StackCollision,
+        Self::StackCapture,
         Self::StackCountsInsert,
         Self::OffCpuStacksExpired,
         Self::DownstreamInsert,
@@ -81,6 +83,8 @@ pub enum LossErrno {
     Ebusy,
     /// The key (or, for a stack map, another stack in its bucket) is already there.
     Eexist,
+    /// A stack helper found no stack to walk, or could not read it.
+    Efault,
     /// Any other errno.
     Other,
 }
@@ -89,12 +93,13 @@ impl LossErrno {
     /// Counters per [`LossSource`] in [`maps::LOSSES`] (a power of two: the index is
     /// a shift the verifier bounds).
     pub const SLOTS: u32 = 8;
-    pub const ALL: [LossErrno; 6] = [
+    pub const ALL: [LossErrno; 7] = [
         Self::None,
         Self::E2big,
         Self::Enomem,
         Self::Ebusy,
         Self::Eexist,
+        Self::Efault,
         Self::Other,
     ];
 
@@ -103,6 +108,7 @@ impl LossErrno {
     pub const fn of(code: i64) -> Self {
         const E2BIG: i64 = 7;
         const ENOMEM: i64 = 12;
+        const EFAULT: i64 = 14;
         const EBUSY: i64 = 16;
         const EEXIST: i64 = 17;
         match -code {
@@ -110,6 +116,7 @@ impl LossErrno {
             ENOMEM => Self::Enomem,
             EBUSY => Self::Ebusy,
             EEXIST => Self::Eexist,
+            EFAULT => Self::Efault,
             _ => Self::Other,
         }
     }
@@ -122,6 +129,7 @@ impl LossErrno {
             Self::Enomem => "ENOMEM",
             Self::Ebusy => "EBUSY",
             Self::Eexist => "EEXIST",
+            Self::Efault => "EFAULT",
             Self::Other => "other",
         }
     }

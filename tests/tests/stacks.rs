@@ -28,7 +28,7 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    PoolServer, Poolscope, Program, bin_dir,
+    Metrics, PoolServer, Poolscope, Program, bin_dir,
     load::{ClosedLoop, Connections},
     one_at_a_time, parse_tids, pids_config, privileged,
     profiles::{
@@ -119,6 +119,8 @@ struct Run {
     pprof: Result<(u64, Vec<u8>), String>,
     /// The wall-clock flame graph of a snapshot with both burner samples and sleeps.
     wall_svg: Result<(u64, String), String>,
+    /// poolscope's counts of stacks it could not keep, after the snapshots were read.
+    stack_losses: Vec<(String, f64)>,
 }
 
 static RUN: OnceLock<Result<Run, String>> = OnceLock::new();
@@ -236,7 +238,30 @@ fn measure_with(
         snapshots,
         pprof,
         wall_svg,
+        stack_losses: stack_losses(&poolscope.scrape()?),
     })
+}
+
+/// The nonzero counters of stacks not kept: failed captures into the stack maps
+/// (by errno) and off-CPU blocks whose stacks expired.
+fn stack_losses(metrics: &Metrics) -> Vec<(String, f64)> {
+    metrics
+        .samples
+        .iter()
+        .filter(|s| {
+            let label = |key: &str, values: &[&str]| {
+                s.labels
+                    .iter()
+                    .any(|(k, v)| k == key && values.contains(&v.as_str()))
+            };
+            s.value > 0.0
+                && ((s.name == "poolscope_map_update_errors_total"
+                    && label("map", &["STACKS", "STACK_COUNTS"]))
+                    || (s.name == "poolscope_events_lost_total"
+                        && label("source", &["offcpu_stacks_expired"])))
+        })
+        .map(|s| (format!("{}{:?}", s.name, s.labels), s.value))
+        .collect()
 }
 
 fn fetch_pprof(poolscope: &Poolscope, snapshots: &[Snapshot]) -> anyhow::Result<(u64, Vec<u8>)> {
@@ -378,6 +403,13 @@ fn offcpu_time_matches_the_programs_sleeps() -> anyhow::Result<()> {
     let blocked_us = total(snapshots, |s| &s.offcpu, sleeping);
     let slept_us = run.truth.slept_ns as f64 / 1e3;
     let truth_us = run.truth.blocked_ns() as f64 / 1e3;
+    // A block whose user stack was not kept shows `[stack lost]` where the program's
+    // frames would be; each such loss must have been counted.
+    let lost_us = total(
+        snapshots,
+        |s| &s.offcpu,
+        |f| f[0] == SLEEPER_POOL && f.get(1).is_some_and(|frame| frame == "[stack lost]"),
+    );
     let mut reasons: HashMap<&str, u64> = HashMap::new();
     let mut misplaced = Vec::new();
     for snapshot in snapshots {
@@ -393,10 +425,16 @@ fn offcpu_time_matches_the_programs_sleeps() -> anyhow::Result<()> {
     println!(
         "sleeper: {blocked_us} µs off-CPU under sleep_in_named_function vs the program's \
          {truth_us:.0} µs blocked ({slept_us:.0} µs in {} sleeps, {} µs of it in the run \
-         queue); by last frame: {reasons:?}\nheaviest:\n{}",
+         queue); by last frame: {reasons:?}; {lost_us} µs of the sleeper's blocks without \
+         a user stack, stack losses counted: {:?}\nheaviest:\n{}",
         run.truth.sleeps,
         run.truth.sleeper_runnable_ns / 1000,
+        run.stack_losses,
         heaviest(snapshots, |s| &s.offcpu, |_| true, 8)
+    );
+    anyhow::ensure!(
+        lost_us == 0 || !run.stack_losses.is_empty(),
+        "{lost_us} µs of the sleeper's blocks lost their user stack, and no loss was counted"
     );
     anyhow::ensure!(
         misplaced.is_empty(),

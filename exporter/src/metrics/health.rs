@@ -140,9 +140,9 @@ impl LossKind {
             LossSource::WatchedInsert => map(maps::WATCHED),
             LossSource::ThreadsInsert => map(maps::THREADS),
             LossSource::LocksInsert => map(maps::LOCKS),
-            LossSource::LockStackCollision => map(maps::LOCK_STACKS),
+            LossSource::LockStackCapture => map(maps::LOCK_STACKS),
             LossSource::MutexCallsInsert => map(maps::MUTEX_CALLS),
-            LossSource::StackCollision => map(maps::STACK_MAPS),
+            LossSource::StackCapture => map(maps::STACK_MAPS),
             LossSource::StackCountsInsert => map(maps::STACK_COUNTS),
             LossSource::DownstreamInsert => map(maps::DOWNSTREAM_WAITS),
             LossSource::ProcessEvents => Self::Events(PROCESS_EVENTS),
@@ -161,7 +161,7 @@ impl LossKind {
 
     /// Whether this loss makes poolscope degraded: something was not measured. A
     /// stack that did not fit its stack map (a hash-bucket collision, more frequent
-    /// as the map fills) or that expired keeps its sample's time, under no stack or
+    /// as the map fills), that could not be walked, or that expired keeps its sample's time, under no stack or
     /// `[stack lost]`, and a frame without a symbol keeps its module and offset:
     /// counted, not degrading. Processes whose open files poolscope may not follow
     /// are counted and logged, not degrading: some hosts run one that no exporter
@@ -174,7 +174,7 @@ impl LossKind {
                 | Self::ProcessesUnreadable
                 | Self::MapUpdate {
                     map: maps::STACK_MAPS | maps::LOCK_STACKS,
-                    errno: LossErrno::Eexist,
+                    errno: LossErrno::Eexist | LossErrno::Efault,
                 }
         )
     }
@@ -201,6 +201,10 @@ impl LossKind {
                 LossErrno::Ebusy => format!(
                     "kernel map {map}: an update interrupted another on the same bucket \
                      (rare; nothing to change unless it keeps rising)"
+                ),
+                LossErrno::Efault => format!(
+                    "kernel map {map}: a stack could not be walked (a thread exiting, or a user \
+                     stack the kernel could not read); its time is kept under [stack lost]"
                 ),
                 LossErrno::None | LossErrno::Other => {
                     format!("kernel map {map}: an insert failed; the log may say why")
@@ -519,7 +523,7 @@ mod tests {
             calls.advice(Some(16)),
             "kernel map MUTEX_CALLS is full (capacity 16): raise limits.mutex_calls_in_flight"
         );
-        let collision = LossKind::of_kernel(LossSource::StackCollision, LossErrno::Eexist);
+        let collision = LossKind::of_kernel(LossSource::StackCapture, LossErrno::Eexist);
         assert_eq!(
             collision.advice(Some(16384)),
             "kernel map STACKS is full (capacity 16384): raise limits.stacks"
