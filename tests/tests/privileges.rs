@@ -229,7 +229,9 @@ inner)
     touch /usr/local/bin/poolscope && mount --bind "$binary" /usr/local/bin/poolscope
     mkdir "$dir/etc-upper" "$dir/etc-work"
     mount -t overlay overlay -o "lowerdir=/etc,upperdir=$dir/etc-upper,workdir=$dir/etc-work" /etc
-    mkdir -p /etc/poolscope && cp "$dir/poolscope.toml" /etc/poolscope/
+    if [ -f "$dir/poolscope.toml" ]; then
+        mkdir -p /etc/poolscope && cp "$dir/poolscope.toml" /etc/poolscope/
+    fi
     if [ "$cgroupfs" = cgroup2fs ]; then
         mount -t cgroup2 cgroup2 /sys/fs/cgroup
     else
@@ -332,8 +334,9 @@ fn child_named(parent: u32, name: &str) -> Option<u32> {
     })
 }
 
-/// poolscope started by a throwaway systemd from systemd/poolscope.service; the
-/// manager's whole PID namespace is killed when dropped.
+/// poolscope started by a throwaway systemd from a unit file (systemd/poolscope.service
+/// or the one the Debian package installed); the manager's whole PID namespace is
+/// killed when dropped.
 struct UnitSandbox {
     /// The `unshare` that forked the manager (--kill-child: its death kills it).
     launcher: Child,
@@ -342,17 +345,25 @@ struct UnitSandbox {
 }
 
 impl UnitSandbox {
+    /// systemd/poolscope.service, with `config` as its configuration file.
     fn start(config: &str) -> anyhow::Result<Self> {
+        Self::start_unit(UNIT, Some(config))
+    }
+
+    /// `unit`, with `config` as /etc/poolscope/poolscope.toml (`None`: the host's).
+    fn start_unit(unit: &str, config: Option<&str>) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let script = dir.path().join("sandbox.sh");
         fs::write(&script, SANDBOX_SCRIPT)?;
         fs::set_permissions(&script, fs::Permissions::from_mode(0o755))?;
-        fs::write(dir.path().join("poolscope.service"), UNIT)?;
+        fs::write(dir.path().join("poolscope.service"), unit)?;
         fs::write(
             dir.path().join("test.conf"),
             drop_in(&dir.path().join("service.log")),
         )?;
-        fs::write(dir.path().join("poolscope.toml"), config)?;
+        if let Some(config) = config {
+            fs::write(dir.path().join("poolscope.toml"), config)?;
+        }
         let launcher_log = fs::File::create(dir.path().join("launcher.log"))?;
         let cgroups = own_cgroups(&format!("poolscope-sandbox-{}", std::process::id()))?;
         let mut command = Command::new(&script);
@@ -617,5 +628,137 @@ fn runs_under_the_units_own_sandbox() -> anyhow::Result<()> {
         "poolscope still runs"
     );
     drop(pool);
+    Ok(())
+}
+
+/// What the Debian package puts on the host, and where `deb-systemd-helper` records
+/// that the unit is enabled.
+const PACKAGED_FILES: [&str; 4] = [
+    "/usr/bin/poolscope",
+    "/lib/systemd/system/poolscope.service",
+    "/etc/poolscope/poolscope.toml",
+    "/etc/systemd/system/multi-user.target.wants/poolscope.service",
+];
+
+/// dpkg with `args`; its output, or why it failed.
+fn dpkg(args: &[&str]) -> anyhow::Result<String> {
+    let output = Command::new("dpkg")
+        .args(args)
+        .output()
+        .context("running dpkg")?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    ensure!(output.status.success(), "dpkg {args:?}: {said}");
+    Ok(said)
+}
+
+/// dpkg's status of the poolscope package (`install ok installed`), if it knows it.
+fn package_status() -> Option<String> {
+    let output = Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", "poolscope"])
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// The package `cargo xtask package` (and `cargo xtask test`, before this test)
+/// built: `dpkg -i` puts the binary, the unit (enabled) and an empty configuration
+/// on the host; systemd starts the installed unit with the installed configuration
+/// (the defaults: auto-discovery, /metrics on 127.0.0.1:9435), and it measures a
+/// server started before it; `dpkg --purge` leaves nothing behind.
+#[test]
+fn the_debian_package_installs_runs_its_unit_and_purges_cleanly() -> anyhow::Result<()> {
+    let test = "the_debian_package_installs_runs_its_unit_and_purges_cleanly";
+    if !privileged(test) || !sandbox_tools(test) {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let packages = bin_dir()?.join("../package");
+    let deb = fs::read_dir(&packages)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .find(|path| path.extension().is_some_and(|ext| ext == "deb"));
+    let Some(deb) = deb else {
+        skip(
+            test,
+            &format!("no .deb in {}: run cargo xtask package", packages.display()),
+        );
+        return Ok(());
+    };
+    // An earlier run that died between install and purge.
+    if package_status().is_some() {
+        dpkg(&["--purge", "poolscope"])?;
+    }
+    const PORT: u16 = 9435;
+    ensure!(
+        std::net::TcpListener::bind(("127.0.0.1", PORT)).is_ok(),
+        "127.0.0.1:{PORT}, the packaged configuration's /metrics, is taken"
+    );
+    let pool = PoolServer::start(2, Duration::from_millis(5))?;
+    dpkg(&["--install", deb.to_str().context("a non-UTF-8 path")?])?;
+    let installed = (|| -> anyhow::Result<()> {
+        ensure!(
+            package_status().as_deref() == Some("install ok installed"),
+            "dpkg status after install: {:?}",
+            package_status()
+        );
+        for file in PACKAGED_FILES {
+            ensure!(Path::new(file).exists(), "{file} is missing after install");
+        }
+        let unit = fs::read_to_string("/lib/systemd/system/poolscope.service")?;
+        ensure!(
+            unit.contains("\nExecStart=/usr/bin/poolscope "),
+            "the installed unit does not start the installed binary"
+        );
+        let sandbox = UnitSandbox::start_unit(&unit, None)?;
+        let service = [("service", "poolserver")];
+        scrape_until(PORT, &sandbox, "poolserver watched", |m| {
+            m.value("poolscope_targets", &service) == Some(1.0)
+        })?;
+        let pid = sandbox
+            .poolscope()
+            .context("no poolscope under the manager")?;
+        let exe = fs::read_link(format!("/proc/{pid}/exe"))?;
+        ensure!(
+            exe == Path::new("/usr/bin/poolscope"),
+            "the unit runs {}",
+            exe.display()
+        );
+        let clients = ClosedLoop::start(pool.port, 2, Connections::KeepAlive);
+        std::thread::sleep(Duration::from_secs(2));
+        let seen = clients.stop()?;
+        ensure!(seen.completed > 0, "the clients completed nothing");
+        scrape_until(PORT, &sandbox, "every request counted", |m| {
+            m.value("poolscope_requests_total", &service) == Some(seen.completed as f64)
+        })?;
+        eprintln!(
+            "{}: {} requests counted by the packaged unit",
+            deb.display(),
+            seen.completed
+        );
+        Ok(())
+    })();
+    let purged = dpkg(&["--purge", "poolscope"]);
+    installed?;
+    purged?;
+    ensure!(
+        package_status().is_none_or(|status| status.ends_with("not-installed")),
+        "dpkg status after purge: {:?}",
+        package_status()
+    );
+    for file in PACKAGED_FILES.iter().chain(&["/etc/poolscope"]) {
+        ensure!(
+            fs::symlink_metadata(file).is_err(),
+            "{file} is left after purge"
+        );
+    }
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! Debian packages the task needs) and says nothing when nothing is missing.
 mod bench;
 mod manifests;
+mod package;
 mod setup;
 mod vm;
 
@@ -18,7 +19,8 @@ const USAGE: &str = "usage: cargo xtask <command>
   test                      install what is missing, run lint, unit and privileged tests, then vm-test
   vm-test                   install what is missing, run poolscope and ground-truth tests on Debian 12's 6.1 kernel in qemu
   bench                     install what is missing, measure poolscope's cost on nginx, per context switch, per lock and of stack snapshots (BENCH_ONLY=nginx|sched|locks|stacks)
-  manifests [--job-selector S]  write deploy/kubernetes/'s PrometheusRule and dashboard ConfigMaps from alerts/ and dashboards/
+  manifests [--job-selector S] [--runbook-base URL]  write deploy/kubernetes/'s PrometheusRule and dashboard ConfigMaps from alerts/ and dashboards/
+  package                   build the release binary and target/package/poolscope_<version>_<arch>.deb (binary, systemd unit, empty config)
   setup                     only install what is missing";
 
 /// Debian packages the tests use: promtool (prometheus); the real servers of
@@ -70,7 +72,7 @@ fn main() -> anyhow::Result<()> {
             run_privileged(&binary, &flags)
         }
         Some("test") => {
-            setup::ensure(&[TEST_PACKAGES, vm::PACKAGES].concat())?;
+            setup::ensure(&[TEST_PACKAGES, package::PACKAGES, vm::PACKAGES].concat())?;
             setup::ensure_kubernetes_validate(&root)?;
             cargo(&root, &["fmt", "--all", "--check"])?;
             setup::cargo_deny(&root)?;
@@ -96,6 +98,8 @@ fn main() -> anyhow::Result<()> {
             // The privileged tests measure the binaries as shipped (release), which
             // they start; vm-test then reuses the same build.
             cargo(&root, &["build", "--quiet", "--release", "--bins"])?;
+            // The package test (privileges.rs) installs what this builds.
+            package::build(&root)?;
             cargo(
                 &root,
                 &["test", "--release", "--package", "poolscope-tests"],
@@ -113,6 +117,16 @@ fn main() -> anyhow::Result<()> {
                 &["build", "--quiet", "--release", "--package", "poolscope"],
             )?;
             bench::run(&root)
+        }
+        Some("package") => {
+            setup::ensure(package::PACKAGES)?;
+            cargo(
+                &root,
+                &["build", "--quiet", "--release", "--package", "poolscope"],
+            )?;
+            let deb = package::build(&root)?;
+            println!("{}", deb.display());
+            Ok(())
         }
         Some("manifests") => manifests::run(&root, args.get(1..).unwrap_or_default()),
         Some("setup") => {
