@@ -4,7 +4,8 @@
 //! of the two custom resources, how the objects reference each other), that the unit
 //! and the DaemonSet grant the same capabilities, and that the autoscalers read the
 //! recording rule alerts/ defines. (tests/tests/privileges.rs runs poolscope under
-//! the unit itself.)
+//! the unit itself.) As root, the container image `cargo xtask image` builds runs
+//! with the DaemonSet's settings and the shipped ConfigMap, and measures a real server.
 //!
 //! A missing tool skips a test with a message, or fails it under CI=true;
 //! `cargo xtask setup` installs them all.
@@ -16,7 +17,13 @@ use std::{
 };
 
 use anyhow::{Context as _, ensure};
-use poolscope_tests::{bin_dir, skip};
+use poolscope_tests::{
+    Metrics, PoolServer, bin_dir, free_port,
+    load::{ClosedLoop, Connections},
+    one_at_a_time, privileged,
+    profiles::http_get,
+    skip, wait_until,
+};
 use serde_json::Value;
 
 /// The exposure `systemd-analyze security` may rate the unit at most (the issue's bar;
@@ -1016,5 +1023,257 @@ fn the_structural_checks_catch_mistakes() -> anyhow::Result<()> {
     assert_eq!(problems.len(), 3, "{problems:?}");
     assert!(is_duration("1m30s") && is_duration("500ms") && is_duration("15s"));
     assert!(!is_duration("15") && !is_duration("s") && !is_duration(""));
+    Ok(())
+}
+
+/// podman's settings on hosts like these: no default rlimits (its nofile and nproc
+/// defaults exceed limits a root without CAP_SYS_RESOURCE may set), runc with
+/// cgroupfs (crun refuses a mix of cgroup v1 and v2). Neither changes what the
+/// container may do.
+const PODMAN_CONF: &str = "[containers]\ndefault_ulimits = []\n";
+
+/// podman's default seccomp profile as containerd's RuntimeDefault has it (the
+/// DaemonSet's `seccompProfile`): since containerd 1.7, `bpf` is allowed with
+/// CAP_BPF and `perf_event_open` with CAP_PERFMON; podman 4.3's still wants
+/// CAP_SYS_ADMIN for both.
+fn runtime_default_seccomp() -> anyhow::Result<Value> {
+    const GATED: [(&str, &str); 2] = [("bpf", "CAP_BPF"), ("perf_event_open", "CAP_PERFMON")];
+    let path = "/usr/share/containers/seccomp.json";
+    let mut profile: Value = serde_json::from_str(
+        &std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?,
+    )?;
+    let syscalls = profile["syscalls"]
+        .as_array_mut()
+        .context("no syscalls in podman's seccomp profile")?;
+    for rule in syscalls.iter_mut() {
+        if rule["action"] == "SCMP_ACT_ERRNO"
+            && let Some(names) = rule["names"].as_array_mut()
+        {
+            names.retain(|name| !GATED.iter().any(|(call, _)| name == call));
+        }
+    }
+    syscalls.retain(|rule| {
+        rule["names"]
+            .as_array()
+            .is_none_or(|names| !names.is_empty())
+    });
+    for (call, capability) in GATED {
+        syscalls.push(serde_json::json!({
+            "names": [call],
+            "action": "SCMP_ACT_ALLOW",
+            "includes": {"caps": [capability]},
+        }));
+    }
+    Ok(profile)
+}
+
+/// `podman run` arguments for the DaemonSet's container: its host namespaces,
+/// capabilities, user, no_new_privs, read-only root and host mounts, with `config`
+/// mounted where its ConfigMap goes and /metrics on 127.0.0.1:`port`.
+fn daemonset_run_args(
+    pod: &Value,
+    container: &Value,
+    config: &Path,
+    seccomp: &Path,
+    port: u16,
+) -> anyhow::Result<Vec<String>> {
+    let mut args = vec!["run".to_owned(), "--detach".to_owned()];
+    ensure!(
+        pod["hostPID"] == true && pod["hostNetwork"] == true,
+        "{pod}"
+    );
+    args.extend(["--pid=host".to_owned(), "--network=host".to_owned()]);
+    let security = &container["securityContext"];
+    ensure!(security["privileged"] == false, "{security}");
+    args.push(format!(
+        "--user={}:{}",
+        security["runAsUser"], security["runAsGroup"]
+    ));
+    if security["allowPrivilegeEscalation"] == false {
+        args.push("--security-opt=no-new-privileges".to_owned());
+    }
+    if security["readOnlyRootFilesystem"] == true {
+        args.push("--read-only".to_owned());
+    }
+    args.push(format!("--security-opt=seccomp={}", seccomp.display()));
+    for capability in security["capabilities"]["drop"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        args.push(format!(
+            "--cap-drop={}",
+            capability.as_str().context("a capability")?
+        ));
+    }
+    for capability in security["capabilities"]["add"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        args.push(format!(
+            "--cap-add={}",
+            capability.as_str().context("a capability")?
+        ));
+    }
+    let volumes = pod["volumes"].as_array().context("no volumes")?;
+    for mount in container["volumeMounts"]
+        .as_array()
+        .context("no volumeMounts")?
+    {
+        let volume = volumes
+            .iter()
+            .find(|v| v["name"] == mount["name"])
+            .with_context(|| format!("no volume {}", mount["name"]))?;
+        let source = if volume["configMap"].is_object() {
+            config.display().to_string()
+        } else {
+            volume["hostPath"]["path"]
+                .as_str()
+                .with_context(|| format!("volume {volume} is neither a ConfigMap nor a hostPath"))?
+                .to_owned()
+        };
+        let read_only = if mount["readOnly"] == true { ":ro" } else { "" };
+        let target = mount["mountPath"].as_str().context("a mountPath")?;
+        args.push(format!("--volume={source}:{target}{read_only}"));
+    }
+    args.push(format!(
+        "--env=POOLSCOPE_WEB__LISTEN_ADDRESS=127.0.0.1:{port}"
+    ));
+    args.push(container["image"].as_str().context("no image")?.to_owned());
+    for arg in container["args"].as_array().into_iter().flatten() {
+        args.push(arg.as_str().context("an argument")?.to_owned());
+    }
+    Ok(args)
+}
+
+/// The image `cargo xtask image` built (loaded from its OCI archive) runs as the
+/// DaemonSet runs it, with the shipped ConfigMap: it attaches its probes, discovers
+/// a server started before it and counts every request the clients completed.
+#[test]
+fn the_image_runs_with_the_daemonsets_settings_and_measures() -> anyhow::Result<()> {
+    let test = "the_image_runs_with_the_daemonsets_settings_and_measures";
+    if !privileged(test) {
+        return Ok(());
+    }
+    let (Some(python), Some(podman)) = (
+        tool(test, validator_venv().join("python")),
+        on_path(test, "podman"),
+    ) else {
+        return Ok(());
+    };
+    let archive = std::fs::read_dir(workspace().join("target/image"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .find(|path| path.to_string_lossy().ends_with(".oci.tar"));
+    let Some(archive) = archive else {
+        skip(test, "no target/image/*.oci.tar: run cargo xtask image");
+        return Ok(());
+    };
+    let _serial = one_at_a_time();
+    let documents = manifests(&python, "kubernetes")?;
+    let pod = &one(&documents, "DaemonSet")?["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let config_name = pod["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|volume| volume["configMap"]["name"].as_str())
+        .context("the DaemonSet mounts no ConfigMap")?;
+    let config_map = documents
+        .iter()
+        .map(|(_, document)| document)
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == config_name)
+        .with_context(|| format!("no ConfigMap {config_name}"))?;
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("config");
+    std::fs::create_dir(&config)?;
+    for (name, text) in config_map["data"]
+        .as_object()
+        .context("no ConfigMap data")?
+    {
+        std::fs::write(
+            config.join(name),
+            text.as_str().context("a ConfigMap value")?,
+        )?;
+    }
+    let seccomp = dir.path().join("seccomp.json");
+    std::fs::write(&seccomp, serde_json::to_vec(&runtime_default_seccomp()?)?)?;
+    let conf = dir.path().join("containers.conf");
+    std::fs::write(&conf, PODMAN_CONF)?;
+    let podman = |args: &[String]| -> anyhow::Result<String> {
+        let output = run(Command::new(&podman)
+            .env("CONTAINERS_CONF", &conf)
+            .args(["--runtime", "runc", "--cgroup-manager", "cgroupfs"])
+            .args(args))?;
+        ensure!(
+            output.status.success(),
+            "podman {args:?}: {}",
+            text(&output)
+        );
+        Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+    };
+    let loaded = podman(&["load".to_owned(), format!("--input={}", archive.display())])?;
+    let image = container["image"].as_str().context("no image")?;
+    ensure!(
+        loaded.contains(image),
+        "{} holds {loaded:?}, the DaemonSet runs {image}",
+        archive.display()
+    );
+
+    let server = PoolServer::start(2, std::time::Duration::from_millis(5))?;
+    let port = free_port()?;
+    let name = format!("poolscope-image-test-{}", std::process::id());
+    let mut args = daemonset_run_args(pod, container, &config, &seccomp, port)?;
+    args.insert(2, format!("--name={name}"));
+    podman(&args)?;
+    let measured = (|| -> anyhow::Result<u64> {
+        let scrape = || -> Option<Metrics> {
+            let response = http_get(port, "/metrics").ok()?;
+            Some(Metrics::parse(&response.text("/metrics").ok()?))
+        };
+        let service = [("service", "poolserver")];
+        let watched = wait_until(std::time::Duration::from_secs(30), || {
+            scrape().is_some_and(|m| m.value("poolscope_targets", &service) == Some(1.0))
+        });
+        ensure!(
+            watched,
+            "poolserver not watched: {:?}",
+            scrape().map(|m| m.text)
+        );
+        let metrics = scrape().context("no scrape")?;
+        let detached: Vec<_> = metrics
+            .samples
+            .iter()
+            .filter(|s| s.name == "poolscope_probe_attached" && s.value != 1.0)
+            .collect();
+        ensure!(detached.is_empty(), "probes not attached: {detached:?}");
+        let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        let seen = clients.stop()?;
+        ensure!(seen.completed > 0, "the clients completed nothing");
+        let counted = wait_until(std::time::Duration::from_secs(10), || {
+            scrape().is_some_and(|m| {
+                m.value("poolscope_requests_total", &service) == Some(seen.completed as f64)
+            })
+        });
+        ensure!(
+            counted,
+            "{} requests completed, the container counted {:?}",
+            seen.completed,
+            scrape().and_then(|m| m.value("poolscope_requests_total", &service))
+        );
+        Ok(seen.completed)
+    })();
+    let logs = podman(&["logs".to_owned(), name.clone()]).unwrap_or_default();
+    let removed = podman(&["rm".to_owned(), "--force".to_owned(), name]);
+    let completed = measured.with_context(|| format!("the container's log:\n{logs}"))?;
+    removed?;
+    println!(
+        "{}: {image} counted all {completed} requests under the DaemonSet's settings",
+        archive.display()
+    );
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! installs what is missing (rust-src, bpf-linker linked to rustc's own libLLVM, the
 //! Debian packages the task needs) and says nothing when nothing is missing.
 mod bench;
+mod image;
 mod manifests;
 mod package;
 mod setup;
@@ -20,6 +21,7 @@ const USAGE: &str = "usage: cargo xtask <command>
   vm-test                   install what is missing, run poolscope and ground-truth tests on Debian 12's 6.1 kernel in qemu
   bench                     install what is missing, measure poolscope's cost on nginx, per context switch, per lock and of stack snapshots (BENCH_ONLY=nginx|sched|locks|stacks)
   manifests [--job-selector S] [--runbook-base URL]  write deploy/kubernetes/'s PrometheusRule and dashboard ConfigMaps from alerts/ and dashboards/
+  image                     build the .deb, then the container image localhost/poolscope:<version> from Debian packages and target/image/poolscope_<version>.oci.tar
   package                   build the release binary and target/package/poolscope_<version>_<arch>.deb (binary, systemd unit, empty config)
   setup                     only install what is missing";
 
@@ -72,7 +74,15 @@ fn main() -> anyhow::Result<()> {
             run_privileged(&binary, &flags)
         }
         Some("test") => {
-            setup::ensure(&[TEST_PACKAGES, package::PACKAGES, vm::PACKAGES].concat())?;
+            setup::ensure(
+                &[
+                    TEST_PACKAGES,
+                    package::PACKAGES,
+                    image::PACKAGES,
+                    vm::PACKAGES,
+                ]
+                .concat(),
+            )?;
             setup::ensure_kubernetes_validate(&root)?;
             cargo(&root, &["fmt", "--all", "--check"])?;
             setup::cargo_deny(&root)?;
@@ -98,8 +108,9 @@ fn main() -> anyhow::Result<()> {
             // The privileged tests measure the binaries as shipped (release), which
             // they start; vm-test then reuses the same build.
             cargo(&root, &["build", "--quiet", "--release", "--bins"])?;
-            // The package test (privileges.rs) installs what this builds.
-            package::build(&root)?;
+            // The package and image tests (privileges.rs, deploy.rs) use these.
+            let deb = package::build(&root)?;
+            image::build(&root, &deb)?;
             cargo(
                 &root,
                 &["test", "--release", "--package", "poolscope-tests"],
@@ -126,6 +137,16 @@ fn main() -> anyhow::Result<()> {
             )?;
             let deb = package::build(&root)?;
             println!("{}", deb.display());
+            Ok(())
+        }
+        Some("image") => {
+            setup::ensure(&[package::PACKAGES, image::PACKAGES].concat())?;
+            cargo(
+                &root,
+                &["build", "--quiet", "--release", "--package", "poolscope"],
+            )?;
+            let deb = package::build(&root)?;
+            println!("{}", image::build(&root, &deb)?.display());
             Ok(())
         }
         Some("manifests") => manifests::run(&root, args.get(1..).unwrap_or_default()),
