@@ -402,18 +402,11 @@ impl UnitSandbox {
     /// systemctl, talking to the throwaway manager.
     fn systemctl(&self, args: &[&str]) -> anyhow::Result<String> {
         let manager = self.manager().context("the manager is gone")?;
-        let output = Command::new("nsenter")
-            .args(["-t", &manager.to_string(), "-m", "-p", "systemctl"])
-            .args(args)
-            .output()
-            .context("running nsenter systemctl")?;
-        let said = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        ensure!(output.status.success(), "systemctl {args:?}: {said}");
-        Ok(said)
+        succeeded(
+            Command::new("nsenter")
+                .args(["-t", &manager.to_string(), "-m", "-p", "systemctl"])
+                .args(args),
+        )
     }
 
     /// What poolscope logged.
@@ -640,19 +633,23 @@ const PACKAGED_FILES: [&str; 4] = [
     "/etc/systemd/system/multi-user.target.wants/poolscope.service",
 ];
 
-/// dpkg with `args`; its output, or why it failed.
-fn dpkg(args: &[&str]) -> anyhow::Result<String> {
-    let output = Command::new("dpkg")
-        .args(args)
+/// What `command` printed (stdout, then stderr), or that and its failure.
+fn succeeded(command: &mut Command) -> anyhow::Result<String> {
+    let output = command
         .output()
-        .context("running dpkg")?;
+        .with_context(|| format!("running {command:?}"))?;
     let said = format!(
         "{}{}",
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
-    ensure!(output.status.success(), "dpkg {args:?}: {said}");
+    ensure!(output.status.success(), "{command:?}: {said}");
     Ok(said)
+}
+
+/// dpkg with `args`; its output, or why it failed.
+fn dpkg(args: &[&str]) -> anyhow::Result<String> {
+    succeeded(Command::new("dpkg").args(args))
 }
 
 /// dpkg's status of the poolscope package (`install ok installed`), if it knows it.

@@ -13,6 +13,8 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
+use crate::package::output as run;
+
 /// Debian packages `cargo xtask image` (and its test) need: podman, and runc, the
 /// runtime that runs on hosts whose cgroups crun refuses (v1 and v2 mixed).
 pub const PACKAGES: &[&str] = &["podman", "runc"];
@@ -24,21 +26,6 @@ const RUNTIME_PACKAGES: [&str; 2] = ["libc6", "libgcc-s1"];
 /// The image's name in podman's local storage, as the DaemonSet names it.
 pub fn name() -> String {
     format!("localhost/poolscope:{VERSION}")
-}
-
-fn run(command: &mut Command) -> anyhow::Result<()> {
-    let output = command
-        .output()
-        .with_context(|| format!("running {command:?}"))?;
-    if !output.status.success() {
-        bail!(
-            "{command:?} failed ({}): {}{}",
-            output.status,
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Ok(())
 }
 
 /// The commit the image is built from, as `build_info` shows it.

@@ -133,7 +133,8 @@ fn write(path: &Path, text: &str, mode: u32) -> anyhow::Result<()> {
         .with_context(|| format!("setting the mode of {}", path.display()))
 }
 
-fn output(command: &mut Command) -> anyhow::Result<String> {
+/// What `command` printed to stdout, trimmed; its stderr in the error if it failed.
+pub fn output(command: &mut Command) -> anyhow::Result<String> {
     let out = command
         .output()
         .with_context(|| format!("running {command:?}"))?;
