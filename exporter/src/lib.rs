@@ -12,6 +12,7 @@ pub mod exporter;
 pub mod kernel;
 pub mod logging;
 pub mod metrics;
+pub mod signals;
 pub mod stacks;
 pub mod web;
 
@@ -74,6 +75,8 @@ fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
 /// capabilities it no longer needs on the calling thread, alone, before any other
 /// thread starts: capabilities are per thread, and later threads inherit these.
 pub fn run(overrides: Overrides) -> anyhow::Result<()> {
+    // First, before any thread starts: every thread inherits the mask.
+    signals::block().context("blocking the signals poolscope handles")?;
     let settings = Settings::load(&overrides)?;
     let log = logging::init(settings.log_level, settings.log_format);
     heap::set_up();
@@ -328,14 +331,18 @@ fn spawn_signal_thread(
     rescan_now: Arc<Notify>,
     shutdown: tokio::sync::oneshot::Sender<()>,
 ) -> anyhow::Result<()> {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGTERM])
-        .context("installing signal handlers")?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
-            for signal in signals.forever() {
-                if signal != SIGHUP {
+            loop {
+                let signal = match signals::wait() {
+                    Ok(signal) => signal,
+                    Err(error) => {
+                        tracing::error!(%error, "cannot wait for signals; stopping");
+                        libc::SIGTERM
+                    }
+                };
+                if signal != libc::SIGHUP {
                     tracing::info!(signal, "shutting down");
                     exporter.stop();
                     let _ = shutdown.send(());

@@ -26,9 +26,10 @@ use poolscope_tests::{
 };
 use serde_json::Value;
 
-/// The exposure `systemd-analyze security` may rate the unit at most (the bar;
-/// node_exporter's example unit scores 9.2).
-const MAX_EXPOSURE: f64 = 2.5;
+/// The exposure `systemd-analyze security` may rate the unit at most: what it rates
+/// the unit today (the goal was 2.0; the README's systemd section lists what is left
+/// and why; node_exporter's example unit scores 9.2).
+const MAX_EXPOSURE: f64 = 2.1;
 
 /// Oldest Kubernetes the manifests are valid for: 1.30 added the container's
 /// `appArmorProfile`. The validator's newest bundled version is checked too.
@@ -241,8 +242,8 @@ fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
 }
 
 #[test]
-fn the_units_security_exposure_is_at_most_2_5() -> anyhow::Result<()> {
-    let test = "the_units_security_exposure_is_at_most_2_5";
+fn the_units_security_exposure_is_at_most_2_1() -> anyhow::Result<()> {
+    let test = "the_units_security_exposure_is_at_most_2_1";
     let Some(analyze) = on_path(test, "systemd-analyze") else {
         return Ok(());
     };

@@ -203,11 +203,11 @@ const DYNAMIC_UIDS: std::ops::RangeInclusive<u32> = 61184..=65519;
 /// /dev, /usr/local/bin and /sys/fs/cgroup are private mounts, /etc is an overlay
 /// whose changes land in DIR, and the manager's cgroups are made below the CGROUP
 /// directories it is moved into first.
-/// Usage: sandbox.sh outer DIR BINARY CGROUP...
+/// Usage: sandbox.sh outer DIR BINARY PROC_OPTIONS CGROUP...
 const SANDBOX_SCRIPT: &str = r#"#!/bin/sh
 set -eu
-stage=$1 dir=$2 binary=$3
-shift 3
+stage=$1 dir=$2 binary=$3 proc_options=$4
+shift 4
 case $stage in
 outer)
     # A cgroup of our own in every hierarchy (moving may fail, e.g. into a v1 cpuset
@@ -215,12 +215,13 @@ outer)
     for cgroup in "$@"; do
         mkdir -p "$cgroup" && echo $$ > "$cgroup/cgroup.procs" 2>/dev/null || true
     done
-    exec unshare --mount --uts --ipc --cgroup --propagation private -- "$0" inner "$dir" "$binary"
+    exec unshare --mount --uts --ipc --cgroup --propagation private -- "$0" inner "$dir" "$binary" "$proc_options"
     ;;
 inner)
     cgroupfs=$(stat -f -c %T /sys/fs/cgroup)
     mount -t tmpfs -o mode=755 tmpfs /run
-    mkdir /run/host-proc && mount --bind /proc /run/host-proc
+    # A procfs of the host's PID namespace with the unit's own options (see drop_in).
+    mkdir /run/host-proc && mount -t proc -o "$proc_options" proc /run/host-proc
     mkdir -p /run/systemd/system/poolscope.service.d
     cp "$dir/poolscope.service" /run/systemd/system/
     cp "$dir/test.conf" /run/systemd/system/poolscope.service.d/
@@ -267,8 +268,9 @@ DefaultDependencies=no
 # The manager is PID 1 of its own PID namespace, so the /proc the unit mounts for
 # itself (MountAPIVFS, which its Protect* settings imply) would list that namespace's
 # processes, while the kernel programs report the host's PIDs, as they do on a host
-# where the unit's /proc is the host's. The host's procfs takes its place; the unit's
-# masks on top of it (/proc/sys read-only, kallsyms hidden) still apply.
+# where the unit's /proc is the host's. A procfs of the host's PID namespace takes its
+# place, mounted with the options the unit's ProcSubset= and ProtectProc= give it (as
+# systemd mounts the unit's own); the unit's masks on top of it still apply.
 BindPaths=/run/host-proc:/proc
 # No journal in the throwaway manager.
 StandardOutput=append:{log}
@@ -371,6 +373,7 @@ impl UnitSandbox {
             .arg("outer")
             .arg(dir.path())
             .arg(bin_dir()?.join("poolscope"))
+            .arg(proc_options(unit))
             .args(&cgroups)
             .stdin(Stdio::null())
             .stdout(launcher_log.try_clone()?)
@@ -425,6 +428,25 @@ impl UnitSandbox {
             launcher.unwrap_or_default()
         )
     }
+}
+
+/// The mount options of the procfs systemd gives `unit` (its ProcSubset= and
+/// ProtectProc=).
+fn proc_options(unit: &str) -> String {
+    let setting = |key: &str| {
+        unit.lines()
+            .rev()
+            .find_map(|line| line.strip_prefix(key)?.strip_prefix('='))
+            .map(str::trim)
+    };
+    let mut options = vec!["nosuid".to_owned(), "nodev".to_owned(), "noexec".to_owned()];
+    if setting("ProcSubset") == Some("pid") {
+        options.push("subset=pid".to_owned());
+    }
+    if let Some(hidepid) = setting("ProtectProc").filter(|value| *value != "default") {
+        options.push(format!("hidepid={hidepid}"));
+    }
+    options.join(",")
 }
 
 /// Subdirectories first.
@@ -563,12 +585,19 @@ fn runs_under_the_units_own_sandbox() -> anyhow::Result<()> {
             .is_some_and(|o| o.split(',').any(|o| o == "ro")),
         "/ is writable under ProtectSystem=strict: {root}"
     );
-    // ProtectKernelTunables hides kallsyms (the host's is not empty).
+    // ProcSubset=pid hides everything in /proc but the processes (kallsyms, which
+    // ProtectKernelTunables also empties; the host's is not empty).
     assert!(!fs::read("/proc/kallsyms")?.is_empty());
     assert!(
-        fs::read(format!("/proc/{pid}/root/proc/kallsyms"))?.is_empty(),
+        fs::read(format!("/proc/{pid}/root/proc/kallsyms")).map_or(true, |k| k.is_empty()),
         "kallsyms is readable under the unit"
     );
+    for hidden in ["sys", "stat", "kallsyms"] {
+        assert!(
+            !Path::new(&format!("/proc/{pid}/root/proc/{hidden}")).exists(),
+            "/proc/{hidden} is there under the unit's ProcSubset=pid"
+        );
+    }
     // ProtectHome hides /root (the host's holds at least a shell profile).
     assert!(fs::read_dir("/root")?.next().is_some());
     assert!(

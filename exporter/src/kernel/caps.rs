@@ -14,7 +14,7 @@ pub const KEPT: [(u32, &str); 5] = [
     (CAP_PERFMON, "CAP_PERFMON"),
     // /proc/<pid>/fd, maps and environ of other users' processes.
     (CAP_SYS_PTRACE, "CAP_SYS_PTRACE"),
-    // tracefs and /proc entries not readable by everyone.
+    // /proc/<pid>/fd of other users' processes (mode 0500) and tracefs.
     (CAP_DAC_READ_SEARCH, "CAP_DAC_READ_SEARCH"),
     // /proc/<pid>/map_files, for the symbolizer.
     (CAP_CHECKPOINT_RESTORE, "CAP_CHECKPOINT_RESTORE"),

@@ -196,12 +196,19 @@ where
     T::try_from(map).map_err(|source| KernelError::Map { map: name, source })
 }
 
-/// This kernel's release (`uname -r`), for the start-up log.
+/// This kernel's release (`uname -r`), for the start-up log; from uname(2), which a
+/// `ProcSubset=pid` sandbox leaves, unlike /proc/sys/kernel/osrelease.
 pub fn release() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(
-        |error| format!("unknown ({error})"),
-        |release| release.trim().to_owned(),
-    )
+    // SAFETY: utsname is plain old data; uname(2) fills it.
+    let mut names: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid, writable utsname.
+    if unsafe { libc::uname(&raw mut names) } != 0 {
+        return format!("unknown ({})", std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel writes a NUL-terminated string into the array.
+    unsafe { std::ffi::CStr::from_ptr(names.release.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 impl Kernel {

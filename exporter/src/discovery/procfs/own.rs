@@ -1,6 +1,7 @@
 //! A process's own resource use as the Prometheus client libraries export it
 //! (`process_*`): CPU time, memory, descriptors and start time, from
-//! `/proc/<pid>/stat`, `/proc/<pid>/limits`, `/proc/<pid>/fd` and `/proc/stat`.
+//! `/proc/<pid>/stat`, `/proc/<pid>/limits`, `/proc/<pid>/fd` and the boot time
+//! (`/proc/stat`, or the clocks where a `ProcSubset=pid` sandbox hides it).
 use std::{fs, path::Path};
 
 /// One reading of a process's resource use.
@@ -64,6 +65,23 @@ pub fn parse_boot_time(stat: &str) -> Option<u64> {
         .ok()
 }
 
+/// The boot time in Unix seconds from the clocks: the wall clock less the time
+/// since boot (`CLOCK_BOOTTIME`, which counts suspend as `btime` does).
+fn boot_time_from_clocks() -> Option<u64> {
+    let read = |clock| {
+        let mut now = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime(2) writes a valid timespec for a valid clock id.
+        (unsafe { libc::clock_gettime(clock, &raw mut now) } == 0)
+            .then(|| now.tv_sec as f64 + now.tv_nsec as f64 / 1e9)
+    };
+    let since_epoch = read(libc::CLOCK_REALTIME)?;
+    let since_boot = read(libc::CLOCK_BOOTTIME)?;
+    Some((since_epoch - since_boot).round() as u64)
+}
+
 /// What turns a process's procfs numbers into units; fixed while the system runs,
 /// so read once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,7 +95,8 @@ pub struct ProcfsUnits {
 }
 
 impl ProcfsUnits {
-    /// The system's clock tick and page size, and the boot time in `root`'s `stat`.
+    /// The system's clock tick and page size, and the boot time in `root`'s `stat`
+    /// (from the clocks if it cannot be read).
     pub fn read(root: &Path) -> Option<Self> {
         // SAFETY: sysconf(3) with a valid name has no preconditions.
         let (ticks, page) = unsafe {
@@ -89,7 +108,10 @@ impl ProcfsUnits {
         Some(Self {
             ticks_per_second: u64::try_from(ticks).unwrap_or(100),
             page_size: u64::try_from(page).unwrap_or(4096),
-            boot_time: parse_boot_time(&fs::read_to_string(root.join("stat")).ok()?)?,
+            boot_time: fs::read_to_string(root.join("stat"))
+                .ok()
+                .and_then(|stat| parse_boot_time(&stat))
+                .or_else(boot_time_from_clocks)?,
         })
     }
 }
@@ -116,7 +138,10 @@ pub fn process_use(root: &Path, entry: &str, units: &ProcfsUnits) -> Option<Proc
 
 #[cfg(test)]
 mod tests {
-    use super::{ProcfsUnits, parse_boot_time, parse_soft_limit, parse_stat_use, process_use};
+    use super::{
+        ProcfsUnits, boot_time_from_clocks, parse_boot_time, parse_soft_limit, parse_stat_use,
+        process_use,
+    };
 
     /// A stat line whose comm holds a space and a parenthesis.
     const STAT: &str = "4242 (pool scope)) S 1 4242 4242 0 -1 4194560 2120 0 0 0 \
@@ -156,6 +181,24 @@ mod tests {
             Some(1_700_000_000)
         );
         assert_eq!(parse_boot_time("cpu  1 2 3\n"), None);
+    }
+
+    /// Where /proc/stat is hidden, the clocks give the boot time the kernel keeps
+    /// in it (to the second; `btime` is truncated, the clocks' difference rounded).
+    #[test]
+    fn the_clocks_give_the_boot_time_of_proc_stat() -> std::io::Result<()> {
+        let from_proc = parse_boot_time(&std::fs::read_to_string("/proc/stat")?);
+        let from_clocks = boot_time_from_clocks();
+        assert!(
+            matches!((from_proc, from_clocks), (Some(p), Some(c)) if p.abs_diff(c) <= 1),
+            "/proc/stat btime {from_proc:?}, clocks {from_clocks:?}"
+        );
+        let hidden = tempfile::tempdir()?;
+        assert_eq!(
+            ProcfsUnits::read(hidden.path()).map(|units| units.boot_time),
+            from_clocks
+        );
+        Ok(())
     }
 
     #[test]
