@@ -63,7 +63,8 @@ fn try_sched_switch(ctx: &BtfTracePointContext) {
         let state = prev_state as u32 & TASK_STATE_MASK;
         now = now_ns();
         let mut lock_wait = None;
-        if preempt & 1 != 0 || state == 0 {
+        let preempted = preempt & 1 != 0 || state == 0;
+        if preempted {
             threads::change(prev_tid, prev, Activity::Runnable, now);
         } else {
             let call = current_syscall(prev_task);
@@ -83,7 +84,7 @@ fn try_sched_switch(ctx: &BtfTracePointContext) {
                 lock_wait = call.map(|(regs, _, number)| (regs, number));
             }
         }
-        locks::switched_out(ctx, prev_tid, prev, lock_wait, now);
+        locks::switched_out(ctx, prev_tid, prev, lock_wait, preempted, now);
     }
     let next: *const u8 = ctx.arg(2);
     switched_in(task_tid(next), now);

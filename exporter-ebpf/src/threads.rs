@@ -12,7 +12,7 @@ use poolscope_shared::{
 };
 
 use crate::{
-    downstream,
+    downstream, locks,
     maps::{
         EEXIST, POOL_EPOCH, POOL_STATS, THREAD_POOLS, THREADS, TID_FILTER, TID_FILTER_USER,
         atomic_add,
@@ -144,6 +144,7 @@ pub fn request_started(now: u64) -> u32 {
     let activity = Activity::from_u32(thread.activity);
     // Cut the interval so that only its part from now on is the request's.
     change(tid, thread, activity, now);
+    locks::request_boundary(tid, thread);
     if thread.serving > 0 {
         thread.multiplexes = 1;
     }
@@ -174,8 +175,12 @@ pub fn request_ended(server_tid: u32, now: u64, end: End) {
     let activity = Activity::from_u32(thread.activity);
     change(server_tid, thread, activity, now);
     thread.serving = thread.serving.saturating_sub(1);
-    if end == End::Response && bpf_get_current_pid_tgid() as u32 != server_tid {
-        thread.hands_off = 1;
+    if end == End::Response {
+        if bpf_get_current_pid_tgid() as u32 == server_tid {
+            locks::request_boundary(server_tid, thread);
+        } else {
+            thread.hands_off = 1;
+        }
     }
 }
 
