@@ -66,9 +66,9 @@ fn waited_address(regs: SavedRegisters, number: u64) -> Option<u64> {
 /// A futex wait on the same lock that begins this soon after the thread's previous
 /// one ended (time on CPU: a preemption in between restarts it) continues the same
 /// lock wait: glibc's lock loop re-waits at once when another thread took the mutex
-/// between its wakeup and its run, usually within µs, but interrupts and softirqs
-/// on a busy CPU stretch that past 20 µs (1-2 % of the acquisitions of
-/// `tests/tests/locks.rs` split at 20 µs). A request boundary in between (a new
+/// between its wakeup and its run, usually within µs, but on a busy CPU past 20 µs
+/// (1-2 % of the acquisitions of `tests/tests/locks.rs` split at 20 µs; what
+/// stretched them was not traced: interrupts and softirqs run on the thread's time). A request boundary in between (a new
 /// request read, a response begun) ends the lock wait whatever the time, so only two
 /// lock calls within one request and this close together merge.
 const REWAIT_NS: u64 = 200_000;
