@@ -68,9 +68,10 @@ fn waited_address(regs: SavedRegisters, number: u64) -> Option<u64> {
 /// lock wait: glibc's lock loop re-waits at once when another thread took the mutex
 /// between its wakeup and its run, usually within µs, but on a busy CPU past 20 µs
 /// (1-2 % of the acquisitions of `tests/tests/locks.rs` split at 20 µs; what
-/// stretched them was not traced: interrupts and softirqs run on the thread's time). A request boundary in between (a new
-/// request read, a response begun) ends the lock wait whatever the time, so only two
-/// lock calls within one request and this close together merge.
+/// stretched them was not traced: interrupts and softirqs run on the thread's
+/// time). A request boundary in between (a new request read, a response begun) ends
+/// the lock wait whatever the time, so only two lock calls within one request and
+/// this close together merge.
 const REWAIT_NS: u64 = 200_000;
 
 /// The thread crossed a request boundary (read a new request, began a response): a

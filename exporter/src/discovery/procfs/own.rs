@@ -4,6 +4,8 @@
 //! (`/proc/stat`, or the clocks where a `ProcSubset=pid` sandbox hides it).
 use std::{fs, path::Path};
 
+use crate::clock::clock_ns;
+
 /// One reading of a process's resource use.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProcessUse {
@@ -68,18 +70,9 @@ pub fn parse_boot_time(stat: &str) -> Option<u64> {
 /// The boot time in Unix seconds from the clocks: the wall clock less the time
 /// since boot (`CLOCK_BOOTTIME`, which counts suspend as `btime` does).
 fn boot_time_from_clocks() -> Option<u64> {
-    let read = |clock| {
-        let mut now = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: clock_gettime(2) writes a valid timespec for a valid clock id.
-        (unsafe { libc::clock_gettime(clock, &raw mut now) } == 0)
-            .then(|| now.tv_sec as f64 + now.tv_nsec as f64 / 1e9)
-    };
-    let since_epoch = read(libc::CLOCK_REALTIME)?;
-    let since_boot = read(libc::CLOCK_BOOTTIME)?;
-    Some((since_epoch - since_boot).round() as u64)
+    let since_epoch = clock_ns(libc::CLOCK_REALTIME)?;
+    let since_boot = clock_ns(libc::CLOCK_BOOTTIME)?;
+    Some((since_epoch.checked_sub(since_boot)? + 500_000_000) / 1_000_000_000)
 }
 
 /// What turns a process's procfs numbers into units; fixed while the system runs,
