@@ -749,6 +749,34 @@ pub fn schedstat(pid: u32, tid: u32) -> anyhow::Result<(u64, u64, u64)> {
     }
 }
 
+/// The time the hypervisor took from `cpu` since boot (`steal` in `/proc/stat`), in
+/// seconds. Where the kernel accounts it (`CONFIG_PARAVIRT_TIME_ACCOUNTING`), schedstat's
+/// time on CPU leaves it out, while the time between two `sched_switch` events
+/// includes it: a thread "running" on a vCPU the host has paused is still on that CPU
+/// for everyone in the guest.
+pub fn cpu_steal_seconds(cpu: usize) -> anyhow::Result<f64> {
+    let text = std::fs::read_to_string("/proc/stat")?;
+    let name = format!("cpu{cpu}");
+    let line = text
+        .lines()
+        .find(|line| line.split_whitespace().next() == Some(name.as_str()))
+        .with_context(|| format!("no {name} line in /proc/stat"))?;
+    // cpuN user nice system idle iowait irq softirq steal ...
+    let steal: u64 = line
+        .split_whitespace()
+        .nth(8)
+        .with_context(|| format!("no steal field in {line:?}"))?
+        .parse()
+        .with_context(|| format!("steal field of {line:?}"))?;
+    // SAFETY: sysconf reads a constant of the C library.
+    let ticks_per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    anyhow::ensure!(
+        ticks_per_second > 0,
+        "sysconf(_SC_CLK_TCK) = {ticks_per_second}"
+    );
+    Ok(steal as f64 / ticks_per_second as f64)
+}
+
 /// One line of poolscope's `/debug/threads`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ThreadRow {

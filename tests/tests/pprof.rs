@@ -247,15 +247,24 @@ fn check_concurrent_sessions(
 
     // Each rate's sample count is rate × the burner's CPU time during the session:
     // its share of a CPU around the request (schedstat; the request also spans the
-    // session's start and its rendering) × the session's length.
+    // session's start and its rendering) × the session's length. Schedstat leaves out
+    // what the hypervisor stole from the vCPU while the burner was on it; the sampling
+    // timer runs on through part of that. The burner never blocks, so its time on a
+    // CPU with the steal is the wall time less its run-queue wait: the truth lies
+    // between the two.
     for (hz, session) in [(FAST_HZ, &fast), (SESSION_HZ, &default_rate)] {
         let samples = weight_of(&session.lines, |frames| frames[0] == BURNER_POOL) as f64;
         let on_cpu = session.share(session.running_ns) * SESSION.as_secs_f64();
-        let truth = f64::from(hz) * on_cpu;
-        println!("{hz} Hz session: {samples} samples, {hz} Hz × {on_cpu:.3} s on CPU = {truth:.0}");
+        let with_steal = session.share(session.wall_ns.saturating_sub(session.runnable_ns))
+            * SESSION.as_secs_f64();
+        let (low, high) = (f64::from(hz) * on_cpu, f64::from(hz) * with_steal);
+        println!(
+            "{hz} Hz session: {samples} samples, {hz} Hz × {on_cpu:.3} s on CPU = {low:.0} \
+             ({with_steal:.3} s with the steal = {high:.0})"
+        );
         anyhow::ensure!(
-            within(samples, truth, 0.10),
-            "{hz} Hz: {samples} samples, expected {truth:.0} ± 10 %"
+            low > 0.0 && samples >= 0.90 * low && samples <= 1.10 * high,
+            "{hz} Hz: {samples} samples, expected {low:.0} to {high:.0} ± 10 %"
         );
     }
 

@@ -10,8 +10,8 @@
 use std::time::{Duration, Instant};
 
 use poolscope_tests::{
-    Metrics, Poolscope, Program, ThreadRow, backends, load::OpenLoop, one_at_a_time,
-    parse_debug_threads, parse_tids, privileged, schedstat, scrape_until,
+    Metrics, Poolscope, Program, ThreadRow, backends, cpu_steal_seconds, load::OpenLoop,
+    one_at_a_time, parse_debug_threads, parse_tids, privileged, schedstat, scrape_until,
     servers::pin_to_first_cpu,
 };
 
@@ -127,7 +127,10 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
     // Three spinning workers offered 1.2 CPUs of work, all on one CPU: time on CPU and
     // in the run queue both, seconds of each. (Our intervals and schedstat's differ
     // at their ends by a few µs per switch, a fixed ~30 ms over this window: below
-    // 5% only when the run-queue time is large.)
+    // 5% only when the run-queue time is large. Schedstat's time on CPU also leaves
+    // out what the hypervisor stole from the vCPU, which ours includes: CI failed at
+    // 3.2800 s ours against 3.1995 s schedstat, 2.5% over, on a vCPU with steal time.
+    // The steal on CPU 0 in the window bounds that part.)
     let mut server = ThreadPool::start(3, Duration::from_millis(4), "spin")?;
     let pid = server.program.pid();
     pin_to_first_cpu(&[pid])?;
@@ -143,11 +146,13 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
             .map(|row| Ok((row.clone(), schedstat(pid, row.tid)?)))
             .collect()
     };
+    let steal_before = cpu_steal_seconds(0)?;
     let before = read(&poolscope)?;
     std::thread::sleep(Duration::from_secs(10));
     let after = read(&poolscope)?;
+    let steal = cpu_steal_seconds(0)? - steal_before;
     let stats = load.stop()?;
-    eprintln!("load: {stats:?}");
+    eprintln!("load: {stats:?}; CPU 0 stolen by the hypervisor: {steal:.3} s");
 
     eprintln!(
         "tid      pool        running ours/kernel (s)   runnable ours/kernel (s)   µs per slice"
@@ -174,8 +179,9 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
             // Threads that work, a millisecond or more per time on CPU: the issue's
             // bounds.
             assert!(
-                (ours.0 - kernel.0).abs() <= 0.02 * kernel.0,
-                "thread {}: running {:.4} s, schedstat {:.4} s: more than 2% off",
+                ours.0 >= 0.98 * kernel.0 && ours.0 <= 1.02 * kernel.0 + steal,
+                "thread {}: running {:.4} s, schedstat {:.4} s (+ {steal:.3} s stolen): \
+                 more than 2% off",
                 row.tid,
                 ours.0,
                 kernel.0
@@ -191,9 +197,10 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
             // A thread that runs µs per wakeup (the acceptor): schedstat charges
             // it up to ~18 µs more per wakeup than the time between the sched_switch
             // tracepoints that put it on and off the CPU, which is what we measure
-            // (checked with ftrace; see the issue note). Never more than the kernel.
+            // (checked with ftrace; see the issue note). Never more than the kernel
+            // and the time stolen from the CPU.
             assert!(
-                ours.0 <= 1.02 * kernel.0 + 0.001,
+                ours.0 <= 1.02 * kernel.0 + 0.001 + steal,
                 "thread {}: running {:.4} s, more than schedstat's {:.4} s",
                 row.tid,
                 ours.0,
