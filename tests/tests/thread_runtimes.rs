@@ -40,7 +40,8 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, one_at_a_time, parse_debug_threads, pids_config, privileged, scrape_until,
+    Metrics, Poolscope, cpu_steal_seconds, one_at_a_time, parse_debug_threads, pids_config,
+    privileged, scrape_until,
     servers::{Kind, Options, RealServer, WrkResult, get, pin_to_first_cpu, wrk_path},
     thread_names, watch_with,
 };
@@ -345,11 +346,15 @@ struct LoopWindow {
     elu: f64,
     /// The main thread's (running + runnable) / wall time, from /debug/threads.
     main_thread: f64,
+    /// What the hypervisor took from CPU 0, where the loop is pinned: work on a CPU
+    /// that loses time takes longer, and the ELU rises with it.
+    stolen: f64,
     before: Metrics,
     after: Metrics,
 }
 
 fn loop_window(poolscope: &Poolscope, port: u16, pid: u32) -> anyhow::Result<LoopWindow> {
+    let stolen0 = cpu_steal_seconds(0)?;
     let (idle0, active0) = elu(port)?;
     let started = Instant::now();
     let main0 = on_cpu_or_queued(poolscope, pid)?;
@@ -359,11 +364,13 @@ fn loop_window(poolscope: &Poolscope, port: u16, pid: u32) -> anyhow::Result<Loo
     let seconds = started.elapsed().as_secs_f64();
     let main1 = on_cpu_or_queued(poolscope, pid)?;
     let after = poolscope.scrape()?;
+    let stolen = cpu_steal_seconds(0)? - stolen0;
     let active = active1 - active0;
     Ok(LoopWindow {
         seconds,
         elu: active / (active + idle1 - idle0),
         main_thread: (main1 - main0) / seconds,
+        stolen,
         before,
         after,
     })
@@ -419,8 +426,9 @@ fn node_event_loop_utilization_matches_the_runtime() -> anyhow::Result<()> {
     let (node_busy, node, node_states) = busy_share(&before, &after, "node")?;
     let node_threads = pool_of(&after, "node-threads")?;
     eprintln!(
-        "node: window {:.2} s, ELU {:.3}; main thread running+runnable {:.3}; pool \"node\" ({} threads) utilization {:.3}, busy share from thread_seconds {:.3} ({node_states}); \"node-threads\" {} threads, utilization {:.3}",
+        "node: window {:.2} s ({:.3} s stolen from CPU 0), ELU {:.3}; main thread running+runnable {:.3}; pool \"node\" ({} threads) utilization {:.3}, busy share from thread_seconds {:.3} ({node_states}); \"node-threads\" {} threads, utilization {:.3}",
         default.seconds,
+        default.stolen,
         default.elu,
         default.main_thread,
         node.threads,
@@ -454,13 +462,21 @@ fn node_event_loop_utilization_matches_the_runtime() -> anyhow::Result<()> {
     let helpers_after = pool_of(&after, "node-threads")?.threads;
     let node_after = after.get("node").map_or(0.0, |pool| pool.threads);
     eprintln!(
-        "node renamed: window {:.2} s, ELU {:.3}; main thread running+runnable {:.3}; pool \"eventloop\" utilization {:.3}, busy share from thread_seconds {:.3} ({eventloop_states}); \"node\" {node_after} threads, \"node-threads\" {helpers_after}",
-        renamed.seconds, renamed.elu, renamed.main_thread, eventloop.utilization, counted,
+        "node renamed: window {:.2} s ({:.3} s stolen from CPU 0), ELU {:.3}; main thread running+runnable {:.3}; pool \"eventloop\" utilization {:.3}, busy share from thread_seconds {:.3} ({eventloop_states}); \"node\" {node_after} threads, \"node-threads\" {helpers_after}",
+        renamed.seconds,
+        renamed.stolen,
+        renamed.elu,
+        renamed.main_thread,
+        eventloop.utilization,
+        counted,
     );
     eprintln!("node: {answered} requests answered in all (paced at {RATE}/s)");
 
-    // Busy but not saturated. The upper bound has room for a slower machine: one CI
-    // run measured 0.731 (and poolscope 0.766, in line).
+    // Busy but not saturated: a precondition of the load, not a bound on our numbers
+    // (those are the 5 points below). The upper bound has room for a slower moment:
+    // one CI run measured 0.731 (and poolscope 0.766, in line), above the 0.7 this
+    // said then; the time the hypervisor steals from the pinned CPU makes each
+    // request's parsing and writing take longer (printed with each window).
     for (window, elu) in [("default", default.elu), ("renamed", renamed.elu)] {
         assert!(
             (0.4..=0.85).contains(&elu),
