@@ -8,10 +8,14 @@
 //!
 //! Forks come from `task_newtask` rather than `sched_process_fork` because only the
 //! former carries the clone flags that tell a new process from a new thread.
+//!
+//! BTF-typed raw tracepoints (`tp_btf`), as in `sched.rs`: the tasks' tids are loaded
+//! from their `task_struct`s, and nothing is read from tracefs (its event formats
+//! and ids are under a directory only root may search).
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns},
-    macros::tracepoint,
-    programs::TracePointContext,
+    macros::btf_tracepoint,
+    programs::BtfTracePointContext,
 };
 use poolscope_shared::{
     Activity, LossErrno, LossSource, ProcessEvent, ProcessEventKind, Thread, Watched,
@@ -25,44 +29,37 @@ use crate::{
         MUTEX_CALLS, PENDING_CALLS, THREAD_POOLS, WATCHED, Wakeup, count_loss, remove_counted,
         send_process_event, watched,
     },
+    sched::task_tid,
     threads::{self, thread},
 };
 
-/// Offsets from /sys/kernel/tracing/events/{task,sched}/*/format.
-const NEWTASK_PID: usize = 8;
-const NEWTASK_CLONE_FLAGS: usize = 32;
-const RENAME_PID: usize = 8;
-const EXEC_PID: usize = 12;
-
-/// Offset of `group_dead` in sched_process_exit's record, which newer kernels have
-/// (6.18 here) and older ones lack; user space reads it from the tracepoint's format
-/// at load time. 0 when absent: the group leader's exit then stands for the process's.
+/// 1 where sched_process_exit passes `bool group_dead` (6.16 and later), which user
+/// space finds in the kernel's BTF; 0 where it does not: the group leader's exit
+/// then stands for the process's.
 #[unsafe(no_mangle)]
-static EXIT_GROUP_DEAD_OFFSET: u32 = 0;
+static EXIT_HAS_GROUP_DEAD: u32 = 0;
 
 const CLONE_THREAD: u64 = 0x0001_0000;
 
-#[tracepoint]
-pub fn process_fork(ctx: TracePointContext) -> u32 {
-    match try_process_fork(&ctx) {
-        Ok(()) | Err(_) => 0,
-    }
+/// task_newtask(struct task_struct *task, u64 clone_flags)
+#[btf_tracepoint(function = "task_newtask")]
+pub fn process_fork(ctx: BtfTracePointContext) -> i32 {
+    try_process_fork(&ctx);
+    0
 }
 
-fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
+fn try_process_fork(ctx: &BtfTracePointContext) {
     // task_newtask runs in the creator.
     let creator = bpf_get_current_pid_tgid();
     let parent = (creator >> 32) as u32;
     let Some(parent_watch) = watched(parent) else {
-        return Ok(());
+        return;
     };
-    // SAFETY: offsets match the tracepoint's format.
-    let child: u32 = unsafe { ctx.read_at(NEWTASK_PID)? };
-    // SAFETY: as above.
-    let clone_flags: u64 = unsafe { ctx.read_at(NEWTASK_CLONE_FLAGS)? };
+    let child = task_tid(ctx.arg(0));
+    let clone_flags: u64 = ctx.arg(1);
     follow_thread(child, creator as u32, parent_watch.service);
     if clone_flags & CLONE_THREAD != 0 {
-        return Ok(());
+        return;
     }
     // SAFETY: helper without preconditions.
     let since_ns = unsafe { bpf_ktime_get_ns() };
@@ -73,7 +70,7 @@ fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
     };
     if let Err(code) = WATCHED.insert(child, child_watch, 0) {
         count_loss(LossSource::WatchedInsert, LossErrno::of(code.into()));
-        return Ok(());
+        return;
     }
     send_process_event(
         ProcessEvent {
@@ -85,7 +82,6 @@ fn try_process_fork(ctx: &TracePointContext) -> Result<(), i32> {
         },
         Wakeup::Now,
     );
-    Ok(())
 }
 
 /// A new thread (or a new process's first) of a watched process: runnable from now,
@@ -104,18 +100,13 @@ fn follow_thread(tid: u32, creator_tid: u32, service: u32) {
     }
 }
 
-#[tracepoint]
-pub fn process_rename(ctx: TracePointContext) -> u32 {
-    match try_process_rename(&ctx) {
-        Ok(()) | Err(_) => 0,
-    }
-}
-
-fn try_process_rename(ctx: &TracePointContext) -> Result<(), i32> {
-    // SAFETY: offset matches the tracepoint's format.
-    let tid: u32 = unsafe { ctx.read_at(RENAME_PID)? };
+/// task_rename(struct task_struct *task, const char *comm): `task` need not be the
+/// current one (a write to /proc/<pid>/task/<tid>/comm).
+#[btf_tracepoint(function = "task_rename")]
+pub fn process_rename(ctx: BtfTracePointContext) -> i32 {
+    let tid = task_tid(ctx.arg(0));
     let Some(thread) = thread(tid) else {
-        return Ok(());
+        return 0;
     };
     send_process_event(
         ProcessEvent {
@@ -127,19 +118,15 @@ fn try_process_rename(ctx: &TracePointContext) -> Result<(), i32> {
         },
         Wakeup::Now,
     );
-    Ok(())
+    0
 }
 
-#[tracepoint]
-pub fn process_exec(ctx: TracePointContext) -> u32 {
-    match try_process_exec(&ctx) {
-        Ok(()) | Err(_) => 0,
-    }
-}
-
-fn try_process_exec(ctx: &TracePointContext) -> Result<(), i32> {
-    // SAFETY: offset matches the tracepoint's format.
-    let pid: u32 = unsafe { ctx.read_at(EXEC_PID)? };
+/// sched_process_exec(struct task_struct *p, pid_t old_pid, struct linux_binprm *bprm)
+#[btf_tracepoint(function = "sched_process_exec")]
+pub fn process_exec(ctx: BtfTracePointContext) -> i32 {
+    // `p->pid`: after the exec, the process's pid even where another thread called
+    // it (it took the leader's place).
+    let pid = task_tid(ctx.arg(0));
     // Any process: an exec can make it match a `comm` or `exe` rule.
     send_process_event(
         ProcessEvent {
@@ -151,17 +138,18 @@ fn try_process_exec(ctx: &TracePointContext) -> Result<(), i32> {
         },
         Wakeup::Lazy,
     );
-    Ok(())
+    0
 }
 
-#[tracepoint]
-pub fn process_exit(ctx: TracePointContext) -> u32 {
-    match try_process_exit(&ctx) {
-        Ok(()) | Err(_) => 0,
-    }
+/// sched_process_exit(struct task_struct *p[, bool group_dead]); runs in the exiting
+/// thread.
+#[btf_tracepoint(function = "sched_process_exit")]
+pub fn process_exit(ctx: BtfTracePointContext) -> i32 {
+    try_process_exit(&ctx);
+    0
 }
 
-fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
+fn try_process_exit(ctx: &BtfTracePointContext) {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tid = pid_tgid as u32;
     let tgid = (pid_tgid >> 32) as u32;
@@ -187,7 +175,7 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
     // below: holding both lookups' pointers let the compiler OR them to test both at
     // once, which the verifier refuses ("pointer |= pointer prohibited").
     if followed.is_none() && watched(tgid).is_none() {
-        return Ok(());
+        return;
     }
     if let Some(thread) = followed {
         // It runs its exit: its last interval is on CPU.
@@ -196,19 +184,20 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
         threads::unfollow(tid);
     }
     let _ = THREAD_POOLS.remove(tid);
-    // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
-    let group_dead_offset = unsafe { core::ptr::read_volatile(&EXIT_GROUP_DEAD_OFFSET) };
-    let process_gone = if group_dead_offset == 0 {
-        tid == tgid
+    // SAFETY: a load-time constant (read-only data, so the verifier knows its value
+    // and never checks the argument read on a kernel without it); volatile so that
+    // the compiler does not fold it.
+    let has_group_dead = unsafe { core::ptr::read_volatile(&EXIT_HAS_GROUP_DEAD) } != 0;
+    let process_gone = if has_group_dead {
+        ctx.arg::<u64>(1) as u8 != 0
     } else {
-        // SAFETY: the offset comes from this kernel's format of this tracepoint.
-        unsafe { ctx.read_at::<u8>(group_dead_offset as usize)? != 0 }
+        tid == tgid
     };
     if !process_gone {
-        return Ok(());
+        return;
     }
     let Some(watch) = watched(tgid) else {
-        return Ok(());
+        return;
     };
     let _ = WATCHED.remove(tgid);
     send_process_event(
@@ -221,5 +210,4 @@ fn try_process_exit(ctx: &TracePointContext) -> Result<(), i32> {
         },
         Wakeup::Now,
     );
-    Ok(())
 }

@@ -30,9 +30,10 @@ const TASK_UNINTERRUPTIBLE: u32 = 0x2;
 /// The state bits that say how a task sleeps; the rest are modifiers.
 const TASK_STATE_MASK: u32 = 0xff;
 
-/// The tid of `task`, a `task_struct` pointer argument of a `tp_btf` program.
+/// The tid of `task`, a `task_struct` pointer argument of a `tp_btf` program (here and
+/// in `process.rs`).
 #[inline(always)]
-fn task_tid(task: *const u8) -> u32 {
+pub(crate) fn task_tid(task: *const u8) -> u32 {
     // SAFETY: a load-time constant (read-only data, so the verifier knows its value);
     // volatile so that the compiler does not fold it.
     let offset = unsafe { core::ptr::read_volatile(&TASK_PID_OFFSET) };

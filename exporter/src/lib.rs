@@ -50,7 +50,7 @@ const MIN_TRIGGERED_RESCAN_GAP: Duration = Duration::from_secs(1);
 /// the config forces one. A forced backend the kernel lacks is refused rather than
 /// replaced: its numbers would mean something else than the operator asked for.
 fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
-    let missing = kernel::Backend::Socket.missing_tracepoints()?;
+    let missing = kernel::Backend::Socket.missing_tracepoints();
     match wanted {
         config::Backend::Auto if missing.is_empty() => Ok(kernel::Backend::Socket),
         config::Backend::Auto => {

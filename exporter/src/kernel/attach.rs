@@ -2,12 +2,10 @@
 //! thread states need, whether this kernel has them, and each probe's outcome
 //! ([`Probe`]: attached, loaded for later, or skipped with its reason and the
 //! verifier's last words), never fatal for one probe.
-use std::path::Path;
-
 use aya::{
     Btf, Ebpf,
     programs::{
-        BtfTracePoint, PerfEvent, ProgramError, RawTracePoint, TracePoint,
+        BtfTracePoint, PerfEvent, ProgramError, RawTracePoint,
         perf_event::{
             PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent,
         },
@@ -15,12 +13,10 @@ use aya::{
 };
 use poolscope_shared::MAX_PROFILE_SESSIONS;
 
-use super::KernelError;
+use super::{KernelError, btf, offsets::vmlinux_btf};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum TracepointKind {
-    /// A tracefs event, with its record.
-    Classic,
     /// A raw tracepoint (`category` is then only part of the probe's name).
     Raw,
     /// A raw tracepoint typed by the kernel's BTF: its pointer arguments can be read
@@ -38,20 +34,6 @@ pub(super) struct Attachment {
     kind: TracepointKind,
     /// The program reads `task_struct` at an offset that only the kernel's BTF gives.
     needs_btf: bool,
-}
-
-pub(super) const fn tracepoint(
-    program: &'static str,
-    category: &'static str,
-    event: &'static str,
-) -> Attachment {
-    Attachment {
-        program,
-        category,
-        event,
-        kind: TracepointKind::Classic,
-        needs_btf: false,
-    }
 }
 
 pub(super) const fn raw_tracepoint(
@@ -95,31 +77,30 @@ impl Attachment {
     }
 }
 
-pub(super) const TRACEFS_EVENTS: &str = "/sys/kernel/tracing/events";
-
-/// Whether this kernel has the tracepoint. The raw syscall tracepoints are taken as
-/// present: every kernel poolscope can load on has them, and a kernel built without
-/// `CONFIG_FTRACE_SYSCALLS` lists no event directory for them.
-pub(super) fn tracepoint_exists(category: &str, event: &str) -> bool {
-    category == "raw_syscalls"
-        || Path::new(TRACEFS_EVENTS)
-            .join(category)
-            .join(event)
-            .exists()
+/// Whether this kernel has the tracepoint: a BTF one where the kernel's BTF names it
+/// (`btf_trace_<event>`); the raw syscall tracepoints are taken as present, as every
+/// kernel poolscope can load on has them.
+fn tracepoint_exists(vmlinux: Option<&[u8]>, attachment: &Attachment) -> bool {
+    match attachment.kind {
+        TracepointKind::Raw => true,
+        TracepointKind::Btf => {
+            vmlinux.is_some_and(|vmlinux| btf::tracepoint_args(vmlinux, attachment.event).is_ok())
+        }
+    }
 }
 
 /// Process lifecycle: attached with either backend.
 pub(super) const PROCESS_ATTACHMENTS: [Attachment; 3] = [
-    tracepoint("process_fork", "task", "task_newtask"),
-    tracepoint("process_exec", "sched", "sched_process_exec"),
-    tracepoint("process_exit", "sched", "sched_process_exit"),
+    btf_tracepoint("process_fork", "task", "task_newtask").reading_task_struct(),
+    btf_tracepoint("process_exec", "sched", "sched_process_exec").reading_task_struct(),
+    btf_tracepoint("process_exit", "sched", "sched_process_exit"),
 ];
 
 /// Thread states: attached with either backend.
 pub(super) const THREAD_ATTACHMENTS: [Attachment; 3] = [
     btf_tracepoint("sched_switch", "sched", "sched_switch").reading_task_struct(),
     btf_tracepoint("sched_wakeup", "sched", "sched_wakeup").reading_task_struct(),
-    tracepoint("process_rename", "task", "task_rename"),
+    btf_tracepoint("process_rename", "task", "task_rename").reading_task_struct(),
 ];
 
 pub(super) const SOCKET_ATTACHMENTS: [Attachment; 4] = [
@@ -164,16 +145,15 @@ impl Backend {
         }
     }
 
-    /// The tracepoints of the backend this kernel lacks (`category/event`); mounts
-    /// tracefs first, where they are listed.
-    pub fn missing_tracepoints(self) -> Result<Vec<String>, KernelError> {
-        ensure_tracefs()?;
-        Ok(self
-            .attachments()
+    /// The tracepoints of the backend this kernel lacks (`category/event`), as its
+    /// BTF lists them (all of the BTF ones where it has none).
+    pub fn missing_tracepoints(self) -> Vec<String> {
+        let vmlinux = vmlinux_btf();
+        self.attachments()
             .iter()
-            .filter(|attachment| !tracepoint_exists(attachment.category, attachment.event))
+            .filter(|attachment| !tracepoint_exists(vmlinux.as_deref(), attachment))
             .map(Attachment::probe_name)
-            .collect())
+            .collect()
     }
 }
 
@@ -262,31 +242,6 @@ pub(super) enum Refusal {
 
 /// The program sampling every CPU's cpu-clock.
 pub(super) const SAMPLER: &str = "cpu_sample";
-
-pub(super) fn ensure_tracefs() -> Result<(), KernelError> {
-    let tracefs = Path::new("/sys/kernel/tracing");
-    if tracefs.join("events").exists() {
-        return Ok(());
-    }
-    let source = c"nodev";
-    let target = c"/sys/kernel/tracing";
-    let fstype = c"tracefs";
-    // SAFETY: constant NUL-terminated strings, no data argument.
-    let rc = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(KernelError::Tracefs(std::io::Error::last_os_error()))
-    }
-}
 
 /// The sampler program of each profiling session slot (`sessions.rs` of the kernel
 /// side).
@@ -403,6 +358,7 @@ pub(super) fn attach_tracepoint(
     attachment: &Attachment,
     task_offsets: bool,
     btf: Option<&Btf>,
+    vmlinux: Option<&[u8]>,
 ) -> Result<Probe, KernelError> {
     let name = attachment.probe_name();
     let program_name = attachment.program;
@@ -410,8 +366,8 @@ pub(super) fn attach_tracepoint(
         let detail = "the kernel has no BTF (/sys/kernel/btf/vmlinux)";
         return Ok(Probe::skipped(name, program_name, Skip::NoBtf, &detail));
     }
-    if !tracepoint_exists(attachment.category, attachment.event) {
-        let detail = format!("no tracepoint {name} in {TRACEFS_EVENTS}");
+    if !tracepoint_exists(vmlinux, attachment) {
+        let detail = format!("no tracepoint {name} in the kernel's BTF");
         return Ok(Probe::skipped(
             name,
             program_name,
@@ -439,15 +395,6 @@ pub(super) fn attach_tracepoint(
         (TracepointKind::Btf, None) => {
             let detail = "the kernel has no BTF (/sys/kernel/btf/vmlinux)";
             return Ok(Probe::skipped(name, program_name, Skip::NoBtf, &detail));
-        }
-        (TracepointKind::Classic, _) => {
-            let program: &mut TracePoint = typed_program(ebpf, program_name)?;
-            program.load().map_err(Refusal::Load).and_then(|()| {
-                program
-                    .attach(attachment.category, attachment.event)
-                    .map(drop)
-                    .map_err(Refusal::Attach)
-            })
         }
     };
     Ok(match outcome {

@@ -1,8 +1,10 @@
-//! Struct member offsets from the kernel's BTF (/sys/kernel/btf/vmlinux): the kernel
-//! programs read a few `task_struct` fields through raw pointers, and aya-ebpf has no
-//! CO-RE, so user space finds each offset here and passes it in at load time. Only
-//! what that needs is parsed: the type section's records, to skip them, and struct
-//! members by name.
+//! What poolscope reads of the kernel's BTF (/sys/kernel/btf/vmlinux): struct member
+//! offsets (the kernel programs read a few `task_struct` and socket fields through
+//! raw pointers, and aya-ebpf has no CO-RE, so user space finds each offset here and
+//! passes it in at load time), and which BTF tracepoints the kernel has, with their
+//! arguments (its `btf_trace_<event>` typedefs; tracefs is not needed). Only what
+//! that needs is parsed: the type section's records, to skip them, struct members by
+//! name, and typedefs of function pointers.
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum BtfError {
@@ -18,11 +20,16 @@ pub enum BtfError {
     NoMember { strukt: String, member: String },
     #[error("member {0} is a bitfield")]
     Bitfield(String),
+    #[error("no tracepoint {0} (no typedef btf_trace_{0} of a function pointer)")]
+    NoTracepoint(String),
 }
 
 const MAGIC: u16 = 0xeb9f;
+const KIND_PTR: u32 = 2;
 const KIND_STRUCT: u32 = 4;
 const KIND_UNION: u32 = 5;
+const KIND_TYPEDEF: u32 = 8;
+const KIND_FUNC_PROTO: u32 = 13;
 
 fn u32_at(data: &[u8], at: usize) -> Option<u32> {
     let bytes = data.get(at..at + 4)?;
@@ -53,45 +60,73 @@ fn trailer_len(kind: u32, vlen: usize) -> Option<usize> {
     })
 }
 
+/// The type and string sections of raw little-endian BTF, with each type record's
+/// start by type id.
+struct Types<'a> {
+    types: &'a [u8],
+    strings: &'a [u8],
+    /// Where each record starts in `types`; type id n is at index n - 1.
+    records: Vec<usize>,
+}
+
+impl<'a> Types<'a> {
+    fn parse(btf: &'a [u8]) -> Result<Self, BtfError> {
+        if btf.len() < 24 || u16::from_le_bytes([btf[0], btf[1]]) != MAGIC {
+            return Err(BtfError::Header);
+        }
+        let header = |at| u32_at(btf, at).ok_or(BtfError::Header);
+        let header_len = header(4)? as usize;
+        let (type_off, type_len) = (header(8)? as usize, header(12)? as usize);
+        let (str_off, str_len) = (header(16)? as usize, header(20)? as usize);
+        let types = btf
+            .get(header_len + type_off..header_len + type_off + type_len)
+            .ok_or(BtfError::Header)?;
+        let strings = btf
+            .get(header_len + str_off..header_len + str_off + str_len)
+            .ok_or(BtfError::Header)?;
+        let mut records = Vec::new();
+        let mut at = 0;
+        while at < types.len() {
+            let info = u32_at(types, at + 4).ok_or(BtfError::Truncated(at))?;
+            let (kind, vlen) = ((info >> 24) & 0x1f, (info & 0xffff) as usize);
+            records.push(at);
+            at += 12 + trailer_len(kind, vlen).ok_or(BtfError::UnknownKind { kind, at })?;
+        }
+        Ok(Self {
+            types,
+            strings,
+            records,
+        })
+    }
+
+    /// The kind of the record at `at`.
+    fn kind(&self, at: usize) -> Option<u32> {
+        u32_at(self.types, at + 4).map(|info| (info >> 24) & 0x1f)
+    }
+
+    /// The first record of `kind` named `name`.
+    fn named(&self, kind: u32, name: &str) -> Option<usize> {
+        self.records.iter().copied().find(|&at| {
+            self.kind(at) == Some(kind)
+                && u32_at(self.types, at)
+                    .is_some_and(|offset| name_at(self.strings, offset) == name.as_bytes())
+        })
+    }
+
+    /// The record a type id refers to (its `type` field: at byte 8 of the head).
+    fn referenced(&self, at: usize) -> Option<usize> {
+        let id = u32_at(self.types, at + 8)? as usize;
+        self.records.get(id.checked_sub(1)?).copied()
+    }
+}
+
 /// The byte offset of `member` in `struct strukt`, from raw little-endian BTF.
 pub fn member_offset(btf: &[u8], strukt: &str, member: &str) -> Result<u32, BtfError> {
-    if btf.len() < 24 || u16::from_le_bytes([btf[0], btf[1]]) != MAGIC {
-        return Err(BtfError::Header);
-    }
-    let header = |at| u32_at(btf, at).ok_or(BtfError::Header);
-    let header_len = header(4)? as usize;
-    let (type_off, type_len) = (header(8)? as usize, header(12)? as usize);
-    let (str_off, str_len) = (header(16)? as usize, header(20)? as usize);
-    let types = btf
-        .get(header_len + type_off..header_len + type_off + type_len)
-        .ok_or(BtfError::Header)?;
-    let strings = btf
-        .get(header_len + str_off..header_len + str_off + str_len)
-        .ok_or(BtfError::Header)?;
-
-    // Every type record's start, by type id (ids count from 1).
-    let mut records = Vec::new();
-    let mut at = 0;
-    while at < types.len() {
-        let info = u32_at(types, at + 4).ok_or(BtfError::Truncated(at))?;
-        let kind = (info >> 24) & 0x1f;
-        let vlen = (info & 0xffff) as usize;
-        records.push(at);
-        at += 12 + trailer_len(kind, vlen).ok_or(BtfError::UnknownKind { kind, at })?;
-    }
-    let found = records.iter().copied().find(|&at| {
-        u32_at(types, at + 4).is_some_and(|info| (info >> 24) & 0x1f == KIND_STRUCT)
-            && u32_at(types, at).is_some_and(|name| name_at(strings, name) == strukt.as_bytes())
-    });
-    let Some(found) = found else {
+    let types = Types::parse(btf)?;
+    let Some(found) = types.named(KIND_STRUCT, strukt) else {
         return Err(BtfError::NoStruct(strukt.to_owned()));
     };
-    let members = Members {
-        types,
-        strings,
-        records: &records,
-    };
-    match members.find(found, member, 0, 0)? {
+    match types.find(found, member, 0, 0)? {
         Some(bits) => Ok(bits / 8),
         None => Err(BtfError::NoMember {
             strukt: strukt.to_owned(),
@@ -100,14 +135,28 @@ pub fn member_offset(btf: &[u8], strukt: &str, member: &str) -> Result<u32, BtfE
     }
 }
 
-/// Member lookup through anonymous structs and unions, as C sees their members.
-struct Members<'a> {
-    types: &'a [u8],
-    strings: &'a [u8],
-    records: &'a [usize],
+/// How many arguments the kernel passes a BTF program on tracepoint `event`
+/// (`btf_trace_<event>` is a pointer to a function of a context pointer and them).
+pub fn tracepoint_args(btf: &[u8], event: &str) -> Result<u32, BtfError> {
+    let types = Types::parse(btf)?;
+    let missing = || BtfError::NoTracepoint(event.to_owned());
+    let typedef = types
+        .named(KIND_TYPEDEF, &format!("btf_trace_{event}"))
+        .ok_or_else(missing)?;
+    let pointer = types
+        .referenced(typedef)
+        .filter(|&at| types.kind(at) == Some(KIND_PTR))
+        .ok_or_else(missing)?;
+    let proto = types
+        .referenced(pointer)
+        .filter(|&at| types.kind(at) == Some(KIND_FUNC_PROTO))
+        .ok_or_else(missing)?;
+    let params = u32_at(types.types, proto + 4).ok_or(BtfError::Truncated(proto))? & 0xffff;
+    params.checked_sub(1).ok_or_else(missing)
 }
 
-impl Members<'_> {
+/// Member lookup through anonymous structs and unions, as C sees their members.
+impl Types<'_> {
     /// The bit offset of `member` in the struct or union whose record starts at `at`,
     /// itself at bit `base`; `depth` bounds the descent into anonymous members.
     fn find(
@@ -172,7 +221,7 @@ mod tests {
     /// A BTF blob with `int` and `struct task { int a; int pid; }` (plus a union and
     /// an enum to skip), built as the kernel lays it out.
     fn fixture() -> Vec<u8> {
-        let strings = b"\0int\0task\0a\0pid\0u\0e\0x\0";
+        let strings = b"\0int\0task\0a\0pid\0u\0e\0x\0btf_trace_ev\0";
         let name = |s: &str| {
             let needle = format!("\0{s}\0");
             strings
@@ -204,6 +253,11 @@ mod tests {
             1,
             32,
         ]);
+        // [5] func_proto (void *, int) returning void; [6] pointer to it; [7] typedef
+        // btf_trace_ev of the pointer: a tracepoint `ev` with one argument.
+        push(&[0, (13 << 24) | 2, 0, 0, 0, 0, 1]);
+        push(&[0, 2 << 24, 5]);
+        push(&[name("btf_trace_ev"), 8 << 24, 6]);
         let mut blob = Vec::new();
         blob.extend_from_slice(&MAGIC.to_le_bytes());
         blob.extend_from_slice(&[1, 0]);
@@ -236,6 +290,16 @@ mod tests {
         assert_eq!(
             member_offset(&blob, "mm", "pid"),
             Err(BtfError::NoStruct("mm".into()))
+        );
+    }
+
+    #[test]
+    fn finds_a_tracepoints_arguments() {
+        let blob = fixture();
+        assert_eq!(tracepoint_args(&blob, "ev"), Ok(1));
+        assert_eq!(
+            tracepoint_args(&blob, "task"),
+            Err(BtfError::NoTracepoint("task".into()))
         );
     }
 
@@ -275,5 +339,16 @@ mod tests {
         let dport = member_offset(&vmlinux, "sock_common", "skc_dport");
         let num = member_offset(&vmlinux, "sock_common", "skc_num");
         assert!(matches!((portpair, dport, num), (Ok(p), Ok(d), Ok(n)) if p == d && n == d + 2));
+        // sched_switch(bool preempt, prev, next, unsigned int prev_state) since 5.18;
+        // sched_process_exit(p) gained `bool group_dead` in 6.16.
+        assert_eq!(tracepoint_args(&vmlinux, "sched_switch"), Ok(4));
+        assert!(matches!(
+            tracepoint_args(&vmlinux, "sched_process_exit"),
+            Ok(1 | 2)
+        ));
+        assert!(matches!(
+            tracepoint_args(&vmlinux, "no_such_event"),
+            Err(BtfError::NoTracepoint(_))
+        ));
     }
 }

@@ -34,11 +34,11 @@ use poolscope_shared::{
 pub use self::attach::{Backend, Probe, ProbeState, Skip};
 use self::attach::{
     MUTEX_PROBES, PROCESS_ATTACHMENTS, SESSION_SAMPLERS, THREAD_ATTACHMENTS, attach_sampler,
-    attach_tracepoint, ensure_tracefs, load_on_demand,
+    attach_tracepoint, load_on_demand,
 };
 use self::batch::BatchMap;
 use self::offsets::{
-    BTF_VMLINUX, downstream_offsets, exit_group_dead_offset, socket_inode_offsets,
+    BTF_VMLINUX, downstream_offsets, exit_has_group_dead, socket_inode_offsets,
     socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
 };
 use self::syscalls::{syscall_number, wait_classes};
@@ -54,8 +54,6 @@ use crate::config::Limits;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
-    #[error("tracefs is not mounted at /sys/kernel/tracing and mounting it failed: {0}")]
-    Tracefs(std::io::Error),
     #[error("loading the kernel programs failed (needs root or CAP_BPF+CAP_PERFMON): {0}")]
     Load(#[from] aya::EbpfError),
     #[error("kernel program {0} is missing from the object")]
@@ -219,9 +217,8 @@ impl Kernel {
         sampling: Sampling,
         bpf_stats: bool,
     ) -> Result<(Self, ProcessEvents), KernelError> {
-        ensure_tracefs()?;
-        let group_dead_offset = exit_group_dead_offset();
         let vmlinux = vmlinux_btf();
+        let exit_has_group_dead = vmlinux.as_deref().is_some_and(exit_has_group_dead);
         let task_pid_offset = vmlinux.as_deref().and_then(task_pid_offset);
         let socket_namespace = vmlinux.as_deref().and_then(socket_namespace_offsets);
         let socket_inode = vmlinux.as_deref().and_then(socket_inode_offsets);
@@ -235,11 +232,10 @@ impl Kernel {
                 .ok(),
             None => None,
         };
-        drop(vmlinux);
         let (sock_net_offset, net_inum_offset) = socket_namespace.unwrap_or((0, 0));
         let (sock_socket_offset, socket_inode_offset, inode_ino_offset) =
             socket_inode.unwrap_or((0, 0, 0));
-        if group_dead_offset == 0 {
+        if !exit_has_group_dead {
             tracing::info!("sched_process_exit has no group_dead: a process ends with its leader");
         }
         let offcpu_min_ns = sampling.offcpu_min.map_or(u64::MAX, |min| {
@@ -255,7 +251,7 @@ impl Kernel {
             loader.override_global(name, offset, true);
         }
         let mut ebpf = loader
-            .override_global("EXIT_GROUP_DEAD_OFFSET", &group_dead_offset, true)
+            .override_global("EXIT_HAS_GROUP_DEAD", &u32::from(exit_has_group_dead), true)
             .override_global("TASK_PID_OFFSET", &task_pid_offset.unwrap_or(0), true)
             .override_global("SOCK_NET_OFFSET", &sock_net_offset, true)
             .override_global("NET_INUM_OFFSET", &net_inum_offset, true)
@@ -331,8 +327,10 @@ impl Kernel {
                 attachment,
                 task_pid_offset.is_some(),
                 btf.as_ref(),
+                vmlinux.as_deref(),
             )?);
         }
+        drop(vmlinux);
         probes.push(attach_sampler(&mut ebpf, sampling.hz)?);
         for (program, probe) in MUTEX_PROBES {
             probes.push(load_on_demand(&mut ebpf, probe, &[program], UProbe::load)?);

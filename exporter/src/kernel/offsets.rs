@@ -1,29 +1,13 @@
 //! Where the kernel programs read kernel structures: field offsets from the kernel's
-//! BTF (`/sys/kernel/btf/vmlinux`) and from tracepoint formats, found at start-up and
+//! BTF (`/sys/kernel/btf/vmlinux`), found at start-up and
 //! passed to the programs as load-time globals (aya-ebpf has no CO-RE). A missing
 //! offset is logged once with what poolscope does without it.
 use super::btf;
 
-/// The offset of `field` in a tracepoint's `format` file, if the record has it.
-pub fn field_offset(format: &str, field: &str) -> Option<u32> {
-    format.lines().find_map(|line| {
-        let mut parts = line.trim().split(';').map(str::trim);
-        let declaration = parts.next()?.strip_prefix("field:")?;
-        let name = declaration.rsplit([' ', '*']).next()?;
-        if name != field {
-            return None;
-        }
-        parts.find_map(|part| part.strip_prefix("offset:")?.parse().ok())
-    })
-}
-
-/// `group_dead` of sched_process_exit (0 when this kernel's record lacks it).
-pub(super) fn exit_group_dead_offset() -> u32 {
-    let path = "/sys/kernel/tracing/events/sched/sched_process_exit/format";
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|format| field_offset(&format, "group_dead"))
-        .unwrap_or(0)
+/// Whether sched_process_exit passes `group_dead` (since 6.16), from its BTF
+/// arguments; without it the group leader's exit stands for the process's.
+pub(super) fn exit_has_group_dead(vmlinux: &[u8]) -> bool {
+    btf::tracepoint_args(vmlinux, "sched_process_exit").is_ok_and(|args| args >= 2)
 }
 
 /// The kernel's BTF, `None` (logged) where it has none.
@@ -182,21 +166,3 @@ pub(super) fn task_pid_offset(vmlinux: &[u8]) -> Option<u32> {
 }
 
 pub(super) const BTF_VMLINUX: &str = "/sys/kernel/btf/vmlinux";
-
-#[cfg(test)]
-mod tests {
-    use super::field_offset;
-
-    #[test]
-    fn offsets_from_a_tracepoint_format() {
-        let format = "name: sched_process_exit\nID: 369\nformat:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;\n\tfield:pid_t pid;\toffset:24;\tsize:4;\tsigned:1;\n\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n";
-        assert_eq!(field_offset(format, "group_dead"), Some(32));
-        assert_eq!(field_offset(format, "pid"), Some(24));
-        assert_eq!(field_offset(format, "prio"), None);
-        let older = format.replace(
-            "\tfield:bool group_dead;\toffset:32;\tsize:1;\tsigned:0;\n",
-            "",
-        );
-        assert_eq!(field_offset(&older, "group_dead"), None);
-    }
-}
