@@ -1,6 +1,8 @@
 //! Least privilege: poolscope runs as an unprivileged user with only the capabilities
 //! that systemd/poolscope.service grants, and still measures the truth. Twice: with
-//! setpriv (the unit's capability set alone, as nobody), and under the unit itself,
+//! setpriv (the unit's capability set alone, as nobody: it finds a root-owned
+//! server's sockets, and names the functions of a root-owned program's stacks, whose
+//! `/proc/<pid>/fd` and `map_files` it may not open), and under the unit itself,
 //! started by a real systemd with every sandboxing setting of the file.
 use std::{
     fs,
@@ -12,11 +14,11 @@ use std::{
 
 use anyhow::{Context as _, ensure};
 use poolscope_tests::{
-    Metrics, PoolServer, Poolscope, TestServer, bin_dir, free_port,
+    Metrics, PoolServer, Poolscope, Program, TestServer, bin_dir, free_port,
     load::{ClosedLoop, Connections},
-    one_at_a_time, privileged,
-    profiles::http_get,
-    skip, wait_until,
+    one_at_a_time, parse_tids, pids_config, privileged,
+    profiles::{http_get, names, parse_folded, start_phase, weight_of},
+    skip, wait_followed, wait_until,
 };
 
 const UNIT: &str = include_str!("../../systemd/poolscope.service");
@@ -43,19 +45,16 @@ fn uid_of(pid: u32) -> anyhow::Result<u32> {
         .ok_or_else(|| anyhow::anyhow!("no effective uid for {pid}"))
 }
 
-#[test]
-fn runs_as_nobody_with_the_units_capabilities() -> anyhow::Result<()> {
-    if !privileged("runs_as_nobody_with_the_units_capabilities") {
-        return Ok(());
-    }
-    let _serial = one_at_a_time();
+/// setpriv's arguments that run a command as nobody with the unit's capabilities
+/// alone.
+fn as_nobody_with_the_units_capabilities() -> anyhow::Result<Vec<String>> {
     // `+bpf,+perfmon,...`
     let caps: Vec<String> = unit_capabilities()?
         .iter()
         .map(|cap| format!("+{}", cap.to_lowercase()))
         .collect();
     let caps = caps.join(",");
-    let wrapper = [
+    Ok(vec![
         "setpriv".to_owned(),
         "--reuid=nobody".to_owned(),
         "--regid=nogroup".to_owned(),
@@ -63,10 +62,19 @@ fn runs_as_nobody_with_the_units_capabilities() -> anyhow::Result<()> {
         format!("--inh-caps=-all,{caps}"),
         format!("--ambient-caps=-all,{caps}"),
         format!("--bounding-set=-all,{caps}"),
-    ];
+    ])
+}
+
+#[test]
+fn runs_as_nobody_with_the_units_capabilities() -> anyhow::Result<()> {
+    if !privileged("runs_as_nobody_with_the_units_capabilities") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    let wrapper = as_nobody_with_the_units_capabilities()?;
     let server = TestServer::start(16)?;
     let _clients = [server.connect()?, server.connect()?];
-    // Auto-discovery: reading a root-owned process's fds needs CAP_SYS_PTRACE.
+    // Auto-discovery: a root-owned process's fds, through fdinfo (CAP_SYS_PTRACE).
     let poolscope =
         Poolscope::start_wrapped("[discovery]\nrescan_interval = \"500ms\"\n", &wrapper)?;
     assert_ne!(uid_of(poolscope.pid())?, 0, "poolscope runs as root");
@@ -78,6 +86,49 @@ fn runs_as_nobody_with_the_units_capabilities() -> anyhow::Result<()> {
             .is_ok_and(|m| m.value("poolscope_listen_queue_depth", &labels) == Some(2.0))
     });
     assert!(seen, "{}", poolscope.scrape()?.text);
+    Ok(())
+}
+
+#[test]
+fn names_the_functions_of_other_users_code_with_the_units_capabilities() -> anyhow::Result<()> {
+    if !privileged("names_the_functions_of_other_users_code_with_the_units_capabilities") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    // A root-owned program burning in named functions; nobody may not search its
+    // /proc/<pid>/map_files, so its code is read by the paths in its maps.
+    let mut program = Program::start("stackburner", &["10".to_owned(), "20".to_owned()])?;
+    let program_port: u16 = program.line("port")?.parse()?;
+    let tids = parse_tids(&program.line("workers")?)?;
+    let [burner, _sleeper] = tids[..] else {
+        anyhow::bail!("stackburner's workers: {tids:?}");
+    };
+    let map_files = format!("/proc/{}/map_files", program.pid());
+    let wrapper = as_nobody_with_the_units_capabilities()?;
+    let denied = Command::new(&wrapper[0])
+        .args(&wrapper[1..])
+        .args(["ls", &map_files])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()?;
+    ensure!(
+        !denied.success(),
+        "nobody with the unit's capabilities may list {map_files}: the test would not \
+         show the fallback"
+    );
+    let poolscope = Poolscope::start_wrapped(&pids_config("sb", &[program.pid()]), &wrapper)?;
+    wait_followed(&poolscope, &[(burner, "burner")])?;
+    start_phase(program_port)?;
+    let path = "/debug/pprof/profile?seconds=2&service=sb&pool=burner&format=folded";
+    let lines = parse_folded(&http_get(poolscope.port, path)?.text(path)?)?;
+    let all = weight_of(&lines, |_| true);
+    let named = weight_of(&lines, |frames| names(frames, "burn_three_quarters"));
+    println!("{named} of {all} samples under burn_three_quarters");
+    ensure!(
+        all > 0 && named * 2 >= all,
+        "{named} of {all} samples name burn_three_quarters (the program spends 3/4 of \
+         its CPU time there); the stacks:\n{lines:#?}"
+    );
     Ok(())
 }
 

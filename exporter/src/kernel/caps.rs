@@ -6,16 +6,15 @@
 use std::fmt;
 
 /// What each kept capability is still used for after the start.
-pub const KEPT: [(u32, &str); 5] = [
+pub const KEPT: [(u32, &str); 4] = [
     // bpf() on maps (needed on kernels before 6.5 whatever the fd), and the
     // on-demand uprobes and profiling sessions.
     (CAP_BPF, "CAP_BPF"),
     // perf_event_open for the lock uprobes and profiling sessions.
     (CAP_PERFMON, "CAP_PERFMON"),
-    // /proc/<pid>/fd, maps and environ of other users' processes.
+    // /proc/<pid>/fdinfo, maps and root of other users' processes, and their
+    // environment's memory.
     (CAP_SYS_PTRACE, "CAP_SYS_PTRACE"),
-    // /proc/<pid>/fd of other users' processes (mode 0500) and tracefs.
-    (CAP_DAC_READ_SEARCH, "CAP_DAC_READ_SEARCH"),
     // /proc/<pid>/map_files, for the symbolizer.
     (CAP_CHECKPOINT_RESTORE, "CAP_CHECKPOINT_RESTORE"),
 ];
@@ -27,7 +26,6 @@ pub const OPTIONAL: [(u32, &str); 1] = [(CAP_SYSLOG, "CAP_SYSLOG")];
 /// perf events to `CAP_PERFMON` alone, and they are attached as processes appear.
 pub const FOR_LOCK_UPROBES: (u32, &str) = (CAP_SYS_ADMIN, "CAP_SYS_ADMIN");
 
-const CAP_DAC_READ_SEARCH: u32 = 2;
 const CAP_SYS_PTRACE: u32 = 19;
 const CAP_SYS_ADMIN: u32 = 21;
 const CAP_SYSLOG: u32 = 34;
@@ -186,8 +184,7 @@ mod tests {
     fn the_kept_set_is_named() {
         assert_eq!(
             Names(kept_mask(false)).to_string(),
-            "CAP_DAC_READ_SEARCH,CAP_SYS_PTRACE,CAP_SYSLOG,CAP_PERFMON,CAP_BPF,\
-             CAP_CHECKPOINT_RESTORE"
+            "CAP_SYS_PTRACE,CAP_SYSLOG,CAP_PERFMON,CAP_BPF,CAP_CHECKPOINT_RESTORE"
         );
         assert_eq!(
             kept_mask(true) & !kept_mask(false),

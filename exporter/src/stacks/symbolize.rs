@@ -69,6 +69,28 @@ pub fn module_offset(mappings: &[Mapping], address: u64) -> Symbol {
     }
 }
 
+/// Whose files the paths in a process's maps name, by its root directory (`root`, its
+/// `/proc/<pid>/root`).
+enum RootDir {
+    /// Ours: the paths name the same files for us.
+    Ours,
+    /// Another (a container's): the paths lead to its files under `root`.
+    Theirs,
+    /// Unknown: the process is gone.
+    Gone,
+}
+
+fn root_dir(root: &Path) -> RootDir {
+    use std::os::unix::fs::MetadataExt as _;
+    match (std::fs::metadata(root), std::fs::metadata("/")) {
+        (Ok(theirs), Ok(ours)) if (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino()) => {
+            RootDir::Ours
+        }
+        (Ok(_), _) => RootDir::Theirs,
+        (Err(_), _) => RootDir::Gone,
+    }
+}
+
 /// The address to look up for each frame of a stack (innermost first): every frame
 /// but the innermost is a return address, and the call is the instruction before
 /// it, which may belong to another function (a call at a function's end).
@@ -136,49 +158,79 @@ impl Symbols {
     /// A process that has exited is symbolized from its mappings as last read (here,
     /// if it exits while being symbolized, or else `remembered`): each module's ELF
     /// file by file offset (its perf map is lost).
+    ///
+    /// A live process's files are opened through `/proc/<pid>/map_files/` (the very
+    /// file it mapped, even if deleted) where poolscope may search that directory:
+    /// root, or the process's own user. Otherwise they are opened by the paths its
+    /// maps name, which are ours too where it shares our root directory, and else
+    /// under `/proc/<pid>/root/` (a container's root; its perf map is then lost).
     pub fn user(&self, pid: u32, addresses: &[u64], remembered: &[Mapping]) -> Vec<Symbol> {
         let mappings = procfs::maps(&self.procfs_root, pid);
-        let live = if mappings.is_empty() {
-            None
+        let process_dir = self.procfs_root.join(pid.to_string());
+        let root = process_dir.join("root");
+        let symbols = if mappings.is_empty() {
+            self.through_files(addresses, remembered, None)
+        } else if std::fs::read_dir(process_dir.join("map_files")).is_ok() {
+            self.live(pid, addresses, &mappings, true)
         } else {
-            let source = Source::Process(Process::new(blazesym::Pid::from(pid)));
-            self.resolve(&source, addresses, |address| {
-                module_offset(&mappings, address)
-            })
+            match root_dir(&root) {
+                RootDir::Ours => self.live(pid, addresses, &mappings, false),
+                RootDir::Theirs => self.through_files(addresses, &mappings, Some(&root)),
+                RootDir::Gone => self.through_files(addresses, &mappings, None),
+            }
         };
-        let symbols = live.unwrap_or_else(|| {
-            let last_read = if mappings.is_empty() {
-                remembered
-            } else {
-                &mappings
-            };
-            self.through_files(addresses, last_read)
-        });
         self.counted(symbols, false)
     }
 
-    /// Symbols of addresses of a process gone, through the files it had mapped.
-    fn through_files(&self, addresses: &[u64], mappings: &[Mapping]) -> Vec<Symbol> {
+    /// [`Self::user`] of a live process, by blazesym's view of it (`map_files`: through
+    /// `/proc/<pid>/map_files/`, or else the paths); through its files if it exits
+    /// meanwhile.
+    fn live(
+        &self,
+        pid: u32,
+        addresses: &[u64],
+        mappings: &[Mapping],
+        map_files: bool,
+    ) -> Vec<Symbol> {
+        let process = Process {
+            map_files,
+            ..Process::new(blazesym::Pid::from(pid))
+        };
+        self.resolve(&Source::Process(process), addresses, |address| {
+            module_offset(mappings, address)
+        })
+        .unwrap_or_else(|| self.through_files(addresses, mappings, None))
+    }
+
+    /// Symbols of addresses of a process gone, or of one whose files are opened under
+    /// `root`, through the files it had mapped.
+    fn through_files(
+        &self,
+        addresses: &[u64],
+        mappings: &[Mapping],
+        root: Option<&Path>,
+    ) -> Vec<Symbol> {
         let mut symbols: Vec<Symbol> = addresses
             .iter()
             .map(|&address| module_offset(mappings, address))
             .collect();
-        let mut by_file: BTreeMap<&Path, Vec<(usize, u64)>> = BTreeMap::new();
+        let mut by_file: BTreeMap<PathBuf, Vec<(usize, u64)>> = BTreeMap::new();
         for (index, &address) in addresses.iter().enumerate() {
             if let Some(mapping) = mappings
                 .iter()
                 .find(|m| (m.start..m.end).contains(&address) && m.path.is_absolute())
             {
                 let offset = address - mapping.start + mapping.offset;
-                by_file
-                    .entry(&mapping.path)
-                    .or_default()
-                    .push((index, offset));
+                let path = match (root, mapping.path.strip_prefix("/")) {
+                    (Some(root), Ok(relative)) => root.join(relative),
+                    _ => mapping.path.clone(),
+                };
+                by_file.entry(path).or_default().push((index, offset));
             }
         }
         for (path, entries) in by_file {
             let offsets: Vec<u64> = entries.iter().map(|(_, offset)| *offset).collect();
-            let source = Source::Elf(Elf::new(path));
+            let source = Source::Elf(Elf::new(&path));
             let Ok(found) = self
                 .symbolizer
                 .symbolize(&source, Input::FileOffset(&offsets))
@@ -189,7 +241,7 @@ impl Symbols {
                 if let (Symbolized::Sym(symbol), Some(slot)) = (found, symbols.get_mut(*index)) {
                     *slot = Symbol {
                         name: symbol.name.to_string(),
-                        module: file_name(path),
+                        module: file_name(&path),
                         offset: Some(symbol.offset as u64),
                     };
                 }
@@ -317,6 +369,31 @@ mod tests {
         // A process gone, its maps unknown: every address counts.
         symbols.user(u32::MAX, &[named], &[]);
         assert_eq!(symbols.unnamed(), Unnamed { user: 3, kernel: 1 });
+    }
+
+    #[test]
+    fn a_process_of_another_root_is_named_from_its_files_under_that_root() -> std::io::Result<()>
+    {
+        // Its maps name this test binary, which exists for it only under its root
+        // directory (a fixture's, as a container's would be), and its map_files/
+        // cannot be searched: the file is opened there, never by our own path.
+        let address = own_functions_are_named as *const () as usize as u64;
+        let exe = std::fs::read_link("/proc/self/exe")?;
+        let root = tempfile::tempdir()?;
+        let pid = u32::MAX - 2;
+        let process = root.path().join(pid.to_string());
+        let theirs = process.join("root").join("opt/app/service");
+        std::fs::create_dir_all(theirs.parent().expect("a parent"))?;
+        std::os::unix::fs::symlink(&exe, &theirs)?;
+        let maps = std::fs::read_to_string("/proc/self/maps")?
+            .replace(exe.to_str().expect("a UTF-8 path"), "/opt/app/service");
+        std::fs::write(process.join("maps"), maps)?;
+        let found = Symbols::new(root.path()).user(pid, &[address], &[]);
+        assert!(
+            found[0].name.contains("own_functions_are_named") && found[0].module == "service",
+            "{found:?}"
+        );
+        Ok(())
     }
 
     #[test]

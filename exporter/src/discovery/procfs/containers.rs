@@ -1,6 +1,10 @@
 //! Where a process runs: its cgroup, the systemd unit or container it names, and
 //! the pod name a Kubernetes container's environment gives (`HOSTNAME`).
-use std::{fs, io::Read as _, path::Path};
+use std::{
+    fs,
+    io::{self, Read as _},
+    path::Path,
+};
 
 /// The cgroup of a process from `/proc/<pid>/cgroup`: the v2 entry if there is one,
 /// else the v1 `name=systemd` entry. A v2 entry at the root while the v1 systemd entry
@@ -136,11 +140,21 @@ pub fn is_pod_hostname(name: &str) -> bool {
 /// complete variable when the limit cut one.
 fn read_environ(root: &Path, pid: u32) -> Option<Vec<u8>> {
     let mut environ = Vec::new();
-    fs::File::open(root.join(pid.to_string()).join("environ"))
-        .ok()?
-        .take(ENVIRON_READ_LIMIT as u64)
-        .read_to_end(&mut environ)
-        .ok()?;
+    match fs::File::open(root.join(pid.to_string()).join("environ")) {
+        Ok(file) => {
+            file.take(ENVIRON_READ_LIMIT as u64)
+                .read_to_end(&mut environ)
+                .ok()?;
+        }
+        // Mode 0400: only its owner (or CAP_DAC_READ_SEARCH, which poolscope does not
+        // have) may open it; CAP_SYS_PTRACE may read the same bytes from the
+        // process's memory.
+        Err(error) if error.kind() == io::ErrorKind::PermissionDenied => {
+            let stat = fs::read_to_string(root.join(pid.to_string()).join("stat")).ok()?;
+            environ = environ_from_memory(pid, environ_range(&stat)?)?;
+        }
+        Err(_) => return None,
+    }
     if environ.len() == ENVIRON_READ_LIMIT {
         let complete = environ
             .iter()
@@ -148,6 +162,39 @@ fn read_environ(root: &Path, pid: u32) -> Option<Vec<u8>> {
             .map_or(0, |nul| nul + 1);
         environ.truncate(complete);
     }
+    Some(environ)
+}
+
+/// Where the environment block of a process lies in its memory: `env_start` and
+/// `env_end` of its `stat` (fields 50 and 51, shown to those who may ptrace-read it;
+/// 0 otherwise).
+fn environ_range(stat: &str) -> Option<(u64, u64)> {
+    let after_comm = stat.get(stat.rfind(')')? + 1..)?;
+    // Field 3 (state) is the first after the comm.
+    let mut fields = after_comm.split_ascii_whitespace().skip(50 - 3);
+    let start: u64 = fields.next()?.parse().ok()?;
+    let end: u64 = fields.next()?.parse().ok()?;
+    (start != 0 && end > start).then_some((start, end))
+}
+
+/// At most [`ENVIRON_READ_LIMIT`] bytes of `range` of `pid`'s memory, read as
+/// /proc/<pid>/environ reads it.
+fn environ_from_memory(pid: u32, (start, end): (u64, u64)) -> Option<Vec<u8>> {
+    let len = usize::try_from(end - start).ok()?.min(ENVIRON_READ_LIMIT);
+    let mut environ = vec![0u8; len];
+    let local = libc::iovec {
+        iov_base: environ.as_mut_ptr().cast(),
+        iov_len: len,
+    };
+    let remote = libc::iovec {
+        iov_base: start as *mut libc::c_void,
+        iov_len: len,
+    };
+    // SAFETY: `local` covers `environ`'s `len` writable bytes; the kernel checks
+    // `remote` against the other process's memory and our right to read it.
+    let read =
+        unsafe { libc::process_vm_readv(i32::try_from(pid).ok()?, &local, 1, &remote, 1, 0) };
+    environ.truncate(usize::try_from(read).ok()?);
     Some(environ)
 }
 
@@ -274,6 +321,36 @@ mod tests {
         );
         assert_eq!(environ_var(b"HOME=/root\0", "HOSTNAME"), None);
         assert_eq!(environ_var(b"", "HOSTNAME"), None);
+    }
+
+    #[test]
+    fn environment_range_from_stat() {
+        // A stat of 6.18 (52 fields), its comm with a space and a parenthesis.
+        let stat = "4242 (a (b) c) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 \
+                    5000 10000000 300 18446744073709551615 1 1 0 0 0 0 0 4096 0 0 0 0 17 \
+                    1 0 0 0 0 0 93825000000000 93825000001000 93825000002000 \
+                    140730000000000 140730000000100 140730000000100 140730000004000 0\n";
+        assert_eq!(
+            environ_range(stat),
+            Some((140730000000100, 140730000004000))
+        );
+        // Hidden from a reader without ptrace access: zeros.
+        let hidden = stat
+            .replace("140730000000100 140730000004000", "0 0")
+            .replace("140730000000000 140730000000100", "0 0");
+        assert_eq!(environ_range(&hidden), None);
+        assert_eq!(environ_range("1 (x) S"), None);
+    }
+
+    #[test]
+    fn the_environment_read_from_memory_is_procs() {
+        let pid = std::process::id();
+        let stat = fs::read_to_string("/proc/self/stat").expect("own stat");
+        let range = environ_range(&stat).expect("own environment range");
+        let from_memory = environ_from_memory(pid, range).expect("own memory");
+        let mut from_proc = fs::read("/proc/self/environ").expect("own environ");
+        from_proc.truncate(ENVIRON_READ_LIMIT);
+        assert_eq!(from_memory, from_proc);
     }
 
     #[test]

@@ -621,9 +621,11 @@ pub(crate) mod tests {
     fn scan_fixture_root() -> io::Result<()> {
         use std::os::unix::fs::symlink;
         let root = tempfile::tempdir()?;
-        let make = |pid: u32, ppid: u32, comm: &str, fds: &[&str]| -> io::Result<()> {
+        let sockfs = sockets::sockfs_mount_id().expect("sockfs's mount id");
+        // Each fd as fdinfo shows it: a socket's inode on sockfs, or another file's.
+        let make = |pid: u32, ppid: u32, comm: &str, fds: &[Option<u64>]| -> io::Result<()> {
             let dir = root.path().join(pid.to_string());
-            fs::create_dir_all(dir.join("fd"))?;
+            fs::create_dir_all(dir.join("fdinfo"))?;
             fs::create_dir_all(dir.join("net"))?;
             fs::create_dir_all(dir.join("ns"))?;
             fs::write(
@@ -640,13 +642,19 @@ pub(crate) mod tests {
                 dir.join("net/tcp"),
                 "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 777 1 0 100 0 0 10 0\n",
             )?;
-            for (i, link) in fds.iter().enumerate() {
-                symlink(link, dir.join("fd").join(i.to_string()))?;
+            for (i, socket) in fds.iter().enumerate() {
+                // Not a socket: /dev/null's inode 5 on another mount, which happens
+                // to equal a pipe's inode too.
+                let (mount, inode) = socket.map_or((sockfs + 1, 5), |inode| (sockfs, inode));
+                fs::write(
+                    dir.join("fdinfo").join(i.to_string()),
+                    format!("pos:\t0\nflags:\t02\nmnt_id:\t{mount}\nino:\t{inode}\n"),
+                )?;
             }
             Ok(())
         };
-        make(10, 1, "web", &["/dev/null", "socket:[777]", "socket:[778]"])?;
-        make(11, 10, "web worker", &["pipe:[5]"])?;
+        make(10, 1, "web", &[None, Some(777), Some(778)])?;
+        make(11, 10, "web worker", &[None])?;
         // Listed first, in the same namespace, and gone before its tables are read:
         // the namespace's listeners are read through the next process.
         make(9, 1, "leaving", &[])?;

@@ -1,21 +1,59 @@
 //! Sockets of a process: its socket fds, the kernel's TCP tables (`net/tcp`,
 //! `net/tcp6`) for listen queues and served connections, and its network namespace.
+//!
+//! The socket fds are read from `fdinfo/<fd>` (the file's mount and inode), not from
+//! the `fd/<fd>` links: `fd/` is mode 0500 and only its owner (or
+//! `CAP_DAC_READ_SEARCH`) may search it, while `fdinfo/` opens to whoever may
+//! ptrace-read the process (`CAP_SYS_PTRACE`, which poolscope has anyway).
 use std::{
     collections::{HashMap, HashSet},
     fs,
-    io::{self, BufRead as _},
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    io::{self, BufRead as _, Read as _},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket},
+    os::fd::AsRawFd as _,
     path::Path,
+    sync::OnceLock,
 };
 
 use crate::{discovery::sockdiag::ListenQueue, kernel::ServedConnection};
 
 /// The inode of a `socket:[12345]` fd link.
-pub fn socket_inode(link: &str) -> Option<u64> {
+fn socket_inode(link: &str) -> Option<u64> {
     link.strip_prefix("socket:[")?
         .strip_suffix(']')?
         .parse()
         .ok()
+}
+
+/// What an `fdinfo/<fd>` file says of the file: on which mount, and which inode
+/// (the `ino:` line is there since Linux 5.14).
+#[derive(Debug, PartialEq, Eq)]
+struct FdInfo {
+    mount: Option<u32>,
+    inode: Option<u64>,
+}
+
+fn parse_fdinfo(text: &str) -> FdInfo {
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.trim().parse::<u64>().ok())
+    };
+    FdInfo {
+        mount: field("mnt_id:").and_then(|id| u32::try_from(id).ok()),
+        inode: field("ino:"),
+    }
+}
+
+/// The mount id of sockfs, the kernel's internal mount every socket is a file of
+/// (one id, whatever the mount namespace), as `/proc/self/fdinfo` shows it for a
+/// socket of our own; `None` where that cannot be read.
+pub fn sockfs_mount_id() -> Option<u32> {
+    static ID: OnceLock<Option<u32>> = OnceLock::new();
+    *ID.get_or_init(|| {
+        let socket = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).ok()?;
+        let text = fs::read_to_string(format!("/proc/self/fdinfo/{}", socket.as_raw_fd())).ok()?;
+        parse_fdinfo(&text).mount
+    })
 }
 
 const TCP_LISTEN: &str = "0A";
@@ -183,26 +221,40 @@ pub(super) fn socket_inodes(root: &Path, pid: u32) -> io::Result<Vec<u64>> {
 
 /// The open sockets of a process: fd → socket inode. Errors as [`socket_inodes`].
 pub fn socket_fds(root: &Path, pid: u32) -> io::Result<HashMap<u32, u64>> {
+    let sockfs = sockfs_mount_id()
+        .ok_or_else(|| io::Error::other("cannot find sockfs's mount id in /proc/self/fdinfo"))?;
+    let process = root.join(pid.to_string());
     let mut sockets = HashMap::new();
-    for entry in fs::read_dir(root.join(pid.to_string()).join("fd"))? {
+    let mut text = String::new();
+    for entry in fs::read_dir(process.join("fdinfo"))? {
         let Ok(entry) = entry else { continue };
-        let Some(fd) = entry
+        let Some(fd): Option<u32> = entry
             .file_name()
             .to_str()
             .and_then(|name| name.parse().ok())
         else {
             continue;
         };
-        // Listing the fds needs only CAP_DAC_READ_SEARCH; following them needs
-        // CAP_SYS_PTRACE. Other failures are fds closed since the listing.
-        match fs::read_link(entry.path()) {
-            Ok(link) => {
-                if let Some(inode) = link.to_str().and_then(socket_inode) {
-                    sockets.insert(fd, inode);
-                }
-            }
+        text.clear();
+        // Other failures than a denial are fds closed since the listing.
+        match fs::File::open(entry.path()).and_then(|mut file| file.read_to_string(&mut text)) {
+            Ok(_) => {}
             Err(error) if error.kind() == io::ErrorKind::PermissionDenied => return Err(error),
-            Err(_) => {}
+            Err(_) => continue,
+        }
+        let inode = match parse_fdinfo(&text) {
+            FdInfo {
+                mount: Some(mount),
+                inode: Some(inode),
+            } => (mount == sockfs).then_some(inode),
+            // Before 5.14 fdinfo has no inode: the link says (its owner, or
+            // CAP_DAC_READ_SEARCH, may read it).
+            _ => fs::read_link(process.join("fd").join(fd.to_string()))
+                .ok()
+                .and_then(|link| socket_inode(link.to_str()?)),
+        };
+        if let Some(inode) = inode {
+            sockets.insert(fd, inode);
         }
     }
     Ok(sockets)
@@ -363,5 +415,20 @@ mod tests {
         assert_eq!(socket_inode("socket:[123]"), Some(123));
         assert_eq!(socket_inode("pipe:[123]"), None);
         assert_eq!(socket_inode("/dev/null"), None);
+        assert_eq!(
+            parse_fdinfo("pos:\t0\nflags:\t02000002\nmnt_id:\t10\nino:\t3573548\n"),
+            FdInfo {
+                mount: Some(10),
+                inode: Some(3573548)
+            }
+        );
+        // Before 5.14.
+        assert_eq!(
+            parse_fdinfo("pos:\t0\nflags:\t02\nmnt_id:\t10\n"),
+            FdInfo {
+                mount: Some(10),
+                inode: None
+            }
+        );
     }
 }
