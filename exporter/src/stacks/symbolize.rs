@@ -372,8 +372,7 @@ mod tests {
     }
 
     #[test]
-    fn a_process_of_another_root_is_named_from_its_files_under_that_root() -> std::io::Result<()>
-    {
+    fn a_process_of_another_root_is_named_from_its_files_under_that_root() -> std::io::Result<()> {
         // Its maps name this test binary, which exists for it only under its root
         // directory (a fixture's, as a container's would be), and its map_files/
         // cannot be searched: the file is opened there, never by our own path.
