@@ -69,28 +69,6 @@ pub fn module_offset(mappings: &[Mapping], address: u64) -> Symbol {
     }
 }
 
-/// Whose files the paths in a process's maps name, by its root directory (`root`, its
-/// `/proc/<pid>/root`).
-enum RootDir {
-    /// Ours: the paths name the same files for us.
-    Ours,
-    /// Another (a container's): the paths lead to its files under `root`.
-    Theirs,
-    /// Unknown: the process is gone.
-    Gone,
-}
-
-fn root_dir(root: &Path) -> RootDir {
-    use std::os::unix::fs::MetadataExt as _;
-    match (std::fs::metadata(root), std::fs::metadata("/")) {
-        (Ok(theirs), Ok(ours)) if (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino()) => {
-            RootDir::Ours
-        }
-        (Ok(_), _) => RootDir::Theirs,
-        (Err(_), _) => RootDir::Gone,
-    }
-}
-
 /// The address to look up for each frame of a stack (innermost first): every frame
 /// but the innermost is a return address, and the call is the instruction before
 /// it, which may belong to another function (a call at a function's end).
@@ -162,8 +140,9 @@ impl Symbols {
     /// A live process's files are opened through `/proc/<pid>/map_files/` (the very
     /// file it mapped, even if deleted) where poolscope may search that directory:
     /// root, or the process's own user. Otherwise they are opened by the paths its
-    /// maps name, which are ours too where it shares our root directory, and else
-    /// under `/proc/<pid>/root/` (a container's root; its perf map is then lost).
+    /// maps name, under `/proc/<pid>/root/`: in its own mount namespace (a
+    /// container's files, or the host's /tmp that a sandboxed poolscope does not
+    /// see), and its JIT code by its perf map.
     pub fn user(&self, pid: u32, addresses: &[u64], remembered: &[Mapping]) -> Vec<Symbol> {
         let mappings = procfs::maps(&self.procfs_root, pid);
         let process_dir = self.procfs_root.join(pid.to_string());
@@ -171,35 +150,62 @@ impl Symbols {
         let symbols = if mappings.is_empty() {
             self.through_files(addresses, remembered, None)
         } else if std::fs::read_dir(process_dir.join("map_files")).is_ok() {
-            self.live(pid, addresses, &mappings, true)
+            self.live(pid, addresses, &mappings)
+        } else if root.exists() {
+            self.under_root(pid, addresses, &mappings, &root)
         } else {
-            match root_dir(&root) {
-                RootDir::Ours => self.live(pid, addresses, &mappings, false),
-                RootDir::Theirs => self.through_files(addresses, &mappings, Some(&root)),
-                RootDir::Gone => self.through_files(addresses, &mappings, None),
-            }
+            self.through_files(addresses, &mappings, None)
         };
         self.counted(symbols, false)
     }
 
-    /// [`Self::user`] of a live process, by blazesym's view of it (`map_files`: through
-    /// `/proc/<pid>/map_files/`, or else the paths); through its files if it exits
-    /// meanwhile.
-    fn live(
-        &self,
-        pid: u32,
-        addresses: &[u64],
-        mappings: &[Mapping],
-        map_files: bool,
-    ) -> Vec<Symbol> {
-        let process = Process {
-            map_files,
-            ..Process::new(blazesym::Pid::from(pid))
-        };
+    /// [`Self::user`] of a live process through `/proc/<pid>/map_files/`; through its
+    /// files if it exits meanwhile.
+    fn live(&self, pid: u32, addresses: &[u64], mappings: &[Mapping]) -> Vec<Symbol> {
+        let process = Process::new(blazesym::Pid::from(pid));
         self.resolve(&Source::Process(process), addresses, |address| {
             module_offset(mappings, address)
         })
         .unwrap_or_else(|| self.through_files(addresses, mappings, None))
+    }
+
+    /// [`Self::user`] of a live process by the paths in its maps under `root`, its
+    /// `/proc/<pid>/root`; addresses in no file (JIT code) by its perf map, which
+    /// blazesym reads under that root too.
+    fn under_root(
+        &self,
+        pid: u32,
+        addresses: &[u64],
+        mappings: &[Mapping],
+        root: &Path,
+    ) -> Vec<Symbol> {
+        let mut symbols = self.through_files(addresses, mappings, Some(root));
+        let (indexes, anonymous): (Vec<usize>, Vec<u64>) = addresses
+            .iter()
+            .enumerate()
+            .filter(|(_, address)| {
+                !mappings
+                    .iter()
+                    .any(|m| (m.start..m.end).contains(*address) && m.path.is_absolute())
+            })
+            .map(|(index, &address)| (index, address))
+            .unzip();
+        if anonymous.is_empty() {
+            return symbols;
+        }
+        let process = Process {
+            map_files: false,
+            ..Process::new(blazesym::Pid::from(pid))
+        };
+        let found = self.resolve(&Source::Process(process), &anonymous, |address| {
+            module_offset(mappings, address)
+        });
+        for (index, symbol) in indexes.into_iter().zip(found.into_iter().flatten()) {
+            if let Some(slot) = symbols.get_mut(index) {
+                *slot = symbol;
+            }
+        }
+        symbols
     }
 
     /// Symbols of addresses of a process gone, or of one whose files are opened under
