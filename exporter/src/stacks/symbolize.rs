@@ -69,6 +69,13 @@ pub fn module_offset(mappings: &[Mapping], address: u64) -> Symbol {
     }
 }
 
+/// The mapping of a file (an absolute path) that holds `address`, if any.
+fn file_mapping(mappings: &[Mapping], address: u64) -> Option<&Mapping> {
+    mappings
+        .iter()
+        .find(|m| (m.start..m.end).contains(&address) && m.path.is_absolute())
+}
+
 /// The address to look up for each frame of a stack (innermost first): every frame
 /// but the innermost is a return address, and the call is the instruction before
 /// it, which may belong to another function (a call at a function's end).
@@ -183,11 +190,7 @@ impl Symbols {
         let (indexes, anonymous): (Vec<usize>, Vec<u64>) = addresses
             .iter()
             .enumerate()
-            .filter(|(_, address)| {
-                !mappings
-                    .iter()
-                    .any(|m| (m.start..m.end).contains(*address) && m.path.is_absolute())
-            })
+            .filter(|(_, address)| file_mapping(mappings, **address).is_none())
             .map(|(index, &address)| (index, address))
             .unzip();
         if anonymous.is_empty() {
@@ -222,10 +225,7 @@ impl Symbols {
             .collect();
         let mut by_file: BTreeMap<PathBuf, Vec<(usize, u64)>> = BTreeMap::new();
         for (index, &address) in addresses.iter().enumerate() {
-            if let Some(mapping) = mappings
-                .iter()
-                .find(|m| (m.start..m.end).contains(&address) && m.path.is_absolute())
-            {
+            if let Some(mapping) = file_mapping(mappings, address) {
                 let offset = address - mapping.start + mapping.offset;
                 let path = match (root, mapping.path.strip_prefix("/")) {
                     (Some(root), Ok(relative)) => root.join(relative),
