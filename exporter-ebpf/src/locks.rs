@@ -83,6 +83,18 @@ pub fn request_boundary(tid: u32, thread: &mut Thread) {
     }
 }
 
+/// The request `thread` (`tid`) served was answered by another thread at `now`: a
+/// futex wait it is in was the request's until now (as its time in `threads`), and is
+/// recorded as ended.
+#[inline(always)]
+pub fn handed_off(tid: u32, thread: &mut Thread, now: u64) {
+    if thread.lock_since_ns != 0 {
+        thread.lock_waited_ns += now.saturating_sub(thread.lock_since_ns);
+        thread.lock_since_ns = 0;
+        record_lock_wait(tid, thread);
+    }
+}
+
 /// The current watched thread (`tid`, `thread`) leaves the CPU at `now`. `wait` is
 /// (saved registers, syscall number) when it blocks in a futex wait while serving;
 /// `preempted` when it leaves runnable. A pending lock wait either continues (the same

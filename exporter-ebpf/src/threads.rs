@@ -172,15 +172,23 @@ pub fn request_ended(server_tid: u32, now: u64, end: End) {
     let Some(thread) = thread(server_tid) else {
         return;
     };
+    let handed_off = end == End::Response && bpf_get_current_pid_tgid() as u32 != server_tid;
     let activity = Activity::from_u32(thread.activity);
-    change(server_tid, thread, activity, now);
+    // Answered by another thread: a wait the server thread is in no longer waits for
+    // this request but for work (a Go M parked in futexsleep, for seconds, while the
+    // goroutine that it read the request for answered on another M).
+    let next = if handed_off && activity.is_off_cpu() && activity != Activity::OffDisk {
+        Activity::OffIdle
+    } else {
+        activity
+    };
+    change(server_tid, thread, next, now);
     thread.serving = thread.serving.saturating_sub(1);
-    if end == End::Response {
-        if bpf_get_current_pid_tgid() as u32 == server_tid {
-            locks::request_boundary(server_tid, thread);
-        } else {
-            thread.hands_off = 1;
-        }
+    if handed_off {
+        thread.hands_off = 1;
+        locks::handed_off(server_tid, thread, now);
+    } else if end == End::Response {
+        locks::request_boundary(server_tid, thread);
     }
 }
 

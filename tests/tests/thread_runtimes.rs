@@ -23,7 +23,11 @@
 //!   wall time within 5 %. With a handler that only spins on CPU, `blocked_lock` is
 //!   < 5 % of the service's thread time: a thread whose request another thread
 //!   answered (Go moves goroutines between threads) no longer charges its futex
-//!   waits to that request.
+//!   waits to that request, not even the wait it was in when the answer went out.
+//! - That last case with a program whose truth is known (`poolserver handoff-park`):
+//!   a thread reads a request, blocks in a futex, another thread answers 5 ms later
+//!   and the reader stays blocked 1 s more. `blocked_lock` and the futex lock waits
+//!   of the service hold at most the 5 ms, not the second.
 //!
 //! The numbers go to stderr (`--nocapture`).
 use std::{
@@ -40,8 +44,8 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, cpu_steal_seconds, one_at_a_time, parse_debug_threads, pids_config,
-    privileged, scrape_until,
+    Metrics, PoolServer, Poolscope, cpu_steal_seconds, one_at_a_time, parse_debug_threads,
+    pids_config, privileged, scrape_until,
     servers::{Kind, Options, RealServer, WrkResult, get, pin_to_first_cpu, wrk_path},
     thread_names, watch_with,
 };
@@ -735,6 +739,89 @@ fn go_thread_time_adds_up() -> anyhow::Result<()> {
         blocked_lock < 0.05,
         "blocked_lock is {:.1} % of the thread time with a handler that only spins",
         blocked_lock * 100.0
+    );
+    Ok(())
+}
+
+/// The sum over the pools of `service` of the futex lock waits' `_sum` (none yet: 0).
+fn futex_lock_wait_seconds(metrics: &Metrics, service: &str) -> f64 {
+    pools(metrics, service)
+        .keys()
+        .filter_map(|pool| {
+            metrics.value(
+                "poolscope_lock_wait_seconds_sum",
+                &[("service", service), ("pool", pool), ("primitive", "futex")],
+            )
+        })
+        .sum()
+}
+
+#[test]
+fn a_reader_parked_after_another_thread_answered_is_idle() -> anyhow::Result<()> {
+    if !privileged("a_reader_parked_after_another_thread_answered_is_idle") {
+        return Ok(());
+    }
+    let _serial = one_at_a_time();
+    const SERVICE_TIME: Duration = Duration::from_millis(5);
+    /// `poolserver`'s `PARK`: how long the reader stays blocked after the answer.
+    const PARK: Duration = Duration::from_secs(1);
+    let service = "handoff-park";
+    let server = PoolServer::start_styled(1, SERVICE_TIME, "handoff-park")?;
+    let pids = [server.pid()];
+    let poolscope = watch(service, &pids)?;
+    let stream = TcpStream::connect(("127.0.0.1", server.port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut stream = BufReader::new(stream);
+    // The connection's reader and its responder are started at accept: wait until
+    // poolscope follows every thread of the server.
+    sleep(Duration::from_millis(200));
+    let threads = thread_count(&pids)?;
+    let before = scrape_until(&poolscope, |m| {
+        pools(m, service)
+            .values()
+            .map(|pool| pool.threads)
+            .sum::<f64>()
+            == threads as f64
+    })?;
+    stream.get_mut().write_all(b"req\n")?;
+    let mut response = String::new();
+    stream.read_line(&mut response)?;
+    anyhow::ensure!(response == "ok\n", "response {response:?}");
+    // The reader wakes after the park and blocks again in poll (waiting for work).
+    sleep(PARK + Duration::from_millis(500));
+    let after = poolscope.scrape()?;
+    let (pools_before, pools_after) = (pools(&before, service), pools(&after, service));
+    let mut blocked_lock = 0.0;
+    let mut idle = 0.0;
+    for (name, pool) in &pools_after {
+        let base = pool_of(&pools_before, name)?;
+        eprintln!(
+            "handoff-park: pool {name}: {} threads; {}",
+            pool.threads,
+            state_shares(base, pool)
+        );
+        blocked_lock += pool.seconds[2] - base.seconds[2];
+        idle += pool.seconds[4] - base.seconds[4];
+    }
+    let lock_waits =
+        futex_lock_wait_seconds(&after, service) - futex_lock_wait_seconds(&before, service);
+    eprintln!(
+        "handoff-park: blocked_lock {blocked_lock:.4} s, futex lock waits {lock_waits:.4} s, \
+         idle {idle:.3} s over {threads} threads (park {:.1} s, service {:.3} s)",
+        PARK.as_secs_f64(),
+        SERVICE_TIME.as_secs_f64()
+    );
+    // The reader's futex wait lasted the service time's remainder plus the park; only
+    // its part until the answer (far below the service time: the reader sleeps the
+    // service time before handing over) was the request's.
+    let bound = SERVICE_TIME.as_secs_f64();
+    assert!(
+        blocked_lock <= bound,
+        "blocked_lock {blocked_lock:.4} s: the reader's park after the answer counted as a lock wait"
+    );
+    assert!(
+        lock_waits <= bound,
+        "futex lock waits {lock_waits:.4} s: the reader's park after the answer counted as a lock wait"
     );
     Ok(())
 }

@@ -7,7 +7,9 @@
 //! Protocol: a request is `req\n`; the response is `ok\n`. Usage:
 //! `poolserver <workers> <service_us> [style] [port] [address]`; prints `port <n>`, then serves until
 //! stdin closes, then prints `served <count> <mean service ns> <p50 service ns>`: its
-//! own measure of each request from its first read's return to its last write.
+//! own measure of each request from its first read's return to its last write's return
+//! (where poolscope takes `start` and `end`: a write's own cost, ~20 µs here and
+//! ~0.4 ms under software emulation, is the request's).
 //!
 //! `style` makes the server do what real servers do to a request-tracking tool:
 //! - `plain` (default): one read, one write;
@@ -15,6 +17,9 @@
 //! - `early`: reads part of the request, writes part of the response, reads the rest;
 //! - `nonblocking`: O_NONBLOCK socket, reads until EAGAIN;
 //! - `handoff`: one thread reads, another thread of the process answers;
+//! - `handoff-park`: as `handoff`, but the reading thread, blocked in a futex since it
+//!   handed the request over, stays there [`PARK`] after the answer, as a Go M parks
+//!   while the goroutine it read a request for answers on another M;
 //! - `server-close`: the server closes the connection after each response.
 use std::{
     io::{Read as _, Write as _},
@@ -75,6 +80,7 @@ enum Style {
     Early,
     Nonblocking,
     Handoff,
+    HandoffPark,
     ServerClose,
 }
 
@@ -86,6 +92,7 @@ impl Style {
             "early" => Self::Early,
             "nonblocking" => Self::Nonblocking,
             "handoff" => Self::Handoff,
+            "handoff-park" => Self::HandoffPark,
             "server-close" => Self::ServerClose,
             _ => return None,
         })
@@ -149,46 +156,50 @@ fn serve_one(
     }
     std::thread::sleep(service.saturating_sub(started.elapsed()));
     let took = match (style, responder) {
-        (Style::Handoff, Some(responder)) => responder.answer(stream, started)?,
+        (Style::Handoff | Style::HandoffPark, Some(responder)) => {
+            responder.answer(stream, started)?
+        }
         (Style::Split, _) => {
             stream.write_all(b"o")?;
             std::thread::sleep(Duration::from_millis(1));
-            let took = started.elapsed();
             stream.write_all(b"k\n")?;
-            took
+            started.elapsed()
         }
         (Style::Early, _) => {
-            let took = started.elapsed();
             stream.write_all(b"k\n")?;
-            took
+            started.elapsed()
         }
         _ => {
-            let took = started.elapsed();
             stream.write_all(b"ok\n")?;
-            took
+            started.elapsed()
         }
     };
     Ok(Some(took))
 }
 
+/// How long the reading thread of `handoff-park` stays blocked after the answer.
+const PARK: Duration = Duration::from_secs(1);
+
 /// Another thread that writes the responses of one connection (`handoff`), on the
-/// same fd, as a worker handed a connection by an I/O thread does.
+/// same fd, as a worker handed a connection by an I/O thread does; it tells the reading
+/// thread `park` after it answered.
 struct Responder {
     requests: std::sync::mpsc::Sender<(RawFd, Instant)>,
     done: std::sync::mpsc::Receiver<std::io::Result<Duration>>,
 }
 
 impl Responder {
-    fn start() -> Self {
+    fn start(park: Duration) -> Self {
         let (requests, incoming) = std::sync::mpsc::channel::<(RawFd, Instant)>();
         let (finished, done) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for (fd, started) in incoming {
-                let took = started.elapsed();
                 // SAFETY: the reading thread keeps the fd open until we answer, and
                 // ManuallyDrop keeps us from closing it.
                 let mut stream = ManuallyDrop::new(unsafe { TcpStream::from_raw_fd(fd) });
-                let _ = finished.send(stream.write_all(b"ok\n").map(|()| took));
+                let written = stream.write_all(b"ok\n").map(|()| started.elapsed());
+                std::thread::sleep(park);
+                let _ = finished.send(written);
             }
         });
         Self { requests, done }
@@ -212,7 +223,11 @@ fn serve(
     served: &Mutex<Vec<u64>>,
 ) -> std::io::Result<()> {
     stream.set_nonblocking(style == Style::Nonblocking)?;
-    let responder = (style == Style::Handoff).then(Responder::start);
+    let responder = match style {
+        Style::Handoff => Some(Responder::start(Duration::ZERO)),
+        Style::HandoffPark => Some(Responder::start(PARK)),
+        _ => None,
+    };
     loop {
         wait_readable(&stream)?;
         slots.acquire();
@@ -246,7 +261,7 @@ fn main() -> std::io::Result<()> {
         (workers, service_us, style, port, address)
     else {
         eprintln!(
-            "usage: poolserver <workers> <service_us> [plain|split|early|nonblocking|handoff|server-close] [port] [address]"
+            "usage: poolserver <workers> <service_us> [plain|split|early|nonblocking|handoff|handoff-park|server-close] [port] [address]"
         );
         std::process::exit(2);
     };
