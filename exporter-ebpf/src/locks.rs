@@ -28,8 +28,9 @@ use crate::{
     abi::{SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV, SavedRegisters},
     clock::now_ns,
     maps::{
-        LOCK_STACKS, LOCK_WAITS, LOCKS, MUTEX_CALLS, ZERO_HISTOGRAM, add_to_shared_histogram,
-        count_loss, get_or_insert, insert_counted, remove_counted,
+        LOCK_STACKS, LOCK_WAIT_COUNTS, LOCK_WAITS, LOCKS, MUTEX_CALLS, ZERO_HISTOGRAM,
+        add_to_shared_histogram, atomic_add, count_loss, get_or_insert, insert_counted,
+        remove_counted,
     },
     stackmaps::{BPF_F_USER_STACK, stack_id},
     threads::{self, thread},
@@ -201,9 +202,17 @@ fn record(pool: Option<u32>, primitive: LockPrimitive, waited: u64) {
     let Some(pool) = pool else {
         return;
     };
-    if let Some(histogram) = LOCK_WAITS.get_ptr_mut(lock_wait_index(pool, primitive)) {
+    let index = lock_wait_index(pool, primitive);
+    if let Some(histogram) = LOCK_WAITS.get_ptr_mut(index) {
         // SAFETY: a live array slot; concurrent updates are atomic adds.
         add_to_shared_histogram(unsafe { &mut *histogram }, waited);
+        // After the record: x86's atomic adds are seen in order, and the compiler
+        // keeps the record before the lookup (a call that may read it). A reader
+        // that sees the count finds the wait.
+        if let Some(count) = LOCK_WAIT_COUNTS.get_ptr_mut(index) {
+            // SAFETY: as above.
+            atomic_add(unsafe { &mut *count }, 1);
+        }
     }
 }
 

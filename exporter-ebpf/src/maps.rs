@@ -67,6 +67,9 @@ pub static WAIT_CLASSES: Array<u32> = Array::with_max_entries(SYSCALL_TABLE_SIZE
 pub static LOCK_WAITS: Array<Histogram> =
     Array::with_max_entries(MAX_POOLS * LockPrimitive::COUNT, 0);
 #[map]
+pub static LOCK_WAIT_COUNTS: Array<u64> =
+    Array::with_max_entries(MAX_POOLS * LockPrimitive::COUNT, 0);
+#[map]
 pub static LOCKS: HashMap<LockKey, Histogram> = HashMap::with_max_entries(MAX_LOCKS, 0);
 #[map]
 pub static DOWNSTREAM_WAITS: HashMap<DownstreamKey, DownstreamWait> =

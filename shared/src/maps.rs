@@ -84,6 +84,10 @@ pub const WAIT_CLASSES: &str = "WAIT_CLASSES";
 /// of lock waits. Shared by all CPUs, updated with atomic adds: waits are rare
 /// next to the per-CPU cost of a histogram per pool.
 pub const LOCK_WAITS: &str = "LOCK_WAITS";
+/// array, index as [`LOCK_WAITS`] → u64: the waits recorded there, counted after
+/// their record (atomic adds): user space reads again only the histograms whose
+/// count moved.
+pub const LOCK_WAIT_COUNTS: &str = "LOCK_WAIT_COUNTS";
 /// [`crate::LockKey`] (process, futex address, stack) → [`crate::Histogram`] of
 /// its futex waits, for the top contended locks (atomic adds, as above).
 pub const LOCKS: &str = "LOCKS";

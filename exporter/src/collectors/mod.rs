@@ -237,7 +237,7 @@ mod tests {
             totals.time_ns = [1_000_000; poolscope_shared::Activity::COUNT];
             totals.request_ns = [500_000; poolscope_shared::Activity::COUNT];
         }
-        readout.request_times.insert(2, Box::new(times));
+        readout.request_times.insert(2, std::sync::Arc::new(times));
         let pools = ["server", "worker"]
             .iter()
             .zip([5, 6])

@@ -211,7 +211,7 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
                 .and_then(|k| k.services.get(&view.id))
                 .unwrap_or(&no_counters),
             times: kernel
-                .and_then(|k| k.request_times.get(&view.id).map(Box::as_ref))
+                .and_then(|k| k.request_times.get(&view.id).map(std::sync::Arc::as_ref))
                 .unwrap_or(&no_times),
             window: reading.windows.get(&view.id).unwrap_or(&no_times),
             components: components.get(&view.id).copied().unwrap_or_default(),
@@ -413,6 +413,7 @@ mod tests {
             waiting_left: 17,
             serving_entered: 30,
             serving_left: 25,
+            finished: 25,
         }
     }
 

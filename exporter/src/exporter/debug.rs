@@ -18,7 +18,7 @@ impl Exporter {
     pub(super) fn threads_text(&self) -> String {
         let core = lock_or_recover(&self.core);
         let mut readout = Readout::default();
-        if let Err(error) = core.kernel.read_pools(&[], &mut readout) {
+        if let Err(error) = core.kernel.read_threads(&mut readout) {
             return format!("reading threads failed: {error}\n");
         }
         let pools: BTreeMap<u32, PoolView> = core

@@ -4,9 +4,10 @@
 //! at 110 services was most of a scrape's time.
 use std::{
     cell::RefCell,
-    collections::{BTreeMap, HashSet},
+    collections::BTreeMap,
     io,
     mem::{MaybeUninit, size_of},
+    ops::Range,
     os::fd::{AsFd as _, AsRawFd as _, OwnedFd},
 };
 
@@ -128,18 +129,19 @@ impl BatchMap {
         }
     }
 
-    /// Calls `each(index, value)` for every value of entries `0..end` of an array of
-    /// `V`: `cpus` per entry for a per-CPU array, one for a plain one. The values are
-    /// read into one buffer kept between calls (a scrape reads megabytes), and lent
-    /// from it in place.
+    /// Calls `each(index, value)` for every value of the entries `range` of an array
+    /// of `V`: `cpus` per entry for a per-CPU array, one for a plain one. The values
+    /// are read into one buffer kept between calls (a scrape reads megabytes), and
+    /// lent from it in place.
     pub fn array_each<V: Pod>(
         &self,
-        end: u32,
+        range: Range<u32>,
         cpus: usize,
         mut each: impl FnMut(usize, &V),
     ) -> io::Result<()> {
         const WORD: usize = size_of::<u64>();
-        if end == 0 {
+        let count = range.len();
+        if count == 0 {
             return Ok(());
         }
         // The kernel copies per-CPU values at a stride of their size rounded up to 8.
@@ -150,27 +152,33 @@ impl BatchMap {
         };
         let per_entry = stride * cpus;
         let mut buffer = self.buffer.borrow_mut();
-        let values = (per_entry * end as usize).next_multiple_of(WORD);
-        let keys = end as usize * size_of::<u32>();
+        let values = (per_entry * count).next_multiple_of(WORD);
+        let keys = count * size_of::<u32>();
         buffer.resize((values + keys).div_ceil(WORD), 0);
         let bytes: &mut [u8] = bytemuck_bytes(&mut buffer);
         let (value_bytes, key_bytes) = bytes.split_at_mut(values);
+        // The kernel starts after the key given (an array's is its index), or at 0.
+        let before = range.start.checked_sub(1).map(u64::from);
         let mut next = 0u64;
         let (filled, _) = self.lookup(
-            None,
+            before.as_ref(),
             &mut next,
             key_bytes.as_mut_ptr(),
             value_bytes.as_mut_ptr(),
-            end,
+            count as u32,
         )?;
-        if filled != end {
+        if filled as usize != count {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                format!("{filled} of {end} array entries read"),
+                format!(
+                    "{filled} of {count} array entries from {} read",
+                    range.start
+                ),
             ));
         }
-        let value_bytes = &value_bytes[..per_entry * end as usize];
-        for (index, entry) in value_bytes.chunks_exact(per_entry).enumerate() {
+        let value_bytes = &value_bytes[..per_entry * count];
+        for (offset, entry) in value_bytes.chunks_exact(per_entry).enumerate() {
+            let index = range.start as usize + offset;
             for value in entry.chunks_exact(stride) {
                 let at = value.as_ptr().cast::<V>();
                 if at.is_aligned() {
@@ -186,6 +194,20 @@ impl BatchMap {
         Ok(())
     }
 
+    /// [`Self::array_each`] over the entries `ids` only: one read per run of
+    /// consecutive ids, so that ids left out cost nothing.
+    pub fn array_each_of<V: Pod>(
+        &self,
+        ids: &[u32],
+        cpus: usize,
+        mut each: impl FnMut(usize, &V),
+    ) -> io::Result<()> {
+        for run in runs(ids) {
+            self.array_each(run, cpus, &mut each)?;
+        }
+        Ok(())
+    }
+
     /// The entries `ids` of an array of `V` indexed by dense id, each summed over its
     /// `cpus` values with `add`; boxed (kilobytes each: the tree's nodes move only
     /// pointers) and streamed into the map in id order, with no array of every
@@ -196,17 +218,27 @@ impl BatchMap {
         cpus: usize,
         add: impl Fn(&mut V, &V),
     ) -> io::Result<BTreeMap<u32, Box<V>>> {
-        let wanted: HashSet<u32> = ids.iter().copied().collect();
-        let end = dense_end(ids);
         let mut sums: BTreeMap<u32, Box<V>> = BTreeMap::new();
-        self.array_each::<V>(end, cpus, |index, value| {
-            let id = index as u32;
-            if wanted.contains(&id) {
-                add(sums.entry(id).or_default(), value);
-            }
+        self.array_each_of::<V>(ids, cpus, |index, value| {
+            add(sums.entry(index as u32).or_default(), value);
         })?;
         Ok(sums)
     }
+}
+
+/// `ids` as runs of consecutive ids, in order (duplicates once).
+fn runs(ids: &[u32]) -> Vec<Range<u32>> {
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut runs: Vec<Range<u32>> = Vec::new();
+    for id in sorted {
+        match runs.last_mut() {
+            Some(run) if run.end == id => run.end = id + 1,
+            _ => runs.push(id..id + 1),
+        }
+    }
+    runs
 }
 
 /// The bytes of `words`.
@@ -216,7 +248,15 @@ fn bytemuck_bytes(words: &mut [u64]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), size_of_val(words)) }
 }
 
-/// One past the highest of `ids` (dense ids: a batch read of an array from 0).
-pub(super) fn dense_end(ids: &[u32]) -> u32 {
-    ids.iter().max().map_or(0, |&max| max + 1)
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn ids_group_into_runs_of_consecutive_ids() {
+        assert_eq!(runs(&[]), vec![]);
+        assert_eq!(runs(&[7]), vec![7..8]);
+        assert_eq!(runs(&[3, 1, 2, 2, 9, 10, 0]), vec![0..4, 9..11]);
+        assert_eq!(runs(&[5, 7, 9]), vec![5..6, 7..8, 9..10]);
+    }
 }

@@ -17,7 +17,7 @@ impl Kernel {
         let mut sums = self.own_entries;
         self.batch
             .entry_counts
-            .array_each::<i64>(CountedMap::COUNT, self.cpus, |slot, count| {
+            .array_each::<i64>(0..CountedMap::COUNT, self.cpus, |slot, count| {
                 sums[slot] += count;
             })
             .map_err(|source| KernelError::Batch {

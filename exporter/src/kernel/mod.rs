@@ -11,6 +11,7 @@ mod locks;
 mod map_errors;
 mod offsets;
 mod read;
+mod reread;
 mod services;
 mod stacks;
 mod syscalls;
@@ -41,6 +42,7 @@ use self::offsets::{
     BTF_VMLINUX, downstream_offsets, exit_has_group_dead, socket_inode_offsets,
     socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
 };
+use self::reread::Reread;
 use self::syscalls::{syscall_number, wait_classes};
 #[cfg(test)]
 pub use self::tables::fake;
@@ -127,6 +129,7 @@ pub struct Kernel {
     thread_pools: HashMap<MapData, u32, u32>,
     pool_stats: PerCpuArray<MapData, PoolStats>,
     lock_waits: Array<MapData, Histogram>,
+    lock_wait_counts: Array<MapData, u64>,
     locks: HashMap<MapData, LockKey, Histogram>,
     lock_stacks: StackTraceMap<MapData>,
     downstream_waits: HashMap<MapData, DownstreamKey, DownstreamWait>,
@@ -149,6 +152,9 @@ pub struct Kernel {
     /// Per [`CountedMap`]: the entries user space made less those it removed (the
     /// kernel's own are in `ENTRY_COUNTS`).
     own_entries: [i64; CountedMap::COUNT as usize],
+    /// Each service's request times and each pool's lock waits, as last read.
+    request_times_read: Reread<RequestTimes>,
+    lock_waits_read: Reread<Histogram>,
 }
 
 /// Descriptors of the maps a scrape reads whole ([`BatchMap`]).
@@ -157,6 +163,7 @@ struct BatchMaps {
     thread_pools: BatchMap,
     pool_stats: BatchMap,
     lock_waits: BatchMap,
+    lock_wait_counts: BatchMap,
     service_counters: BatchMap,
     request_times: BatchMap,
     losses: BatchMap,
@@ -174,6 +181,7 @@ impl BatchMaps {
             thread_pools: of(maps::THREAD_POOLS)?,
             pool_stats: of(maps::POOL_STATS)?,
             lock_waits: of(maps::LOCK_WAITS)?,
+            lock_wait_counts: of(maps::LOCK_WAIT_COUNTS)?,
             service_counters: of(maps::SERVICE_COUNTERS)?,
             request_times: of(maps::REQUEST_TIMES)?,
             losses: of(maps::LOSSES)?,
@@ -271,6 +279,10 @@ impl Kernel {
             .map_max_entries(maps::THREADS, limits.threads)
             .map_max_entries(maps::THREAD_POOLS, limits.threads)
             .map_max_entries(maps::LOCK_WAITS, limits.max_pools * LockPrimitive::COUNT)
+            .map_max_entries(
+                maps::LOCK_WAIT_COUNTS,
+                limits.max_pools * LockPrimitive::COUNT,
+            )
             .map_max_entries(maps::LOCKS, limits.locks)
             .map_max_entries(maps::LOCK_STACKS, limits.lock_stacks)
             .map_max_entries(maps::PENDING_CALLS, limits.syscalls_in_flight)
@@ -372,6 +384,7 @@ impl Kernel {
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
             lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,
+            lock_wait_counts: take(&mut ebpf, maps::LOCK_WAIT_COUNTS)?,
             locks: take(&mut ebpf, maps::LOCKS)?,
             lock_stacks: take(&mut ebpf, maps::LOCK_STACKS)?,
             downstream_waits: take(&mut ebpf, maps::DOWNSTREAM_WAITS)?,
@@ -389,6 +402,8 @@ impl Kernel {
             cpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
             batch,
             own_entries: [0; CountedMap::COUNT as usize],
+            request_times_read: Reread::default(),
+            lock_waits_read: Reread::default(),
         };
         Ok((kernel, events))
     }

@@ -1,6 +1,6 @@
 //! The read for a scrape: every counter of the watched services and pools, the loss
 //! counters, how full each map is and the programs' own run time.
-use std::{collections::BTreeMap, time::Duration};
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use poolscope_shared::{
     DownstreamKey, DownstreamWait, Histogram, LOSSES_SIZE, LockPrimitive, LossErrno, LossSource,
@@ -17,8 +17,9 @@ pub struct Readout {
     /// The `WATCHED` map: pid → `since_ns`.
     pub watched: BTreeMap<u32, u64>,
     pub services: BTreeMap<u32, ServiceCounters>,
-    /// Durations of finished requests per service, since the service id was assigned.
-    pub request_times: BTreeMap<u32, Box<RequestTimes>>,
+    /// Durations of finished requests per service, since the service id was assigned
+    /// (shared with the kernel reader's copy, which keeps them between reads).
+    pub request_times: BTreeMap<u32, Arc<RequestTimes>>,
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
     /// Closed intervals of each pool's threads, read before `threads`.
     pub pools: BTreeMap<u32, Box<PoolStats>>,
@@ -57,7 +58,7 @@ impl Kernel {
         let mut sums = vec![0u64; LOSSES_SIZE as usize];
         self.batch
             .losses
-            .array_each::<u64>(LOSSES_SIZE, self.cpus, |index, lost| sums[index] += lost)
+            .array_each::<u64>(0..LOSSES_SIZE, self.cpus, |index, lost| sums[index] += lost)
             .map_err(|source| KernelError::Batch {
                 map: maps::LOSSES,
                 source,
@@ -87,9 +88,45 @@ impl Kernel {
                 source,
             })
     }
+    /// The request times of `services` (with their counters, read just before):
+    /// those whose finished count moved since they were last read are read again,
+    /// the rest kept.
+    fn read_request_times(
+        &mut self,
+        services: &BTreeMap<u32, ServiceCounters>,
+    ) -> Result<BTreeMap<u32, Arc<RequestTimes>>, KernelError> {
+        let finished = services
+            .iter()
+            .map(|(&id, counters)| (id, counters.finished));
+        let moved = self.request_times_read.moved(finished);
+        let fresh = self
+            .batch
+            .request_times
+            .sum_by_id::<RequestTimes>(&moved, self.cpus, |times, cpu| {
+                times.queue.add(&cpu.queue);
+                times.duration.add(&cpu.duration);
+                times.latency.add(&cpu.latency);
+            })
+            .map_err(|source| KernelError::Batch {
+                map: maps::REQUEST_TIMES,
+                source,
+            })?;
+        for (id, times) in fresh {
+            if let Some(counters) = services.get(&id) {
+                self.request_times_read.keep(id, counters.finished, *times);
+            }
+        }
+        self.request_times_read
+            .retain(|id| services.contains_key(&id));
+        Ok(services
+            .keys()
+            .filter_map(|&id| Some((id, Arc::clone(self.request_times_read.get(id)?))))
+            .collect())
+    }
+
     /// Reads the counters of `services` and `pools` and the exporter's own
     /// kernel-side health.
-    pub fn read(&self, services: &[u32], pools: &[u32]) -> Result<Readout, KernelError> {
+    pub fn read(&mut self, services: &[u32], pools: &[u32]) -> Result<Readout, KernelError> {
         let map_error = |map| move |source| KernelError::Map { map, source };
         let mut readout = Readout {
             watched: self
@@ -100,18 +137,7 @@ impl Kernel {
             ..Readout::default()
         };
         readout.services = self.read_services(services)?;
-        readout.request_times = self
-            .batch
-            .request_times
-            .sum_by_id::<RequestTimes>(services, self.cpus, |times, cpu| {
-                times.queue.add(&cpu.queue);
-                times.duration.add(&cpu.duration);
-                times.latency.add(&cpu.latency);
-            })
-            .map_err(|source| KernelError::Batch {
-                map: maps::REQUEST_TIMES,
-                source,
-            })?;
+        readout.request_times = self.read_request_times(&readout.services)?;
         let syscall_services = if self.backend == Backend::Syscall {
             services
         } else {

@@ -259,6 +259,7 @@ impl WatchTable for Kernel {
         self.service_counters.set(service, zero_counters, 0)?;
         let zero_times = PerCpuValues::try_from(vec![RequestTimes::default(); self.cpus])?;
         self.request_times.set(service, zero_times, 0)?;
+        self.request_times_read.forget(service);
         for slot in SyscallSlot::ALL {
             let zeros = PerCpuValues::try_from(vec![0u64; self.cpus])?;
             self.syscall_counts

@@ -51,8 +51,10 @@ impl ThreadTable for Kernel {
         let zeros = PerCpuValues::try_from(vec![PoolStats::default(); self.cpus])?;
         self.pool_stats.set(pool, zeros, 0)?;
         for primitive in LockPrimitive::ALL {
-            self.lock_waits
-                .set(lock_wait_index(pool, primitive), Histogram::default(), 0)?;
+            let index = lock_wait_index(pool, primitive);
+            self.lock_waits.set(index, Histogram::default(), 0)?;
+            self.lock_wait_counts.set(index, 0, 0)?;
+            self.lock_waits_read.forget(index);
         }
         // Normally gone already (released with its service), unless a thread of the
         // departed pool was still exiting then.
@@ -110,39 +112,74 @@ impl Kernel {
     /// Reads the stats of `pools` and then every followed thread (in that order:
     /// the kernel updates a thread before its pool, so a transition between the two
     /// reads is missed once, never counted twice).
-    pub fn read_pools(&self, pools: &[u32], readout: &mut Readout) -> Result<(), KernelError> {
+    pub fn read_pools(&mut self, pools: &[u32], readout: &mut Readout) -> Result<(), KernelError> {
         let batch_error = |map| move |source| KernelError::Batch { map, source };
-        // Pool ids are dense: one read of the ids up to the highest.
-        let end = super::batch::dense_end(pools);
-        let wanted: HashSet<u32> = pools.iter().copied().collect();
-        let stats = self
+        readout.pools = self
             .batch
             .pool_stats
             .sum_by_id::<PoolStats>(pools, self.cpus, PoolStats::add)
             .map_err(batch_error(maps::POOL_STATS))?;
-        let mut waits: BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>> =
-            BTreeMap::new();
-        self.batch
-            .lock_waits
-            .array_each::<Histogram>(end * LockPrimitive::COUNT, 1, |index, histogram| {
-                let index = index as u32;
-                let (pool, primitive) =
-                    (index / LockPrimitive::COUNT, index % LockPrimitive::COUNT);
-                // Most pools never wait on a lock: no entry rather than zeros.
-                if wanted.contains(&pool) && histogram.buckets.iter().any(|&count| count > 0) {
-                    waits.entry(pool).or_default()[primitive as usize] = *histogram;
-                }
-            })
-            .map_err(batch_error(maps::LOCK_WAITS))?;
-        readout.pools = stats;
-        readout.lock_waits = waits;
+        readout.lock_waits = self.read_lock_waits(pools)?;
         readout.downstreams = self
             .downstream_waits
             .iter()
             .filter_map(Result::ok)
             .collect();
+        self.read_threads(readout)
+    }
+
+    /// Reads every followed thread, and when.
+    pub fn read_threads(&self, readout: &mut Readout) -> Result<(), KernelError> {
         readout.threads_read_ns = crate::clock::monotonic_ns();
         readout.threads = self.thread_entries()?;
         Ok(())
+    }
+
+    /// The lock waits of each of `pools` that waited: the histograms whose count
+    /// moved since they were last read are read again, the rest kept.
+    fn read_lock_waits(
+        &mut self,
+        pools: &[u32],
+    ) -> Result<BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>>, KernelError> {
+        let batch_error = |map| move |source| KernelError::Batch { map, source };
+        let indexes: Vec<u32> = pools
+            .iter()
+            .flat_map(|&pool| LockPrimitive::ALL.map(|primitive| lock_wait_index(pool, primitive)))
+            .collect();
+        let mut counts = Vec::with_capacity(indexes.len());
+        self.batch
+            .lock_wait_counts
+            .array_each_of::<u64>(&indexes, 1, |index, &count| {
+                // Most pools never wait on a lock: no entry rather than zeros.
+                if count > 0 {
+                    counts.push((index as u32, count));
+                }
+            })
+            .map_err(batch_error(maps::LOCK_WAIT_COUNTS))?;
+        let moved = self.lock_waits_read.moved(counts.iter().copied());
+        let mut fresh = BTreeMap::new();
+        self.batch
+            .lock_waits
+            .array_each_of::<Histogram>(&moved, 1, |index, histogram| {
+                fresh.insert(index as u32, *histogram);
+            })
+            .map_err(batch_error(maps::LOCK_WAITS))?;
+        let live: HashSet<u32> = counts.iter().map(|&(index, _)| index).collect();
+        for &(index, count) in &counts {
+            if let Some(histogram) = fresh.remove(&index) {
+                self.lock_waits_read.keep(index, count, histogram);
+            }
+        }
+        self.lock_waits_read.retain(|index| live.contains(&index));
+        let mut waits: BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>> =
+            BTreeMap::new();
+        for (index, _) in counts {
+            if let Some(histogram) = self.lock_waits_read.get(index) {
+                let (pool, primitive) =
+                    (index / LockPrimitive::COUNT, index % LockPrimitive::COUNT);
+                waits.entry(pool).or_default()[primitive as usize] = **histogram;
+            }
+        }
+        Ok(waits)
     }
 }

@@ -1,0 +1,73 @@
+//! Values of per-id kernel arrays kept from their last read with the id's counter as
+//! read before them (a service's finished requests, a pool's lock waits), so that a
+//! scrape reads again only the ids whose counter moved: each value is kilobytes of
+//! fine buckets (per CPU for the request times), and most services and pools of a
+//! node record nothing between two scrapes. The kernel counts after it records, so
+//! a value read after its counter holds at least what the counter says, and a
+//! record that lands between the two reads moves the counter for the next scrape.
+use std::{collections::BTreeMap, sync::Arc};
+
+#[derive(Debug)]
+pub(super) struct Reread<V> {
+    read: BTreeMap<u32, (u64, Arc<V>)>,
+}
+
+impl<V> Default for Reread<V> {
+    fn default() -> Self {
+        Self {
+            read: BTreeMap::new(),
+        }
+    }
+}
+
+impl<V> Reread<V> {
+    /// Of `counts` (id, its counter now), the ids whose value was not read since the
+    /// counter last moved.
+    pub fn moved(&self, counts: impl IntoIterator<Item = (u32, u64)>) -> Vec<u32> {
+        counts
+            .into_iter()
+            .filter(|(id, count)| self.read.get(id).is_none_or(|(read, _)| read != count))
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    /// Keeps `value` of `id`, read after its counter was `count`.
+    pub fn keep(&mut self, id: u32, count: u64, value: V) {
+        self.read.insert(id, (count, Arc::new(value)));
+    }
+
+    pub fn get(&self, id: u32) -> Option<&Arc<V>> {
+        self.read.get(&id).map(|(_, value)| value)
+    }
+
+    /// Forgets `id` (its kernel entry was reset for a new owner).
+    pub fn forget(&mut self, id: u32) {
+        self.read.remove(&id);
+    }
+
+    /// Forgets the ids for which `live` is false.
+    pub fn retain(&mut self, live: impl Fn(u32) -> bool) {
+        self.read.retain(|&id, _| live(id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Reread;
+
+    #[test]
+    fn only_ids_whose_counter_moved_are_read_again() {
+        let mut values = Reread::default();
+        assert_eq!(values.moved([(1, 0), (2, 5)]), vec![1, 2], "never read");
+        values.keep(1, 0, "one");
+        values.keep(2, 5, "two");
+        assert_eq!(values.moved([(1, 0), (2, 5)]), Vec::<u32>::new());
+        assert_eq!(values.moved([(1, 0), (2, 6)]), vec![2]);
+        values.keep(2, 6, "two, later");
+        assert_eq!(values.get(2).map(|value| **value), Some("two, later"));
+        values.forget(1);
+        assert_eq!(values.moved([(1, 0)]), vec![1], "reset for a new owner");
+        values.retain(|id| id != 2);
+        assert!(values.get(2).is_none());
+    }
+}
