@@ -95,29 +95,24 @@ impl Kernel {
         &mut self,
         services: &BTreeMap<u32, ServiceCounters>,
     ) -> Result<BTreeMap<u32, Arc<RequestTimes>>, KernelError> {
-        let finished = services
+        let finished: Vec<(u32, u64)> = services
             .iter()
-            .map(|(&id, counters)| (id, counters.finished));
-        let moved = self.request_times_read.moved(finished);
-        let fresh = self
-            .batch
-            .request_times
-            .sum_by_id::<RequestTimes>(&moved, self.cpus, |times, cpu| {
-                times.queue.add(&cpu.queue);
-                times.duration.add(&cpu.duration);
-                times.latency.add(&cpu.latency);
+            .map(|(&id, counters)| (id, counters.finished))
+            .collect();
+        let (batch, cpus) = (&self.batch.request_times, self.cpus);
+        self.request_times_read
+            .refresh(&finished, |moved| {
+                let sums = batch.sum_by_id::<RequestTimes>(moved, cpus, |times, cpu| {
+                    times.queue.add(&cpu.queue);
+                    times.duration.add(&cpu.duration);
+                    times.latency.add(&cpu.latency);
+                })?;
+                Ok(sums.into_iter().map(|(id, times)| (id, *times)))
             })
             .map_err(|source| KernelError::Batch {
                 map: maps::REQUEST_TIMES,
                 source,
             })?;
-        for (id, times) in fresh {
-            if let Some(counters) = services.get(&id) {
-                self.request_times_read.keep(id, counters.finished, *times);
-            }
-        }
-        self.request_times_read
-            .retain(|id| services.contains_key(&id));
         Ok(services
             .keys()
             .filter_map(|&id| Some((id, Arc::clone(self.request_times_read.get(id)?))))

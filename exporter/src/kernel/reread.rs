@@ -21,9 +21,31 @@ impl<V> Default for Reread<V> {
 }
 
 impl<V> Reread<V> {
+    /// Brings the values up to `counts` (each id with its counter, read before the
+    /// values): `read` reads the ids whose counter moved since their last read, kept
+    /// at that count; ids not in `counts` are forgotten.
+    pub fn refresh<Values, Error>(
+        &mut self,
+        counts: &[(u32, u64)],
+        read: impl FnOnce(&[u32]) -> Result<Values, Error>,
+    ) -> Result<(), Error>
+    where
+        Values: IntoIterator<Item = (u32, V)>,
+    {
+        let moved = self.moved(counts.iter().copied());
+        let counted: BTreeMap<u32, u64> = counts.iter().copied().collect();
+        for (id, value) in read(&moved)? {
+            if let Some(&count) = counted.get(&id) {
+                self.keep(id, count, value);
+            }
+        }
+        self.retain(|id| counted.contains_key(&id));
+        Ok(())
+    }
+
     /// Of `counts` (id, its counter now), the ids whose value was not read since the
     /// counter last moved.
-    pub fn moved(&self, counts: impl IntoIterator<Item = (u32, u64)>) -> Vec<u32> {
+    fn moved(&self, counts: impl IntoIterator<Item = (u32, u64)>) -> Vec<u32> {
         counts
             .into_iter()
             .filter(|(id, count)| self.read.get(id).is_none_or(|(read, _)| read != count))
@@ -32,7 +54,7 @@ impl<V> Reread<V> {
     }
 
     /// Keeps `value` of `id`, read after its counter was `count`.
-    pub fn keep(&mut self, id: u32, count: u64, value: V) {
+    fn keep(&mut self, id: u32, count: u64, value: V) {
         self.read.insert(id, (count, Arc::new(value)));
     }
 
@@ -46,7 +68,7 @@ impl<V> Reread<V> {
     }
 
     /// Forgets the ids for which `live` is false.
-    pub fn retain(&mut self, live: impl Fn(u32) -> bool) {
+    fn retain(&mut self, live: impl Fn(u32) -> bool) {
         self.read.retain(|&id, _| live(id));
     }
 }

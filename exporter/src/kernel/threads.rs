@@ -1,6 +1,6 @@
 //! The thread and pool maps: `THREADS`, `THREAD_POOLS`, `POOL_STATS`, `LOCK_WAITS`
 //! and `DOWNSTREAM_WAITS` ([`ThreadTable`], and their read for a scrape).
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use aya::maps::{MapError, PerCpuValues};
 use poolscope_shared::{
@@ -156,21 +156,16 @@ impl Kernel {
                 }
             })
             .map_err(batch_error(maps::LOCK_WAIT_COUNTS))?;
-        let moved = self.lock_waits_read.moved(counts.iter().copied());
-        let mut fresh = BTreeMap::new();
-        self.batch
-            .lock_waits
-            .array_each_of::<Histogram>(&moved, 1, |index, histogram| {
-                fresh.insert(index as u32, *histogram);
+        let batch = &self.batch.lock_waits;
+        self.lock_waits_read
+            .refresh(&counts, |moved| {
+                let mut fresh = Vec::with_capacity(moved.len());
+                batch.array_each_of::<Histogram>(moved, 1, |index, histogram| {
+                    fresh.push((index as u32, *histogram));
+                })?;
+                Ok(fresh)
             })
             .map_err(batch_error(maps::LOCK_WAITS))?;
-        let live: HashSet<u32> = counts.iter().map(|&(index, _)| index).collect();
-        for &(index, count) in &counts {
-            if let Some(histogram) = fresh.remove(&index) {
-                self.lock_waits_read.keep(index, count, histogram);
-            }
-        }
-        self.lock_waits_read.retain(|index| live.contains(&index));
         let mut waits: BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>> =
             BTreeMap::new();
         for (index, _) in counts {
