@@ -7,6 +7,9 @@
 use std::fmt::Write as _;
 
 mod protobuf;
+mod spare;
+
+pub use spare::{Body, gzip};
 
 /// Every metric name of poolscope's own starts with this.
 pub const PREFIX: &str = "poolscope_";
@@ -92,24 +95,28 @@ pub struct Family {
 
 impl Family {
     pub fn new(name: &'static str, kind: Kind, help: &'static str) -> Self {
+        let spare::FamilyBuffers {
+            samples,
+            label_names,
+            label_values,
+        } = spare::family_buffers(name);
         Self {
             prefix: PREFIX,
             name,
             help,
             kind,
-            samples: Vec::new(),
-            label_names: Vec::new(),
-            label_values: String::new(),
+            samples,
+            label_names,
+            label_values,
         }
     }
 
     /// A family named as the Prometheus client libraries name it (`process_*`),
     /// without poolscope's prefix.
     pub fn standard(name: &'static str, kind: Kind, help: &'static str) -> Self {
-        Self {
-            prefix: "",
-            ..Self::new(name, kind, help)
-        }
+        let mut family = Self::new(name, kind, help);
+        family.prefix = "";
+        family
     }
 
     pub fn with(mut self, labels: &[(&'static str, &str)], value: f64) -> Self {
@@ -152,6 +159,19 @@ impl Family {
             start = end;
             (name, value)
         })
+    }
+}
+
+impl Drop for Family {
+    fn drop(&mut self) {
+        spare::give_family_buffers(
+            self.name,
+            spare::FamilyBuffers {
+                samples: std::mem::take(&mut self.samples),
+                label_names: std::mem::take(&mut self.label_names),
+                label_values: std::mem::take(&mut self.label_values),
+            },
+        );
     }
 }
 
@@ -239,11 +259,20 @@ impl Exposition {
         }
     }
 
-    pub fn render(self, families: &[Family]) -> Vec<u8> {
+    /// `families` in this exposition, in a buffer kept from an earlier scrape.
+    pub fn render(self, families: &[Family]) -> Body {
+        let mut body = Body::new();
+        let buffer = body.buffer();
         match self {
-            Self::Text(format) => render(families, format).into_bytes(),
-            Self::Protobuf => protobuf::render(families),
+            Self::Text(format) => {
+                // Empty, so valid UTF-8 whatever it held before.
+                let mut out = String::from_utf8(std::mem::take(buffer)).unwrap_or_default();
+                render_into(families, format, &mut out);
+                *buffer = out.into_bytes();
+            }
+            Self::Protobuf => protobuf::render_into(families, buffer),
         }
+        body
     }
 }
 
@@ -404,6 +433,12 @@ fn write_totals<'a>(
 /// Renders families in `format`.
 pub fn render(families: &[Family], format: Format) -> String {
     let mut out = String::with_capacity(families.len() * 256);
+    render_into(families, format, &mut out);
+    out
+}
+
+/// [`render`] appended to `out`.
+fn render_into(families: &[Family], format: Format, out: &mut String) {
     for family in families {
         let (kind, number_suffix) = match family.kind {
             Kind::Counter => ("counter", "_total"),
@@ -419,13 +454,13 @@ pub fn render(families: &[Family], format: Format) -> String {
         };
         let name = Name(family.prefix, family.name);
         let _ = write!(out, "# HELP {name}{family_suffix} ");
-        escape_help(family.help, format, &mut out);
+        escape_help(family.help, format, out);
         let _ = writeln!(out, "\n# TYPE {name}{family_suffix} {kind}");
         for sample in &family.samples {
             let labels = family.labels(sample);
             match &sample.value {
                 Value::Number(value) => {
-                    write_line(name, number_suffix, labels.clone(), None, *value, &mut out);
+                    write_line(name, number_suffix, labels.clone(), None, *value, out);
                 }
                 Value::Histogram {
                     buckets,
@@ -435,33 +470,19 @@ pub fn render(families: &[Family], format: Format) -> String {
                 } => {
                     for (le, cumulative) in buckets {
                         let le = Some(("le", *le));
-                        write_line(
-                            name,
-                            "_bucket",
-                            labels.clone(),
-                            le,
-                            *cumulative as f64,
-                            &mut out,
-                        );
+                        write_line(name, "_bucket", labels.clone(), le, *cumulative as f64, out);
                     }
                     let inf = Some(("le", f64::INFINITY));
-                    write_line(
-                        name,
-                        "_bucket",
-                        labels.clone(),
-                        inf,
-                        *count as f64,
-                        &mut out,
-                    );
-                    write_totals(name, labels, *sum, *count, &mut out);
+                    write_line(name, "_bucket", labels.clone(), inf, *count as f64, out);
+                    write_totals(name, labels, *sum, *count, out);
                 }
                 Value::Summary { quantiles, totals } => {
                     for (quantile, value) in quantiles {
                         let quantile = Some(("quantile", *quantile));
-                        write_line(name, "", labels.clone(), quantile, *value, &mut out);
+                        write_line(name, "", labels.clone(), quantile, *value, out);
                     }
                     if let Some((sum, count)) = totals {
-                        write_totals(name, labels, *sum, *count, &mut out);
+                        write_totals(name, labels, *sum, *count, out);
                     }
                 }
             }
@@ -470,7 +491,6 @@ pub fn render(families: &[Family], format: Format) -> String {
     if format == Format::OpenMetrics {
         out.push_str("# EOF\n");
     }
-    out
 }
 
 #[cfg(test)]

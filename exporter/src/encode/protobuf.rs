@@ -370,12 +370,20 @@ impl Writer {
 }
 
 /// Every family, each as a length-delimited `MetricFamily`.
+#[cfg(test)]
 pub fn render(families: &[Family]) -> Vec<u8> {
-    let mut out = Writer(Vec::with_capacity(families.len() * 256));
+    let mut out = Vec::with_capacity(families.len() * 256);
+    render_into(families, &mut out);
+    out
+}
+
+/// [`render`] appended to `out`.
+pub fn render_into(families: &[Family], out: &mut Vec<u8>) {
+    let mut writer = Writer(std::mem::take(out));
     for family in families {
-        out.family(family);
+        writer.family(family);
     }
-    out.0
+    *out = writer.0;
 }
 
 #[cfg(test)]

@@ -26,6 +26,7 @@ use std::{
 
 use axum::{
     Router,
+    body::Bytes,
     extract::{ConnectInfo, Path, Query, Request, State},
     http::{HeaderMap, HeaderValue, StatusCode, header},
     middleware::{self, Next},
@@ -36,7 +37,7 @@ use axum::{
 use crate::{
     clock::monotonic_ns,
     config::{DebugAccess, ScrapeLimits},
-    encode::{Exposition, Family, Kind, weighted_items},
+    encode::{self, Exposition, Family, Kind, weighted_items},
     stacks::profile::{self, ProfileError, View},
     stacks::sessions::{ProfileQuery, Refusal, Ticket},
     web::landing::landing_page,
@@ -322,18 +323,6 @@ fn accepts_gzip(headers: &HeaderMap) -> bool {
         })
 }
 
-/// `body` gzip-compressed at the fastest level: text exposition compresses ~15× even
-/// so, and a scrape should not wait on the compressor (README, "Series per service").
-fn gzip_fast(body: &[u8]) -> std::io::Result<Vec<u8>> {
-    use std::io::Write as _;
-    let mut encoder = flate2::write::GzEncoder::new(
-        Vec::with_capacity(body.len() / 8),
-        flate2::Compression::fast(),
-    );
-    encoder.write_all(body)?;
-    encoder.finish()
-}
-
 async fn metrics(
     gatherer: Arc<dyn Gatherer>,
     gate: Arc<ScrapeGate>,
@@ -366,7 +355,11 @@ async fn metrics(
         let mut families = gatherer.gather();
         families.extend(counters.families());
         let body = format.render(&families);
-        if gzip { gzip_fast(&body) } else { Ok(body) }
+        if gzip {
+            encode::gzip(body.as_ref()).map(Bytes::from)
+        } else {
+            Ok(body.into_bytes())
+        }
     });
     match tokio::time::timeout(deadline, work).await {
         Ok(Ok(Ok(body))) => {
