@@ -159,6 +159,7 @@ pub struct Kernel {
 
 /// Descriptors of the maps a scrape reads whole ([`BatchMap`]).
 struct BatchMaps {
+    watched: BatchMap,
     threads: BatchMap,
     thread_pools: BatchMap,
     pool_stats: BatchMap,
@@ -177,6 +178,7 @@ impl BatchMaps {
             BatchMap::of(map).map_err(|source| KernelError::Batch { map: name, source })
         };
         Ok(Self {
+            watched: of(maps::WATCHED)?,
             threads: of(maps::THREADS)?,
             thread_pools: of(maps::THREAD_POOLS)?,
             pool_stats: of(maps::POOL_STATS)?,

@@ -99,7 +99,11 @@ impl WatchTable for Kernel {
     }
 
     fn watched_pids(&self) -> Vec<(u32, Watched)> {
-        self.watched.iter().filter_map(Result::ok).collect()
+        // In a few syscalls: a key-by-key walk costs two per pid, read at every scrape.
+        self.batch.watched.hash_entries().unwrap_or_else(|error| {
+            tracing::debug!(%error, "batch read of WATCHED failed; reading it key by key");
+            self.watched.iter().filter_map(Result::ok).collect()
+        })
     }
 
     fn watch(&mut self, pid: u32, watch: Watched) -> Result<(), MapError> {
