@@ -16,7 +16,7 @@ use crate::{
 
 impl Exporter {
     pub(super) fn threads_text(&self) -> String {
-        let core = lock_or_recover(&self.core);
+        let mut core = lock_or_recover(&self.core);
         let mut readout = Readout::default();
         if let Err(error) = core.kernel.read_threads(&mut readout) {
             return format!("reading threads failed: {error}\n");

@@ -127,6 +127,9 @@ pub struct Kernel {
     pool_epoch: Array<MapData, u32>,
     pools_epoch: u32,
     thread_pools: HashMap<MapData, u32, u32>,
+    /// tid → (service, pool) as the last read of the threads found them (see
+    /// `thread_entries`).
+    thread_pools_read: std::collections::HashMap<u32, (u32, u32)>,
     pool_stats: PerCpuArray<MapData, PoolStats>,
     lock_waits: Array<MapData, Histogram>,
     lock_wait_counts: Array<MapData, u64>,
@@ -161,7 +164,6 @@ pub struct Kernel {
 struct BatchMaps {
     watched: BatchMap,
     threads: BatchMap,
-    thread_pools: BatchMap,
     pool_stats: BatchMap,
     lock_waits: BatchMap,
     lock_wait_counts: BatchMap,
@@ -180,7 +182,6 @@ impl BatchMaps {
         Ok(Self {
             watched: of(maps::WATCHED)?,
             threads: of(maps::THREADS)?,
-            thread_pools: of(maps::THREAD_POOLS)?,
             pool_stats: of(maps::POOL_STATS)?,
             lock_waits: of(maps::LOCK_WAITS)?,
             lock_wait_counts: of(maps::LOCK_WAIT_COUNTS)?,
@@ -384,6 +385,7 @@ impl Kernel {
             pool_epoch: take(&mut ebpf, maps::POOL_EPOCH)?,
             pools_epoch: 0,
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
+            thread_pools_read: std::collections::HashMap::new(),
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
             lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,
             lock_wait_counts: take(&mut ebpf, maps::LOCK_WAIT_COUNTS)?,
