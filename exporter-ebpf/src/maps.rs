@@ -62,6 +62,8 @@ pub static POOL_EPOCH: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 pub static POOL_STATS: PerCpuArray<PoolStats> = PerCpuArray::with_max_entries(MAX_POOLS, 0);
 #[map]
+pub static POOL_RUNQUEUE: PerCpuArray<Histogram> = PerCpuArray::with_max_entries(MAX_POOLS, 0);
+#[map]
 pub static WAIT_CLASSES: Array<u32> = Array::with_max_entries(SYSCALL_TABLE_SIZE, 0);
 #[map]
 pub static LOCK_WAITS: Array<Histogram> =

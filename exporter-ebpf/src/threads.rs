@@ -1,8 +1,11 @@
 //! The thread state machine of DESIGN §3, fed by `sched.rs` (switches and wakeups)
 //! and by the request state machine (a thread starts or stops serving). Each watched
 //! thread's entry in `THREADS` holds its [`Activity`] since when; leaving an activity
-//! closes the interval into the per-CPU stats of the thread's pool, and, while the
-//! thread holds requests, into their components too.
+//! closes the interval into the per-CPU stats of the thread's pool (a run-queue wait
+//! also into the pool's run-queue histogram), and, while the thread holds requests,
+//! into their components too.
+use core::ptr::write_volatile;
+
 use aya_ebpf::{
     bindings::{BPF_EXIST, BPF_NOEXIST},
     helpers::bpf_get_current_pid_tgid,
@@ -14,8 +17,8 @@ use poolscope_shared::{
 use crate::{
     downstream, locks,
     maps::{
-        EEXIST, POOL_EPOCH, POOL_STATS, THREAD_POOLS, THREADS, TID_FILTER, TID_FILTER_USER,
-        atomic_add,
+        EEXIST, POOL_EPOCH, POOL_RUNQUEUE, POOL_STATS, THREAD_POOLS, THREADS, TID_FILTER,
+        TID_FILTER_USER, atomic_add,
     },
 };
 
@@ -126,10 +129,20 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
     }
     if activity == Activity::Runnable
         && next == Activity::Running
-        && let Some(bucket) = stats.runqueue.buckets.get_mut(histogram_bucket(elapsed))
+        && let Some(runqueue) = POOL_RUNQUEUE.get_ptr_mut(pool)
     {
-        *bucket += 1;
-        stats.runqueue.sum_ns += elapsed;
+        // SAFETY: per-CPU slot, as above.
+        let runqueue = unsafe { &mut *runqueue };
+        if let Some(bucket) = runqueue.buckets.get_mut(histogram_bucket(elapsed)) {
+            // Volatile, so that the compiler keeps the record before the count
+            // (x86 keeps stores in order): a reader that sees the count finds it.
+            // SAFETY: live map values of this CPU.
+            unsafe {
+                write_volatile(bucket, *bucket + 1);
+                write_volatile(&mut runqueue.sum_ns, runqueue.sum_ns + elapsed);
+                write_volatile(&mut stats.runqueue_waits, stats.runqueue_waits + 1);
+            }
+        }
     }
 }
 

@@ -78,6 +78,10 @@ pub const THREAD_POOLS: &str = "THREAD_POOLS";
 pub const POOL_EPOCH: &str = "POOL_EPOCH";
 /// per-CPU array, index pool id → [`crate::PoolStats`].
 pub const POOL_STATS: &str = "POOL_STATS";
+/// per-CPU array, index pool id → [`crate::Histogram`] of run-queue waits, apart
+/// from [`POOL_STATS`] (which counts them): kilobytes per pool and CPU that a
+/// scrape reads only for pools that waited since the last.
+pub const POOL_RUNQUEUE: &str = "POOL_RUNQUEUE";
 /// syscall number (index) → [`crate::WaitClass`] as u32, filled by user space.
 pub const WAIT_CLASSES: &str = "WAIT_CLASSES";
 /// array, index [`crate::lock_wait_index`] (pool, primitive) → [`crate::Histogram`]

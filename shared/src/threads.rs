@@ -3,7 +3,6 @@
 
 #[cfg(doc)]
 use crate::maps;
-use crate::{HISTOGRAM_BUCKETS, Histogram};
 
 /// Slots of the followed-tid filter ([`maps::TID_FILTER`]); a power of two. Tids
 /// are dense, so consecutive tids take different slots: with a thousand followed
@@ -288,24 +287,16 @@ pub struct DownstreamWait {
 /// Value of [`maps::POOL_STATS`]: closed intervals of the pool's threads. User space
 /// adds each live thread's open interval at read time.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
     /// Thread time per [`Activity`].
     pub time_ns: [u64; Activity::COUNT],
     /// Request time per [`Activity`] of the thread serving it, once per request held.
     pub request_ns: [u64; Activity::COUNT],
-    /// Run-queue waits (runnable → on CPU).
-    pub runqueue: Histogram,
-}
-
-impl Default for PoolStats {
-    fn default() -> Self {
-        Self {
-            time_ns: [0; Activity::COUNT],
-            request_ns: [0; Activity::COUNT],
-            runqueue: Histogram::default(),
-        }
-    }
+    /// Run-queue waits (runnable → on CPU) recorded in [`maps::POOL_RUNQUEUE`],
+    /// counted after each record: user space reads that histogram again only when
+    /// this moved.
+    pub runqueue_waits: u64,
 }
 
 impl PoolStats {
@@ -317,7 +308,7 @@ impl PoolStats {
         for (sum, value) in self.request_ns.iter_mut().zip(other.request_ns) {
             *sum += value;
         }
-        self.runqueue.add(&other.runqueue);
+        self.runqueue_waits += other.runqueue_waits;
     }
 }
 
@@ -327,9 +318,7 @@ const _: () = assert!(core::mem::size_of::<Thread>() == 136);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
 const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);
-const _: () = assert!(
-    core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + (HISTOGRAM_BUCKETS + 1) * 8
-);
+const _: () = assert!(core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + 8);
 
 #[cfg(test)]
 mod tests {

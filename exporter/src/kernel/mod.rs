@@ -131,6 +131,7 @@ pub struct Kernel {
     /// `thread_entries`).
     thread_pools_read: std::collections::HashMap<u32, (u32, u32)>,
     pool_stats: PerCpuArray<MapData, PoolStats>,
+    pool_runqueue: PerCpuArray<MapData, Histogram>,
     lock_waits: Array<MapData, Histogram>,
     lock_wait_counts: Array<MapData, u64>,
     locks: HashMap<MapData, LockKey, Histogram>,
@@ -155,9 +156,11 @@ pub struct Kernel {
     /// Per [`CountedMap`]: the entries user space made less those it removed (the
     /// kernel's own are in `ENTRY_COUNTS`).
     own_entries: [i64; CountedMap::COUNT as usize],
-    /// Each service's request times and each pool's lock waits, as last read.
+    /// Each service's request times, each pool's lock waits and run-queue waits, as
+    /// last read.
     request_times_read: Reread<RequestTimes>,
     lock_waits_read: Reread<Histogram>,
+    runqueues_read: Reread<Histogram>,
 }
 
 /// Descriptors of the maps a scrape reads whole ([`BatchMap`]).
@@ -165,6 +168,7 @@ struct BatchMaps {
     watched: BatchMap,
     threads: BatchMap,
     pool_stats: BatchMap,
+    pool_runqueue: BatchMap,
     lock_waits: BatchMap,
     lock_wait_counts: BatchMap,
     service_counters: BatchMap,
@@ -183,6 +187,7 @@ impl BatchMaps {
             watched: of(maps::WATCHED)?,
             threads: of(maps::THREADS)?,
             pool_stats: of(maps::POOL_STATS)?,
+            pool_runqueue: of(maps::POOL_RUNQUEUE)?,
             lock_waits: of(maps::LOCK_WAITS)?,
             lock_wait_counts: of(maps::LOCK_WAIT_COUNTS)?,
             service_counters: of(maps::SERVICE_COUNTERS)?,
@@ -279,6 +284,7 @@ impl Kernel {
             .map_max_entries(maps::SERVICE_EPOCHS, limits.max_services)
             .map_max_entries(maps::REQUEST_TIMES, limits.max_services)
             .map_max_entries(maps::POOL_STATS, limits.max_pools)
+            .map_max_entries(maps::POOL_RUNQUEUE, limits.max_pools)
             .map_max_entries(maps::THREADS, limits.threads)
             .map_max_entries(maps::THREAD_POOLS, limits.threads)
             .map_max_entries(maps::LOCK_WAITS, limits.max_pools * LockPrimitive::COUNT)
@@ -387,6 +393,7 @@ impl Kernel {
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
             thread_pools_read: std::collections::HashMap::new(),
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
+            pool_runqueue: take(&mut ebpf, maps::POOL_RUNQUEUE)?,
             lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,
             lock_wait_counts: take(&mut ebpf, maps::LOCK_WAIT_COUNTS)?,
             locks: take(&mut ebpf, maps::LOCKS)?,
@@ -408,6 +415,7 @@ impl Kernel {
             own_entries: [0; CountedMap::COUNT as usize],
             request_times_read: Reread::default(),
             lock_waits_read: Reread::default(),
+            runqueues_read: Reread::default(),
         };
         Ok((kernel, events))
     }

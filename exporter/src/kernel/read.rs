@@ -23,6 +23,9 @@ pub struct Readout {
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
     /// Closed intervals of each pool's threads, read before `threads`.
     pub pools: BTreeMap<u32, Box<PoolStats>>,
+    /// Run-queue waits of each pool (shared with the kernel reader's copy, as the
+    /// request times).
+    pub runqueues: BTreeMap<u32, Arc<Histogram>>,
     /// Lock waits of each pool that waited, per [`LockPrimitive`].
     pub lock_waits: BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>>,
     /// Network waits of each pool's serving threads, per socket peer.
@@ -99,24 +102,21 @@ impl Kernel {
             .iter()
             .map(|(&id, counters)| (id, counters.finished))
             .collect();
-        let (batch, cpus) = (&self.batch.request_times, self.cpus);
         self.request_times_read
-            .refresh(&finished, |moved| {
-                let sums = batch.sum_by_id::<RequestTimes>(moved, cpus, |times, cpu| {
+            .refresh_sums(
+                &finished,
+                &self.batch.request_times,
+                self.cpus,
+                |times, cpu| {
                     times.queue.add(&cpu.queue);
                     times.duration.add(&cpu.duration);
                     times.latency.add(&cpu.latency);
-                })?;
-                Ok(sums.into_iter().map(|(id, times)| (id, *times)))
-            })
+                },
+            )
             .map_err(|source| KernelError::Batch {
                 map: maps::REQUEST_TIMES,
                 source,
-            })?;
-        Ok(services
-            .keys()
-            .filter_map(|&id| Some((id, Arc::clone(self.request_times_read.get(id)?))))
-            .collect())
+            })
     }
 
     /// Reads the counters of `services` and `pools` and the exporter's own

@@ -5,7 +5,11 @@
 //! node record nothing between two scrapes. The kernel counts after it records, so
 //! a value read after its counter holds at least what the counter says, and a
 //! record that lands between the two reads moves the counter for the next scrape.
-use std::{collections::BTreeMap, sync::Arc};
+use std::{collections::BTreeMap, io, sync::Arc};
+
+use aya::Pod;
+
+use super::batch::BatchMap;
 
 #[derive(Debug)]
 pub(super) struct Reread<V> {
@@ -41,6 +45,28 @@ impl<V> Reread<V> {
         }
         self.retain(|id| counted.contains_key(&id));
         Ok(())
+    }
+
+    /// [`Self::refresh`] from a per-CPU array (`batch`, `cpus` values per id, summed
+    /// with `add`); the values of the ids in `counts`, shared with this copy.
+    pub fn refresh_sums(
+        &mut self,
+        counts: &[(u32, u64)],
+        batch: &BatchMap,
+        cpus: usize,
+        add: impl Fn(&mut V, &V),
+    ) -> io::Result<BTreeMap<u32, Arc<V>>>
+    where
+        V: Pod + Default,
+    {
+        self.refresh(counts, |moved| {
+            let sums = batch.sum_by_id::<V>(moved, cpus, add)?;
+            Ok::<_, io::Error>(sums.into_iter().map(|(id, sum)| (id, *sum)))
+        })?;
+        Ok(counts
+            .iter()
+            .filter_map(|&(id, _)| Some((id, Arc::clone(self.get(id)?))))
+            .collect())
     }
 
     /// Of `counts` (id, its counter now), the ids whose value was not read since the

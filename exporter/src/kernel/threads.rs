@@ -1,6 +1,7 @@
-//! The thread and pool maps: `THREADS`, `THREAD_POOLS`, `POOL_STATS`, `LOCK_WAITS`
-//! and `DOWNSTREAM_WAITS` ([`ThreadTable`], and their read for a scrape).
-use std::collections::BTreeMap;
+//! The thread and pool maps: `THREADS`, `THREAD_POOLS`, `POOL_STATS`,
+//! `POOL_RUNQUEUE`, `LOCK_WAITS` and `DOWNSTREAM_WAITS` ([`ThreadTable`], and their
+//! read for a scrape).
+use std::{collections::BTreeMap, sync::Arc};
 
 use aya::maps::{MapError, PerCpuValues};
 use poolscope_shared::{
@@ -52,6 +53,9 @@ impl ThreadTable for Kernel {
     fn reset_pool(&mut self, pool: u32) -> Result<(), MapError> {
         let zeros = PerCpuValues::try_from(vec![PoolStats::default(); self.cpus])?;
         self.pool_stats.set(pool, zeros, 0)?;
+        let zeros = PerCpuValues::try_from(vec![Histogram::default(); self.cpus])?;
+        self.pool_runqueue.set(pool, zeros, 0)?;
+        self.runqueues_read.forget(pool);
         for primitive in LockPrimitive::ALL {
             let index = lock_wait_index(pool, primitive);
             self.lock_waits.set(index, Histogram::default(), 0)?;
@@ -94,10 +98,11 @@ impl Kernel {
     /// kernel's copy in its entry while that copy is current (`Thread::pool`), else
     /// the pool the last read found for it (the same tid of the same service), else
     /// looked up in `THREAD_POOLS`. The pool of a thread changes only when user space
-    /// names it (which forgets what was read) or the kernel follows a new thread (a
-    /// new tid, or a reused one: the service is checked, a reuse within one service
-    /// is read as the thread before until renamed, as `Pools` names it). Walking
-    /// that map's 65,536 buckets instead cost ~0.3 ms a scrape.
+    /// names it (which forgets what was read) or the kernel follows a new thread: a
+    /// new tid, or a reused one, whose service is checked (a tid reused by the same
+    /// service between two reads is taken for the thread before it, as `Pools`
+    /// takes it: it names each tid once). Walking that map's 65,536 buckets instead
+    /// cost ~0.4 ms a scrape at 110 services.
     fn thread_entries(&mut self) -> Result<Vec<(u32, Thread, Option<u32>)>, KernelError> {
         let threads: Vec<(u32, Thread)> =
             self.batch
@@ -111,25 +116,33 @@ impl Kernel {
         let before = std::mem::take(&mut self.thread_pools_read);
         let mut entries = Vec::with_capacity(threads.len());
         for (tid, thread) in threads {
-            let pool = match before.get(&tid) {
-                _ if thread.pool_epoch == current => thread.pool,
-                Some(&(service, pool)) if service == thread.service => pool,
-                _ => match self.thread_pools.get(&tid, 0) {
-                    Ok(pool) => pool,
-                    // Not in a pool: its creator had none when it was created.
-                    Err(MapError::KeyNotFound) => NO_POOL,
-                    Err(source) => {
-                        return Err(KernelError::Map {
-                            map: maps::THREAD_POOLS,
-                            source,
-                        });
-                    }
-                },
+            let read_before = before
+                .get(&tid)
+                .filter(|(service, _)| *service == thread.service);
+            let pool = if thread.pool_epoch == current {
+                thread.pool
+            } else if let Some(&(_, pool)) = read_before {
+                pool
+            } else {
+                self.pool_in_map(tid)?
             };
             self.thread_pools_read.insert(tid, (thread.service, pool));
             entries.push((tid, thread, (pool != NO_POOL).then_some(pool)));
         }
         Ok(entries)
+    }
+
+    /// The pool `THREAD_POOLS` holds for `tid` ([`NO_POOL`]: none, its creator had
+    /// none when the kernel followed it).
+    fn pool_in_map(&self, tid: u32) -> Result<u32, KernelError> {
+        match self.thread_pools.get(&tid, 0) {
+            Ok(pool) => Ok(pool),
+            Err(MapError::KeyNotFound) => Ok(NO_POOL),
+            Err(source) => Err(KernelError::Map {
+                map: maps::THREAD_POOLS,
+                source,
+            }),
+        }
     }
 
     /// Reads the stats of `pools` and then every followed thread (in that order:
@@ -142,6 +155,7 @@ impl Kernel {
             .pool_stats
             .sum_by_id::<PoolStats>(pools, self.cpus, PoolStats::add)
             .map_err(batch_error(maps::POOL_STATS))?;
+        readout.runqueues = self.read_runqueues(&readout.pools)?;
         readout.lock_waits = self.read_lock_waits(pools)?;
         readout.downstreams = self
             .downstream_waits
@@ -156,6 +170,30 @@ impl Kernel {
         readout.threads_read_ns = crate::clock::monotonic_ns();
         readout.threads = self.thread_entries()?;
         Ok(())
+    }
+
+    /// The run-queue waits of each of `pools` (with their stats, read just before):
+    /// the histograms whose count moved since they were last read are read again,
+    /// the rest kept.
+    fn read_runqueues(
+        &mut self,
+        pools: &BTreeMap<u32, Box<PoolStats>>,
+    ) -> Result<BTreeMap<u32, Arc<Histogram>>, KernelError> {
+        let counts: Vec<(u32, u64)> = pools
+            .iter()
+            .map(|(&pool, stats)| (pool, stats.runqueue_waits))
+            .collect();
+        self.runqueues_read
+            .refresh_sums(
+                &counts,
+                &self.batch.pool_runqueue,
+                self.cpus,
+                Histogram::add,
+            )
+            .map_err(|source| KernelError::Batch {
+                map: maps::POOL_RUNQUEUE,
+                source,
+            })
     }
 
     /// The lock waits of each of `pools` that waited: the histograms whose count

@@ -153,7 +153,7 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
         .pools
         .iter()
         .map(|(pool, stats)| {
-            let mut totals = from_stats(stats);
+            let mut totals = from_stats(stats, readout.runqueues.get(pool).map(|r| &**r));
             if let Some(waits) = readout.lock_waits.get(pool) {
                 totals.lock_waits = waits.clone();
             }
@@ -176,11 +176,11 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
     totals
 }
 
-fn from_stats(stats: &PoolStats) -> PoolTotals {
+fn from_stats(stats: &PoolStats, runqueue: Option<&Histogram>) -> PoolTotals {
     PoolTotals {
         time_ns: stats.time_ns,
         request_ns: stats.request_ns,
-        runqueue: Box::new(stats.runqueue),
+        runqueue: runqueue.map_or_else(Box::default, |runqueue| Box::new(*runqueue)),
         lock_waits: Box::default(),
         threads: 0,
         threads_busy: 0,
