@@ -231,7 +231,7 @@ mod tests {
                     histogram.buckets[bucket] += 10;
                     histogram.sum_ns += 10 * ns;
                 }
-                totals.runqueue.buckets[bucket] += 3;
+                std::sync::Arc::make_mut(&mut totals.runqueue).buckets[bucket] += 3;
                 totals.lock_waits[0].buckets[bucket] += 2;
             }
             totals.time_ns = [1_000_000; poolscope_shared::Activity::COUNT];

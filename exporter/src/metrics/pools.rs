@@ -8,6 +8,7 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet, VecDeque},
     path::PathBuf,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -126,10 +127,11 @@ pub struct PoolTotals {
     pub time_ns: [u64; Activity::COUNT],
     /// Request time per [`Activity`] of the serving thread.
     pub request_ns: [u64; Activity::COUNT],
-    /// Boxed, as are the lock waits: kilobytes each, and every scrape moves the
-    /// totals of every pool through maps and rows (moved whole, they cost a
-    /// 110-service scrape 4 ms).
-    pub runqueue: Box<Histogram>,
+    /// Shared with the kernel reader's copy (kept between reads, see
+    /// `kernel/reread.rs`), as the lock waits are boxed: kilobytes each, and every
+    /// scrape moves the totals of every pool through maps and rows (moved whole,
+    /// they cost a 110-service scrape 4 ms).
+    pub runqueue: Arc<Histogram>,
     /// Lock waits per [`LockPrimitive`].
     pub lock_waits: Box<[Histogram; LockPrimitive::COUNT as usize]>,
     pub threads: u64,
@@ -153,7 +155,7 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
         .pools
         .iter()
         .map(|(pool, stats)| {
-            let mut totals = from_stats(stats, readout.runqueues.get(pool).map(|r| &**r));
+            let mut totals = from_stats(stats, readout.runqueues.get(pool));
             if let Some(waits) = readout.lock_waits.get(pool) {
                 totals.lock_waits = waits.clone();
             }
@@ -176,11 +178,11 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
     totals
 }
 
-fn from_stats(stats: &PoolStats, runqueue: Option<&Histogram>) -> PoolTotals {
+fn from_stats(stats: &PoolStats, runqueue: Option<&Arc<Histogram>>) -> PoolTotals {
     PoolTotals {
         time_ns: stats.time_ns,
         request_ns: stats.request_ns,
-        runqueue: runqueue.map_or_else(Box::default, |runqueue| Box::new(*runqueue)),
+        runqueue: runqueue.cloned().unwrap_or_default(),
         lock_waits: Box::default(),
         threads: 0,
         threads_busy: 0,
