@@ -11,6 +11,10 @@ pub const FIRST_ARG_OFFSET: usize = 112; // rdi
 #[cfg(bpf_target_arch = "x86_64")]
 pub const SECOND_ARG_OFFSET: usize = 104; // rsi
 #[cfg(bpf_target_arch = "x86_64")]
+pub const FOURTH_ARG_OFFSET: usize = 56; // r10 (a syscall's, not rcx as in calls)
+#[cfg(bpf_target_arch = "x86_64")]
+pub const FIFTH_ARG_OFFSET: usize = 72; // r8
+#[cfg(bpf_target_arch = "x86_64")]
 pub const NUMBER_OFFSET: usize = 120; // orig_ax
 /// The type of the syscall number's field (a load must match the field's size).
 #[cfg(bpf_target_arch = "x86_64")]
@@ -21,6 +25,10 @@ pub const SYS_FUTEX: u64 = 202;
 pub const FIRST_ARG_OFFSET: usize = 0; // regs[0]
 #[cfg(bpf_target_arch = "aarch64")]
 pub const SECOND_ARG_OFFSET: usize = 8; // regs[1]
+#[cfg(bpf_target_arch = "aarch64")]
+pub const FOURTH_ARG_OFFSET: usize = 24; // regs[3]
+#[cfg(bpf_target_arch = "aarch64")]
+pub const FIFTH_ARG_OFFSET: usize = 32; // regs[4]
 #[cfg(bpf_target_arch = "aarch64")]
 pub const NUMBER_OFFSET: usize = 280; // syscallno
 #[cfg(bpf_target_arch = "aarch64")]
@@ -75,5 +83,15 @@ impl SavedRegisters {
     #[inline(always)]
     pub fn second_arg(self) -> u64 {
         self.load(SECOND_ARG_OFFSET)
+    }
+
+    #[inline(always)]
+    pub fn fourth_arg(self) -> u64 {
+        self.load(FOURTH_ARG_OFFSET)
+    }
+
+    #[inline(always)]
+    pub fn fifth_arg(self) -> u64 {
+        self.load(FIFTH_ARG_OFFSET)
     }
 }

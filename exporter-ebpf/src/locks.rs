@@ -14,6 +14,9 @@
 //!
 //! Requeues (condition variables) keep the wait on the address it began on; PI
 //! locks, timeouts and signals end the wait when the thread runs again, like a wake.
+//! A wait whose first futex call had a timeout is recorded apart
+//! ([`LockPrimitive::FutexTimed`]): sleeps and timed parks of a JVM are futex waits
+//! with one, a mutex's wait has none.
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
     macros::{uprobe, uretprobe},
@@ -44,22 +47,46 @@ const FUTEX_OP_FLAGS: u32 = 128 | 256;
 /// Offset of `uaddr` in `struct futex_waitv` (after the u64 `val`).
 const FUTEX_WAITV_UADDR: usize = 8;
 
-/// The futex address a thread blocked in syscall `number` waits on, if that call is
-/// a waiting one; `regs` are its saved user registers.
+/// A waiting futex call a thread blocked in.
+#[derive(Clone, Copy)]
+struct FutexWait {
+    address: u64,
+    /// The call has a timeout (a non-null timespec pointer).
+    timed: bool,
+}
+
+/// What the thread blocked in syscall `number` waits on, if that call is a waiting
+/// futex one; `regs` are its saved user registers.
 #[inline(always)]
-fn waited_address(regs: SavedRegisters, number: u64) -> Option<u64> {
+fn futex_wait(regs: SavedRegisters, number: u64) -> Option<FutexWait> {
     let first = regs.first_arg();
     match number {
+        // futex(uaddr, op, val, timeout, ...): every waiting op's timeout is the
+        // fourth argument.
         SYS_FUTEX => {
             let command = regs.second_arg() as u32 & !FUTEX_OP_FLAGS;
-            (command < 32 && FUTEX_WAITING_OPS & (1 << command) != 0).then_some(first)
+            (command < 32 && FUTEX_WAITING_OPS & (1 << command) != 0).then(|| FutexWait {
+                address: first,
+                timed: regs.fourth_arg() != 0,
+            })
         }
-        SYS_FUTEX_WAIT => Some(first),
-        // The first waiter's address stands for the set.
-        // SAFETY: a user pointer of the current thread; the helper checks the read.
-        SYS_FUTEX_WAITV => unsafe {
-            bpf_probe_read_user((first as usize + FUTEX_WAITV_UADDR) as *const u64).ok()
-        },
+        // futex_wait(uaddr, val, mask, flags, timeout, clockid).
+        SYS_FUTEX_WAIT => Some(FutexWait {
+            address: first,
+            timed: regs.fifth_arg() != 0,
+        }),
+        // futex_waitv(waiters, nr, flags, timeout, clockid): the first waiter's
+        // address stands for the set.
+        SYS_FUTEX_WAITV => {
+            // SAFETY: a user pointer of the current thread; the helper checks the read.
+            let address =
+                unsafe { bpf_probe_read_user((first as usize + FUTEX_WAITV_UADDR) as *const u64) }
+                    .ok()?;
+            Some(FutexWait {
+                address,
+                timed: regs.fourth_arg() != 0,
+            })
+        }
         _ => None,
     }
 }
@@ -115,9 +142,9 @@ pub fn switched_out(
     if preempted {
         return;
     }
-    let address = wait.and_then(|(regs, number)| waited_address(regs, number));
+    let futex = wait.and_then(|(regs, number)| futex_wait(regs, number));
     if thread.lock_ended_ns != 0 {
-        if address == Some(thread.lock_address)
+        if futex.is_some_and(|futex| futex.address == thread.lock_address)
             && now.saturating_sub(thread.lock_ended_ns) <= REWAIT_NS
         {
             thread.lock_since_ns = now;
@@ -126,7 +153,7 @@ pub fn switched_out(
         }
         record_lock_wait(tid, thread);
     }
-    let Some(address) = address else {
+    let Some(futex) = futex else {
         return;
     };
     let stack = stack_id(
@@ -137,7 +164,8 @@ pub fn switched_out(
     );
     thread.lock_since_ns = now;
     thread.lock_waited_ns = 0;
-    thread.lock_address = address;
+    thread.lock_address = futex.address;
+    thread.lock_timed = u32::from(futex.timed);
     thread.lock_tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     thread.lock_stack = stack;
 }
@@ -174,11 +202,18 @@ fn record_lock_wait(tid: u32, thread: &mut Thread) {
     let waited = thread.lock_waited_ns;
     thread.lock_ended_ns = 0;
     thread.lock_waited_ns = 0;
-    record(threads::pool(tid, thread), LockPrimitive::Futex, waited);
+    let primitive = if thread.lock_timed != 0 {
+        LockPrimitive::FutexTimed
+    } else {
+        LockPrimitive::Futex
+    };
+    record(threads::pool(tid, thread), primitive, waited);
     let key = LockKey {
         tgid: thread.lock_tgid,
         stack: thread.lock_stack,
         address: thread.lock_address,
+        timed: thread.lock_timed,
+        _pad: 0,
     };
     let Some(zero) = ZERO_HISTOGRAM.get(0) else {
         return;

@@ -204,6 +204,9 @@ pub struct Thread {
     pub lock_address: u64,
     pub lock_tgid: u32,
     pub lock_stack: i32,
+    /// 1 if the wait's first futex call had a timeout
+    /// ([`crate::LockPrimitive::FutexTimed`]).
+    pub lock_timed: u32,
     /// The stacks at which the thread last blocked (off CPU), in the stack maps of
     /// `offcpu_epoch` (negative id: not captured), and its process (a wakeup runs
     /// in the waker's).
@@ -211,6 +214,7 @@ pub struct Thread {
     pub offcpu_kernel_stack: i32,
     pub offcpu_epoch: u32,
     pub offcpu_tgid: u32,
+    pub _pad: u32,
     /// When the thread last blocked (request boundaries cut `since_ns`, not this).
     pub blocked_since_ns: u64,
 }
@@ -236,10 +240,12 @@ impl Thread {
             lock_address: 0,
             lock_tgid: 0,
             lock_stack: -1,
+            lock_timed: 0,
             offcpu_user_stack: -1,
             offcpu_kernel_stack: -1,
             offcpu_epoch: 0,
             offcpu_tgid: 0,
+            _pad: 0,
             blocked_since_ns: 0,
         }
     }
@@ -314,7 +320,7 @@ impl PoolStats {
 
 const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
 const _: () = assert!(TID_FILTER_SLOTS.is_power_of_two());
-const _: () = assert!(core::mem::size_of::<Thread>() == 136);
+const _: () = assert!(core::mem::size_of::<Thread>() == 144);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
 const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);

@@ -207,6 +207,11 @@ fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
         "the top lock's {waits} waits vs {} blocked calls (calls that blocked twice?)",
         own.blocked
     );
+    // glibc waits for a mutex without a timeout.
+    anyhow::ensure!(
+        top["timed_waits"].as_u64() == Some(0),
+        "the mutex has timed waits: {top}"
+    );
     anyhow::ensure!(
         within(p50, own.p50_s, 0.10) && within(p99, own.p99_s, 0.10),
         "top lock p50 {p50:.6} s / p99 {p99:.6} s vs the program's {:.6} s / {:.6} s",

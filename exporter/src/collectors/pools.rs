@@ -127,7 +127,8 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
         if totals.runqueue.count() > 0 {
             runqueue.push_value(&labels, distribution(&totals.runqueue));
         }
-        for (primitive, histogram) in LockPrimitive::ALL.iter().zip(totals.lock_waits.iter()) {
+        for primitive in LockPrimitive::ALL {
+            let histogram = &totals.lock_waits[primitive as usize];
             if histogram.count() == 0 {
                 continue;
             }

@@ -93,6 +93,9 @@ pub struct LockReport {
     pub address: String,
     pub wait_seconds: f64,
     pub waits: u64,
+    /// Of `waits`, those whose futex call had a timeout (a sleep, a timed park or
+    /// condition wait: `lock_wait_seconds{primitive="futex_timed"}`).
+    pub timed_waits: u64,
     pub p50_seconds: f64,
     pub p99_seconds: f64,
     /// The stacks that waited on it, most wait first.
@@ -103,6 +106,8 @@ pub struct LockReport {
 pub struct StackReport {
     pub wait_seconds: f64,
     pub waits: u64,
+    /// The waits from this stack had a timeout.
+    pub timed: bool,
     /// Innermost first, symbolized (`name+0xoffset (module)`, or `module+0xoffset`
     /// where no symbol is known). Empty if the stack was not captured.
     pub frames: Vec<String>,
@@ -128,6 +133,7 @@ pub fn top_locks(
         stacks.push(StackReport {
             wait_seconds: histogram.sum_ns as f64 / 1e9,
             waits: histogram.count(),
+            timed: key.timed != 0,
             frames: Vec::new(),
             stack_id: key.stack,
             addresses: Vec::new(),
@@ -143,6 +149,11 @@ pub fn top_locks(
                 address: format!("{address:#x}"),
                 wait_seconds: total.sum_ns as f64 / 1e9,
                 waits: total.count(),
+                timed_waits: stacks
+                    .iter()
+                    .filter(|stack| stack.timed)
+                    .map(|stack| stack.waits)
+                    .sum(),
                 p50_seconds: quantile(&total, 0.5).unwrap_or(0.0),
                 p99_seconds: quantile(&total, 0.99).unwrap_or(0.0),
                 stacks,
@@ -160,19 +171,22 @@ pub fn render_text(service: &str, locks: &[LockReport]) -> String {
     for lock in locks {
         let _ = writeln!(
             text,
-            "lock {} pid {}: wait {:.6} s in {} waits, p50 {:.6} s, p99 {:.6} s",
+            "lock {} pid {}: wait {:.6} s in {} waits ({} timed), p50 {:.6} s, p99 {:.6} s",
             lock.address,
             lock.pid,
             lock.wait_seconds,
             lock.waits,
+            lock.timed_waits,
             lock.p50_seconds,
             lock.p99_seconds
         );
         for stack in &lock.stacks {
             let _ = writeln!(
                 text,
-                "  stack: wait {:.6} s in {} waits",
-                stack.wait_seconds, stack.waits
+                "  stack: wait {:.6} s in {} {}waits",
+                stack.wait_seconds,
+                stack.waits,
+                if stack.timed { "timed " } else { "" }
             );
             if stack.frames.is_empty() {
                 text.push_str("    (stack not captured)\n");
@@ -242,6 +256,8 @@ mod tests {
             tgid,
             stack,
             address,
+            timed: 0,
+            _pad: 0,
         }
     }
 
@@ -249,7 +265,13 @@ mod tests {
     fn locks_are_grouped_over_stacks_and_ranked_by_wait() {
         let entries = vec![
             (key(10, 1, 0x1000), histogram(&[1_000_000, 3_000_000])),
-            (key(10, 2, 0x1000), histogram(&[2_000_000])),
+            (
+                LockKey {
+                    timed: 1,
+                    ..key(10, 2, 0x1000)
+                },
+                histogram(&[2_000_000]),
+            ),
             (key(10, 1, 0x2000), histogram(&[500_000])),
             // Another process: same address, another lock.
             (key(11, 1, 0x1000), histogram(&[9_000_000])),
@@ -269,6 +291,9 @@ mod tests {
         assert_eq!(lock.stacks[0].stack_id, 1);
         assert_eq!(lock.stacks[0].waits, 2);
         assert_eq!(lock.stacks[1].stack_id, 2);
+        // The timed waits of a lock are those of its stacks with a timeout.
+        assert_eq!(lock.timed_waits, 1);
+        assert!(lock.stacks[1].timed && !lock.stacks[0].timed);
         // The median of 1, 2, 3 ms within a fine bucket (1/8 octave) of 2 ms.
         assert!(
             (lock.p50_seconds - 0.002).abs() <= 0.002 / 8.0,
@@ -282,7 +307,8 @@ mod tests {
         let mut locks = top_locks(&[(key(7, 3, 0xabc), histogram(&[4_000]))], |_| true, 10);
         locks[0].stacks[0].frames = vec!["__lll_lock_wait+0x2a (libc.so.6)".to_owned()];
         let text = render_text("web", &locks);
-        assert!(text.contains("lock 0xabc pid 7: wait 0.000004 s in 1 waits"));
+        assert!(text.contains("lock 0xabc pid 7: wait 0.000004 s in 1 waits (0 timed)"));
+        assert!(text.contains("  stack: wait 0.000004 s in 1 waits\n"));
         assert!(text.contains("    __lll_lock_wait+0x2a (libc.so.6)\n"));
         let json: serde_json::Value =
             serde_json::from_str(&render_json("we\"b", &locks)).unwrap_or_default();
