@@ -16,6 +16,13 @@ pub const FOURTH_ARG_OFFSET: usize = 56; // r10 (a syscall's, not rcx as in call
 pub const FIFTH_ARG_OFFSET: usize = 72; // r8
 #[cfg(bpf_target_arch = "x86_64")]
 pub const NUMBER_OFFSET: usize = 120; // orig_ax
+/// Offsets in `struct pt_regs` of the user instruction, stack and frame pointers.
+#[cfg(bpf_target_arch = "x86_64")]
+pub const IP_OFFSET: usize = 128; // ip
+#[cfg(bpf_target_arch = "x86_64")]
+pub const SP_OFFSET: usize = 152; // sp
+#[cfg(bpf_target_arch = "x86_64")]
+pub const FP_OFFSET: usize = 32; // bp
 /// The type of the syscall number's field (a load must match the field's size).
 #[cfg(bpf_target_arch = "x86_64")]
 type SyscallNumber = u64;
@@ -31,6 +38,12 @@ pub const FOURTH_ARG_OFFSET: usize = 24; // regs[3]
 pub const FIFTH_ARG_OFFSET: usize = 32; // regs[4]
 #[cfg(bpf_target_arch = "aarch64")]
 pub const NUMBER_OFFSET: usize = 280; // syscallno
+#[cfg(bpf_target_arch = "aarch64")]
+pub const IP_OFFSET: usize = 256; // pc
+#[cfg(bpf_target_arch = "aarch64")]
+pub const SP_OFFSET: usize = 248; // sp
+#[cfg(bpf_target_arch = "aarch64")]
+pub const FP_OFFSET: usize = 232; // regs[29]
 #[cfg(bpf_target_arch = "aarch64")]
 type SyscallNumber = i32;
 #[cfg(bpf_target_arch = "aarch64")]
@@ -83,6 +96,22 @@ impl SavedRegisters {
     #[inline(always)]
     pub fn second_arg(self) -> u64 {
         self.load(SECOND_ARG_OFFSET)
+    }
+
+    /// The user instruction pointer, stack pointer and frame pointer.
+    #[inline(always)]
+    pub fn ip(self) -> u64 {
+        self.load(IP_OFFSET)
+    }
+
+    #[inline(always)]
+    pub fn sp(self) -> u64 {
+        self.load(SP_OFFSET)
+    }
+
+    #[inline(always)]
+    pub fn fp(self) -> u64 {
+        self.load(FP_OFFSET)
     }
 
     #[inline(always)]

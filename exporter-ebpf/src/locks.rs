@@ -23,8 +23,8 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, ProbeContext, RetProbeContext},
 };
 use poolscope_shared::{
-    LockKey, LockPrimitive, LossErrno, LossSource, Serving, Thread, lock_wait_index,
-    maps::CountedMap,
+    LockKey, LockPrimitive, LossErrno, LossSource, STACK_COPY_LOCKS, Serving, Thread,
+    lock_wait_index, maps::CountedMap,
 };
 
 use crate::{
@@ -35,7 +35,7 @@ use crate::{
         add_to_shared_histogram, atomic_add, count_loss, get_or_insert, insert_counted,
         remove_counted,
     },
-    stackmaps::{BPF_F_USER_STACK, stack_id},
+    stackmaps::{BPF_F_USER_STACK, copy_user_stack, stack_id},
     threads::{self, thread},
 };
 
@@ -162,6 +162,7 @@ pub fn switched_out(
         BPF_F_USER_STACK,
         LossSource::LockStackCapture,
     );
+    copy_user_stack(wait.map(|(regs, _)| regs), STACK_COPY_LOCKS, stack);
     thread.lock_since_ns = now;
     thread.lock_waited_ns = 0;
     thread.lock_address = futex.address;

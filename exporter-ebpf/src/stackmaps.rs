@@ -1,11 +1,21 @@
 //! The stack maps of the three rotating generations (see `stacks.rs`): capturing the
-//! current stacks into one, and counting a sample or block under its key. Shared by
-//! the always-on stack counts and the on-demand profiling sessions.
-use aya_ebpf::{maps::StackTrace, programs::tracing::StackIdContext};
-use poolscope_shared::{LossErrno, LossSource, StackCount, StackKey, maps::CountedMap};
+//! current stacks into one, copying a user stack new to its map for user space to
+//! unwind, and counting a sample or block under its key. Shared by the always-on
+//! stack counts, the lock waits and the on-demand profiling sessions.
+use aya_ebpf::{
+    helpers::bpf_probe_read_user_buf, maps::StackTrace, programs::tracing::StackIdContext,
+};
+use poolscope_shared::{
+    LossErrno, LossSource, STACK_COPY_BYTES, STACK_COPY_SHORT_BYTES, StackCopy, StackCount,
+    StackKey, maps::CountedMap,
+};
 
-use crate::maps::{
-    STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2, atomic_add, count_loss, get_or_insert,
+use crate::{
+    abi::SavedRegisters,
+    maps::{
+        STACK_COPIED, STACK_COPIES, STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2,
+        atomic_add, compare_and_swap, count_loss, get_or_insert,
+    },
 };
 
 /// bpf_get_stackid flag: the user stack.
@@ -13,6 +23,14 @@ pub const BPF_F_USER_STACK: u64 = 1 << 8;
 
 /// bpf_get_stackid's error when there is no stack to walk (or it cannot be read).
 const EFAULT: i32 = 14;
+
+/// bpf_ringbuf_submit flag: no wakeup (user space reads the copies at its drains).
+const BPF_RB_NO_WAKEUP: u64 = 1;
+
+/// Slots per stack map in `STACK_COPIED` (the larger stack map's size), set at load
+/// time.
+#[unsafe(no_mangle)]
+static STACK_COPY_STRIDE: u32 = 0;
 
 #[inline(always)]
 pub fn current_epoch() -> u32 {
@@ -68,4 +86,59 @@ pub fn add(key: &StackKey, ns: u64) {
     if ns > 0 {
         atomic_add(&mut count.ns, ns);
     }
+}
+
+/// Copies the user registers `regs` and the top of the user stack of the current
+/// thread to user space, which unwinds them by the modules' unwind tables: the first
+/// time user stack `id` is in `map` (a generation, or `STACK_COPY_LOCKS`) since user
+/// space cleared its slot. The frame-pointer walk behind the id skips the caller of
+/// a library built without frame pointers (Debian's glibc: the function that called
+/// `usleep` or `pthread_mutex_lock`); the copy names it. One copy per distinct stack,
+/// so the cost is paid once, not per block.
+#[inline(always)]
+pub fn copy_user_stack(regs: Option<SavedRegisters>, map: u32, id: i32) {
+    let (Some(regs), Ok(id)) = (regs, u32::try_from(id)) else {
+        return;
+    };
+    // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
+    let stride = unsafe { core::ptr::read_volatile(&STACK_COPY_STRIDE) };
+    if id >= stride {
+        return;
+    }
+    let Some(slot) = STACK_COPIED.get_ptr_mut(map * stride + id) else {
+        return;
+    };
+    // SAFETY: a live array slot; other CPUs change it by compare-and-swap only.
+    if !compare_and_swap(unsafe { &mut *slot }, 0, 1) {
+        return;
+    }
+    let Some(mut entry) = STACK_COPIES.reserve::<StackCopy>(0) else {
+        count_loss(LossSource::StackCopies, LossErrno::None);
+        // SAFETY: as above; the next block with this stack tries again.
+        compare_and_swap(unsafe { &mut *slot }, 1, 0);
+        return;
+    };
+    let copy = entry.as_mut_ptr();
+    let sp = regs.sp();
+    // SAFETY: `copy` is the reserved record, written before it is submitted; the
+    // helper checks the user reads (a fault leaves `len` at what was read: nothing).
+    unsafe {
+        (*copy).map = map;
+        (*copy).stack = id as i32;
+        (*copy).tgid = (aya_ebpf::helpers::bpf_get_current_pid_tgid() >> 32) as u32;
+        (*copy).ip = regs.ip();
+        (*copy).sp = sp;
+        (*copy).bp = regs.fp();
+        let bytes = &mut (*copy).bytes;
+        (*copy).len = if bpf_probe_read_user_buf(sp as *const u8, bytes).is_ok() {
+            STACK_COPY_BYTES as u32
+        } else if bpf_probe_read_user_buf(sp as *const u8, &mut bytes[..STACK_COPY_SHORT_BYTES])
+            .is_ok()
+        {
+            STACK_COPY_SHORT_BYTES as u32
+        } else {
+            0
+        };
+    }
+    entry.submit(BPF_RB_NO_WAKEUP);
 }

@@ -46,11 +46,14 @@ pub enum LossSource {
     /// An event on a connection lost its phase change to other CPUs' events three
     /// times in a row and was dropped.
     PhaseRetries,
+    /// The stack-copy ring buffer ([`maps::STACK_COPIES`]) was full: a stack keeps
+    /// its frame-pointer walk (a later block with the same stack tries again).
+    StackCopies,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 14;
-    pub const ALL: [LossSource; 14] = [
+    pub const COUNT: u32 = 15;
+    pub const ALL: [LossSource; 15] = [
         Self::ConnsInsert,
         Self::SockConnsInsert,
         Self::PendingCallsInsert,
@@ -65,6 +68,7 @@ impl LossSource {
         Self::OffCpuStacksExpired,
         Self::DownstreamInsert,
         Self::PhaseRetries,
+        Self::StackCopies,
     ];
 }
 

@@ -116,6 +116,14 @@ pub const STACK_EPOCH: &str = "STACK_EPOCH";
 pub const STACK_COUNTS: &str = "STACK_COUNTS";
 /// The three [`STACKS`] maps together, as loss counters and advice name them.
 pub const STACK_MAPS: &str = "STACKS";
+/// Ring buffer of [`crate::StackCopy`]: the registers and top of the user stack
+/// behind a user stack id, the first time the id is seen, for user space to unwind
+/// through code without frame pointers.
+pub const STACK_COPIES: &str = "STACK_COPIES";
+/// Array, index `map × stride + stack id` (see [`crate::StackCopy`]) → u64: 1 once
+/// that stack was copied; user space zeroes a generation's slots when it clears its
+/// stack map.
+pub const STACK_COPIED: &str = "STACK_COPIED";
 /// Stack trace maps of generations 0, 1, 2 (user and kernel stacks alike).
 pub const STACKS: [&str; crate::STACK_GENERATIONS as usize] = ["STACKS_0", "STACKS_1", "STACKS_2"];
 /// array[[`crate::MAX_PROFILE_SESSIONS`]]: the on-demand profiling sessions

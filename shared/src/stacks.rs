@@ -71,6 +71,38 @@ pub struct StackCount {
     pub ns: u64,
 }
 
+/// Bytes of user stack a [`StackCopy`] holds: enough for the frames of a library
+/// without frame pointers between a blocking call and its caller (glibc's lock and
+/// sleep paths use a few hundred) and for a dozen interpreter frames.
+pub const STACK_COPY_BYTES: usize = 8192;
+/// The shorter copy tried when the long one faults (a thread stack's top is near).
+pub const STACK_COPY_SHORT_BYTES: usize = 1024;
+/// [`StackCopy::map`] of a lock wait's stack ([`maps::LOCK_STACKS`]); below it, the
+/// generation of the stack map ([`maps::STACKS`]).
+pub const STACK_COPY_LOCKS: u32 = crate::STACK_GENERATIONS;
+
+/// Record of [`maps::STACK_COPIES`]: the thread's user registers and the top of its
+/// user stack when the kernel first put user stack `stack` into `map`, walked by
+/// frame pointers. User space unwinds the copy by the modules' unwind tables and
+/// puts the frames the frame-pointer walk skipped back into that stack.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct StackCopy {
+    /// A generation (`0..STACK_GENERATIONS`) or [`STACK_COPY_LOCKS`].
+    pub map: u32,
+    pub stack: i32,
+    pub tgid: u32,
+    /// Bytes of `bytes` copied from `sp` up: [`STACK_COPY_BYTES`],
+    /// [`STACK_COPY_SHORT_BYTES`], or 0 when the stack could not be read.
+    pub len: u32,
+    pub ip: u64,
+    pub sp: u64,
+    /// The frame pointer (x86_64's rbp, aarch64's x29).
+    pub bp: u64,
+    pub bytes: [u8; STACK_COPY_BYTES],
+}
+
 const _: () = assert!(core::mem::size_of::<StackKey>() == 28);
+const _: () = assert!(core::mem::size_of::<StackCopy>() == 40 + STACK_COPY_BYTES);
 const _: () = assert!(core::mem::size_of::<ProfileSession>() == 40);
 const _: () = assert!(core::mem::size_of::<StackCount>() == 16);

@@ -57,19 +57,28 @@ fn sources() -> PathBuf {
 /// Builds downstream.c into `dir`.
 pub fn build_c(dir: &Path) -> anyhow::Result<PathBuf> {
     let binary = dir.join("downstream");
+    compile_c(&sources().join("downstream.c"), &binary, &["-lcurl"])
+        .context("are gcc and libcurl4-openssl-dev installed?")?;
+    Ok(binary)
+}
+
+/// `cc -O2 -g -Wall -Werror -pthread <extra> -o binary source`.
+pub fn compile_c(source: &Path, binary: &Path, extra: &[&str]) -> anyhow::Result<()> {
     let output = Command::new("cc")
-        .args(["-O2", "-g", "-Wall", "-Werror", "-pthread", "-o"])
-        .arg(&binary)
-        .arg(sources().join("downstream.c"))
-        .arg("-lcurl")
+        .args(["-O2", "-g", "-Wall", "-Werror", "-pthread"])
+        .args(extra)
+        .arg("-o")
+        .arg(binary)
+        .arg(source)
         .output()
-        .context("running cc (are gcc and libcurl4-openssl-dev installed?)")?;
+        .context("running cc")?;
     anyhow::ensure!(
         output.status.success(),
-        "cc downstream.c failed:\n{}",
+        "cc {} failed:\n{}",
+        source.display(),
         String::from_utf8_lossy(&output.stderr)
     );
-    Ok(binary)
+    Ok(())
 }
 
 /// Starts a server of `kind` with `workers` workers calling 127.0.0.1:`backend_port`;

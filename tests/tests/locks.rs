@@ -222,9 +222,8 @@ fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
         .as_array()
         .map(|frames| frames.iter().filter_map(|f| f.as_str()).collect())
         .unwrap_or_default();
-    // glibc's lock wait, then the program's functions. Debian's glibc has no frame
-    // pointers: the unwinder goes from its futex call straight to the caller of the
-    // function that called pthread_mutex_lock (README, "Lock waits").
+    // glibc's lock wait, then the program's functions (through Debian's glibc,
+    // which has no frame pointers, by its unwind tables: see `callers.rs`).
     anyhow::ensure!(
         frames.first().is_some_and(|f| f.contains("lll_lock_wait")),
         "innermost frame is not glibc's lock wait: {frames:?}"

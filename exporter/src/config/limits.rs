@@ -70,6 +70,12 @@ impl Limits {
         })
     }
 
+    /// Slots per stack map in `STACK_COPIED`: a stack id of either kind of stack map
+    /// is below it.
+    pub fn stack_copy_stride(&self) -> u32 {
+        self.stacks.max(self.lock_stacks)
+    }
+
     /// The size of kernel map `map`, if a limit sets it.
     pub fn size_of(&self, map: &str) -> Option<u32> {
         let key = Self::key_of(map)?;

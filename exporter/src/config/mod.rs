@@ -140,6 +140,7 @@ pub struct SnapshotSettings {
     pub interval: Duration,
     pub keep: usize,
     pub memory_limit_bytes: u64,
+    pub unwind_memory_bytes: u64,
     /// (threshold, duration); `None`: no saturation snapshots.
     pub saturation: Option<(u64, Duration)>,
 }

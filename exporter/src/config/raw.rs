@@ -56,6 +56,7 @@ impl Default for RawConfig {
                 interval: Duration::from_secs(60),
                 keep: 10,
                 memory_limit_bytes: 64 << 20,
+                unwind_memory_bytes: 32 << 20,
                 saturation_queue_depth: 0,
                 saturation_duration: Duration::from_secs(5),
             },
@@ -217,6 +218,9 @@ pub struct RawStacks {
     /// Snapshots kept, newest first, within `memory_limit_bytes`.
     pub keep: usize,
     pub memory_limit_bytes: u64,
+    /// Memory for the unwind tables of the modules whose stacks are unwound (0: no
+    /// unwinding, frame pointers only).
+    pub unwind_memory_bytes: u64,
     /// A snapshot is also taken when a service's `queue_depth` stays above this for
     /// `saturation_duration` (0: never).
     pub saturation_queue_depth: u64,

@@ -256,6 +256,7 @@ fn validate_stacks(raw: &RawConfig, figment: &Figment) -> Result<SnapshotSetting
         interval: stacks.interval,
         keep: stacks.keep,
         memory_limit_bytes: stacks.memory_limit_bytes,
+        unwind_memory_bytes: stacks.unwind_memory_bytes,
         saturation: (stacks.saturation_queue_depth > 0)
             .then_some((stacks.saturation_queue_depth, stacks.saturation_duration)),
     })

@@ -110,6 +110,7 @@ impl Core {
             .collect();
         // Mappings are read by `RecentNames::complete`, outside the lock.
         Drained {
+            generation,
             counts,
             stacks,
             pools,

@@ -69,6 +69,7 @@ impl Exporter {
             locks::read_stacks(&core.kernel, &mut locks);
             locks
         };
+        self.stacks.repair_lock_stacks(&self.core, &mut locks);
         // Outside the lock: symbolization reads binaries and their debug info.
         self.health.symbolize(&self.procfs_root, |symbols| {
             locks::symbolize(symbols, &mut locks);

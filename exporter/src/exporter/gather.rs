@@ -224,6 +224,7 @@ impl Exporter {
             locked.kernel.as_ref(),
         ));
         families.extend(self.profiles.families());
+        families.extend(self.stacks.families());
         families.extend(process.as_ref().map(process_families).unwrap_or_default());
         families
     }

@@ -7,7 +7,8 @@
 //! holds the collector while it takes `core` (to read the kernel) and then health's
 //! unsymbolized count; a scrape and the health check hold `core` while they take
 //! health's. Every other lock is taken alone, for one statement or block: the
-//! stacks' session windows and snapshots, the profiles' sessions, `reload_status`.
+//! stacks' session windows, snapshots and unwound frames (a drain takes those after
+//! releasing `core`), the profiles' sessions, `reload_status`.
 //! `settings` is only read for its `Arc`, never held.
 mod core;
 mod debug;
@@ -157,6 +158,7 @@ impl Exporter {
         self.stacks.set_limits(
             settings.snapshots.keep,
             settings.snapshots.memory_limit_bytes,
+            settings.snapshots.unwind_memory_bytes,
         );
         let mut current = self.settings.write().unwrap_or_else(|p| p.into_inner());
         *current = Arc::new(settings);

@@ -11,9 +11,14 @@ use std::{
 use super::{Core, health::Health, lock_or_recover};
 use crate::{
     config::Settings,
-    stacks::snapshots::{
-        RecentNames, Saturation, SessionWindows, Snapshot, SnapshotSummary, Snapshots,
-        StackWindows, Trigger, Window,
+    encode::{Family, Kind},
+    metrics::locks::LockReport,
+    stacks::{
+        snapshots::{
+            Drained, RecentNames, Saturation, SessionWindows, Snapshot, SnapshotSummary, Snapshots,
+            StackWindows, Trigger, Window,
+        },
+        unwind::{StackRepairs, UnwindResult},
     },
 };
 
@@ -35,6 +40,9 @@ pub(super) struct Stacks {
     /// The same as the collector's session windows, reached without its lock.
     session_windows: SessionWindows,
     snapshots: RwLock<Snapshots>,
+    /// The frames frame-pointer walks skipped, found in the kernel's stack copies.
+    /// Taken alone, or under the collector's lock; never while holding `core`.
+    repairs: Mutex<StackRepairs>,
     procfs_root: PathBuf,
 }
 
@@ -52,6 +60,7 @@ impl Stacks {
                 settings.snapshots.keep,
                 settings.snapshots.memory_limit_bytes,
             )),
+            repairs: Mutex::new(StackRepairs::new(settings.snapshots.unwind_memory_bytes)),
             procfs_root: settings.procfs_root.clone(),
         }
     }
@@ -60,19 +69,80 @@ impl Stacks {
         lock_or_recover(&self.collector)
     }
 
-    pub fn set_limits(&self, keep: usize, memory_limit_bytes: u64) {
+    pub fn set_limits(&self, keep: usize, memory_limit_bytes: u64, unwind_memory_bytes: u64) {
         self.snapshots
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .set_limits(keep, memory_limit_bytes);
+        lock_or_recover(&self.repairs)
+            .unwinder
+            .set_memory_limit(unwind_memory_bytes);
+    }
+
+    /// Unwinds the stack copies the kernel made since the last call (outside the
+    /// core lock: unwinding reads the modules' tables).
+    fn read_copies(&self, core: &Mutex<Core>) {
+        let copies = lock_or_recover(core).kernel.stack_copies();
+        if !copies.is_empty() {
+            lock_or_recover(&self.repairs).add(&copies, &self.procfs_root);
+        }
+    }
+
+    /// The generation no program can add to any more, drained, named and with the
+    /// frames its walks skipped put back.
+    fn drain_one(&self, collector: &mut StackCollector, core: &Mutex<Core>) -> Drained {
+        self.read_copies(core);
+        let mut drained = lock_or_recover(core).drain_generation();
+        collector.names.complete(&mut drained, &self.procfs_root);
+        lock_or_recover(&self.repairs).repair_generation(drained.generation, &mut drained.stacks);
+        drained
+    }
+
+    /// Puts the frames their walks skipped back into the stacks of `locks`
+    /// (`/debug/locks`).
+    pub fn repair_lock_stacks(&self, core: &Mutex<Core>, locks: &mut [LockReport]) {
+        self.read_copies(core);
+        let repairs = lock_or_recover(&self.repairs);
+        for stack in locks.iter_mut().flat_map(|lock| &mut lock.stacks) {
+            stack.addresses =
+                repairs.repair_lock(stack.stack_id, std::mem::take(&mut stack.addresses));
+        }
+    }
+
+    /// `stack_unwinds_total` and `unwind_tables_bytes`.
+    pub fn families(&self) -> Vec<Family> {
+        let repairs = lock_or_recover(&self.repairs);
+        let mut unwinds = Family::new(
+            "stack_unwinds",
+            Kind::Counter,
+            "User stack copies unwound by the modules' unwind tables (one per distinct \
+             stack), by result: unwound, or why the frame-pointer walk stayed.",
+        );
+        for result in UnwindResult::ALL {
+            let count = repairs.unwinder.results.get(&result).copied().unwrap_or(0);
+            unwinds.push(&[("result", result.name())], count as f64);
+        }
+        let tables = Family::new(
+            "unwind_tables_bytes",
+            Kind::Gauge,
+            "Bytes of unwind tables (.eh_frame, .eh_frame_hdr, .debug_frame) held for \
+             unwinding, within stacks.unwind_memory_bytes.",
+        )
+        .with(&[], repairs.unwinder.table_bytes() as f64);
+        let seconds = Family::new(
+            "stack_unwind_seconds",
+            Kind::Counter,
+            "Time spent unwinding stack copies, reading the unwind tables included.",
+        )
+        .with(&[], repairs.unwinder.seconds);
+        vec![unwinds, tables, seconds]
     }
 
     /// Moves the stacks counted up to two epochs ago into the current windows
     /// (symbolized outside the core lock).
     pub fn drain(&self, core: &Mutex<Core>, health: &Health) {
         let mut collector = self.collector();
-        let mut drained = lock_or_recover(core).drain_generation();
-        collector.names.complete(&mut drained, &self.procfs_root);
+        let drained = self.drain_one(&mut collector, core);
         health.symbolize(&self.procfs_root, |symbols| {
             collector.windows.add(&drained, symbols);
         });
@@ -87,11 +157,9 @@ impl Stacks {
         core: &Mutex<Core>,
         health: &Health,
     ) {
-        let mut first = lock_or_recover(core).drain_generation();
-        collector.names.complete(&mut first, &self.procfs_root);
+        let first = self.drain_one(collector, core);
         std::thread::sleep(EPOCH_SETTLE);
-        let mut second = lock_or_recover(core).drain_generation();
-        collector.names.complete(&mut second, &self.procfs_root);
+        let second = self.drain_one(collector, core);
         health.symbolize(&self.procfs_root, |symbols| {
             collector.windows.add(&first, symbols);
             collector.windows.add(&second, symbols);

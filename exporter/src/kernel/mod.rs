@@ -28,7 +28,8 @@ use aya::{
 use poolscope_shared::{
     Conn, DownstreamKey, DownstreamWait, Histogram, ListenKey, LockKey, LockPrimitive,
     MAX_PROFILE_SESSIONS, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
-    ServiceCounters, StackCount, StackKey, SyscallSlot, TID_FILTER_SLOTS, Thread, Watched,
+    STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot, TID_FILTER_SLOTS,
+    Thread, Watched,
     maps::{self, CountedMap},
 };
 
@@ -140,6 +141,9 @@ pub struct Kernel {
     stack_epoch: Array<MapData, u32>,
     stack_counts: HashMap<MapData, StackKey, StackCount>,
     stacks: Vec<StackTraceMap<MapData>>,
+    /// The user stacks' copies for unwinding, and which stacks were copied.
+    stack_copies: RingBuf<MapData>,
+    stack_copied: Array<MapData, u64>,
     /// The epoch in `stack_epoch` (user space is its only writer).
     epoch: u32,
     profile_sessions: Array<MapData, ProfileSession>,
@@ -261,6 +265,7 @@ impl Kernel {
         for name in maps::STACKS {
             loader.map_max_entries(name, limits.stacks);
         }
+        let copy_stride = limits.stack_copy_stride();
         // Left at 0 where BTF does not have them all: no peer is looked for, and the
         // socket programs are skipped.
         for (name, offset) in downstream.iter().flatten().chain(socket.iter().flatten()) {
@@ -278,6 +283,8 @@ impl Kernel {
             .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
             .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
             .map_max_entries(maps::STACK_COUNTS, limits.stack_counts)
+            .override_global("STACK_COPY_STRIDE", &copy_stride, true)
+            .map_max_entries(maps::STACK_COPIED, (STACK_GENERATIONS + 1) * copy_stride)
             .map_max_entries(maps::WATCHED, limits.watched_processes)
             .map_max_entries(maps::CONNS, limits.connections)
             .map_max_entries(maps::SERVICE_COUNTERS, limits.max_services)
@@ -402,6 +409,8 @@ impl Kernel {
             stack_epoch: take(&mut ebpf, maps::STACK_EPOCH)?,
             stack_counts: take(&mut ebpf, maps::STACK_COUNTS)?,
             stacks,
+            stack_copies: take(&mut ebpf, maps::STACK_COPIES)?,
+            stack_copied: take(&mut ebpf, maps::STACK_COPIED)?,
             epoch: 0,
             profile_sessions: take(&mut ebpf, maps::PROFILE_SESSIONS)?,
             session_links: std::array::from_fn(|_| Vec::new()),

@@ -5,7 +5,7 @@ use aya::{
     programs::PerfEvent,
 };
 use poolscope_shared::{
-    ProfileSession, STACK_GENERATIONS, StackCount, StackKey,
+    ProfileSession, STACK_GENERATIONS, StackCopy, StackCount, StackKey,
     maps::{self, CountedMap},
 };
 
@@ -61,10 +61,28 @@ impl Kernel {
         self.count_own_entries(CountedMap::StackCounts, -(removed as i64));
         if let Some(map) = self.stacks.get_mut(generation as usize) {
             let ids: Vec<u32> = map.stack_ids().filter_map(Result::ok).collect();
+            let stride = self.limits.stack_copy_stride();
             for id in ids {
                 let _ = map.remove(&id);
+                // The id may stand for another stack from now on: copy it again.
+                let _ = self.stack_copied.set(generation * stride + id, 0, 0);
             }
         }
+    }
+
+    /// The stack copies the kernel made since the last call, oldest first.
+    pub fn stack_copies(&mut self) -> Vec<Box<StackCopy>> {
+        let mut copies = Vec::new();
+        while let Some(record) = self.stack_copies.next() {
+            if record.len() < size_of::<StackCopy>() {
+                continue;
+            }
+            // SAFETY: StackCopy is repr(C) of integers, any bit pattern is valid, and
+            // read_unaligned does not need alignment.
+            let copy = unsafe { std::ptr::read_unaligned(record.as_ptr().cast::<StackCopy>()) };
+            copies.push(Box::new(copy));
+        }
+        copies
     }
 
     /// Starts `session` in `slot`: the kernel counts its off-CPU blocks at once and,

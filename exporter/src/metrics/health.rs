@@ -48,6 +48,9 @@ const STACKS_EXPIRED: &str = "offcpu_stacks_expired";
 const PROCESS_EVENTS: &str = "process_events";
 /// A connection event that lost its phase change to other CPUs three times.
 const PHASE_RETRIES: &str = "phase_retries";
+/// A user stack copy the ring buffer had no room for: the stack keeps its
+/// frame-pointer walk, nothing to change unless it keeps rising.
+const STACK_COPIES: &str = "stack_copies";
 
 /// Every loss path's current count, from the kernel and user space.
 #[derive(Clone, Copy, Debug, Default)]
@@ -89,6 +92,7 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
             (LossKind::Events(PROCESS_EVENTS), 0),
             (LossKind::Events(STACKS_EXPIRED), 0),
             (LossKind::Events(PHASE_RETRIES), 0),
+            (LossKind::Events(STACK_COPIES), 0),
             (LossKind::SeriesDropped, inputs.series_dropped),
             (LossKind::ServicesRefused, inputs.services_refused),
             (LossKind::ProcessesUnreadable, inputs.processes_unreadable),
@@ -148,6 +152,7 @@ impl LossKind {
             LossSource::ProcessEvents => Self::Events(PROCESS_EVENTS),
             LossSource::OffCpuStacksExpired => Self::Events(STACKS_EXPIRED),
             LossSource::PhaseRetries => Self::Events(PHASE_RETRIES),
+            LossSource::StackCopies => Self::Events(STACK_COPIES),
         }
     }
 
@@ -169,7 +174,7 @@ impl LossKind {
     fn degrades(&self) -> bool {
         !matches!(
             self,
-            Self::Events(STACKS_EXPIRED)
+            Self::Events(STACKS_EXPIRED | STACK_COPIES)
                 | Self::Unsymbolized(_)
                 | Self::ProcessesUnreadable
                 | Self::MapUpdate {
@@ -215,6 +220,10 @@ impl LossKind {
                 .to_owned(),
             Self::Events(PHASE_RETRIES) => "a connection's events kept racing on several CPUs: \
                  one transition was dropped and a request gauge may be off by one (report it)"
+                .to_owned(),
+            Self::Events(STACK_COPIES) => "the stack-copy ring buffer was full: some stacks \
+                 keep their frame-pointer walk, without the callers of libraries built without \
+                 frame pointers (bursts of new stacks; nothing to change unless it keeps rising)"
                 .to_owned(),
             Self::Events(source) => format!("events lost from {source}"),
             Self::SeriesDropped => {

@@ -7,3 +7,4 @@ pub mod profile;
 pub mod sessions;
 pub mod snapshots;
 pub mod symbolize;
+pub mod unwind;

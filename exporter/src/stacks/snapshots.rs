@@ -30,6 +30,8 @@ pub const UNNAMED_POOL: &str = "(unnamed)";
 /// symbolization (which happens outside the exporter's lock).
 #[derive(Debug, Default)]
 pub struct Drained {
+    /// The generation drained.
+    pub generation: u32,
     pub counts: Vec<(StackKey, StackCount)>,
     /// Stack id → addresses, innermost first.
     pub stacks: HashMap<i32, Vec<u64>>,

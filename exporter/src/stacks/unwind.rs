@@ -1,0 +1,518 @@
+//! Caller-true user stacks. The kernel walks user stacks by frame pointers; through
+//! code built without them (Debian's glibc, most interpreters) that walk skips the
+//! frames between the blocking call and the first function that keeps a frame
+//! pointer, and so the function that called into the library. For each user stack
+//! id new to its map, the kernel also copies the thread's registers and the top of
+//! its stack ([`StackCopy`]); here that copy is unwound by the modules' unwind
+//! tables (`.eh_frame`, `.debug_frame`) with framehop, and the frames it finds are
+//! spliced in front of the walk's. Tables are read once per file, section by
+//! section, and kept within a memory limit. Splicing is a pure function.
+use std::{
+    collections::{BTreeMap, HashMap},
+    ops::Range,
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Instant,
+};
+
+use framehop::{
+    ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder as _,
+    x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
+};
+use object::{Object as _, ObjectSection as _, ObjectSegment as _, ReadCache};
+use poolscope_shared::{STACK_COPY_LOCKS, StackCopy};
+
+use crate::discovery::procfs::{self, Mapping};
+
+/// Where poolscope opens the file of `mapping` of process `pid`: through
+/// `/proc/<pid>/map_files/` (the very file mapped, even if deleted or in another
+/// mount namespace) where it may, else by its path under `/proc/<pid>/root/`.
+pub fn mapped_file(procfs_root: &Path, pid: u32, mapping: &Mapping) -> PathBuf {
+    let process = procfs_root.join(pid.to_string());
+    let mapped = process
+        .join("map_files")
+        .join(format!("{:x}-{:x}", mapping.start, mapping.end));
+    if std::fs::metadata(&mapped).is_ok() {
+        return mapped;
+    }
+    let relative = mapping.path.strip_prefix("/").unwrap_or(&mapping.path);
+    process.join("root").join(relative)
+}
+
+/// Frames kept from one unwind (the kernel's walk keeps 127).
+const MAX_FRAMES: usize = 127;
+
+/// What became of one stack copy: the `result` label of `stack_unwinds_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum UnwindResult {
+    /// Unwound by the modules' tables (the frames are joined with the walk's).
+    Unwound,
+    /// The innermost frame's module has no unwind tables (or no module maps it):
+    /// the walk stays.
+    NoUnwindTables,
+    /// The kernel could not read the thread's stack.
+    StackUnreadable,
+    /// The process was gone before its copy was read.
+    ProcessGone,
+    /// The module's tables would pass `stacks.unwind_memory_bytes`: the walk stays.
+    OverMemoryLimit,
+}
+
+impl UnwindResult {
+    pub const ALL: [UnwindResult; 5] = [
+        Self::Unwound,
+        Self::NoUnwindTables,
+        Self::StackUnreadable,
+        Self::ProcessGone,
+        Self::OverMemoryLimit,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Unwound => "unwound",
+            Self::NoUnwindTables => "no_unwind_tables",
+            Self::StackUnreadable => "stack_unreadable",
+            Self::ProcessGone => "process_gone",
+            Self::OverMemoryLimit => "over_memory_limit",
+        }
+    }
+}
+
+/// The unwind tables of one ELF file, and where its segments lie.
+struct Tables {
+    /// `.text`'s addresses (framehop analyses prologues there without its bytes).
+    text: Option<Range<u64>>,
+    eh_frame: Option<(Range<u64>, Arc<[u8]>)>,
+    eh_frame_hdr: Option<(Range<u64>, Arc<[u8]>)>,
+    debug_frame: Option<Arc<[u8]>>,
+    /// (file offset range, virtual address) of each loadable segment.
+    segments: Vec<(Range<u64>, u64)>,
+}
+
+impl Tables {
+    fn bytes(&self) -> u64 {
+        [&self.eh_frame, &self.eh_frame_hdr]
+            .iter()
+            .filter_map(|section| section.as_ref().map(|(_, data)| data.len() as u64))
+            .chain(self.debug_frame.as_ref().map(|data| data.len() as u64))
+            .sum()
+    }
+
+    fn has_tables(&self) -> bool {
+        self.eh_frame.is_some() || self.debug_frame.is_some()
+    }
+
+    /// The virtual address (in the file's terms) of file offset `offset`.
+    fn address_of_offset(&self, offset: u64) -> Option<u64> {
+        self.segments
+            .iter()
+            .find(|(range, _)| range.contains(&offset))
+            .map(|(range, address)| address + (offset - range.start))
+    }
+
+    /// Reads the tables of the ELF file at `path`, section by section.
+    fn read(path: &Path) -> Option<Tables> {
+        let file = std::fs::File::open(path).ok()?;
+        let cache = ReadCache::new(file);
+        let elf = object::File::parse(&cache).ok()?;
+        let section = |name: &str| {
+            let section = elf.section_by_name(name)?;
+            let range = section.address()..section.address() + section.size();
+            let data: Arc<[u8]> = Arc::from(section.data().ok()?);
+            Some((range, data))
+        };
+        Some(Tables {
+            text: elf
+                .section_by_name(".text")
+                .map(|text| text.address()..text.address() + text.size()),
+            eh_frame: section(".eh_frame"),
+            eh_frame_hdr: section(".eh_frame_hdr"),
+            debug_frame: section(".debug_frame").map(|(_, data)| data),
+            segments: elf
+                .segments()
+                .map(|segment| {
+                    let (offset, size) = segment.file_range();
+                    (offset..offset + size, segment.address())
+                })
+                .collect(),
+        })
+    }
+}
+
+/// What is known of one file's tables.
+enum Held {
+    /// Read: `None` if the file has no usable tables.
+    Tables(Option<Arc<Tables>>),
+    /// This many bytes, more than the memory limit had room for when they were read.
+    TooLarge(u64),
+}
+
+/// Unwinds stack copies; keeps every file's tables it read (within the limit).
+pub struct Unwinder {
+    /// By the file's (device, inode): one path may name different files in two
+    /// containers.
+    tables: HashMap<(u64, u64), Held>,
+    bytes: u64,
+    memory_limit: u64,
+    cache: CacheX86_64,
+    /// Copies unwound so far, by result, and the time spent on them (reading the
+    /// tables included).
+    pub results: BTreeMap<UnwindResult, u64>,
+    pub seconds: f64,
+}
+
+impl Unwinder {
+    pub fn new(memory_limit: u64) -> Self {
+        Self {
+            tables: HashMap::new(),
+            bytes: 0,
+            memory_limit,
+            cache: CacheX86_64::new(),
+            results: BTreeMap::new(),
+            seconds: 0.0,
+        }
+    }
+
+    pub fn set_memory_limit(&mut self, memory_limit: u64) {
+        self.memory_limit = memory_limit;
+    }
+
+    /// Bytes of unwind tables held.
+    pub fn table_bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The tables of the file at `path`; read on first use. `Err` if keeping them
+    /// would pass the memory limit (read again only once a raised limit has room).
+    fn tables(&mut self, path: &Path) -> Result<Option<Arc<Tables>>, UnwindResult> {
+        let Ok(metadata) = std::fs::metadata(path) else {
+            return Ok(None);
+        };
+        let file = (metadata.dev(), metadata.ino());
+        match self.tables.get(&file) {
+            Some(Held::Tables(tables)) => return Ok(tables.clone()),
+            Some(Held::TooLarge(bytes)) if self.bytes + bytes > self.memory_limit => {
+                return Err(UnwindResult::OverMemoryLimit);
+            }
+            _ => {}
+        }
+        let tables = Tables::read(path).filter(Tables::has_tables);
+        let bytes = tables.as_ref().map_or(0, Tables::bytes);
+        if self.bytes + bytes > self.memory_limit {
+            self.tables.insert(file, Held::TooLarge(bytes));
+            return Err(UnwindResult::OverMemoryLimit);
+        }
+        self.bytes += bytes;
+        let tables = tables.map(Arc::new);
+        self.tables.insert(file, Held::Tables(tables.clone()));
+        Ok(tables)
+    }
+
+    /// The frames (innermost first) that the modules' tables find in `copy`, a stack
+    /// of a process with `mappings` whose files are opened at `open(mapping)`, to
+    /// [`splice`] with the kernel's walk; `None` (counted) where they cannot.
+    pub fn unwind(
+        &mut self,
+        copy: &StackCopy,
+        mappings: &[Mapping],
+        open: &dyn Fn(&Mapping) -> PathBuf,
+    ) -> Option<Vec<u64>> {
+        let started = Instant::now();
+        let unwound = self.unwound(copy, mappings, open);
+        self.seconds += started.elapsed().as_secs_f64();
+        let result = unwound
+            .as_ref()
+            .err()
+            .copied()
+            .unwrap_or(UnwindResult::Unwound);
+        *self.results.entry(result).or_default() += 1;
+        unwound.ok()
+    }
+
+    fn unwound(
+        &mut self,
+        copy: &StackCopy,
+        mappings: &[Mapping],
+        open: &dyn Fn(&Mapping) -> PathBuf,
+    ) -> Result<Vec<u64>, UnwindResult> {
+        if copy.len == 0 {
+            return Err(UnwindResult::StackUnreadable);
+        }
+        if mappings.is_empty() {
+            return Err(UnwindResult::ProcessGone);
+        }
+        let mut unwinder: UnwinderX86_64<Arc<[u8]>> = UnwinderX86_64::new();
+        // Why the innermost frame's module has no tables, if it has none.
+        let mut leaf = Err(UnwindResult::NoUnwindTables);
+        for (path, module_mappings) in by_file(mappings) {
+            let Some(first) = module_mappings.first() else {
+                continue;
+            };
+            let has_leaf = module_mappings
+                .iter()
+                .any(|mapping| (mapping.start..mapping.end).contains(&copy.ip));
+            // A module beyond the memory limit is left out; the others still unwind.
+            let tables = match self.tables(&open(first)) {
+                Ok(Some(tables)) => tables,
+                Ok(None) => continue,
+                Err(over) => {
+                    if has_leaf {
+                        leaf = Err(over);
+                    }
+                    continue;
+                }
+            };
+            let Some(module) = module(path, &module_mappings, &tables) else {
+                continue;
+            };
+            if has_leaf {
+                leaf = Ok(());
+            }
+            unwinder.add_module(module);
+        }
+        leaf?;
+        let len = (copy.len as usize).min(copy.bytes.len());
+        let stack = &copy.bytes[..len];
+        let mut read_stack = |address: u64| -> Result<u64, ()> {
+            let offset =
+                usize::try_from(address.checked_sub(copy.sp).ok_or(())?).map_err(|_| ())?;
+            let word = stack.get(offset..offset + 8).ok_or(())?;
+            Ok(u64::from_le_bytes(word.try_into().map_err(|_| ())?))
+        };
+        let regs = UnwindRegsX86_64::new(copy.ip, copy.sp, copy.bp);
+        let mut frames = Vec::new();
+        let mut iter = unwinder.iter_frames(copy.ip, regs, &mut self.cache, &mut read_stack);
+        while frames.len() < MAX_FRAMES {
+            match iter.next() {
+                Ok(Some(FrameAddress::InstructionPointer(address))) => frames.push(address),
+                Ok(Some(FrameAddress::ReturnAddress(address))) => frames.push(address.get()),
+                // The end of the stack, or of the copy.
+                Ok(None) | Err(_) => break,
+            }
+        }
+        Ok(frames)
+    }
+}
+
+/// The mappings of `mappings` grouped by file, in address order.
+fn by_file(mappings: &[Mapping]) -> BTreeMap<&Path, Vec<&Mapping>> {
+    let mut files: BTreeMap<&Path, Vec<&Mapping>> = BTreeMap::new();
+    for mapping in mappings {
+        files
+            .entry(mapping.path.as_path())
+            .or_default()
+            .push(mapping);
+    }
+    files
+}
+
+/// The framehop module of a file mapped at `mappings` (those of one file).
+fn module(path: &Path, mappings: &[&Mapping], tables: &Tables) -> Option<Module<Arc<[u8]>>> {
+    let start = mappings.iter().map(|m| m.start).min()?;
+    let end = mappings.iter().map(|m| m.end).max()?;
+    // Where the file's address 0 is in the process: a mapping's start less the
+    // address its file offset has in the file.
+    let base_avma = mappings.iter().find_map(|mapping| {
+        Some(
+            mapping
+                .start
+                .wrapping_sub(tables.address_of_offset(mapping.offset)?),
+        )
+    })?;
+    let info = ExplicitModuleSectionInfo {
+        base_svma: 0,
+        text_svma: tables.text.clone(),
+        eh_frame_svma: tables.eh_frame.as_ref().map(|(range, _)| range.clone()),
+        eh_frame: tables.eh_frame.as_ref().map(|(_, data)| data.clone()),
+        eh_frame_hdr_svma: tables.eh_frame_hdr.as_ref().map(|(range, _)| range.clone()),
+        eh_frame_hdr: tables.eh_frame_hdr.as_ref().map(|(_, data)| data.clone()),
+        debug_frame: tables.debug_frame.clone(),
+        ..ExplicitModuleSectionInfo::default()
+    };
+    Some(Module::new(
+        path.to_string_lossy().into_owned(),
+        start..end,
+        base_avma,
+        info,
+    ))
+}
+
+/// What the unwinder found for the stacks copied so far, until they are used: a
+/// generation's stacks when it is drained (its stack map is cleared then, and its
+/// ids reused), a lock stack's for as long as `LOCK_STACKS` keeps it (it evicts
+/// nothing).
+pub struct StackRepairs {
+    pub unwinder: Unwinder,
+    /// (generation, user stack id) → frames unwound.
+    generations: HashMap<(u32, i32), Vec<u64>>,
+    /// Lock stack id → frames unwound.
+    locks: HashMap<i32, Vec<u64>>,
+}
+
+impl StackRepairs {
+    pub fn new(memory_limit: u64) -> Self {
+        Self {
+            unwinder: Unwinder::new(memory_limit),
+            generations: HashMap::new(),
+            locks: HashMap::new(),
+        }
+    }
+
+    /// Unwinds `copies` of processes whose files are under `procfs_root`.
+    pub fn add(&mut self, copies: &[Box<StackCopy>], procfs_root: &Path) {
+        let mut maps: HashMap<u32, Vec<Mapping>> = HashMap::new();
+        for copy in copies {
+            let mappings = maps
+                .entry(copy.tgid)
+                .or_insert_with(|| procfs::maps(procfs_root, copy.tgid));
+            let open = |mapping: &Mapping| mapped_file(procfs_root, copy.tgid, mapping);
+            let Some(frames) = self.unwinder.unwind(copy, mappings, &open) else {
+                continue;
+            };
+            if copy.map == STACK_COPY_LOCKS {
+                self.locks.insert(copy.stack, frames);
+            } else {
+                self.generations.insert((copy.map, copy.stack), frames);
+            }
+        }
+    }
+
+    /// Puts the skipped frames back into the user stacks of `generation` (`stacks`:
+    /// id → the kernel's walk), which is being drained: what was found for it is
+    /// used now or never.
+    pub fn repair_generation(&mut self, generation: u32, stacks: &mut HashMap<i32, Vec<u64>>) {
+        self.generations.retain(|&(unwound_in, id), unwound| {
+            if unwound_in != generation {
+                return true;
+            }
+            if let Some(walked) = stacks.get_mut(&id) {
+                *walked = splice(unwound, walked);
+            }
+            false
+        });
+    }
+
+    /// Lock stack `id` (the kernel's walk `walked`) with its skipped frames put back.
+    pub fn repair_lock(&self, id: i32, walked: Vec<u64>) -> Vec<u64> {
+        match self.locks.get(&id) {
+            Some(unwound) => splice(unwound, &walked),
+            None => walked,
+        }
+    }
+}
+
+/// `unwound` (by unwind tables, as far as the copy reached) joined with `walked`
+/// (by frame pointers, as far as the stack goes), both innermost first and from the
+/// same instruction: the unwound frames up to the first one the walk also has, then
+/// the walk from there. Without a frame in common, the longer of the two. From two
+/// instructions (an id that stands for another stack by now), the walk.
+pub fn splice(unwound: &[u64], walked: &[u64]) -> Vec<u64> {
+    if unwound.first() != walked.first() {
+        return walked.to_vec();
+    }
+    for (index, frame) in unwound.iter().enumerate().skip(1) {
+        if let Some(position) = walked.iter().skip(1).position(|walk| walk == frame) {
+            let mut frames = unwound[..=index].to_vec();
+            frames.extend_from_slice(&walked[position + 2..]);
+            return frames;
+        }
+    }
+    if unwound.len() > walked.len() {
+        unwound.to_vec()
+    } else {
+        walked.to_vec()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use poolscope_shared::STACK_COPY_BYTES;
+
+    use super::*;
+
+    fn copy(ip: u64, len: u32) -> Box<StackCopy> {
+        Box::new(StackCopy {
+            map: 0,
+            stack: 0,
+            tgid: std::process::id(),
+            len,
+            ip,
+            sp: 0,
+            bp: 0,
+            bytes: [0; STACK_COPY_BYTES],
+        })
+    }
+
+    fn own_mappings() -> Vec<Mapping> {
+        procfs::maps(Path::new("/proc"), std::process::id())
+    }
+
+    fn by_path(mapping: &Mapping) -> PathBuf {
+        mapping.path.clone()
+    }
+
+    #[test]
+    fn each_reason_to_keep_the_walk_is_counted() {
+        let mappings = own_mappings();
+        assert!(!mappings.is_empty(), "no mappings of our own process");
+        let inside = mappings[0].start;
+        let mut unwinder = Unwinder::new(64 << 20);
+        // The kernel could not read the stack.
+        assert_eq!(unwinder.unwind(&copy(inside, 0), &mappings, &by_path), None);
+        // The process exited: no mappings.
+        assert_eq!(unwinder.unwind(&copy(inside, 8), &[], &by_path), None);
+        // An instruction in no module (JIT code): no tables for the innermost frame.
+        assert_eq!(unwinder.unwind(&copy(8, 8), &mappings, &by_path), None);
+        let held = unwinder.table_bytes();
+        assert!(held > 0, "our own tables were not read");
+        // The same files again: read once.
+        unwinder.unwind(&copy(8, 8), &mappings, &by_path);
+        assert_eq!(unwinder.table_bytes(), held);
+        // No room for the tables.
+        let mut tight = Unwinder::new(0);
+        assert_eq!(tight.unwind(&copy(inside, 8), &mappings, &by_path), None);
+        assert_eq!(tight.table_bytes(), 0);
+        let count = |unwinder: &Unwinder, result| unwinder.results.get(&result).copied();
+        assert_eq!(count(&unwinder, UnwindResult::StackUnreadable), Some(1));
+        assert_eq!(count(&unwinder, UnwindResult::ProcessGone), Some(1));
+        assert_eq!(count(&unwinder, UnwindResult::NoUnwindTables), Some(2));
+        assert_eq!(count(&tight, UnwindResult::OverMemoryLimit), Some(1));
+    }
+
+    #[test]
+    fn skipped_frames_are_put_back_in_front_of_the_walk() {
+        // The walk went from glibc's syscall (0x10) straight to the named function's
+        // caller (0x40): the library's frame (0x20) and the named function (0x30)
+        // were skipped.
+        let walked = [0x10, 0x40, 0x50, 0x60];
+        let unwound = [0x10, 0x20, 0x30, 0x40, 0x50];
+        assert_eq!(
+            splice(&unwound, &walked),
+            [0x10, 0x20, 0x30, 0x40, 0x50, 0x60]
+        );
+    }
+
+    #[test]
+    fn an_unwind_that_agrees_changes_nothing() {
+        let walked = [0x10, 0x40, 0x50];
+        assert_eq!(splice(&[0x10, 0x40], &walked), walked);
+        assert_eq!(splice(&[0x10], &walked), walked);
+    }
+
+    #[test]
+    fn an_unwind_of_another_stack_is_not_spliced() {
+        // The id was cleared and reused: the copy began at another instruction.
+        assert_eq!(splice(&[0x11, 0x20, 0x40], &[0x10, 0x40]), [0x10, 0x40]);
+    }
+
+    #[test]
+    fn without_a_frame_in_common_the_longer_stack_wins() {
+        // An interpreter without frame pointers: the walk has its innermost frame
+        // and garbage; the unwind the interpreter's frames.
+        assert_eq!(splice(&[1, 2, 3, 4], &[1, 99]), [1, 2, 3, 4]);
+        assert_eq!(splice(&[1, 2], &[1, 7, 8]), [1, 7, 8]);
+    }
+}
