@@ -80,7 +80,7 @@ fn try_sched_switch(ctx: &BtfTracePointContext) {
                 }
                 _ => Peer::NONE,
             };
-            stacks::blocked(ctx, prev, call.map(|(regs, _, _)| regs), now);
+            stacks::blocked(ctx, prev, now);
             if next == Activity::OffLock {
                 lock_wait = call.map(|(regs, _, number)| (regs, number));
             }

@@ -3,7 +3,9 @@
 //! unwind, and counting a sample or block under its key. Shared by the always-on
 //! stack counts, the lock waits and the on-demand profiling sessions.
 use aya_ebpf::{
-    helpers::bpf_probe_read_user_buf, maps::StackTrace, programs::tracing::StackIdContext,
+    helpers::{bpf_get_current_task_btf, bpf_probe_read_user_buf},
+    maps::StackTrace,
+    programs::tracing::StackIdContext,
 };
 use poolscope_shared::{
     LossErrno, LossSource, STACK_COPY_BYTES, STACK_COPY_SHORT_BYTES, StackCopy, StackCount,
@@ -54,7 +56,8 @@ pub fn stack_id<C: StackIdContext>(ctx: &C, map: &StackTrace, flags: u64, loss: 
     }
 }
 
-/// The current (user, kernel) stack ids in the stack map of `generation`.
+/// The current (user, kernel) stack ids in the stack map of `generation`; a user
+/// stack new to the map is also copied for unwinding.
 #[inline(always)]
 pub fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
     let map = match generation {
@@ -62,10 +65,9 @@ pub fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
         1 => &STACKS_1,
         _ => &STACKS_2,
     };
-    (
-        stack_id(ctx, map, BPF_F_USER_STACK, LossSource::StackCapture),
-        stack_id(ctx, map, 0, LossSource::StackCapture),
-    )
+    let user = stack_id(ctx, map, BPF_F_USER_STACK, LossSource::StackCapture);
+    copy_user_stack(generation, user);
+    (user, stack_id(ctx, map, 0, LossSource::StackCapture))
 }
 
 /// Adds one sample or block of `ns` to `key`'s count.
@@ -88,16 +90,16 @@ pub fn add(key: &StackKey, ns: u64) {
     }
 }
 
-/// Copies the user registers `regs` and the top of the user stack of the current
-/// thread to user space, which unwinds them by the modules' unwind tables: the first
-/// time user stack `id` is in `map` (a generation, or `STACK_COPY_LOCKS`) since user
-/// space cleared its slot. The frame-pointer walk behind the id skips the caller of
-/// a library built without frame pointers (Debian's glibc: the function that called
-/// `usleep` or `pthread_mutex_lock`); the copy names it. One copy per distinct stack,
-/// so the cost is paid once, not per block.
+/// Copies the user registers and the top of the user stack of the current thread
+/// to user space, which unwinds them by the modules' unwind tables: the first time
+/// user stack `id` is in `map` (a generation, or `STACK_COPY_LOCKS`) since user space
+/// cleared its slot. The frame-pointer walk behind the id skips the caller of a
+/// library built without frame pointers (Debian's glibc: the function that called
+/// `usleep` or `pthread_mutex_lock`); the copy names it. One copy per distinct stack:
+/// every other capture pays one array read and a failed compare-and-swap.
 #[inline(always)]
-pub fn copy_user_stack(regs: Option<SavedRegisters>, map: u32, id: i32) {
-    let (Some(regs), Ok(id)) = (regs, u32::try_from(id)) else {
+pub fn copy_user_stack(map: u32, id: i32) {
+    let Ok(id) = u32::try_from(id) else {
         return;
     };
     // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
@@ -112,6 +114,11 @@ pub fn copy_user_stack(regs: Option<SavedRegisters>, map: u32, id: i32) {
     if !compare_and_swap(unsafe { &mut *slot }, 0, 1) {
         return;
     }
+    // SAFETY: no preconditions; a typed pointer to the current task.
+    let task = unsafe { bpf_get_current_task_btf() };
+    let Some(regs) = SavedRegisters::of(task.cast_const().cast()) else {
+        return;
+    };
     let Some(mut entry) = STACK_COPIES.reserve::<StackCopy>(0) else {
         count_loss(LossSource::StackCopies, LossErrno::None);
         // SAFETY: as above; the next block with this stack tries again.

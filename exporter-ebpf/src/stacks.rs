@@ -22,10 +22,9 @@ use poolscope_shared::{
 };
 
 use crate::{
-    abi::SavedRegisters,
     maps::count_loss,
     sessions,
-    stackmaps::{add, capture, copy_user_stack, current_epoch},
+    stackmaps::{add, capture, current_epoch},
     threads::{pool, pool_of, thread},
 };
 
@@ -70,15 +69,9 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
 }
 
 /// The current watched thread blocks at `now` (`sched_switch`, not a preemption;
-/// its activity says why; `regs`: its saved user registers): its stacks are kept
-/// until it is woken, and a user stack new to its map is copied for unwinding.
+/// its activity says why): its stacks are kept until it is woken.
 #[inline(always)]
-pub fn blocked(
-    ctx: &BtfTracePointContext,
-    thread: &mut Thread,
-    regs: Option<SavedRegisters>,
-    now: u64,
-) {
+pub fn blocked(ctx: &BtfTracePointContext, thread: &mut Thread, now: u64) {
     // SAFETY: a load-time constant, as above.
     let idle = unsafe { core::ptr::read_volatile(&OFFCPU_IDLE) } != 0;
     if offcpu_min_ns() == u64::MAX
@@ -87,9 +80,7 @@ pub fn blocked(
         return;
     }
     let epoch = current_epoch();
-    let generation = epoch % STACK_GENERATIONS;
-    let (user_stack, kernel_stack) = capture(ctx, generation);
-    copy_user_stack(regs, generation, user_stack);
+    let (user_stack, kernel_stack) = capture(ctx, epoch % STACK_GENERATIONS);
     thread.offcpu_user_stack = user_stack;
     thread.offcpu_kernel_stack = kernel_stack;
     thread.offcpu_epoch = epoch;
