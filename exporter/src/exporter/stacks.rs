@@ -18,7 +18,7 @@ use crate::{
             Drained, RecentNames, Saturation, SessionWindows, Snapshot, SnapshotSummary, Snapshots,
             StackWindows, Trigger, Window,
         },
-        unwind::{StackRepairs, UnwindResult},
+        unwind::{StackRepairs, UnwindResult, UnwindStats},
     },
 };
 
@@ -43,6 +43,9 @@ pub(super) struct Stacks {
     /// The frames frame-pointer walks skipped, found in the kernel's stack copies.
     /// Taken alone, or under the collector's lock; never while holding `core`.
     repairs: Mutex<StackRepairs>,
+    /// The unwinder's counts as of its last copies: a scrape reads these, never
+    /// waiting for an unwind (a module's tables are read at its first one).
+    unwind_stats: Mutex<UnwindStats>,
     procfs_root: PathBuf,
 }
 
@@ -61,6 +64,7 @@ impl Stacks {
                 settings.snapshots.memory_limit_bytes,
             )),
             repairs: Mutex::new(StackRepairs::new(settings.snapshots.unwind_memory_bytes)),
+            unwind_stats: Mutex::default(),
             procfs_root: settings.procfs_root.clone(),
         }
     }
@@ -84,7 +88,9 @@ impl Stacks {
     fn read_copies(&self, core: &Mutex<Core>) {
         let copies = lock_or_recover(core).kernel.stack_copies();
         if !copies.is_empty() {
-            lock_or_recover(&self.repairs).add(&copies, &self.procfs_root);
+            let mut repairs = lock_or_recover(&self.repairs);
+            repairs.add(&copies, &self.procfs_root);
+            *lock_or_recover(&self.unwind_stats) = repairs.unwinder.stats();
         }
     }
 
@@ -109,9 +115,9 @@ impl Stacks {
         }
     }
 
-    /// `stack_unwinds_total` and `unwind_tables_bytes`.
+    /// `stack_unwinds_total`, `unwind_tables_bytes` and `stack_unwind_seconds_total`.
     pub fn families(&self) -> Vec<Family> {
-        let repairs = lock_or_recover(&self.repairs);
+        let stats = lock_or_recover(&self.unwind_stats).clone();
         let mut unwinds = Family::new(
             "stack_unwinds",
             Kind::Counter,
@@ -119,7 +125,7 @@ impl Stacks {
              stack), by result: unwound, or why the frame-pointer walk stayed.",
         );
         for result in UnwindResult::ALL {
-            let count = repairs.unwinder.results.get(&result).copied().unwrap_or(0);
+            let count = stats.results.get(&result).copied().unwrap_or(0);
             unwinds.push(&[("result", result.name())], count as f64);
         }
         let tables = Family::new(
@@ -128,13 +134,13 @@ impl Stacks {
             "Bytes of unwind tables (.eh_frame, .eh_frame_hdr, .debug_frame) held for \
              unwinding, within stacks.unwind_memory_bytes.",
         )
-        .with(&[], repairs.unwinder.table_bytes() as f64);
+        .with(&[], stats.table_bytes as f64);
         let seconds = Family::new(
             "stack_unwind_seconds",
             Kind::Counter,
             "Time spent unwinding stack copies, reading the unwind tables included.",
         )
-        .with(&[], repairs.unwinder.seconds);
+        .with(&[], stats.seconds);
         vec![unwinds, tables, seconds]
     }
 

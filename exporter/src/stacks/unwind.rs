@@ -140,6 +140,17 @@ impl Tables {
     }
 }
 
+/// What the unwinder did so far, for the metrics.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct UnwindStats {
+    /// Copies by result.
+    pub results: BTreeMap<UnwindResult, u64>,
+    /// Time spent on them, reading the tables included.
+    pub seconds: f64,
+    /// Bytes of tables held.
+    pub table_bytes: u64,
+}
+
 /// What is known of one file's tables.
 enum Held {
     /// Read: `None` if the file has no usable tables.
@@ -156,10 +167,8 @@ pub struct Unwinder {
     bytes: u64,
     memory_limit: u64,
     cache: CacheX86_64,
-    /// Copies unwound so far, by result, and the time spent on them (reading the
-    /// tables included).
-    pub results: BTreeMap<UnwindResult, u64>,
-    pub seconds: f64,
+    results: BTreeMap<UnwindResult, u64>,
+    seconds: f64,
 }
 
 impl Unwinder {
@@ -178,9 +187,12 @@ impl Unwinder {
         self.memory_limit = memory_limit;
     }
 
-    /// Bytes of unwind tables held.
-    pub fn table_bytes(&self) -> u64 {
-        self.bytes
+    pub fn stats(&self) -> UnwindStats {
+        UnwindStats {
+            results: self.results.clone(),
+            seconds: self.seconds,
+            table_bytes: self.bytes,
+        }
     }
 
     /// The tables of the file at `path`; read on first use. `Err` if keeping them
@@ -466,16 +478,16 @@ mod tests {
         assert_eq!(unwinder.unwind(&copy(inside, 8), &[], &by_path), None);
         // An instruction in no module (JIT code): no tables for the innermost frame.
         assert_eq!(unwinder.unwind(&copy(8, 8), &mappings, &by_path), None);
-        let held = unwinder.table_bytes();
+        let held = unwinder.stats().table_bytes;
         assert!(held > 0, "our own tables were not read");
         // The same files again: read once.
         unwinder.unwind(&copy(8, 8), &mappings, &by_path);
-        assert_eq!(unwinder.table_bytes(), held);
+        assert_eq!(unwinder.stats().table_bytes, held);
         // No room for the tables.
         let mut tight = Unwinder::new(0);
         assert_eq!(tight.unwind(&copy(inside, 8), &mappings, &by_path), None);
-        assert_eq!(tight.table_bytes(), 0);
-        let count = |unwinder: &Unwinder, result| unwinder.results.get(&result).copied();
+        assert_eq!(tight.stats().table_bytes, 0);
+        let count = |unwinder: &Unwinder, result| unwinder.stats().results.get(&result).copied();
         assert_eq!(count(&unwinder, UnwindResult::StackUnreadable), Some(1));
         assert_eq!(count(&unwinder, UnwindResult::ProcessGone), Some(1));
         assert_eq!(count(&unwinder, UnwindResult::NoUnwindTables), Some(2));
