@@ -62,14 +62,14 @@ pub fn build_c(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(binary)
 }
 
-/// `cc -O2 -g -Wall -Werror -pthread <extra> -o binary source`.
+/// `cc -O2 -g -Wall -Werror -pthread -o binary source <extra>`: flags and libraries
+/// after the source, where libraries must be to resolve its symbols.
 pub fn compile_c(source: &Path, binary: &Path, extra: &[&str]) -> anyhow::Result<()> {
     let output = Command::new("cc")
-        .args(["-O2", "-g", "-Wall", "-Werror", "-pthread"])
-        .args(extra)
-        .arg("-o")
+        .args(["-O2", "-g", "-Wall", "-Werror", "-pthread", "-o"])
         .arg(binary)
         .arg(source)
+        .args(extra)
         .output()
         .context("running cc")?;
     anyhow::ensure!(

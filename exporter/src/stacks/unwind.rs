@@ -119,7 +119,8 @@ impl Tables {
         let section = |name: &str| {
             let section = elf.section_by_name(name)?;
             let range = section.address()..section.address() + section.size();
-            let data: Arc<[u8]> = Arc::from(section.data().ok()?);
+            // A compressed section (SHF_COMPRESSED) is left out: no decompressor here.
+            let data: Arc<[u8]> = Arc::from(section.uncompressed_data().ok()?);
             Some((range, data))
         };
         Some(Tables {
