@@ -222,69 +222,79 @@ impl Unwinder {
         Ok(tables)
     }
 
-    /// The frames (innermost first) that the modules' tables find in `copy`, a stack
-    /// of a process with `mappings` whose files are opened at `open(mapping)`, to
-    /// [`splice`] with the kernel's walk; `None` (counted) where they cannot.
+    /// The frames (innermost first) that the modules' tables find in each of
+    /// `copies`, stacks of one process with `mappings` whose files are opened at
+    /// `open(mapping)`, to [`splice`] with the kernel's walk; `None` (counted) where
+    /// they cannot. The process's modules are set up once for all its copies.
     pub fn unwind(
         &mut self,
-        copy: &StackCopy,
+        copies: &[&StackCopy],
         mappings: &[Mapping],
         open: &dyn Fn(&Mapping) -> PathBuf,
-    ) -> Option<Vec<u64>> {
+    ) -> Vec<Option<Vec<u64>>> {
         let started = Instant::now();
-        let unwound = self.unwound(copy, mappings, open);
+        let process = (!mappings.is_empty()).then(|| self.process(mappings, open));
+        let unwound: Vec<Option<Vec<u64>>> = copies
+            .iter()
+            .map(|copy| {
+                let unwound = self.unwound(copy, process.as_ref());
+                let result = unwound
+                    .as_ref()
+                    .err()
+                    .copied()
+                    .unwrap_or(UnwindResult::Unwound);
+                *self.results.entry(result).or_default() += 1;
+                unwound.ok()
+            })
+            .collect();
         self.seconds += started.elapsed().as_secs_f64();
-        let result = unwound
-            .as_ref()
-            .err()
-            .copied()
-            .unwrap_or(UnwindResult::Unwound);
-        *self.results.entry(result).or_default() += 1;
-        unwound.ok()
+        unwound
+    }
+
+    /// The modules of a process with `mappings`: those whose tables are held, and
+    /// where the others are mapped.
+    fn process(&mut self, mappings: &[Mapping], open: &dyn Fn(&Mapping) -> PathBuf) -> Process {
+        let mut process = Process {
+            unwinder: UnwinderX86_64::new(),
+            mapped: Vec::new(),
+        };
+        for (path, module_mappings) in by_file(mappings) {
+            let Some(first) = module_mappings.first() else {
+                continue;
+            };
+            // A module beyond the memory limit is left out; the others still unwind.
+            let held = match self.tables(&open(first)) {
+                Ok(Some(tables)) => match module(path, &module_mappings, &tables) {
+                    Some(module) => {
+                        process.unwinder.add_module(module);
+                        Ok(())
+                    }
+                    None => Err(UnwindResult::NoUnwindTables),
+                },
+                Ok(None) => Err(UnwindResult::NoUnwindTables),
+                Err(over) => Err(over),
+            };
+            let ranges = module_mappings.iter().map(|m| (m.start..m.end, held));
+            process.mapped.extend(ranges);
+        }
+        process
     }
 
     fn unwound(
         &mut self,
         copy: &StackCopy,
-        mappings: &[Mapping],
-        open: &dyn Fn(&Mapping) -> PathBuf,
+        process: Option<&Process>,
     ) -> Result<Vec<u64>, UnwindResult> {
         if copy.len == 0 {
             return Err(UnwindResult::StackUnreadable);
         }
-        if mappings.is_empty() {
-            return Err(UnwindResult::ProcessGone);
-        }
-        let mut unwinder: UnwinderX86_64<Arc<[u8]>> = UnwinderX86_64::new();
-        // Why the innermost frame's module has no tables, if it has none.
-        let mut leaf = Err(UnwindResult::NoUnwindTables);
-        for (path, module_mappings) in by_file(mappings) {
-            let Some(first) = module_mappings.first() else {
-                continue;
-            };
-            let has_leaf = module_mappings
-                .iter()
-                .any(|mapping| (mapping.start..mapping.end).contains(&copy.ip));
-            // A module beyond the memory limit is left out; the others still unwind.
-            let tables = match self.tables(&open(first)) {
-                Ok(Some(tables)) => tables,
-                Ok(None) => continue,
-                Err(over) => {
-                    if has_leaf {
-                        leaf = Err(over);
-                    }
-                    continue;
-                }
-            };
-            let Some(module) = module(path, &module_mappings, &tables) else {
-                continue;
-            };
-            if has_leaf {
-                leaf = Ok(());
-            }
-            unwinder.add_module(module);
-        }
-        leaf?;
+        let process = process.ok_or(UnwindResult::ProcessGone)?;
+        // The innermost frame's module has tables, or why not.
+        process
+            .mapped
+            .iter()
+            .find(|(range, _)| range.contains(&copy.ip))
+            .map_or(Err(UnwindResult::NoUnwindTables), |(_, held)| *held)?;
         let len = (copy.len as usize).min(copy.bytes.len());
         let stack = &copy.bytes[..len];
         let mut read_stack = |address: u64| -> Result<u64, ()> {
@@ -295,7 +305,10 @@ impl Unwinder {
         };
         let regs = UnwindRegsX86_64::new(copy.ip, copy.sp, copy.bp);
         let mut frames = Vec::new();
-        let mut iter = unwinder.iter_frames(copy.ip, regs, &mut self.cache, &mut read_stack);
+        let mut iter =
+            process
+                .unwinder
+                .iter_frames(copy.ip, regs, &mut self.cache, &mut read_stack);
         while frames.len() < MAX_FRAMES {
             match iter.next() {
                 Ok(Some(FrameAddress::InstructionPointer(address))) => frames.push(address),
@@ -306,6 +319,13 @@ impl Unwinder {
         }
         Ok(frames)
     }
+}
+
+/// One process's modules for unwinding its copies.
+struct Process {
+    unwinder: UnwinderX86_64<Arc<[u8]>>,
+    /// Each file mapping, and whether its module's tables are held (why not).
+    mapped: Vec<(Range<u64>, Result<(), UnwindResult>)>,
 }
 
 /// The mappings of `mappings` grouped by file, in address order.
@@ -374,19 +394,23 @@ impl StackRepairs {
 
     /// Unwinds `copies` of processes whose files are under `procfs_root`.
     pub fn add(&mut self, copies: &[Box<StackCopy>], procfs_root: &Path) {
-        let mut maps: HashMap<u32, Vec<Mapping>> = HashMap::new();
+        let mut by_process: BTreeMap<u32, Vec<&StackCopy>> = BTreeMap::new();
         for copy in copies {
-            let mappings = maps
-                .entry(copy.tgid)
-                .or_insert_with(|| procfs::maps(procfs_root, copy.tgid));
-            let open = |mapping: &Mapping| mapped_file(procfs_root, copy.tgid, mapping);
-            let Some(frames) = self.unwinder.unwind(copy, mappings, &open) else {
-                continue;
-            };
-            if copy.map == STACK_COPY_LOCKS {
-                self.locks.insert(copy.stack, frames);
-            } else {
-                self.generations.insert((copy.map, copy.stack), frames);
+            by_process.entry(copy.tgid).or_default().push(copy);
+        }
+        for (tgid, copies) in by_process {
+            let mappings = procfs::maps(procfs_root, tgid);
+            let open = |mapping: &Mapping| mapped_file(procfs_root, tgid, mapping);
+            let unwound = self.unwinder.unwind(&copies, &mappings, &open);
+            for (copy, frames) in copies.into_iter().zip(unwound) {
+                let Some(frames) = frames else {
+                    continue;
+                };
+                if copy.map == STACK_COPY_LOCKS {
+                    self.locks.insert(copy.stack, frames);
+                } else {
+                    self.generations.insert((copy.map, copy.stack), frames);
+                }
             }
         }
     }
@@ -474,19 +498,28 @@ mod tests {
         let inside = mappings[0].start;
         let mut unwinder = Unwinder::new(64 << 20);
         // The kernel could not read the stack.
-        assert_eq!(unwinder.unwind(&copy(inside, 0), &mappings, &by_path), None);
+        assert_eq!(
+            unwinder.unwind(&[&copy(inside, 0)], &mappings, &by_path)[0],
+            None
+        );
         // The process exited: no mappings.
-        assert_eq!(unwinder.unwind(&copy(inside, 8), &[], &by_path), None);
+        assert_eq!(unwinder.unwind(&[&copy(inside, 8)], &[], &by_path)[0], None);
         // An instruction in no module (JIT code): no tables for the innermost frame.
-        assert_eq!(unwinder.unwind(&copy(8, 8), &mappings, &by_path), None);
+        assert_eq!(
+            unwinder.unwind(&[&copy(8, 8)], &mappings, &by_path)[0],
+            None
+        );
         let held = unwinder.stats().table_bytes;
         assert!(held > 0, "our own tables were not read");
         // The same files again: read once.
-        unwinder.unwind(&copy(8, 8), &mappings, &by_path);
+        unwinder.unwind(&[&copy(8, 8)], &mappings, &by_path);
         assert_eq!(unwinder.stats().table_bytes, held);
         // No room for the tables.
         let mut tight = Unwinder::new(0);
-        assert_eq!(tight.unwind(&copy(inside, 8), &mappings, &by_path), None);
+        assert_eq!(
+            tight.unwind(&[&copy(inside, 8)], &mappings, &by_path)[0],
+            None
+        );
         assert_eq!(tight.stats().table_bytes, 0);
         let count = |unwinder: &Unwinder, result| unwinder.stats().results.get(&result).copied();
         assert_eq!(count(&unwinder, UnwindResult::StackUnreadable), Some(1));
