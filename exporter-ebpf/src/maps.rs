@@ -9,10 +9,10 @@ use poolscope_shared::{
     Conn, DownstreamKey, DownstreamWait, Histogram, LOSSES_SIZE, ListenKey, LockKey, LockPrimitive,
     LossErrno, LossSource, MAX_DOWNSTREAMS, MAX_LISTEN_PORTS, MAX_LOCK_STACKS, MAX_LOCKS,
     MAX_MUTEX_CALLS_IN_FLIGHT, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS,
-    MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS, PendingCall, PoolStats, ProcessEvent,
-    ProfileSession, RequestTimes, STACK_GENERATIONS, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE,
-    ServiceCounters, StackCount, StackKey, TID_FILTER_SLOTS, Thread, WATCHED_PORT_WORDS, Watched,
-    loss_index, maps::CountedMap,
+    MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS, OffcpuCaptures, PendingCall, PoolStats,
+    ProcessEvent, ProfileSession, RequestTimes, STACK_GENERATIONS, SYSCALL_COUNTS_SIZE,
+    SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, TID_FILTER_SLOTS, Thread,
+    WATCHED_PORT_WORDS, Watched, loss_index, maps::CountedMap,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -99,6 +99,8 @@ pub static PROFILE_SESSIONS: Array<ProfileSession> =
 /// 4 MiB: ~500 stack copies between two reads by user space.
 #[map]
 pub static STACK_COPIES: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
+#[map]
+pub static OFFCPU_CAPTURES: PerCpuArray<OffcpuCaptures> = PerCpuArray::with_max_entries(1, 0);
 /// Sized by user space: ([`STACK_GENERATIONS`] + 1) × the stride it sets.
 #[map]
 pub static STACK_COPIED: Array<u64> =

@@ -61,7 +61,7 @@ fn sample(ctx: &PerfEventContext, slot: u32) {
         kernel_stack,
         session: session.id,
     };
-    add(&key, 0);
+    add(&key, 1, 0);
 }
 
 /// One sampler program per slot: a perf event cannot tell the program which
@@ -91,14 +91,15 @@ session_samplers!(
 );
 
 /// A block of a thread of `service` ended at `now` and was counted under `key` for
-/// the snapshots: sessions that want it count it too, from their start at most.
+/// the snapshots, standing for `weight` blocks (sampled): sessions that want it count
+/// it too, from their start at most.
 #[inline(always)]
-pub fn block_ended(service: u32, key: StackKey, blocked_ns: u64, now: u64) {
+pub fn block_ended(service: u32, key: StackKey, blocked_ns: u64, weight: u64, now: u64) {
     // Unrolled by hand: LLVM entered a loop over the slots in its middle, and Linux
     // 6.1's verifier refuses a loop closed by a fall-through ("back-edge from insn").
     macro_rules! each_slot {
         ($($slot:literal)*) => {
-            $(block_ended_in($slot, service, key, blocked_ns, now);)*
+            $(block_ended_in($slot, service, key, blocked_ns, weight, now);)*
             const _: () = assert!([$($slot),*].len() == MAX_PROFILE_SESSIONS as usize);
         };
     }
@@ -106,7 +107,7 @@ pub fn block_ended(service: u32, key: StackKey, blocked_ns: u64, now: u64) {
 }
 
 #[inline(always)]
-fn block_ended_in(slot: u32, service: u32, key: StackKey, blocked_ns: u64, now: u64) {
+fn block_ended_in(slot: u32, service: u32, key: StackKey, blocked_ns: u64, weight: u64, now: u64) {
     let Some(session) = PROFILE_SESSIONS.get(slot) else {
         return;
     };
@@ -119,6 +120,7 @@ fn block_ended_in(slot: u32, service: u32, key: StackKey, blocked_ns: u64, now: 
             session: session.id,
             ..key
         },
-        blocked_ns.min(since_start),
+        weight,
+        blocked_ns.min(since_start) * weight,
     );
 }

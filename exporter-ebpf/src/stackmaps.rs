@@ -70,9 +70,9 @@ pub fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> (i32, i32) {
     (user, stack_id(ctx, map, 0, LossSource::StackCapture))
 }
 
-/// Adds one sample or block of `ns` to `key`'s count.
+/// Adds `samples` samples or blocks, of `ns` in all, to `key`'s count.
 #[inline(always)]
-pub fn add(key: &StackKey, ns: u64) {
+pub fn add(key: &StackKey, samples: u64, ns: u64) {
     let Some(count) = get_or_insert(
         &STACK_COUNTS,
         Some(CountedMap::StackCounts),
@@ -84,7 +84,7 @@ pub fn add(key: &StackKey, ns: u64) {
     };
     // SAFETY: a live map value; concurrent updates are atomic adds.
     let count = unsafe { &mut *count };
-    atomic_add(&mut count.count, 1);
+    atomic_add(&mut count.count, samples);
     if ns > 0 {
         atomic_add(&mut count.ns, ns);
     }

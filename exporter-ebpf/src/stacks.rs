@@ -10,10 +10,12 @@
 //!
 //! An off-CPU stack must be captured when the thread blocks, in its own context
 //! (`sched_switch`): the helpers cannot walk another task's user stack at wakeup.
-//! So every block of a watched thread costs a capture, and the minimum duration
-//! filters at the wakeup.
+//! So a captured block costs its capture whatever its length (the minimum duration
+//! filters at the wakeup), and a CPU past its full rate of captures per second
+//! captures one block in the sampling ratio, at random, weighted by that ratio
+//! (`OffcpuCaptures`).
 use aya_ebpf::{
-    helpers::bpf_get_current_pid_tgid,
+    helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32},
     macros::perf_event,
     programs::{BtfTracePointContext, PerfEventContext},
 };
@@ -22,7 +24,7 @@ use poolscope_shared::{
 };
 
 use crate::{
-    maps::count_loss,
+    maps::{OFFCPU_CAPTURES, count_loss},
     sessions,
     stackmaps::{add, capture, current_epoch},
     threads::{pool, pool_of, thread},
@@ -37,6 +39,15 @@ static OFFCPU_MIN_NS: u64 = u64::MAX;
 /// ~2 µs (`cargo xtask bench`), for stacks that only say "waiting for work".
 #[unsafe(no_mangle)]
 static OFFCPU_IDLE: u32 = 0;
+
+/// Blocks per second per CPU captured in full; beyond, one in
+/// `OFFCPU_SAMPLE_MASK + 1` (a power of two) is. Set at load time.
+#[unsafe(no_mangle)]
+static OFFCPU_FULL_RATE: u64 = u64::MAX;
+#[unsafe(no_mangle)]
+static OFFCPU_SAMPLE_MASK: u32 = 0;
+
+const SECOND_NS: u64 = 1_000_000_000;
 
 #[inline(always)]
 fn offcpu_min_ns() -> u64 {
@@ -64,7 +75,7 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
         kernel_stack,
         session: 0,
     };
-    add(&key, 0);
+    add(&key, 1, 0);
     0
 }
 
@@ -79,13 +90,53 @@ pub fn blocked(ctx: &BtfTracePointContext, thread: &mut Thread, now: u64) {
     {
         return;
     }
+    let Some(weight) = capture_weight(now) else {
+        thread.blocked_since_ns = 0;
+        return;
+    };
     let epoch = current_epoch();
     let (user_stack, kernel_stack) = capture(ctx, epoch % STACK_GENERATIONS);
     thread.offcpu_user_stack = user_stack;
     thread.offcpu_kernel_stack = kernel_stack;
     thread.offcpu_epoch = epoch;
     thread.offcpu_tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    thread.offcpu_weight = weight;
     thread.blocked_since_ns = now;
+}
+
+/// Whether the block beginning at `now` on this CPU is captured, and how many blocks
+/// it then stands for: all while the CPU is within its full rate this second, else one
+/// in the sampling ratio at random (`None`: left out).
+#[inline(always)]
+fn capture_weight(now: u64) -> Option<u32> {
+    // SAFETY: load-time constants, as above.
+    let (full_rate, mask) = unsafe {
+        (
+            core::ptr::read_volatile(&OFFCPU_FULL_RATE),
+            core::ptr::read_volatile(&OFFCPU_SAMPLE_MASK),
+        )
+    };
+    // SAFETY: this CPU's slot; the scheduler's programs do not nest on a CPU.
+    let Some(captures) = OFFCPU_CAPTURES.get_ptr_mut(0).map(|c| unsafe { &mut *c }) else {
+        return Some(1);
+    };
+    if now.wrapping_sub(captures.window_start_ns) >= SECOND_NS {
+        captures.window_start_ns = now;
+        captures.window_captures = 0;
+    }
+    if mask == 0 || captures.window_captures < full_rate {
+        captures.window_captures += 1;
+        captures.full += 1;
+        return Some(1);
+    }
+    // SAFETY: helper without preconditions.
+    if unsafe { bpf_get_prandom_u32() } & mask == 0 {
+        captures.sampled += 1;
+        Some(mask + 1)
+    } else {
+        captures.skipped += 1;
+        None
+    }
 }
 
 /// `thread` (`tid`) stops being blocked at `now` (woken, or back on CPU without a
@@ -125,6 +176,7 @@ pub fn unblocked(tid: u32, thread: &mut Thread, now: u64) {
         kernel_stack,
         session: 0,
     };
-    add(&key, blocked_ns);
-    sessions::block_ended(thread.service, key, blocked_ns, now);
+    let weight = u64::from(thread.offcpu_weight.max(1));
+    add(&key, weight, blocked_ns * weight);
+    sessions::block_ended(thread.service, key, blocked_ns, weight, now);
 }

@@ -95,6 +95,8 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         hz: settings.snapshots.sampling_hz,
         offcpu_min: settings.snapshots.offcpu_min,
         offcpu_idle: settings.snapshots.offcpu_idle,
+        offcpu_full_rate: settings.snapshots.offcpu_full_rate,
+        offcpu_sample_one_in: settings.snapshots.offcpu_sample_one_in,
     };
     let backend = choose_backend(settings.backend)?;
     let (kernel, events) = Kernel::load(settings.limits, backend, sampling, settings.bpf_stats)?;

@@ -43,5 +43,6 @@ mod pod {
     unsafe impl aya::Pod for super::Histogram {}
     unsafe impl aya::Pod for super::StackKey {}
     unsafe impl aya::Pod for super::StackCount {}
+    unsafe impl aya::Pod for super::OffcpuCaptures {}
     unsafe impl aya::Pod for super::ProfileSession {}
 }

@@ -124,6 +124,9 @@ pub const STACK_COPIES: &str = "STACK_COPIES";
 /// that stack was copied; user space zeroes a generation's slots when it clears its
 /// stack map.
 pub const STACK_COPIED: &str = "STACK_COPIED";
+/// Per-CPU array[1] of [`crate::OffcpuCaptures`]: how many off-CPU blocks each CPU
+/// captured in full, sampled or left out.
+pub const OFFCPU_CAPTURES: &str = "OFFCPU_CAPTURES";
 /// Stack trace maps of generations 0, 1, 2 (user and kernel stacks alike).
 pub const STACKS: [&str; crate::STACK_GENERATIONS as usize] = ["STACKS_0", "STACKS_1", "STACKS_2"];
 /// array[[`crate::MAX_PROFILE_SESSIONS`]]: the on-demand profiling sessions

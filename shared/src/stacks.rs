@@ -71,6 +71,25 @@ pub struct StackCount {
     pub ns: u64,
 }
 
+/// The one slot (per CPU) of [`maps::OFFCPU_CAPTURES`]: how off-CPU blocks are
+/// captured. A CPU captures the stacks of every block of watched threads up to the
+/// full rate per second; beyond it, one block in the sampling ratio, chosen at
+/// random, whose count and time weigh for that many (unbiased: each block is in with
+/// a known probability, and weighs its inverse).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffcpuCaptures {
+    /// Start of the CPU's current one-second window, and the blocks captured in full
+    /// in it.
+    pub window_start_ns: u64,
+    pub window_captures: u64,
+    /// Blocks captured in full (weight 1), captured as the sample of several, and
+    /// left out (stood for by the sampled ones).
+    pub full: u64,
+    pub sampled: u64,
+    pub skipped: u64,
+}
+
 /// Bytes of user stack a [`StackCopy`] holds: enough for the frames of a library
 /// without frame pointers between a blocking call and its caller (glibc's lock and
 /// sleep paths use a few hundred) and for a dozen interpreter frames.
@@ -106,3 +125,4 @@ const _: () = assert!(core::mem::size_of::<StackKey>() == 28);
 const _: () = assert!(core::mem::size_of::<StackCopy>() == 40 + STACK_COPY_BYTES);
 const _: () = assert!(core::mem::size_of::<ProfileSession>() == 40);
 const _: () = assert!(core::mem::size_of::<StackCount>() == 16);
+const _: () = assert!(core::mem::size_of::<OffcpuCaptures>() == 40);

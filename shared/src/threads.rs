@@ -214,7 +214,9 @@ pub struct Thread {
     pub offcpu_kernel_stack: i32,
     pub offcpu_epoch: u32,
     pub offcpu_tgid: u32,
-    pub _pad: u32,
+    /// How many blocks the captured one stands for: 1, or
+    /// [`crate::OffcpuCaptures`]' sampling ratio once its CPU is past the full rate.
+    pub offcpu_weight: u32,
     /// When the thread last blocked (request boundaries cut `since_ns`, not this).
     pub blocked_since_ns: u64,
 }
@@ -245,7 +247,7 @@ impl Thread {
             offcpu_kernel_stack: -1,
             offcpu_epoch: 0,
             offcpu_tgid: 0,
-            _pad: 0,
+            offcpu_weight: 0,
             blocked_since_ns: 0,
         }
     }

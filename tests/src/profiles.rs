@@ -1,9 +1,10 @@
 //! Helpers for the stack-snapshot and profiling tests: GET with a binary body (pprof
 //! is gzip), `stackburner`'s phase, waiting for the snapshots that cover a time span,
-//! folded-stack parsing, reading a pprof profile with the real `go tool pprof`, and
+//! its report lines, folded-stack parsing, reading a pprof profile with the real `go tool pprof`, and
 //! looking at a flame graph the way a person would: a headless Chromium screenshot of
 //! the SVG, decoded, its pixels counted by color.
 use std::{
+    collections::HashMap,
     fs::File,
     io::{BufReader, Read as _, Write as _},
     net::TcpStream,
@@ -343,6 +344,26 @@ pub fn count_colors(png_path: &Path) -> anyhow::Result<Colors> {
         }
     }
     Ok(colors)
+}
+
+/// `key value key value ...` after a line's prefix.
+pub fn fields(line: &str) -> anyhow::Result<HashMap<String, u64>> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    anyhow::ensure!(
+        words.len().is_multiple_of(2),
+        "not key-value pairs: {line:?}"
+    );
+    words
+        .chunks(2)
+        .map(|pair| Ok((pair[0].to_owned(), pair[1].parse()?)))
+        .collect()
+}
+
+pub fn field(fields: &HashMap<String, u64>, key: &str) -> anyhow::Result<u64> {
+    fields
+        .get(key)
+        .copied()
+        .with_context(|| format!("no {key}"))
 }
 
 #[cfg(test)]

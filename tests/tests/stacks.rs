@@ -32,8 +32,8 @@ use poolscope_tests::{
     load::{ClosedLoop, Connections},
     one_at_a_time, parse_tids, pids_config, privileged,
     profiles::{
-        FoldedLine, count_colors, http_get, names, parse_folded, pprof_top, screenshot,
-        snapshots_covering, start_phase, unix_now, weight_of,
+        FoldedLine, count_colors, field, fields, http_get, names, parse_folded, pprof_top,
+        screenshot, snapshots_covering, start_phase, unix_now, weight_of,
     },
     wait_followed, wait_until,
 };
@@ -130,26 +130,6 @@ fn the_run() -> anyhow::Result<&'static Run> {
     RUN.get_or_init(|| measure().map_err(|error| format!("{error:#}")))
         .as_ref()
         .map_err(|error| anyhow::anyhow!("the measured run failed: {error}"))
-}
-
-/// `key value key value ...` after a line's prefix.
-fn fields(line: &str) -> anyhow::Result<HashMap<String, u64>> {
-    let words: Vec<&str> = line.split_whitespace().collect();
-    anyhow::ensure!(
-        words.len().is_multiple_of(2),
-        "not key-value pairs: {line:?}"
-    );
-    words
-        .chunks(2)
-        .map(|pair| Ok((pair[0].to_owned(), pair[1].parse()?)))
-        .collect()
-}
-
-fn field(fields: &HashMap<String, u64>, key: &str) -> anyhow::Result<u64> {
-    fields
-        .get(key)
-        .copied()
-        .with_context(|| format!("no {key}"))
 }
 
 fn measure() -> anyhow::Result<Run> {

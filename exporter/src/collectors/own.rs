@@ -180,6 +180,20 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
             }
         }
         families.extend([entries, capacity]);
+        let captures = &kernel.offcpu_captures;
+        families.push(
+            Family::new(
+                "offcpu_blocks",
+                Kind::Counter,
+                "Blocks of watched threads by how their off-CPU stacks were captured: \
+                 full (each CPU's first stacks.offcpu_full_rate per second), sampled (one \
+                 in stacks.offcpu_sample_one_in beyond, weighing for that many), skipped \
+                 (stood for by the sampled ones).",
+            )
+            .with(&[("capture", "full")], captures.full as f64)
+            .with(&[("capture", "sampled")], captures.sampled as f64)
+            .with(&[("capture", "skipped")], captures.skipped as f64),
+        );
     }
     families.extend(loss_families(&stats.losses));
     families.push(

@@ -137,6 +137,9 @@ pub struct SnapshotSettings {
     /// `None`: no off-CPU stacks.
     pub offcpu_min: Option<Duration>,
     pub offcpu_idle: bool,
+    /// Blocks per second per CPU captured in full, and the sampling ratio beyond.
+    pub offcpu_full_rate: u64,
+    pub offcpu_sample_one_in: u32,
     pub interval: Duration,
     pub keep: usize,
     pub memory_limit_bytes: u64,
@@ -195,6 +198,16 @@ impl Settings {
             (
                 "stacks.offcpu_idle",
                 self.snapshots.offcpu_idle != running.snapshots.offcpu_idle,
+            ),
+            (
+                "stacks.offcpu_full_rate, stacks.offcpu_sample_one_in",
+                (
+                    self.snapshots.offcpu_full_rate,
+                    self.snapshots.offcpu_sample_one_in,
+                ) != (
+                    running.snapshots.offcpu_full_rate,
+                    running.snapshots.offcpu_sample_one_in,
+                ),
             ),
         ]
         .into_iter()

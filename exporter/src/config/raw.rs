@@ -53,6 +53,8 @@ impl Default for RawConfig {
                 offcpu: true,
                 offcpu_min: Duration::from_millis(1),
                 offcpu_idle: false,
+                offcpu_full_rate: 1000,
+                offcpu_sample_one_in: 8,
                 interval: Duration::from_secs(60),
                 keep: 10,
                 memory_limit_bytes: 64 << 20,
@@ -212,6 +214,11 @@ pub struct RawStacks {
     /// Also the blocks of threads waiting for work (`reason="idle"`): off by default,
     /// since an event loop blocks after every burst and each capture costs ~2 µs.
     pub offcpu_idle: bool,
+    /// Blocks per second per CPU whose stacks are all captured; beyond it, one in
+    /// `offcpu_sample_one_in` is, at random, and weighs for that many.
+    pub offcpu_full_rate: u64,
+    /// The sampling ratio past the full rate: a power of two, 1 (every block) to 1024.
+    pub offcpu_sample_one_in: u32,
     /// A snapshot of the stacks is kept every interval.
     #[serde(with = "humantime_serde")]
     pub interval: Duration,

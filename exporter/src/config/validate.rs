@@ -235,6 +235,13 @@ fn validate_stacks(raw: &RawConfig, figment: &Figment) -> Result<SnapshotSetting
             "must be at least 1048576 (1 MiB)",
         ));
     }
+    if !stacks.offcpu_sample_one_in.is_power_of_two() || stacks.offcpu_sample_one_in > 1024 {
+        return Err(invalid(
+            figment,
+            "stacks.offcpu_sample_one_in",
+            "must be a power of two from 1 (every block) to 1024",
+        ));
+    }
     if stacks.offcpu && stacks.offcpu_min.is_zero() {
         return Err(invalid(
             figment,
@@ -253,6 +260,8 @@ fn validate_stacks(raw: &RawConfig, figment: &Figment) -> Result<SnapshotSetting
         sampling_hz: raw.probes.sampling_hz,
         offcpu_min: stacks.offcpu.then_some(stacks.offcpu_min),
         offcpu_idle: stacks.offcpu_idle,
+        offcpu_full_rate: stacks.offcpu_full_rate,
+        offcpu_sample_one_in: stacks.offcpu_sample_one_in,
         interval: stacks.interval,
         keep: stacks.keep,
         memory_limit_bytes: stacks.memory_limit_bytes,

@@ -27,9 +27,9 @@ use aya::{
 };
 use poolscope_shared::{
     Conn, DownstreamKey, DownstreamWait, Histogram, ListenKey, LockKey, LockPrimitive,
-    MAX_PROFILE_SESSIONS, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
-    STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot, TID_FILTER_SLOTS,
-    Thread, Watched,
+    MAX_PROFILE_SESSIONS, OffcpuCaptures, PendingCall, PoolStats, ProcessEvent, ProfileSession,
+    RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot,
+    TID_FILTER_SLOTS, Thread, Watched,
     maps::{self, CountedMap},
 };
 
@@ -99,6 +99,10 @@ pub struct Sampling {
     pub offcpu_min: Option<Duration>,
     /// Also the blocks of threads waiting for work.
     pub offcpu_idle: bool,
+    /// Blocks per second per CPU captured in full; beyond, one in `offcpu_sample_one_in`
+    /// (a power of two).
+    pub offcpu_full_rate: u64,
+    pub offcpu_sample_one_in: u32,
 }
 
 /// Loaded and attached kernel programs with their maps.
@@ -117,6 +121,7 @@ pub struct Kernel {
     request_times: PerCpuArray<MapData, RequestTimes>,
     pending_calls: HashMap<MapData, u32, PendingCall>,
     syscall_counts: PerCpuArray<MapData, u64>,
+    offcpu_captures: PerCpuArray<MapData, OffcpuCaptures>,
     service_counters: PerCpuArray<MapData, ServiceCounters>,
     threads: HashMap<MapData, u32, Thread>,
     /// User space's half of the followed-tid filter, and the counts it holds (user
@@ -282,6 +287,12 @@ impl Kernel {
             .map_max_entries(maps::ADOPT, limits.connections)
             .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
             .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
+            .override_global("OFFCPU_FULL_RATE", &sampling.offcpu_full_rate, true)
+            .override_global(
+                "OFFCPU_SAMPLE_MASK",
+                &sampling.offcpu_sample_one_in.saturating_sub(1),
+                true,
+            )
             .map_max_entries(maps::STACK_COUNTS, limits.stack_counts)
             .override_global("STACK_COPY_STRIDE", &copy_stride, true)
             .map_max_entries(maps::STACK_COPIED, (STACK_GENERATIONS + 1) * copy_stride)
@@ -391,6 +402,7 @@ impl Kernel {
             request_times: take(&mut ebpf, maps::REQUEST_TIMES)?,
             pending_calls: take(&mut ebpf, maps::PENDING_CALLS)?,
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
+            offcpu_captures: take(&mut ebpf, maps::OFFCPU_CAPTURES)?,
             service_counters: take(&mut ebpf, maps::SERVICE_COUNTERS)?,
             threads: take(&mut ebpf, maps::THREADS)?,
             tid_filter_user: take(&mut ebpf, maps::TID_FILTER_USER)?,

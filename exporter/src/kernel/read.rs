@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use poolscope_shared::{
     DownstreamKey, DownstreamWait, Histogram, LOSSES_SIZE, LockPrimitive, LossErrno, LossSource,
-    PoolStats, RequestTimes, ServiceCounters, SyscallSlot, Thread, loss_index,
+    OffcpuCaptures, PoolStats, RequestTimes, ServiceCounters, SyscallSlot, Thread, loss_index,
     maps::{self, CountedMap},
     syscall_counter_index,
 };
@@ -37,6 +37,8 @@ pub struct Readout {
     pub threads: Vec<(u32, Thread, Option<u32>)>,
     /// Every kernel-side loss counter, by source and errno.
     pub losses: Vec<(LossSource, LossErrno, u64)>,
+    /// Off-CPU blocks captured in full, sampled and left out, summed over CPUs.
+    pub offcpu_captures: OffcpuCaptures,
     pub maps: Vec<MapFill>,
     pub programs: Vec<ProgramStats>,
 }
@@ -151,6 +153,16 @@ impl Kernel {
         }
         self.read_pools(pools, &mut readout)?;
         readout.losses = self.losses()?;
+        for cpu in self
+            .offcpu_captures
+            .get(&0, 0)
+            .map_err(map_error(maps::OFFCPU_CAPTURES))?
+            .iter()
+        {
+            readout.offcpu_captures.full += cpu.full;
+            readout.offcpu_captures.sampled += cpu.sampled;
+            readout.offcpu_captures.skipped += cpu.skipped;
+        }
         let fill = |name: &'static str, entries: u64| MapFill {
             name,
             entries,

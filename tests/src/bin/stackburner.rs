@@ -11,8 +11,8 @@
 //! Both wait for the measured phase, started by a connection to the program's port that
 //! sends `go\n` (answered `ok\n`): the test starts it once poolscope follows the threads.
 //!
-//! Usage: `stackburner <seconds> <sleep_ms>`. Prints `port <n>`, `workers <burner
-//! tid>,<sleeper tid>`, and when the phase has run its seconds
+//! Usage: `stackburner <seconds> <sleep_ms>` (`sleep_ms` may be fractional). Prints
+//! `port <n>`, `workers <burner tid>,<sleeper tid>`, and when the phase has run its seconds
 //! `burner cpu_ns <n> three_quarters_ns <n> one_quarter_ns <n> rounds <n>`
 //! (cpu_ns: the burner thread's whole CPU time; the other two: CPU time inside each
 //! function), `sleeper slept_ns <n> sleeps <n> running_ns <n> runnable_ns <n>` (the
@@ -218,8 +218,11 @@ fn main() -> std::io::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let seconds = args.first().and_then(|a| a.parse::<f64>().ok());
     let phase = seconds.and_then(|s| Duration::try_from_secs_f64(s).ok());
-    let sleep_ms = args.get(1).and_then(|a| a.parse::<u64>().ok());
-    let (Some(phase), Some(sleep_ms @ 1..)) = (phase, sleep_ms) else {
+    let nap = args
+        .get(1)
+        .and_then(|a| a.parse::<f64>().ok())
+        .and_then(|ms| Duration::try_from_secs_f64(ms / 1e3).ok());
+    let (Some(phase), Some(nap)) = (phase, nap.filter(|nap| !nap.is_zero())) else {
         eprintln!("usage: stackburner <seconds> <sleep_ms>");
         std::process::exit(2);
     };
@@ -242,7 +245,6 @@ fn main() -> std::io::Result<()> {
     let (start_sleeper, sleeper_start) = channel();
     let (sleeper_report, slept) = channel();
     let mut sleeper_start = Some(sleeper_start);
-    let nap = Duration::from_millis(sleep_ms);
     tids.extend(start_named_workers(1, "sleeper", |_| {
         let start = sleeper_start
             .take()

@@ -102,16 +102,29 @@ enum OffcpuMode {
     Capture,
     /// As `Capture`, with `offcpu_min = 1ns`: each block is also recorded at its wakeup.
     Record,
+    /// `Capture` and `Record` with `offcpu_sample_one_in = 1`: every block captured,
+    /// where the defaults sample one in 8 past 1000 blocks a second per CPU (pingpong
+    /// blocks ~100 times that).
+    CaptureEvery,
+    RecordEvery,
 }
 
 impl OffcpuMode {
-    const ALL: [Self; 3] = [Self::Off, Self::Capture, Self::Record];
+    const ALL: [Self; 5] = [
+        Self::Off,
+        Self::Capture,
+        Self::Record,
+        Self::CaptureEvery,
+        Self::RecordEvery,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Self::Off => "offcpu=false",
             Self::Capture => "offcpu_idle",
             Self::Record => "offcpu_min=1ns",
+            Self::CaptureEvery => "offcpu_idle,every",
+            Self::RecordEvery => "offcpu_min=1ns,every",
         }
     }
 
@@ -130,6 +143,17 @@ impl OffcpuMode {
                 ("POOLSCOPE_STACKS__OFFCPU", "true"),
                 ("POOLSCOPE_STACKS__OFFCPU_IDLE", "true"),
                 ("POOLSCOPE_STACKS__OFFCPU_MIN", "1ns"),
+            ]),
+            Self::CaptureEvery => env.extend([
+                ("POOLSCOPE_STACKS__OFFCPU", "true"),
+                ("POOLSCOPE_STACKS__OFFCPU_IDLE", "true"),
+                ("POOLSCOPE_STACKS__OFFCPU_SAMPLE_ONE_IN", "1"),
+            ]),
+            Self::RecordEvery => env.extend([
+                ("POOLSCOPE_STACKS__OFFCPU", "true"),
+                ("POOLSCOPE_STACKS__OFFCPU_IDLE", "true"),
+                ("POOLSCOPE_STACKS__OFFCPU_MIN", "1ns"),
+                ("POOLSCOPE_STACKS__OFFCPU_SAMPLE_ONE_IN", "1"),
             ]),
         }
         env
@@ -389,26 +413,40 @@ fn stacks_report(
             share * 100.0
         );
     }
-    let (_, switch_capture) = stat(OffcpuMode::Capture, SchedStats::switch_ns_per_block);
-    let (_, switch_record) = stat(OffcpuMode::Record, SchedStats::switch_ns_per_block);
-    let (_, wakeup_capture) = stat(OffcpuMode::Capture, SchedStats::wakeup_ns_per_block);
-    let (_, wakeup_record) = stat(OffcpuMode::Record, SchedStats::wakeup_ns_per_block);
     let wall_ns = |mode| (1e9 / rate(mode).1 - 1e9 / rate_off) / 2.0;
-    println!();
-    println!(
-        "Per off-CPU event (a block of a watched thread; medians, bpf_stats on): the capture \
-         of both stacks at the switch costs {:+.0} ns of sched_switch (offcpu=true − false); \
-         recording the block at its wakeup (offcpu_min=1ns, every block) {:+.0} ns of \
-         sched_wakeup (− offcpu=true; {:+.0} ns of sched_switch besides). A block shorter \
-         than offcpu_min (default 1 ms) pays the capture only. Wall time per block, bpf_stats \
-         off (half a round trip more than offcpu=false): {:+.0} ns offcpu=true, {:+.0} ns \
-         offcpu_min=1ns.",
-        switch_capture - switch_off,
-        wakeup_record - wakeup_capture,
-        switch_record - switch_capture,
-        wall_ns(OffcpuMode::Capture),
-        wall_ns(OffcpuMode::Record),
-    );
+    for (capture, record, how) in [
+        (
+            OffcpuMode::CaptureEvery,
+            OffcpuMode::RecordEvery,
+            "every block captured (offcpu_sample_one_in = 1)",
+        ),
+        (
+            OffcpuMode::Capture,
+            OffcpuMode::Record,
+            "the defaults (one block in 8 captured past 1000 a second per CPU)",
+        ),
+    ] {
+        let (_, switch_capture) = stat(capture, SchedStats::switch_ns_per_block);
+        let (_, switch_record) = stat(record, SchedStats::switch_ns_per_block);
+        let (_, wakeup_capture) = stat(capture, SchedStats::wakeup_ns_per_block);
+        let (_, wakeup_record) = stat(record, SchedStats::wakeup_ns_per_block);
+        println!();
+        println!(
+            "Per off-CPU event (a block of a watched thread; medians, bpf_stats on), {how}: \
+             capturing both stacks at the switch costs {:+.0} ns of sched_switch per block \
+             (− offcpu=false); recording the block at its wakeup (offcpu_min=1ns) {:+.0} ns of \
+             sched_wakeup ({:+.0} ns of sched_switch besides): {:+.0} ns per recorded block in \
+             all. A block shorter than offcpu_min (default 1 ms) pays the capture only. Wall \
+             time per block, bpf_stats off (half a round trip more than offcpu=false): {:+.0} \
+             ns captured, {:+.0} ns recorded.",
+            switch_capture - switch_off,
+            wakeup_record - wakeup_capture,
+            switch_record - switch_capture,
+            switch_record - switch_off + wakeup_record - wakeup_off,
+            wall_ns(capture),
+            wall_ns(record),
+        );
+    }
 
     let of = |hz, pick: fn(&Round) -> f64| {
         min_median_where(throughput, |(mode, _)| *mode == hz, |(_, r)| pick(r))
