@@ -96,7 +96,7 @@ pub fn add(key: &StackKey, samples: u64, ns: u64) {
 /// cleared its slot. The frame-pointer walk behind the id skips the caller of a
 /// library built without frame pointers (Debian's glibc: the function that called
 /// `usleep` or `pthread_mutex_lock`); the copy names it. One copy per distinct stack:
-/// every other capture pays one array read and a failed compare-and-swap.
+/// every other capture pays one array read and a load.
 #[inline(always)]
 pub fn copy_user_stack(map: u32, id: i32) {
     let Ok(id) = u32::try_from(id) else {
@@ -110,8 +110,12 @@ pub fn copy_user_stack(map: u32, id: i32) {
     let Some(slot) = STACK_COPIED.get_ptr_mut(map * stride + id) else {
         return;
     };
-    // SAFETY: a live array slot; other CPUs change it by compare-and-swap only.
-    if !compare_and_swap(unsafe { &mut *slot }, 0, 1) {
+    // SAFETY: a live array slot; other CPUs change it by compare-and-swap only. A
+    // plain load first: almost every capture finds its stack copied already, and the
+    // locked compare-and-swap would cost it a cache line taken exclusive.
+    if unsafe { core::ptr::read_volatile(slot) } != 0
+        || !compare_and_swap(unsafe { &mut *slot }, 0, 1)
+    {
         return;
     }
     // SAFETY: no preconditions; a typed pointer to the current task.
