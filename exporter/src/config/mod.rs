@@ -505,6 +505,13 @@ mod tests {
             Some(Duration::from_millis(1))
         );
         assert_eq!(settings.snapshots.saturation, None);
+        assert_eq!(
+            (
+                settings.snapshots.offcpu_full_rate,
+                settings.snapshots.offcpu_sample_one_in
+            ),
+            (1000, 8)
+        );
         let settings = load_toml(
             "[probes]\nsampling_hz = 0\n[stacks]\noffcpu = false\nsaturation_queue_depth = 8\n",
         )?;
@@ -523,6 +530,18 @@ mod tests {
                 "stacks.memory_limit_bytes",
             ),
             ("[stacks]\noffcpu_min = \"0s\"\n", "stacks.offcpu_min"),
+            (
+                "[stacks]\noffcpu_sample_one_in = 3\n",
+                "stacks.offcpu_sample_one_in",
+            ),
+            (
+                "[stacks]\noffcpu_sample_one_in = 2048\n",
+                "stacks.offcpu_sample_one_in",
+            ),
+            (
+                "[stacks]\noffcpu_sample_one_in = 0\n",
+                "stacks.offcpu_sample_one_in",
+            ),
             (
                 "[stacks]\nsaturation_queue_depth = 1\nsaturation_duration = \"0s\"\n",
                 "stacks.saturation_duration",
