@@ -3,7 +3,9 @@
 //! `burn_one_quarter` (its own CPU clock says how much in each), and whose `sleeper`
 //! thread sleeps in `sleep_in_named_function` (its own monotonic clock says how long):
 //! - on-CPU: the two functions' shares of the burner's samples within 5 points of the
-//!   program's, and the burner's samples within 10 % of sampling_hz × its CPU seconds;
+//!   program's, and the burner's samples within 10 % of sampling_hz × its CPU seconds
+//!   (plus the time the host stole from the CPUs meanwhile, which the cpu-clock counts
+//!   and the thread's CPU clock does not);
 //! - off-CPU: the microseconds blocked under `sleep_in_named_function` within 10 % of
 //!   the program's slept time less its run-queue wait (schedstat), each such stack
 //!   ending with its `[off-cpu: reason]`;
@@ -28,7 +30,7 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, PoolServer, Poolscope, Program, bin_dir,
+    Metrics, PoolServer, Poolscope, Program, bin_dir, cpu_steal_seconds,
     load::{ClosedLoop, Connections},
     one_at_a_time, parse_tids, pids_config, privileged,
     profiles::{
@@ -121,6 +123,9 @@ struct Run {
     wall_svg: Result<(u64, String), String>,
     /// poolscope's counts of stacks it could not keep, after the snapshots were read.
     stack_losses: Vec<(String, f64)>,
+    /// Seconds the hypervisor took from all CPUs during the phase (see
+    /// `cpu_samples_match_the_programs_cpu_time`).
+    steal_seconds: f64,
 }
 
 static RUN: OnceLock<Result<Run, String>> = OnceLock::new();
@@ -163,12 +168,14 @@ fn measure_with(
     // Followed threads are in their pools (the folded stacks' first frame).
     wait_followed(poolscope, &[(burner, BURNER_POOL), (sleeper, SLEEPER_POOL)])?;
 
+    let steal_before = host_steal_seconds()?;
     let go_unix = unix_now();
     start_phase(port)?;
     let burned = fields(&program.line("burner")?)?;
     let slept = fields(&program.line("sleeper")?)?;
     program.line("done")?;
     let done_unix = unix_now();
+    let steal_seconds = host_steal_seconds()? - steal_before;
     let truth = Truth {
         burner_cpu_ns: field(&burned, "cpu_ns")?,
         three_quarters_ns: field(&burned, "three_quarters_ns")?,
@@ -219,7 +226,14 @@ fn measure_with(
         pprof,
         wall_svg,
         stack_losses: stack_losses(&poolscope.scrape()?),
+        steal_seconds,
     })
+}
+
+/// The time the hypervisor took from every CPU since boot, in seconds.
+fn host_steal_seconds() -> anyhow::Result<f64> {
+    let cpus = std::thread::available_parallelism()?.get();
+    (0..cpus).map(cpu_steal_seconds).sum()
 }
 
 /// The nonzero counters of stacks not kept: failed captures into the stack maps
@@ -341,9 +355,16 @@ fn cpu_samples_match_the_programs_cpu_time() -> anyhow::Result<()> {
         truth.three_quarters_ns as f64 / (truth.three_quarters_ns + truth.one_quarter_ns) as f64;
     let share = three as f64 / (three + one).max(1) as f64;
     let expected = f64::from(SAMPLING_HZ) * truth.burner_cpu_ns as f64 / 1e9;
+    // The cpu-clock ticks in the guest's time, which goes on while the host has the
+    // burner's vCPU paused; the burner's CPU clock leaves that steal out. So a noisy
+    // host adds samples, at most one per tick of time stolen from any CPU (measured:
+    // 975 samples for 8.93 CPU seconds at 99 Hz in a run where ~1 s was stolen).
+    let expected_with_steal = expected + f64::from(SAMPLING_HZ) * run.steal_seconds;
     println!(
-        "burner: {samples} samples (expected {expected:.0}), burn_three_quarters {three}, \
+        "burner: {samples} samples (expected {expected:.0}, {expected_with_steal:.0} with the \
+         {:.2} s the host stole from the CPUs), burn_three_quarters {three}, \
          burn_one_quarter {one}: share {:.1} % vs the program's {:.1} %\nheaviest:\n{}",
+        run.steal_seconds,
         100.0 * share,
         100.0 * truth_share,
         heaviest(snapshots, |s| &s.cpu, in_burner, 5)
@@ -365,9 +386,11 @@ fn cpu_samples_match_the_programs_cpu_time() -> anyhow::Result<()> {
         100.0 * (1.0 - truth_share)
     );
     anyhow::ensure!(
-        (samples as f64 - expected).abs() <= 0.10 * expected,
-        "{samples} burner samples, {SAMPLING_HZ} Hz × {:.3} CPU seconds = {expected:.0}",
-        truth.burner_cpu_ns as f64 / 1e9
+        samples as f64 >= 0.90 * expected && samples as f64 <= 1.10 * expected_with_steal,
+        "{samples} burner samples, {SAMPLING_HZ} Hz × {:.3} CPU seconds = {expected:.0} \
+         ({expected_with_steal:.0} with {:.2} s stolen by the host)",
+        truth.burner_cpu_ns as f64 / 1e9,
+        run.steal_seconds
     );
     Ok(())
 }
