@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::{Poolscope, wait_until};
+use crate::{Poolscope, Program, parse_tids, wait_until};
 
 pub fn unix_now() -> f64 {
     std::time::SystemTime::now()
@@ -344,6 +344,46 @@ pub fn count_colors(png_path: &Path) -> anyhow::Result<Colors> {
         }
     }
     Ok(colors)
+}
+
+/// A running `stackburner` (see its source): the program, its port and the tids of
+/// its two threads.
+pub struct Stackburner {
+    pub program: Program,
+    pub port: u16,
+    pub burner: u32,
+    pub sleeper: u32,
+}
+
+impl Stackburner {
+    /// `stackburner` for a phase of `phase`, its sleeper sleeping `sleep_ms` at a time.
+    pub fn start(phase: Duration, sleep_ms: f64) -> anyhow::Result<Self> {
+        Self::of(Program::start("stackburner", &Self::args(phase, sleep_ms))?)
+    }
+
+    /// The same from a copy of the binary at `path`.
+    pub fn start_path(path: &Path, phase: Duration, sleep_ms: f64) -> anyhow::Result<Self> {
+        Self::of(Program::start_path(path, &Self::args(phase, sleep_ms))?)
+    }
+
+    fn args(phase: Duration, sleep_ms: f64) -> [String; 2] {
+        [phase.as_secs_f64().to_string(), sleep_ms.to_string()]
+    }
+
+    /// Reads the port and the workers' tids that `program` prints first.
+    fn of(mut program: Program) -> anyhow::Result<Self> {
+        let port = program.line("port")?.parse()?;
+        let tids = parse_tids(&program.line("workers")?)?;
+        let [burner, sleeper] = tids[..] else {
+            bail!("stackburner's workers: {tids:?}");
+        };
+        Ok(Self {
+            program,
+            port,
+            burner,
+            sleeper,
+        })
+    }
 }
 
 /// `key value key value ...` after a line's prefix.

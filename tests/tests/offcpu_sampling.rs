@@ -14,17 +14,17 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Poolscope, Program, one_at_a_time, parse_tids, pids_config, privileged,
+    Poolscope, one_at_a_time, pids_config, privileged,
     profiles::{
-        field, fields, http_get, names, parse_folded, snapshots_covering, start_phase, unix_now,
-        weight_of,
+        Stackburner, field, fields, http_get, names, parse_folded, snapshots_covering, start_phase,
+        unix_now, weight_of,
     },
     wait_followed,
 };
 
 const SERVICE: &str = "sampled";
 const PHASE: Duration = Duration::from_secs(8);
-const SLEEP_MS: &str = "0.2";
+const SLEEP_MS: f64 = 0.2;
 const INTERVAL: Duration = Duration::from_secs(2);
 const ONE_IN: u64 = 8;
 
@@ -42,15 +42,12 @@ struct Measured {
 
 fn run(stacks: &str) -> anyhow::Result<Measured> {
     let _serial = one_at_a_time();
-    let mut program = Program::start(
-        "stackburner",
-        &[PHASE.as_secs().to_string(), SLEEP_MS.into()],
-    )?;
-    let port: u16 = program.line("port")?.parse()?;
-    let tids = parse_tids(&program.line("workers")?)?;
-    let [burner, sleeper] = tids[..] else {
-        anyhow::bail!("stackburner's workers: {tids:?}");
-    };
+    let Stackburner {
+        mut program,
+        port,
+        burner,
+        sleeper,
+    } = Stackburner::start(PHASE, SLEEP_MS)?;
     let config = format!(
         "[probes]\nsampling_hz = 0\n[stacks]\ninterval = \"{}s\"\nkeep = 15\n\
          offcpu_min = \"10us\"\noffcpu_idle = true\n{stacks}\n{}",

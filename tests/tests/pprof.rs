@@ -16,10 +16,10 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, Program, one_at_a_time, parse_tids, pids_config, privileged,
+    Metrics, Poolscope, Program, one_at_a_time, pids_config, privileged,
     profiles::{
-        FoldedLine, go_pprof, http_get, names, parse_folded, snapshots_covering, start_phase,
-        top_shares, unix_now, weight_of,
+        FoldedLine, Stackburner, go_pprof, http_get, names, parse_folded, snapshots_covering,
+        start_phase, top_shares, unix_now, weight_of,
     },
     schedstat, wait_followed, wait_until,
 };
@@ -39,7 +39,7 @@ const SESSION: Duration = Duration::from_secs(8);
 const PHASE: Duration = Duration::from_secs(12);
 /// The limits test's: longer than all it does (it does not wait for the end).
 const LONG_PHASE: Duration = Duration::from_secs(60);
-const SLEEP_MS: u64 = 20;
+const SLEEP_MS: f64 = 20.0;
 const INTERVAL: Duration = Duration::from_secs(2);
 
 /// Starts `stackburner`, waits until poolscope follows both its threads in their
@@ -48,15 +48,12 @@ fn burner_followed(
     phase: Duration,
     start_poolscope: impl FnOnce(u32) -> anyhow::Result<Poolscope>,
 ) -> anyhow::Result<(Program, Poolscope, u16, u32, u32)> {
-    let mut program = Program::start(
-        "stackburner",
-        &[phase.as_secs().to_string(), SLEEP_MS.to_string()],
-    )?;
-    let port: u16 = program.line("port")?.parse()?;
-    let tids = parse_tids(&program.line("workers")?)?;
-    let [burner, sleeper] = tids[..] else {
-        anyhow::bail!("stackburner's workers: {tids:?}");
-    };
+    let Stackburner {
+        program,
+        port,
+        burner,
+        sleeper,
+    } = Stackburner::start(phase, SLEEP_MS)?;
     let poolscope = start_poolscope(program.pid())?;
     wait_followed(
         &poolscope,

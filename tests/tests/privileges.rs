@@ -14,10 +14,10 @@ use std::{
 
 use anyhow::{Context as _, ensure};
 use poolscope_tests::{
-    Metrics, PoolServer, Poolscope, Program, TestServer, bin_dir, free_port,
+    Metrics, PoolServer, Poolscope, TestServer, bin_dir, free_port,
     load::{ClosedLoop, Connections},
-    one_at_a_time, parse_tids, pids_config, privileged,
-    profiles::{http_get, names, parse_folded, start_phase, weight_of},
+    one_at_a_time, pids_config, privileged,
+    profiles::{Stackburner, http_get, names, parse_folded, start_phase, weight_of},
     skip, wait_followed, wait_until,
 };
 
@@ -97,12 +97,12 @@ fn names_the_functions_of_other_users_code_with_the_units_capabilities() -> anyh
     let _serial = one_at_a_time();
     // A root-owned program burning in named functions; nobody may not search its
     // /proc/<pid>/map_files, so its code is read by the paths in its maps.
-    let mut program = Program::start("stackburner", &["10".to_owned(), "20".to_owned()])?;
-    let program_port: u16 = program.line("port")?.parse()?;
-    let tids = parse_tids(&program.line("workers")?)?;
-    let [burner, _sleeper] = tids[..] else {
-        anyhow::bail!("stackburner's workers: {tids:?}");
-    };
+    let Stackburner {
+        program,
+        port: program_port,
+        burner,
+        ..
+    } = Stackburner::start(Duration::from_secs(10), 20.0)?;
     let map_files = format!("/proc/{}/map_files", program.pid());
     let wrapper = as_nobody_with_the_units_capabilities()?;
     let denied = Command::new(&wrapper[0])

@@ -32,10 +32,10 @@ use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, Program, bin_dir, cpu_steal_seconds,
     load::{ClosedLoop, Connections},
-    one_at_a_time, parse_tids, pids_config, privileged,
+    one_at_a_time, pids_config, privileged,
     profiles::{
-        FoldedLine, count_colors, field, fields, http_get, names, parse_folded, pprof_top,
-        screenshot, snapshots_covering, start_phase, unix_now, weight_of,
+        FoldedLine, Stackburner, count_colors, field, fields, http_get, names, parse_folded,
+        pprof_top, screenshot, snapshots_covering, start_phase, unix_now, weight_of,
     },
     wait_followed, wait_until,
 };
@@ -47,7 +47,7 @@ const SLEEPER_POOL: &str = "sleeper";
 /// 3:1 split's sampling error (binomial, σ ≈ 1.4 points) is well inside 5 points.
 const PHASE: Duration = Duration::from_secs(10);
 /// One sleep of the sleeper: well above offcpu_min, so every sleep is recorded.
-const SLEEP_MS: u64 = 20;
+const SLEEP_MS: f64 = 20.0;
 const SAMPLING_HZ: u32 = 99;
 const INTERVAL: Duration = Duration::from_secs(2);
 /// Snapshots kept: 30 s of history, more than the run's ~18 s, so the oldest
@@ -139,15 +139,12 @@ fn the_run() -> anyhow::Result<&'static Run> {
 
 fn measure() -> anyhow::Result<Run> {
     let _serial = one_at_a_time();
-    let mut program = Program::start(
-        "stackburner",
-        &[PHASE.as_secs().to_string(), SLEEP_MS.to_string()],
-    )?;
-    let port: u16 = program.line("port")?.parse()?;
-    let tids = parse_tids(&program.line("workers")?)?;
-    let [burner, sleeper] = tids[..] else {
-        anyhow::bail!("stackburner's workers: {tids:?}");
-    };
+    let Stackburner {
+        mut program,
+        port,
+        burner,
+        sleeper,
+    } = Stackburner::start(PHASE, SLEEP_MS)?;
     let mut poolscope = Poolscope::start(&config(program.pid()))?;
     match measure_with(&poolscope, &mut program, port, burner, sleeper) {
         Ok(run) => Ok(run),
@@ -636,10 +633,12 @@ fn frames_of_stripped_code_are_counted_unsymbolized() -> anyhow::Result<()> {
         .status()
         .context("running objcopy (binutils)")?;
     anyhow::ensure!(status.success(), "objcopy --strip-all: {status}");
-    let mut program = Program::start_path(&stripped, &["3".into(), SLEEP_MS.to_string()])?;
-    let port: u16 = program.line("port")?.parse()?;
-    let tids = parse_tids(&program.line("workers")?)?;
-    let burner = *tids.first().context("stackburner printed no workers")?;
+    let Stackburner {
+        mut program,
+        port,
+        burner,
+        ..
+    } = Stackburner::start_path(&stripped, Duration::from_secs(3), SLEEP_MS)?;
     let poolscope = Poolscope::start(&config(program.pid()))?;
     wait_followed(&poolscope, &[(burner, BURNER_POOL)])?;
     let go_unix = unix_now();
