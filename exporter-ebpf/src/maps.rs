@@ -1,6 +1,7 @@
 //! Every map of the kernel side, and the small helpers that update them. Names and
 //! value types come from `poolscope_shared` so that user space agrees on them.
 use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
     btf_maps::SkStorage,
     macros::{btf_map, map},
     maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
@@ -11,7 +12,7 @@ use poolscope_shared::{
     MAX_MUTEX_CALLS_IN_FLIGHT, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS,
     MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS, OffcpuCaptures, PendingCall, PoolStats,
     ProcessEvent, ProfileSession, RequestTimes, STACK_GENERATIONS, SYSCALL_COUNTS_SIZE,
-    SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, TID_FILTER_SLOTS, Thread,
+    SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, THREAD_SLOTS, Thread,
     WATCHED_PORT_WORDS, Watched, loss_index, maps::CountedMap,
 };
 
@@ -52,9 +53,9 @@ pub static LOSSES: PerCpuArray<u64> = PerCpuArray::with_max_entries(LOSSES_SIZE,
 #[map]
 pub static THREADS: HashMap<u32, Thread> = HashMap::with_max_entries(MAX_THREADS, 0);
 #[map]
-pub static TID_FILTER: Array<u32> = Array::with_max_entries(TID_FILTER_SLOTS, 0);
+pub static THREAD_ENTRIES: Array<Thread> = Array::with_max_entries(THREAD_SLOTS, BPF_F_MMAPABLE);
 #[map]
-pub static TID_FILTER_USER: Array<u32> = Array::with_max_entries(TID_FILTER_SLOTS, 0);
+pub static THREAD_OWNERS: Array<u64> = Array::with_max_entries(THREAD_SLOTS, BPF_F_MMAPABLE);
 #[map]
 pub static THREAD_POOLS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_THREADS, 0);
 #[map]
@@ -203,6 +204,9 @@ pub fn get_or_insert<K, V>(
 /// The map and stack helpers' error when a key to create exists, or a stack's
 /// bucket holds another stack.
 pub const EEXIST: i32 = 17;
+/// A map's error when it is full (here also: a slot beyond the array, which the
+/// loader's sizes rule out).
+pub const E2BIG: i32 = 7;
 
 /// Adds `value` to a counter that other CPUs may update at the same time.
 #[inline(always)]

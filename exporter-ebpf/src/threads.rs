@@ -1,24 +1,25 @@
 //! The thread state machine of DESIGN §3, fed by `sched.rs` (switches and wakeups)
 //! and by the request state machine (a thread starts or stops serving). Each watched
-//! thread's entry in `THREADS` holds its [`Activity`] since when; leaving an activity
+//! thread's entry (`THREAD_ENTRIES`, or `THREADS`) holds its [`Activity`] since when; leaving an activity
 //! closes the interval into the per-CPU stats of the thread's pool (a run-queue wait
 //! also into the pool's run-queue histogram), and, while the thread holds requests,
 //! into their components too.
-use core::ptr::write_volatile;
+use core::ptr::{read_volatile, write_volatile};
 
 use aya_ebpf::{
     bindings::{BPF_EXIST, BPF_NOEXIST},
     helpers::bpf_get_current_pid_tgid,
 };
 use poolscope_shared::{
-    Activity, NO_POOL, Peer, Serving, Thread, histogram_bucket, tid_filter_slot,
+    Activity, NO_POOL, Peer, SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Serving, THREAD_SLOTS, Thread,
+    histogram_bucket, slot_overflow, slot_owner,
 };
 
 use crate::{
     downstream, locks,
     maps::{
-        EEXIST, POOL_EPOCH, POOL_RUNQUEUE, POOL_STATS, THREAD_POOLS, THREADS, TID_FILTER,
-        TID_FILTER_USER, atomic_add,
+        E2BIG, EEXIST, POOL_EPOCH, POOL_RUNQUEUE, POOL_STATS, THREAD_ENTRIES, THREAD_OWNERS,
+        THREAD_POOLS, THREADS, atomic_add, compare_and_swap,
     },
 };
 
@@ -26,35 +27,65 @@ use crate::{
 /// keeps one such thread from multiplying its time without bound.
 const MAX_SERVING: u32 = 4096;
 
-/// Whether `tid` may have an entry in `THREADS`: false for almost every thread we
-/// do not follow, read from two arrays (lookups the verifier inlines) instead of a
-/// hash lookup.
+/// `limits.thread_slots` − 1 (a power of two less one), set at load time.
+#[unsafe(no_mangle)]
+static THREAD_SLOT_MASK: u32 = THREAD_SLOTS - 1;
+
+/// The slot of `tid` in `THREAD_ENTRIES` and `THREAD_OWNERS`.
 #[inline(always)]
-fn maybe_followed(tid: u32) -> bool {
-    let slot = tid_filter_slot(tid);
-    let by_kernel = TID_FILTER.get(slot).copied().unwrap_or(0);
-    let by_user = TID_FILTER_USER.get(slot).copied().unwrap_or(0);
-    by_kernel.wrapping_add(by_user) != 0
+fn slot_of(tid: u32) -> u32 {
+    // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
+    tid & unsafe { core::ptr::read_volatile(&THREAD_SLOT_MASK) }
 }
 
-/// Counts one more (`1`) or one less (`u32::MAX`) entry in `tid`'s filter slot.
+/// The owner word of `slot`.
 #[inline(always)]
-fn count_in_filter(tid: u32, change: u32) {
-    if let Some(count) = TID_FILTER.get_ptr_mut(tid_filter_slot(tid)) {
-        // SAFETY: a live array slot; other CPUs change it by atomic adds only.
-        atomic_add(unsafe { &mut *count }, change);
-    }
+fn owner_word(slot: u32) -> Option<&'static mut u64> {
+    // SAFETY: a live array slot; other CPUs and user space change it atomically only.
+    THREAD_OWNERS
+        .get_ptr_mut(slot)
+        .map(|word| unsafe { &mut *word })
 }
 
-/// Follows `tid` from now with `thread` (replacing a stale entry). Counted in the
-/// filter before the entry exists, so that no entry is ever behind a zero slot.
+/// The entry in `slot` of `THREAD_ENTRIES`.
+#[inline(always)]
+fn slot_entry(slot: u32) -> Option<&'static mut Thread> {
+    // SAFETY: as for `thread`.
+    THREAD_ENTRIES
+        .get_ptr_mut(slot)
+        .map(|thread| unsafe { &mut *thread })
+}
+
+/// Follows `tid` from now with `thread` (replacing a stale entry): in its slot if
+/// the slot is free, else in `THREADS`, counted in the slot's word before the entry
+/// exists so that no lookup misses it.
 #[inline(always)]
 pub fn follow(tid: u32, thread: &Thread) -> Result<(), i32> {
-    count_in_filter(tid, 1);
+    let slot = slot_of(tid);
+    let (Some(owner), Some(entry)) = (owner_word(slot), slot_entry(slot)) else {
+        return Err(-E2BIG);
+    };
+    // SAFETY: an aligned u64 of a live map value.
+    let word = unsafe { read_volatile(owner) };
+    if slot_owner(word) == tid {
+        *entry = *thread;
+        return Ok(());
+    }
+    if slot_owner(word) == 0 && compare_and_swap(owner, word, word | SLOT_CLAIMING | u64::from(tid))
+    {
+        *entry = *thread;
+        atomic_add(owner, SLOT_CLAIMING.wrapping_neg());
+        // A stale entry of the same tid (its exit unseen) would be read twice.
+        if slot_overflow(word) != 0 && THREADS.remove(tid).is_ok() {
+            atomic_add(owner, SLOT_OVERFLOW_ONE.wrapping_neg());
+        }
+        return Ok(());
+    }
+    atomic_add(owner, SLOT_OVERFLOW_ONE);
     match THREADS.insert(tid, thread, u64::from(BPF_NOEXIST)) {
         Ok(()) => Ok(()),
         Err(code) => {
-            count_in_filter(tid, u32::MAX);
+            atomic_add(owner, SLOT_OVERFLOW_ONE.wrapping_neg());
             if code == -EEXIST {
                 THREADS.insert(tid, thread, u64::from(BPF_EXIST))
             } else {
@@ -64,18 +95,67 @@ pub fn follow(tid: u32, thread: &Thread) -> Result<(), i32> {
     }
 }
 
-/// Stops following `tid`: its entry goes, then its count.
+/// Stops following `tid`: its slot is freed, or its entry in `THREADS` goes and
+/// then its count.
 #[inline(always)]
 pub fn unfollow(tid: u32) {
-    if THREADS.remove(tid).is_ok() {
-        count_in_filter(tid, u32::MAX);
+    let Some(owner) = owner_word(slot_of(tid)) else {
+        return;
+    };
+    // Tried again by hand, not in a loop: Linux 6.1's verifier refused loops that
+    // LLVM shaped with a fall-through back-edge (see `sessions.rs`).
+    let mut released = release(owner, tid);
+    if released == Release::Raced {
+        released = release(owner, tid);
+    }
+    if released == Release::Raced {
+        released = release(owner, tid);
+    }
+    if released != Release::NotOwner {
+        return;
+    }
+    // SAFETY: as in `follow`.
+    let word = unsafe { read_volatile(owner) };
+    if slot_overflow(word) != 0 && THREADS.remove(tid).is_ok() {
+        atomic_add(owner, SLOT_OVERFLOW_ONE.wrapping_neg());
     }
 }
 
-/// The entry of a watched thread.
+/// What one try at freeing a slot did.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Release {
+    Freed,
+    /// The slot is not the thread's: its entry, if any, is in `THREADS`.
+    NotOwner,
+    /// The word changed between its read and the swap (its overflow count moved, or
+    /// another releaser won): worth another try.
+    Raced,
+}
+
+#[inline(always)]
+fn release(owner: &mut u64, tid: u32) -> Release {
+    // SAFETY: as in `follow`.
+    let word = unsafe { read_volatile(owner) };
+    if tid == 0 || slot_owner(word) != tid {
+        Release::NotOwner
+    } else if compare_and_swap(owner, word, word - u64::from(tid)) {
+        Release::Freed
+    } else {
+        Release::Raced
+    }
+}
+
+/// The entry of a watched thread: for almost every thread we do not follow, one
+/// inlined array read says there is none.
 #[inline(always)]
 pub fn thread(tid: u32) -> Option<&'static mut Thread> {
-    if !maybe_followed(tid) {
+    let slot = slot_of(tid);
+    // SAFETY: an aligned u64 of a live map value.
+    let word = unsafe { read_volatile(THREAD_OWNERS.get(slot)?) };
+    if slot_owner(word) == tid && tid != 0 {
+        return slot_entry(slot);
+    }
+    if slot_overflow(word) == 0 {
         return None;
     }
     // SAFETY: entries are updated by the events of their own thread, which do not

@@ -55,20 +55,22 @@ pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
 pub const LOSSES: &str = "LOSSES";
 /// ring buffer of [`crate::ProcessEvent`].
 pub const PROCESS_EVENTS: &str = "PROCESS_EVENTS";
-/// tid (u32) → [`crate::Thread`]: the threads of watched processes and what each
-/// is doing since when. Written by the kernel only (user space inserts a thread
-/// it finds already running, once).
+/// array, index [`crate::thread_slot`] → [`crate::Thread`], mmap-able: the threads
+/// of watched processes and what each is doing since when, one per slot, owned as
+/// [`THREAD_OWNERS`] says. The scheduler programs reach an entry with two inlined
+/// array reads instead of a hash lookup (most of their cost before); user space
+/// fills the slots of threads it finds already running and reads every entry
+/// through its mapping.
+pub const THREAD_ENTRIES: &str = "THREAD_ENTRIES";
+/// array, index [`crate::thread_slot`] → u64, mmap-able: the slot's owner tid in the
+/// lower half ([`crate::slot_owner`]), claimed by compare-and-swap from 0 by the
+/// kernel or user space, and in the upper half how many followed threads of the
+/// slot live in [`THREADS`] ([`crate::slot_overflow`]), added atomically by both.
+/// A thread we do not follow costs the scheduler programs one read of it.
+pub const THREAD_OWNERS: &str = "THREAD_OWNERS";
+/// tid (u32) → [`crate::Thread`]: the followed threads whose slot of
+/// [`THREAD_ENTRIES`] another thread owns.
 pub const THREADS: &str = "THREADS";
-/// array, index [`crate::tid_filter_slot`] → u32: the `THREADS` entries the kernel
-/// made in that slot less those it removed (wrapping). With [`TID_FILTER_USER`],
-/// user space's own, it is the scheduler programs' first check: a slot whose two
-/// counts sum to zero holds no followed thread, which two inlined array reads tell
-/// without the hash lookup (most context switches of a host are not ours).
-pub const TID_FILTER: &str = "TID_FILTER";
-/// array, index [`crate::tid_filter_slot`] → u32: the `THREADS` entries user space
-/// made in that slot less those it removed; written by user space only, so that
-/// neither side overwrites the other's count.
-pub const TID_FILTER_USER: &str = "TID_FILTER_USER";
 /// tid (u32) → pool id: user space names pools; a new thread starts in its
 /// creator's pool until user space reads its name.
 pub const THREAD_POOLS: &str = "THREAD_POOLS";

@@ -4,14 +4,34 @@
 #[cfg(doc)]
 use crate::maps;
 
-/// Slots of the followed-tid filter ([`maps::TID_FILTER`]); a power of two. Tids
-/// are dense, so consecutive tids take different slots: with a thousand followed
-/// threads, about 1.5 % of other tids share a slot and pay the hash lookup.
-pub const TID_FILTER_SLOTS: u32 = 65536;
+/// Default slots of [`maps::THREAD_ENTRIES`] and [`maps::THREAD_OWNERS`]
+/// (`limits.thread_slots`); a power of two. Tids are dense, so consecutive tids take
+/// different slots: with a thousand followed threads, about 6 % share a slot with
+/// another and live in [`maps::THREADS`] instead.
+pub const THREAD_SLOTS: u32 = 16384;
 
-/// The filter slot of `tid`.
-pub const fn tid_filter_slot(tid: u32) -> u32 {
-    tid & (TID_FILTER_SLOTS - 1)
+/// Bit of a [`maps::THREAD_OWNERS`] word while its owner fills the slot: no tid
+/// matches it (tids are below 2^22), so no event reads the entry half written.
+pub const SLOT_CLAIMING: u64 = 1 << 31;
+/// One followed thread of this slot in [`maps::THREADS`], in a [`maps::THREAD_OWNERS`]
+/// word's upper half.
+pub const SLOT_OVERFLOW_ONE: u64 = 1 << 32;
+
+/// The slot of `tid` among `slots` (a power of two).
+pub const fn thread_slot(tid: u32, slots: u32) -> u32 {
+    tid & slots.wrapping_sub(1)
+}
+
+/// The tid that owns a slot, from its [`maps::THREAD_OWNERS`] word (0: none; with
+/// [`SLOT_CLAIMING`] set: being filled).
+pub const fn slot_owner(word: u64) -> u32 {
+    word as u32
+}
+
+/// How many followed threads of a slot live in [`maps::THREADS`] instead, from its
+/// [`maps::THREAD_OWNERS`] word: a lookup there is needed only if this is not 0.
+pub const fn slot_overflow(word: u64) -> u32 {
+    (word >> 32) as u32
 }
 
 /// What a thread is doing (DESIGN §3), as an index into [`PoolStats::time_ns`]. The
@@ -159,7 +179,7 @@ impl WaitClass {
     }
 }
 
-/// Value of [`maps::THREADS`].
+/// Value of [`maps::THREAD_ENTRIES`] and [`maps::THREADS`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Thread {
@@ -321,7 +341,7 @@ impl PoolStats {
 }
 
 const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
-const _: () = assert!(TID_FILTER_SLOTS.is_power_of_two());
+const _: () = assert!(THREAD_SLOTS.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<Thread>() == 144);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);

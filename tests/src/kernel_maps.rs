@@ -127,14 +127,14 @@ pub fn walked_keys(pid: u32, name: &str) -> anyhow::Result<Vec<Vec<u8>>> {
     }
 }
 
-/// Every value of poolscope's (process `pid`'s) array map `name` of u32 values,
+/// Every value of poolscope's (process `pid`'s) array map `name` of u64 values,
 /// looked up index by index.
-pub fn array_u32(pid: u32, name: &str) -> anyhow::Result<Vec<u32>> {
+pub fn array_u64(pid: u32, name: &str) -> anyhow::Result<Vec<u64>> {
     let (fd, _) = open_map(pid, name)?;
     let mut info = MapInfo::default();
     map_info(&fd, &mut info)?;
-    if info.value_size != 4 {
-        bail!("{name} holds values of {} bytes, not u32", info.value_size);
+    if info.value_size != 8 {
+        bail!("{name} holds values of {} bytes, not u64", info.value_size);
     }
     #[repr(C)]
     struct LookupAttr {
@@ -146,7 +146,7 @@ pub fn array_u32(pid: u32, name: &str) -> anyhow::Result<Vec<u32>> {
     }
     (0..info.max_entries)
         .map(|index| {
-            let mut value = 0u32;
+            let mut value = 0u64;
             let mut attr = LookupAttr {
                 fd: fd.as_raw_fd() as u32,
                 _pad: 0,

@@ -9,7 +9,7 @@ use std::{
 
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, Program, TestServer,
-    kernel_maps::{array_u32, walked_keys},
+    kernel_maps::{array_u64, walked_keys},
     load::{ClosedLoop, Connections},
     one_at_a_time, pids_config, privileged, requests_settled, rss_kb, scrape_until, wait_until,
 };
@@ -53,39 +53,40 @@ fn snapshots_kb(poolscope: &Poolscope) -> anyhow::Result<u64> {
         / 1024)
 }
 
-/// A slot of the followed-tid filter that disagrees with `THREADS`: (slot, the
-/// filter's count, the keys walked in it).
+/// A slot of the thread array whose count of threads in `THREADS` disagrees with
+/// that map: (slot, the count, the keys walked in it).
 type SlotMismatch = (usize, u32, u32);
 
-/// The followed-tid filter of poolscope `pid` against a walk of `THREADS`: the slots
-/// where the kernel's and user space's counts (summed, wrapping) differ from the
-/// keys the walk found in them, and the keys walked. Read until they agree (5 s at
-/// most: the maps move while threads come and go).
-fn tid_filter_mismatches(pid: u32) -> anyhow::Result<(Vec<SlotMismatch>, usize)> {
-    let mut reading = (Vec::new(), 0);
+/// The thread array's owner words of poolscope `pid` against a walk of `THREADS`:
+/// the slots whose overflow count differs from the keys the walk found in them (a
+/// slot counted short would hide a thread from the scheduler programs), the tids
+/// followed twice (owning their slot and in `THREADS`), and the threads followed
+/// (slots owned, keys walked). Read until they agree (5 s at most: the maps move
+/// while threads come and go).
+fn thread_slot_mismatches(pid: u32) -> anyhow::Result<(Vec<SlotMismatch>, Vec<u32>, usize)> {
+    let mut reading = (Vec::new(), Vec::new(), 0);
     for _ in 0..50 {
-        let by_kernel = array_u32(pid, "TID_FILTER")?;
-        let by_user = array_u32(pid, "TID_FILTER_USER")?;
+        let owners = array_u64(pid, "THREAD_OWNERS")?;
         let keys = walked_keys(pid, "THREADS")?;
         // The slot of a tid is its remainder by the number of slots.
-        let slots = by_kernel.len();
+        let slots = owners.len();
         let mut walked = vec![0u32; slots];
+        let mut twice = Vec::new();
         for key in &keys {
             let tid = u32::from_ne_bytes(key.as_slice().try_into()?);
-            walked[tid as usize % slots] += 1;
+            let slot = tid as usize % slots;
+            walked[slot] += 1;
+            if owners[slot] as u32 == tid {
+                twice.push(tid);
+            }
         }
-        let mismatches: Vec<SlotMismatch> = (0..walked.len())
-            .map(|slot| {
-                (
-                    slot,
-                    by_kernel[slot].wrapping_add(by_user[slot]),
-                    walked[slot],
-                )
-            })
-            .filter(|(_, filter, walked)| filter != walked)
+        let mismatches: Vec<SlotMismatch> = (0..slots)
+            .map(|slot| (slot, (owners[slot] >> 32) as u32, walked[slot]))
+            .filter(|(_, counted, walked)| counted != walked)
             .collect();
-        reading = (mismatches, keys.len());
-        if reading.0.is_empty() {
+        let owned = owners.iter().filter(|&&word| word as u32 != 0).count();
+        reading = (mismatches, twice, owned + keys.len());
+        if reading.0.is_empty() && reading.1.is_empty() {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -123,7 +124,10 @@ fn a_thousand_processes_and_ten_thousand_threads_leave_nothing_behind() -> anyho
         previous = series;
         stable
     })?;
-    let (watched, threads) = (entries(&before, "WATCHED"), entries(&before, "THREADS"));
+    let (watched, threads) = (
+        entries(&before, "WATCHED"),
+        entries(&before, "THREADS") + entries(&before, "THREAD_ENTRIES"),
+    );
 
     churner.send("go")?;
     let done = churner.line("done")?;
@@ -132,7 +136,7 @@ fn a_thousand_processes_and_ten_thousand_threads_leave_nothing_behind() -> anyho
     // Everything back to where it was: entries at once, series by the second scrape.
     let after = scrape_until(&poolscope, |m| {
         entries(m, "WATCHED") == watched
-            && entries(m, "THREADS") == threads
+            && entries(m, "THREADS") + entries(m, "THREAD_ENTRIES") == threads
             && m.value("poolscope_targets", &targets) == Some(1.0)
     })?;
     let series_after = service_series(&poolscope.scrape()?);
@@ -160,7 +164,7 @@ fn a_thousand_processes_and_ten_thousand_threads_leave_nothing_behind() -> anyho
     eprintln!(
         "entries: WATCHED {watched} → {}, THREADS {threads} → {}; series {} → {} → {}",
         entries(&after, "WATCHED"),
-        entries(&after, "THREADS"),
+        entries(&after, "THREADS") + entries(&after, "THREAD_ENTRIES"),
         service_series(&before).len(),
         series_after.len(),
         service_series(&second).len()
@@ -181,17 +185,28 @@ fn a_thousand_processes_and_ten_thousand_threads_leave_nothing_behind() -> anyho
     }
     assert_eq!(second.value("poolscope_degraded", &[]), Some(0.0));
 
-    // The filter the scheduler programs check first counts every entry the churn
-    // left (threads user space found at the watch, others the kernel made), and
-    // nothing once the process is gone: a slot counted short would hide a thread.
-    let (mismatches, walked) = tid_filter_mismatches(poolscope.pid())?;
-    eprintln!("followed-tid filter: {walked} THREADS entries, {mismatches:?} slots differ");
-    assert!(walked > 0 && mismatches.is_empty(), "{mismatches:?}");
+    // The owner words the scheduler programs read first count every entry the churn
+    // left in `THREADS` (threads user space found at the watch, others the kernel
+    // made), no thread is followed twice, and nothing is left once the process is
+    // gone.
+    let (mismatches, twice, followed) = thread_slot_mismatches(poolscope.pid())?;
+    eprintln!(
+        "thread slots: {followed} threads followed, {mismatches:?} slots differ, {twice:?} twice"
+    );
+    assert!(
+        followed > 0 && mismatches.is_empty() && twice.is_empty(),
+        "{mismatches:?} {twice:?}"
+    );
     drop(churner);
-    scrape_until(&poolscope, |m| entries(m, "THREADS") == 0.0)?;
-    let (mismatches, walked) = tid_filter_mismatches(poolscope.pid())?;
-    eprintln!("after the exit: {walked} THREADS entries, {mismatches:?} slots differ");
-    assert!(walked == 0 && mismatches.is_empty(), "{mismatches:?}");
+    scrape_until(&poolscope, |m| {
+        entries(m, "THREADS") == 0.0 && entries(m, "THREAD_ENTRIES") == 0.0
+    })?;
+    let (mismatches, twice, followed) = thread_slot_mismatches(poolscope.pid())?;
+    eprintln!("after the exit: {followed} threads followed, {mismatches:?} slots differ");
+    assert!(
+        followed == 0 && mismatches.is_empty() && twice.is_empty(),
+        "{mismatches:?} {twice:?}"
+    );
     Ok(())
 }
 
@@ -207,8 +222,9 @@ fn a_full_thread_map_is_counted_and_spares_other_services() -> anyhow::Result<()
     let server = PoolServer::start(2, Duration::from_millis(2))?;
     let mut crowd = Program::start("churner", &["names".into(), NAMED_THREADS.to_string()])?;
     crowd.line("workers")?;
+    // One slot in the thread array: every thread but one goes to `THREADS`, which fills.
     let config = format!(
-        "[limits]\nthreads = {CAPACITY}\ndegraded_for = \"2s\"\n{}\
+        "[limits]\nthreads = {CAPACITY}\nthread_slots = 1\ndegraded_for = \"2s\"\n{}\
          [[targets]]\nservice = \"crowd\"\npids = [{}]\n",
         pids_config("other", &[server.pid()]),
         crowd.pid()

@@ -17,6 +17,8 @@ pub struct Limits {
     /// Entries of the per-pool arrays.
     pub max_pools: u32,
     pub threads: u32,
+    /// `THREAD_ENTRIES` and `THREAD_OWNERS`: a power of two.
+    pub thread_slots: u32,
     pub locks: u32,
     pub lock_stacks: u32,
     /// Each of the three `STACKS` maps.
@@ -34,13 +36,14 @@ pub struct Limits {
 
 impl Limits {
     /// Each limit under its configuration key.
-    pub fn keyed(&self) -> [(&'static str, u32); 13] {
+    pub fn keyed(&self) -> [(&'static str, u32); 14] {
         [
             ("limits.watched_processes", self.watched_processes),
             ("limits.connections", self.connections),
             ("limits.max_services", self.max_services),
             ("limits.max_pools", self.max_pools),
             ("limits.threads", self.threads),
+            ("limits.thread_slots", self.thread_slots),
             ("limits.locks", self.locks),
             ("limits.lock_stacks", self.lock_stacks),
             ("limits.stacks", self.stacks),
@@ -58,6 +61,7 @@ impl Limits {
             maps::CONNS | maps::ADOPT => "limits.connections",
             maps::WATCHED => "limits.watched_processes",
             maps::THREADS | maps::THREAD_POOLS => "limits.threads",
+            maps::THREAD_ENTRIES | maps::THREAD_OWNERS => "limits.thread_slots",
             maps::LOCKS => "limits.locks",
             maps::LOCK_STACKS => "limits.lock_stacks",
             maps::STACK_COUNTS => "limits.stack_counts",

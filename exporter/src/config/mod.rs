@@ -629,12 +629,13 @@ mod properties {
 
     use super::tests::load_toml;
 
-    const LIMITS: [&str; 17] = [
+    const LIMITS: [&str; 18] = [
         "max_series",
         "max_services",
         "max_pools",
         "watched_processes",
         "threads",
+        "thread_slots",
         "connections",
         "locks",
         "lock_stacks",

@@ -76,6 +76,7 @@ impl Default for RawConfig {
                 max_pools: 512,
                 watched_processes: 16_384,
                 threads: 65_536,
+                thread_slots: poolscope_shared::THREAD_SLOTS,
                 connections: 65_536,
                 locks: poolscope_shared::MAX_LOCKS,
                 lock_stacks: poolscope_shared::MAX_LOCK_STACKS,
@@ -270,6 +271,9 @@ pub struct RawLimits {
     pub watched_processes: u32,
     /// Threads of watched processes followed at once.
     pub threads: u32,
+    /// Slots of the thread array (a power of two): a followed thread whose slot
+    /// (its tid modulo this) is free costs the scheduler programs no hash lookup.
+    pub thread_slots: u32,
     pub connections: u32,
     /// Locks (process, futex address, stack) with wait statistics for
     /// `/debug/locks`, 1.8 kB each; and the distinct stacks they began at, 1 kB each.

@@ -10,6 +10,10 @@ use super::{
     RawTarget, RawWeb, ScrapeLimits, Settings, SnapshotSettings, TargetRule, source_name,
 };
 
+/// Most slots of the thread array: 152 bytes of kernel memory each (144 MiB here),
+/// and tids (below 2^22) spread over them all well before.
+const MAX_THREAD_SLOTS: u32 = 1 << 20;
+
 /// A validation failure for `key`, naming the source that set it.
 fn invalid(figment: &Figment, key: &str, reason: impl std::fmt::Display) -> ConfigError {
     let source = source_name(figment.find_metadata(key));
@@ -49,6 +53,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         max_services: raw.limits.max_services,
         max_pools: raw.limits.max_pools,
         threads: raw.limits.threads,
+        thread_slots: raw.limits.thread_slots,
         locks: raw.limits.locks,
         lock_stacks: raw.limits.lock_stacks,
         stacks: raw.limits.stacks,
@@ -60,6 +65,13 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
     };
     for (key, size) in limits.keyed() {
         positive(key, size.into())?;
+    }
+    if !limits.thread_slots.is_power_of_two() || limits.thread_slots > MAX_THREAD_SLOTS {
+        return Err(invalid(
+            figment,
+            "limits.thread_slots",
+            format!("must be a power of two, at most {MAX_THREAD_SLOTS}"),
+        ));
     }
     if raw.probes.lock_uprobes.iter().any(String::is_empty) {
         return Err(invalid(

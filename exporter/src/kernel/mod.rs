@@ -13,6 +13,7 @@ mod offsets;
 mod read;
 mod reread;
 mod services;
+mod slots;
 mod stacks;
 mod syscalls;
 mod tables;
@@ -28,8 +29,8 @@ use aya::{
 use poolscope_shared::{
     Conn, DownstreamKey, DownstreamWait, Histogram, ListenKey, LockKey, LockPrimitive,
     MAX_PROFILE_SESSIONS, OffcpuCaptures, PendingCall, PoolStats, ProcessEvent, ProfileSession,
-    RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot,
-    TID_FILTER_SLOTS, Thread, Watched,
+    RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot, Thread,
+    Watched,
     maps::{self, CountedMap},
 };
 
@@ -44,6 +45,7 @@ use self::offsets::{
     socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
 };
 use self::reread::Reread;
+use self::slots::{Claim, ThreadSlots};
 use self::syscalls::{syscall_number, wait_classes};
 #[cfg(test)]
 pub use self::tables::fake;
@@ -85,6 +87,11 @@ pub enum KernelError {
         map: &'static str,
         source: std::io::Error,
     },
+    #[error("map {map}: mapping it into memory: {source}")]
+    Mmap {
+        map: &'static str,
+        source: std::io::Error,
+    },
 }
 
 /// Map update flag of include/uapi/linux/bpf.h: insert only if the key is absent.
@@ -123,11 +130,11 @@ pub struct Kernel {
     syscall_counts: PerCpuArray<MapData, u64>,
     offcpu_captures: PerCpuArray<MapData, OffcpuCaptures>,
     service_counters: PerCpuArray<MapData, ServiceCounters>,
+    /// The thread array, mapped; and the followed threads whose slot another owns,
+    /// with how many of them the last read found.
+    thread_slots: ThreadSlots,
     threads: HashMap<MapData, u32, Thread>,
-    /// User space's half of the followed-tid filter, and the counts it holds (user
-    /// space is its only writer).
-    tid_filter_user: Array<MapData, u32>,
-    own_tid_filter: Box<[u32]>,
+    threads_overflow: u64,
     /// Raised after each change to `thread_pools`, and its value (user space is its
     /// only writer).
     pool_epoch: Array<MapData, u32>,
@@ -304,6 +311,13 @@ impl Kernel {
             .map_max_entries(maps::POOL_STATS, limits.max_pools)
             .map_max_entries(maps::POOL_RUNQUEUE, limits.max_pools)
             .map_max_entries(maps::THREADS, limits.threads)
+            .map_max_entries(maps::THREAD_ENTRIES, limits.thread_slots)
+            .map_max_entries(maps::THREAD_OWNERS, limits.thread_slots)
+            .override_global(
+                "THREAD_SLOT_MASK",
+                &limits.thread_slots.wrapping_sub(1),
+                true,
+            )
             .map_max_entries(maps::THREAD_POOLS, limits.threads)
             .map_max_entries(maps::LOCK_WAITS, limits.max_pools * LockPrimitive::COUNT)
             .map_max_entries(
@@ -404,9 +418,14 @@ impl Kernel {
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
             offcpu_captures: take(&mut ebpf, maps::OFFCPU_CAPTURES)?,
             service_counters: take(&mut ebpf, maps::SERVICE_COUNTERS)?,
+            thread_slots: ThreadSlots::map(&ebpf, limits.thread_slots).map_err(|source| {
+                KernelError::Mmap {
+                    map: maps::THREAD_ENTRIES,
+                    source,
+                }
+            })?,
             threads: take(&mut ebpf, maps::THREADS)?,
-            tid_filter_user: take(&mut ebpf, maps::TID_FILTER_USER)?,
-            own_tid_filter: vec![0; TID_FILTER_SLOTS as usize].into_boxed_slice(),
+            threads_overflow: 0,
             pool_epoch: take(&mut ebpf, maps::POOL_EPOCH)?,
             pools_epoch: 0,
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,

@@ -177,7 +177,11 @@ impl Kernel {
                 Backend::Socket => CountedMap::SockConns,
             }),
             count(CountedMap::PendingCalls),
-            fill(maps::THREADS, readout.threads.len() as u64),
+            fill(
+                maps::THREAD_ENTRIES,
+                (readout.threads.len() as u64).saturating_sub(self.threads_overflow),
+            ),
+            fill(maps::THREADS, self.threads_overflow),
             count(CountedMap::Locks),
             fill(maps::DOWNSTREAM_WAITS, readout.downstreams.len() as u64),
             count(CountedMap::StackCounts),

@@ -6,19 +6,21 @@ use std::{collections::BTreeMap, sync::Arc};
 use aya::maps::{MapError, PerCpuValues};
 use poolscope_shared::{
     DownstreamKey, Histogram, LockPrimitive, NO_POOL, PoolStats, Thread, lock_wait_index, maps,
-    tid_filter_slot,
 };
 
-use super::{BPF_NOEXIST, Kernel, KernelError, Readout, ThreadTable};
+use super::{BPF_NOEXIST, Claim, Kernel, KernelError, Readout, ThreadTable};
 
 impl ThreadTable for Kernel {
     fn follow_thread(&mut self, tid: u32, thread: Thread) -> Result<(), MapError> {
-        // Counted in the filter before the entry exists: the scheduler programs
-        // never look up an entry whose slot they read as empty.
-        self.count_in_tid_filter(tid, 1)?;
+        if self.thread_slots.claim(tid, &thread) == Claim::Owned {
+            return Ok(());
+        }
+        // Counted before the entry exists: the scheduler programs never look up an
+        // entry whose slot they read as holding none in `THREADS`.
+        self.thread_slots.count_overflow(tid, true);
         let inserted = self.threads.insert(tid, thread, BPF_NOEXIST);
         if inserted.is_err() {
-            self.count_in_tid_filter(tid, u32::MAX)?;
+            self.thread_slots.count_overflow(tid, false);
         }
         match inserted {
             Err(MapError::SyscallError(error))
@@ -41,10 +43,9 @@ impl ThreadTable for Kernel {
     }
 
     fn forget_thread(&mut self, tid: u32) {
-        // Either may be gone already (the thread exited, and the kernel counted it).
-        if self.threads.remove(&tid).is_ok() {
-            // A slot left counted only costs its tids a hash lookup.
-            let _ = self.count_in_tid_filter(tid, u32::MAX);
+        // Either may be gone already (the thread exited, and the kernel freed it).
+        if !self.thread_slots.release(tid) && self.threads.remove(&tid).is_ok() {
+            self.thread_slots.count_overflow(tid, false);
         }
         let _ = self.thread_pools.remove(&tid);
         self.thread_pools_read.remove(&tid);
@@ -83,17 +84,6 @@ impl ThreadTable for Kernel {
 }
 
 impl Kernel {
-    /// Adds `change` (1, or `u32::MAX` for one less) to user space's count of
-    /// `tid`'s filter slot.
-    fn count_in_tid_filter(&mut self, tid: u32, change: u32) -> Result<(), MapError> {
-        let slot = tid_filter_slot(tid);
-        let count = &mut self.own_tid_filter[slot as usize];
-        let changed = count.wrapping_add(change);
-        self.tid_filter_user.set(slot, changed, 0)?;
-        *count = changed;
-        Ok(())
-    }
-
     /// Every followed thread with its pool (if named). A thread's pool is the
     /// kernel's copy in its entry while that copy is current (`Thread::pool`), else
     /// the pool the last read found for it (the same tid of the same service), else
@@ -102,16 +92,23 @@ impl Kernel {
     /// new tid, or a reused one, whose service is checked (a tid reused by the same
     /// service between two reads is taken for the thread before it, as `Pools`
     /// takes it: it names each tid once). Walking that map's 65,536 buckets instead
-    /// cost ~0.4 ms a scrape at 110 services.
+    /// cost ~0.4 ms a scrape at 110 services. The thread array is read through its
+    /// mapping; `THREADS` only if some slot counts a thread there.
     fn thread_entries(&mut self) -> Result<Vec<(u32, Thread, Option<u32>)>, KernelError> {
-        let threads: Vec<(u32, Thread)> =
-            self.batch
-                .threads
-                .hash_entries()
-                .map_err(|source| KernelError::Batch {
-                    map: maps::THREADS,
-                    source,
-                })?;
+        let (mut threads, overflow) = self.thread_slots.read();
+        self.threads_overflow = 0;
+        if overflow > 0 {
+            let overflowed: Vec<(u32, Thread)> =
+                self.batch
+                    .threads
+                    .hash_entries()
+                    .map_err(|source| KernelError::Batch {
+                        map: maps::THREADS,
+                        source,
+                    })?;
+            self.threads_overflow = overflowed.len() as u64;
+            threads.extend(overflowed);
+        }
         let current = self.pools_epoch.wrapping_add(1);
         let before = std::mem::take(&mut self.thread_pools_read);
         let mut entries = Vec::with_capacity(threads.len());

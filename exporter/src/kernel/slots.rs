@@ -1,0 +1,182 @@
+//! The thread array (`THREAD_ENTRIES`, `THREAD_OWNERS`) mapped into user space
+//! ([`ThreadSlots`]): claiming and freeing the slots of threads found running, and
+//! reading every entry for a scrape without a system call. The kernel claims and
+//! frees slots with the same compare-and-swap on the owner words, whose layout is
+//! `poolscope_shared`'s (`slot_owner`, `slot_overflow`, `SLOT_CLAIMING`).
+use std::{
+    io,
+    os::fd::{AsFd as _, AsRawFd as _},
+    ptr::NonNull,
+    sync::atomic::{AtomicU64, Ordering},
+};
+
+use aya::{Ebpf, maps::Map};
+use poolscope_shared::{
+    SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Thread, maps, slot_overflow, slot_owner, thread_slot,
+};
+
+/// A shared, writable mapping of a BPF array's values.
+#[derive(Debug)]
+struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; every access goes through atomics or
+// volatile copies, whichever thread makes it.
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    /// Maps the values of the array `name` of `ebpf`: `len` bytes.
+    fn of(ebpf: &Ebpf, name: &'static str, len: usize) -> io::Result<Self> {
+        let Some(Map::Array(data)) = ebpf.map(name) else {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no array {name}"),
+            ));
+        };
+        // SAFETY: a new shared mapping of the map's fd (created BPF_F_MMAPABLE),
+        // no larger than its values; nothing else is at the address the kernel picks.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                data.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(base.cast::<u8>()).ok_or_else(io::Error::last_os_error)?;
+        Ok(Self { base, len })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once; nothing borrows it past `self`.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// The thread array as user space sees it.
+#[derive(Debug)]
+pub(super) struct ThreadSlots {
+    owners: Mapping,
+    entries: Mapping,
+    slots: u32,
+}
+
+/// What claiming a thread's slot did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Claim {
+    /// The slot is the thread's now, or was already (the kernel's entry is kept).
+    Owned,
+    /// Another thread owns the slot: the entry goes to `THREADS`, counted with
+    /// [`ThreadSlots::count_overflow`].
+    Taken,
+}
+
+impl ThreadSlots {
+    /// Maps both arrays of `ebpf`, of `slots` entries each.
+    pub fn map(ebpf: &Ebpf, slots: u32) -> io::Result<Self> {
+        let slots_len = slots as usize;
+        Ok(Self {
+            owners: Mapping::of(ebpf, maps::THREAD_OWNERS, slots_len * size_of::<u64>())?,
+            entries: Mapping::of(ebpf, maps::THREAD_ENTRIES, slots_len * size_of::<Thread>())?,
+            slots,
+        })
+    }
+
+    fn slot(&self, tid: u32) -> usize {
+        thread_slot(tid, self.slots) as usize
+    }
+
+    fn owner(&self, slot: usize) -> &AtomicU64 {
+        debug_assert!(slot < self.slots as usize);
+        // SAFETY: `slot` is below the array's size (a tid masked by it); the word is
+        // 8-byte aligned in a page-aligned mapping and only ever accessed atomically.
+        unsafe { AtomicU64::from_ptr(self.owners.base.as_ptr().cast::<u64>().add(slot)) }
+    }
+
+    fn entry(&self, slot: usize) -> *mut Thread {
+        // SAFETY: as in `owner`; entries are 144 bytes, a multiple of their alignment.
+        unsafe { self.entries.base.as_ptr().cast::<Thread>().add(slot) }
+    }
+
+    /// Follows `tid` with `thread` in its slot if the slot is free.
+    pub fn claim(&self, tid: u32, thread: &Thread) -> Claim {
+        let slot = self.slot(tid);
+        let owner = self.owner(slot);
+        let word = owner.load(Ordering::Acquire);
+        if slot_owner(word) == tid {
+            return Claim::Owned;
+        }
+        if slot_owner(word) != 0 {
+            return Claim::Taken;
+        }
+        let claiming = word | SLOT_CLAIMING | u64::from(tid);
+        if owner
+            .compare_exchange(word, claiming, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            // Claimed meanwhile, or its overflow count moved: the hash map is as good.
+            return Claim::Taken;
+        }
+        // SAFETY: the slot is ours while it is marked claiming: no event reads it.
+        unsafe { self.entry(slot).write_volatile(*thread) };
+        owner.fetch_sub(SLOT_CLAIMING, Ordering::Release);
+        Claim::Owned
+    }
+
+    /// Counts one more (`true`) or one less followed thread of `tid`'s slot in
+    /// `THREADS`.
+    pub fn count_overflow(&self, tid: u32, more: bool) {
+        let owner = self.owner(self.slot(tid));
+        if more {
+            owner.fetch_add(SLOT_OVERFLOW_ONE, Ordering::AcqRel);
+        } else {
+            owner.fetch_sub(SLOT_OVERFLOW_ONE, Ordering::AcqRel);
+        }
+    }
+
+    /// Frees `tid`'s slot if it owns it: whether it did.
+    pub fn release(&self, tid: u32) -> bool {
+        if tid == 0 {
+            return false;
+        }
+        let owner = self.owner(self.slot(tid));
+        owner
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
+                (slot_owner(word) == tid).then(|| word - u64::from(tid))
+            })
+            .is_ok()
+    }
+
+    /// Every slot's thread, and how many followed threads live in `THREADS`.
+    pub fn read(&self) -> (Vec<(u32, Thread)>, u64) {
+        let mut threads = Vec::new();
+        let mut overflow = 0;
+        for slot in 0..self.slots as usize {
+            let owner = self.owner(slot);
+            let word = owner.load(Ordering::Acquire);
+            overflow += u64::from(slot_overflow(word));
+            let tid = slot_owner(word);
+            if tid == 0 || u64::from(tid) & SLOT_CLAIMING != 0 {
+                continue;
+            }
+            // SAFETY: a live slot of the mapping; the kernel may write it meanwhile
+            // (a copy that mixes two updates of one thread is off by one interval,
+            // as a map lookup's copy would be).
+            let thread = unsafe { self.entry(slot).read_volatile() };
+            // Freed or claimed again during the copy: not this thread's entry.
+            if slot_owner(owner.load(Ordering::Acquire)) == tid {
+                threads.push((tid, thread));
+            }
+        }
+        (threads, overflow)
+    }
+}
