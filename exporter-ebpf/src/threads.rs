@@ -65,20 +65,12 @@ pub fn follow(tid: u32, thread: &Thread) -> Result<(), i32> {
     let (Some(owner), Some(entry)) = (owner_word(slot), slot_entry(slot)) else {
         return Err(-E2BIG);
     };
-    // SAFETY: an aligned u64 of a live map value.
-    let word = unsafe { read_volatile(owner) };
-    if slot_owner(word) == tid {
-        *entry = *thread;
-        return Ok(());
+    // Tried again by hand, as in `unfollow`.
+    let mut claimed = claim(owner, entry, tid, thread);
+    if claimed == Claim::Raced {
+        claimed = claim(owner, entry, tid, thread);
     }
-    if slot_owner(word) == 0 && compare_and_swap(owner, word, word | SLOT_CLAIMING | u64::from(tid))
-    {
-        *entry = *thread;
-        atomic_add(owner, SLOT_CLAIMING.wrapping_neg());
-        // A stale entry of the same tid (its exit unseen) would be read twice.
-        if slot_overflow(word) != 0 && THREADS.remove(tid).is_ok() {
-            atomic_add(owner, SLOT_OVERFLOW_ONE.wrapping_neg());
-        }
+    if claimed == Claim::Owned {
         return Ok(());
     }
     atomic_add(owner, SLOT_OVERFLOW_ONE);
@@ -93,6 +85,45 @@ pub fn follow(tid: u32, thread: &Thread) -> Result<(), i32> {
             }
         }
     }
+}
+
+/// What one try at claiming a thread's slot did.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Claim {
+    /// The slot is the thread's (its entry written, unless user space is writing it).
+    Owned,
+    /// Another thread owns the slot.
+    Taken,
+    /// The word changed between its read and the swap: worth another try.
+    Raced,
+}
+
+#[inline(always)]
+fn claim(owner: &mut u64, entry: &mut Thread, tid: u32, thread: &Thread) -> Claim {
+    // SAFETY: an aligned u64 of a live map value.
+    let word = unsafe { read_volatile(owner) };
+    let owned_by = slot_owner(word) & !(SLOT_CLAIMING as u32);
+    if owned_by == tid {
+        // Ours already (a stale entry): replaced, unless user space, which found the
+        // thread running, is filling it right now.
+        if slot_owner(word) == tid {
+            *entry = *thread;
+        }
+        return Claim::Owned;
+    }
+    if owned_by != 0 {
+        return Claim::Taken;
+    }
+    if !compare_and_swap(owner, word, word | SLOT_CLAIMING | u64::from(tid)) {
+        return Claim::Raced;
+    }
+    *entry = *thread;
+    atomic_add(owner, SLOT_CLAIMING.wrapping_neg());
+    // A stale entry of the same tid (its exit unseen) would be read twice.
+    if slot_overflow(word) != 0 && THREADS.remove(tid).is_ok() {
+        atomic_add(owner, SLOT_OVERFLOW_ONE.wrapping_neg());
+    }
+    Claim::Owned
 }
 
 /// Stops following `tid`: its slot is freed, or its entry in `THREADS` goes and

@@ -123,6 +123,21 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
     if !privileged("thread_times_match_schedstat") {
         return Ok(());
     }
+    thread_times_match_schedstat_with("")
+}
+
+/// The same with one slot in the thread array: every thread but one lives in the
+/// `THREADS` hash map, the path of threads whose slot another thread owns.
+#[test]
+fn thread_times_match_schedstat_in_the_hash_map() -> anyhow::Result<()> {
+    if !privileged("thread_times_match_schedstat_in_the_hash_map") {
+        return Ok(());
+    }
+    thread_times_match_schedstat_with("[limits]\nthread_slots = 1\n")
+}
+
+/// `thread_times_match_schedstat` with `limits` before the rest of the config.
+fn thread_times_match_schedstat_with(limits: &str) -> anyhow::Result<()> {
     let _serial = one_at_a_time();
     // Three spinning workers offered 1.2 CPUs of work, all on one CPU: time on CPU and
     // in the run queue both, seconds of each. (Our intervals and schedstat's differ
@@ -134,8 +149,19 @@ fn thread_times_match_schedstat() -> anyhow::Result<()> {
     let mut server = ThreadPool::start(3, Duration::from_millis(4), "spin")?;
     let pid = server.program.pid();
     pin_to_first_cpu(&[pid])?;
-    let poolscope = Poolscope::start(&config("auto", Duration::from_secs(10), &[("spin", pid)]))?;
+    let poolscope = Poolscope::start(&format!(
+        "{limits}{}",
+        config("auto", Duration::from_secs(10), &[("spin", pid)])
+    ))?;
     wait_for_pools(&poolscope, &server.workers)?;
+    let in_hash_map = poolscope
+        .scrape()?
+        .value("poolscope_map_entries", &[("map", "THREADS")])
+        .unwrap_or(0.0);
+    eprintln!("threads in THREADS (their slot taken): {in_hash_map}");
+    if !limits.is_empty() {
+        assert!(in_hash_map >= server.workers.len() as f64, "{in_hash_map}");
+    }
     let load = OpenLoop::start(server.port, 300.0, SENDERS);
     std::thread::sleep(Duration::from_secs(1));
 

@@ -111,25 +111,33 @@ impl ThreadSlots {
     pub fn claim(&self, tid: u32, thread: &Thread) -> Claim {
         let slot = self.slot(tid);
         let owner = self.owner(slot);
-        let word = owner.load(Ordering::Acquire);
-        if slot_owner(word) == tid {
-            return Claim::Owned;
-        }
-        if slot_owner(word) != 0 {
-            return Claim::Taken;
-        }
-        let claiming = word | SLOT_CLAIMING | u64::from(tid);
-        if owner
-            .compare_exchange(word, claiming, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
-            // Claimed meanwhile, or its overflow count moved: the hash map is as good.
-            return Claim::Taken;
+        let mut word = owner.load(Ordering::Acquire);
+        loop {
+            // Claimed for the same thread (by the kernel at its creation, perhaps
+            // right now): the kernel's entry is the one to keep.
+            let owned_by = slot_owner(word) & !(SLOT_CLAIMING as u32);
+            if owned_by == tid {
+                return Claim::Owned;
+            }
+            if owned_by != 0 {
+                return Claim::Taken;
+            }
+            let claiming = word | SLOT_CLAIMING | u64::from(tid);
+            match owner.compare_exchange(word, claiming, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                // Claimed meanwhile, or its overflow count moved: look again.
+                Err(now) => word = now,
+            }
         }
         // SAFETY: the slot is ours while it is marked claiming: no event reads it.
         unsafe { self.entry(slot).write_volatile(*thread) };
         owner.fetch_sub(SLOT_CLAIMING, Ordering::Release);
         Claim::Owned
+    }
+
+    /// How many followed threads of `tid`'s slot live in `THREADS`.
+    pub fn overflow(&self, tid: u32) -> u32 {
+        slot_overflow(self.owner(self.slot(tid)).load(Ordering::Acquire))
     }
 
     /// Counts one more (`true`) or one less followed thread of `tid`'s slot in

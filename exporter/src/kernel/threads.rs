@@ -12,6 +12,11 @@ use super::{BPF_NOEXIST, Claim, Kernel, KernelError, Readout, ThreadTable};
 
 impl ThreadTable for Kernel {
     fn follow_thread(&mut self, tid: u32, thread: Thread) -> Result<(), MapError> {
+        // Followed already in `THREADS` (its slot was taken when the kernel followed
+        // it): not followed twice.
+        if self.thread_slots.overflow(tid) > 0 && self.threads.get(&tid, 0).is_ok() {
+            return Ok(());
+        }
         if self.thread_slots.claim(tid, &thread) == Claim::Owned {
             return Ok(());
         }
