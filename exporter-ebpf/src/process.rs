@@ -154,10 +154,10 @@ fn try_process_exit(ctx: &BtfTracePointContext) {
     let tid = pid_tgid as u32;
     let tgid = (pid_tgid >> 32) as u32;
     // A thread killed inside a syscall or pthread_mutex_lock leaves its entry
-    // behind otherwise (a futex wait in progress lives in its THREADS entry). Before
+    // behind otherwise (a futex wait in progress lives in its thread entry). Before
     // the checks below: before 6.16 (no group_dead) the main thread's exit ends
     // the watch while the others, killed with it, are still exiting, and user space,
-    // told of the exit, may already have dropped their THREADS entries; the checks
+    // told of the exit, may already have dropped their thread entries; the checks
     // below would then skip them and leave these entries for good (seen on 6.1 and
     // 6.12 under emulation). Looked up first: for any other thread's exit two
     // lock-free misses, where a delete would take each bucket's lock (measured: 460
@@ -171,7 +171,7 @@ fn try_process_exit(ctx: &BtfTracePointContext) {
     let followed = thread(tid);
     // A followed thread of a process no longer watched: before 6.16 the main
     // thread's exit ends the watch while the others are still exiting; their entries
-    // must go too. WATCHED is looked up only if THREADS has no entry, and again
+    // must go too. WATCHED is looked up only if there is no thread entry, and again
     // below: holding both lookups' pointers let the compiler OR them to test both at
     // once, which the verifier refuses ("pointer |= pointer prohibited").
     if followed.is_none() && watched(tgid).is_none() {

@@ -4,11 +4,11 @@
 //! BTF-typed raw tracepoints (`tp_btf`) because these run on every context switch
 //! of the host: no record is built, and the tasks' tids are loaded straight from
 //! their `task_struct`s (typed pointers, no probe-read helper), at the offset user
-//! space found in the kernel's BTF. A thread we do not watch then costs two reads
-//! of the followed-tid filter (`threads::thread`). What a blocking thread waits for
-//! comes from the syscall it is in (its saved registers: the number, and a poll's
-//! fd count) and from what it holds (one request, several, none); a futex wait
-//! while serving is also a lock wait (`locks.rs`).
+//! space found in the kernel's BTF. A thread we do not watch then costs one read of
+//! its slot's owner word in the thread array (`threads::thread`). What a blocking
+//! thread waits for comes from the syscall it is in (its saved registers: the
+//! number, and a poll's fd count) and from what it holds (one request, several,
+//! none); a futex wait while serving is also a lock wait (`locks.rs`).
 use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
 use poolscope_shared::{Activity, Peer, Serving, WaitClass};
 

@@ -17,7 +17,8 @@ pub struct Limits {
     /// Entries of the per-pool arrays.
     pub max_pools: u32,
     pub threads: u32,
-    /// `THREAD_ENTRIES` and `THREAD_OWNERS`: a power of two.
+    /// `THREAD_ENTRIES` and `THREAD_OWNERS`: a power of two. Not a capacity that
+    /// fills (a thread whose slot is taken goes to `THREADS`), so no map names it.
     pub thread_slots: u32,
     pub locks: u32,
     pub lock_stacks: u32,
@@ -61,7 +62,6 @@ impl Limits {
             maps::CONNS | maps::ADOPT => "limits.connections",
             maps::WATCHED => "limits.watched_processes",
             maps::THREADS | maps::THREAD_POOLS => "limits.threads",
-            maps::THREAD_ENTRIES | maps::THREAD_OWNERS => "limits.thread_slots",
             maps::LOCKS => "limits.locks",
             maps::LOCK_STACKS => "limits.lock_stacks",
             maps::STACK_COUNTS => "limits.stack_counts",

@@ -555,6 +555,26 @@ mod tests {
     }
 
     #[test]
+    fn thread_slots_are_a_power_of_two() -> Result<(), ConfigError> {
+        assert_eq!(load_toml("")?.limits.thread_slots, 16384);
+        assert_eq!(
+            load_toml("[limits]\nthread_slots = 1\n")?
+                .limits
+                .thread_slots,
+            1
+        );
+        for slots in ["3", "12000", "2097152"] {
+            let toml = format!("[limits]\nthread_slots = {slots}\n");
+            let error = error_of(&toml);
+            assert!(
+                error.contains("limits.thread_slots") && error.contains("power of two"),
+                "{toml}: {error}"
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
     fn profile_limits_are_checked() -> Result<(), ConfigError> {
         let limits = load_toml("")?.profiles;
         assert_eq!(

@@ -1,6 +1,6 @@
-//! The thread and pool maps: `THREADS`, `THREAD_POOLS`, `POOL_STATS`,
-//! `POOL_RUNQUEUE`, `LOCK_WAITS` and `DOWNSTREAM_WAITS` ([`ThreadTable`], and their
-//! read for a scrape).
+//! The thread and pool maps: the thread array (through `slots.rs`), `THREADS`,
+//! `THREAD_POOLS`, `POOL_STATS`, `POOL_RUNQUEUE`, `LOCK_WAITS` and `DOWNSTREAM_WAITS`
+//! ([`ThreadTable`], and their read for a scrape).
 use std::{collections::BTreeMap, sync::Arc};
 
 use aya::maps::{MapError, PerCpuValues};
