@@ -1,9 +1,10 @@
 //! The thread state machine of DESIGN §3, fed by `sched.rs` (switches and wakeups)
 //! and by the request state machine (a thread starts or stops serving). Each watched
-//! thread's entry (`THREAD_ENTRIES`, or `THREADS`) holds its [`Activity`] since when; leaving an activity
-//! closes the interval into the per-CPU stats of the thread's pool (a run-queue wait
-//! also into the pool's run-queue histogram), and, while the thread holds requests,
-//! into their components too.
+//! thread's entry (its slot of `THREAD_ENTRIES`, or `THREADS` if another thread owns
+//! the slot) holds its [`Activity`] since when; leaving an activity closes the
+//! interval into the per-CPU stats of the thread's pool (a run-queue wait also into
+//! the pool's run-queue histogram), and, while the thread holds requests, into their
+//! components too.
 use core::ptr::{read_volatile, write_volatile};
 
 use aya_ebpf::{
@@ -145,7 +146,7 @@ pub fn unfollow(tid: u32) {
     if released != Release::NotOwner {
         return;
     }
-    // SAFETY: as in `follow`.
+    // SAFETY: as in `claim`.
     let word = unsafe { read_volatile(owner) };
     if slot_overflow(word) != 0 && THREADS.remove(tid).is_ok() {
         atomic_add(owner, SLOT_OVERFLOW_ONE.wrapping_neg());
@@ -165,7 +166,7 @@ enum Release {
 
 #[inline(always)]
 fn release(owner: &mut u64, tid: u32) -> Release {
-    // SAFETY: as in `follow`.
+    // SAFETY: as in `claim`.
     let word = unsafe { read_volatile(owner) };
     if tid == 0 || slot_owner(word) != tid {
         Release::NotOwner

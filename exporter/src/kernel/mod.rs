@@ -418,12 +418,7 @@ impl Kernel {
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
             offcpu_captures: take(&mut ebpf, maps::OFFCPU_CAPTURES)?,
             service_counters: take(&mut ebpf, maps::SERVICE_COUNTERS)?,
-            thread_slots: ThreadSlots::map(&ebpf, limits.thread_slots).map_err(|source| {
-                KernelError::Mmap {
-                    map: maps::THREAD_ENTRIES,
-                    source,
-                }
-            })?,
+            thread_slots: ThreadSlots::map(&ebpf, limits.thread_slots)?,
             threads: take(&mut ebpf, maps::THREADS)?,
             threads_overflow: 0,
             pool_epoch: take(&mut ebpf, maps::POOL_EPOCH)?,

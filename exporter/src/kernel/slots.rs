@@ -15,6 +15,8 @@ use poolscope_shared::{
     SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Thread, maps, slot_overflow, slot_owner, thread_slot,
 };
 
+use super::KernelError;
+
 /// A shared, writable mapping of a BPF array's values.
 #[derive(Debug)]
 struct Mapping {
@@ -82,11 +84,14 @@ pub(super) enum Claim {
 
 impl ThreadSlots {
     /// Maps both arrays of `ebpf`, of `slots` entries each.
-    pub fn map(ebpf: &Ebpf, slots: u32) -> io::Result<Self> {
-        let slots_len = slots as usize;
+    pub fn map(ebpf: &Ebpf, slots: u32) -> Result<Self, KernelError> {
+        let map = |name, value_size| {
+            Mapping::of(ebpf, name, slots as usize * value_size)
+                .map_err(|source| KernelError::Mmap { map: name, source })
+        };
         Ok(Self {
-            owners: Mapping::of(ebpf, maps::THREAD_OWNERS, slots_len * size_of::<u64>())?,
-            entries: Mapping::of(ebpf, maps::THREAD_ENTRIES, slots_len * size_of::<Thread>())?,
+            owners: map(maps::THREAD_OWNERS, size_of::<u64>())?,
+            entries: map(maps::THREAD_ENTRIES, size_of::<Thread>())?,
             slots,
         })
     }
