@@ -13,7 +13,7 @@ use aya_ebpf::{
 };
 use poolscope_shared::{
     Activity, NO_POOL, Peer, SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Serving, THREAD_SLOTS, Thread,
-    histogram_bucket, slot_overflow, slot_owner,
+    histogram_bucket, slot_claimant, slot_claiming, slot_overflow, slot_owner,
 };
 
 use crate::{
@@ -103,7 +103,7 @@ enum Claim {
 fn claim(owner: &mut u64, entry: &mut Thread, tid: u32, thread: &Thread) -> Claim {
     // SAFETY: an aligned u64 of a live map value.
     let word = unsafe { read_volatile(owner) };
-    let owned_by = slot_owner(word) & !(SLOT_CLAIMING as u32);
+    let owned_by = slot_claimant(word);
     if owned_by == tid {
         // Ours already (a stale entry): replaced, unless user space, which found the
         // thread running, is filling it right now.
@@ -115,7 +115,7 @@ fn claim(owner: &mut u64, entry: &mut Thread, tid: u32, thread: &Thread) -> Clai
     if owned_by != 0 {
         return Claim::Taken;
     }
-    if !compare_and_swap(owner, word, word | SLOT_CLAIMING | u64::from(tid)) {
+    if !compare_and_swap(owner, word, slot_claiming(word, tid)) {
         return Claim::Raced;
     }
     *entry = *thread;

@@ -28,6 +28,18 @@ pub const fn slot_owner(word: u64) -> u32 {
     word as u32
 }
 
+/// The tid that owns a slot or is claiming it, from its [`maps::THREAD_OWNERS`]
+/// word (0: none): a thread finds its own slot taken by itself, not by another.
+pub const fn slot_claimant(word: u64) -> u32 {
+    slot_owner(word) & !(SLOT_CLAIMING as u32)
+}
+
+/// The [`maps::THREAD_OWNERS`] word while `tid` fills the free slot whose word was
+/// `free` (its overflow count kept).
+pub const fn slot_claiming(free: u64, tid: u32) -> u64 {
+    free | SLOT_CLAIMING | tid as u64
+}
+
 /// How many followed threads of a slot live in [`maps::THREADS`] instead, from its
 /// [`maps::THREAD_OWNERS`] word: a lookup there is needed only if this is not 0.
 pub const fn slot_overflow(word: u64) -> u32 {
@@ -351,6 +363,32 @@ const _: () = assert!(core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT *
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slot_word_holds_its_owner_claimant_and_overflow() {
+        let free = 3 * SLOT_OVERFLOW_ONE;
+        let claiming = slot_claiming(free, 4242);
+        assert_eq!(
+            (slot_owner(free), slot_claimant(free), slot_overflow(free)),
+            (0, 0, 3)
+        );
+        // While it is claimed, no tid matches the owner; the claimant is the tid.
+        assert_ne!(slot_owner(claiming), 4242);
+        assert_eq!(
+            (slot_claimant(claiming), slot_overflow(claiming)),
+            (4242, 3)
+        );
+        let owned = claiming - SLOT_CLAIMING;
+        assert_eq!(
+            (
+                slot_owner(owned),
+                slot_claimant(owned),
+                slot_overflow(owned)
+            ),
+            (4242, 4242, 3)
+        );
+        assert_eq!(owned - 4242, free);
+    }
 
     #[test]
     fn blocked_threads_are_classified_by_wait_and_request() {

@@ -12,7 +12,8 @@ use std::{
 
 use aya::{Ebpf, maps::Map};
 use poolscope_shared::{
-    SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Thread, maps, slot_overflow, slot_owner, thread_slot,
+    SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Thread, maps, slot_claimant, slot_claiming, slot_overflow,
+    slot_owner, thread_slot,
 };
 
 use super::KernelError;
@@ -120,14 +121,14 @@ impl ThreadSlots {
         loop {
             // Claimed for the same thread (by the kernel at its creation, perhaps
             // right now): the kernel's entry is the one to keep.
-            let owned_by = slot_owner(word) & !(SLOT_CLAIMING as u32);
+            let owned_by = slot_claimant(word);
             if owned_by == tid {
                 return Claim::Owned;
             }
             if owned_by != 0 {
                 return Claim::Taken;
             }
-            let claiming = word | SLOT_CLAIMING | u64::from(tid);
+            let claiming = slot_claiming(word, tid);
             match owner.compare_exchange(word, claiming, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => break,
                 // Claimed meanwhile, or its overflow count moved: look again.
@@ -177,8 +178,9 @@ impl ThreadSlots {
             let owner = self.owner(slot);
             let word = owner.load(Ordering::Acquire);
             overflow += u64::from(slot_overflow(word));
+            // Free, or being filled.
             let tid = slot_owner(word);
-            if tid == 0 || u64::from(tid) & SLOT_CLAIMING != 0 {
+            if tid == 0 || tid != slot_claimant(word) {
                 continue;
             }
             // SAFETY: a live slot of the mapping; the kernel may write it meanwhile
