@@ -114,7 +114,9 @@ pub fn collect_all(reading: &Reading<'_>, timings: &mut Timings) -> Vec<Family> 
 
 #[cfg(test)]
 mod tests {
-    use poolscope_shared::{DownstreamKey, DownstreamWait, Peer, ServiceCounters};
+    use std::sync::Arc;
+
+    use poolscope_shared::{DownstreamKey, DownstreamWait, Histogram, Peer, ServiceCounters};
 
     use super::*;
     use crate::{
@@ -231,8 +233,11 @@ mod tests {
                     histogram.buckets[bucket] += 10;
                     histogram.sum_ns += 10 * ns;
                 }
-                std::sync::Arc::make_mut(&mut totals.runqueue).buckets[bucket] += 3;
-                totals.lock_waits[0].buckets[bucket] += 2;
+                let add = |histogram: &mut Option<Arc<Histogram>>, count| {
+                    Arc::make_mut(histogram.get_or_insert_default()).buckets[bucket] += count;
+                };
+                add(&mut totals.runqueue, 3);
+                add(&mut totals.lock_waits[0], 2);
             }
             totals.time_ns = [1_000_000; poolscope_shared::Activity::COUNT];
             totals.request_ns = [500_000; poolscope_shared::Activity::COUNT];

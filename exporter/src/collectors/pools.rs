@@ -124,14 +124,13 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
             );
         }
         // A pool that never waited exports no empty distribution.
-        if totals.runqueue.count() > 0 {
-            runqueue.push_value(&labels, distribution(&totals.runqueue));
+        if let Some(histogram) = &totals.runqueue {
+            runqueue.push_value(&labels, distribution(histogram));
         }
         for primitive in LockPrimitive::ALL {
-            let histogram = &totals.lock_waits[primitive as usize];
-            if histogram.count() == 0 {
+            let Some(histogram) = &totals.lock_waits[primitive as usize] else {
                 continue;
-            }
+            };
             lock_waits.push_value(
                 &[
                     ("service", input.service),

@@ -51,7 +51,7 @@ use self::syscalls::{syscall_number, wait_classes};
 pub use self::tables::fake;
 pub use self::{
     map_errors::MapErrors,
-    read::{MapFill, ProgramStats, Readout},
+    read::{LockWaits, MapFill, ProgramStats, Readout},
     services::Adopted,
     tables::{ServedConnection, ThreadTable, WatchTable},
 };

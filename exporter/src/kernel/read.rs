@@ -11,6 +11,10 @@ use poolscope_shared::{
 
 use super::{Backend, Kernel, KernelError, WatchTable};
 
+/// A pool's lock waits per [`LockPrimitive`], `None` for a primitive it never waited
+/// on.
+pub type LockWaits = [Option<Arc<Histogram>>; LockPrimitive::COUNT as usize];
+
 /// Everything the kernel counted, read for one scrape.
 #[derive(Clone, Debug, Default)]
 pub struct Readout {
@@ -26,8 +30,8 @@ pub struct Readout {
     /// Run-queue waits of each pool (shared with the kernel reader's copy, as the
     /// request times).
     pub runqueues: BTreeMap<u32, Arc<Histogram>>,
-    /// Lock waits of each pool that waited, per [`LockPrimitive`].
-    pub lock_waits: BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>>,
+    /// Lock waits of each pool that waited (shared as the run-queue waits).
+    pub lock_waits: BTreeMap<u32, LockWaits>,
     /// Network waits of each pool's serving threads, per socket peer.
     pub downstreams: Vec<(DownstreamKey, DownstreamWait)>,
     /// CLOCK_MONOTONIC ns between reading `pools` and `threads`: the end of each

@@ -8,7 +8,7 @@ use poolscope_shared::{
     DownstreamKey, Histogram, LockPrimitive, NO_POOL, PoolStats, Thread, lock_wait_index, maps,
 };
 
-use super::{BPF_NOEXIST, Claim, Kernel, KernelError, Readout, ThreadTable};
+use super::{BPF_NOEXIST, Claim, Kernel, KernelError, LockWaits, Readout, ThreadTable};
 
 impl ThreadTable for Kernel {
     fn follow_thread(&mut self, tid: u32, thread: Thread) -> Result<(), MapError> {
@@ -174,15 +174,17 @@ impl Kernel {
         Ok(())
     }
 
-    /// The run-queue waits of each of `pools` (with their stats, read just before):
-    /// the histograms whose count moved since they were last read are read again,
-    /// the rest kept.
+    /// The run-queue waits of each of `pools` that waited (with their stats, read just
+    /// before): the histograms whose count moved since they were last read are read
+    /// again, the rest kept.
     fn read_runqueues(
         &mut self,
         pools: &BTreeMap<u32, Box<PoolStats>>,
     ) -> Result<BTreeMap<u32, Arc<Histogram>>, KernelError> {
+        // A pool that never waited has no entry rather than zeros.
         let counts: Vec<(u32, u64)> = pools
             .iter()
+            .filter(|(_, stats)| stats.runqueue_waits > 0)
             .map(|(&pool, stats)| (pool, stats.runqueue_waits))
             .collect();
         self.runqueues_read
@@ -200,10 +202,7 @@ impl Kernel {
 
     /// The lock waits of each of `pools` that waited: the histograms whose count
     /// moved since they were last read are read again, the rest kept.
-    fn read_lock_waits(
-        &mut self,
-        pools: &[u32],
-    ) -> Result<BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>>, KernelError> {
+    fn read_lock_waits(&mut self, pools: &[u32]) -> Result<BTreeMap<u32, LockWaits>, KernelError> {
         let batch_error = |map| move |source| KernelError::Batch { map, source };
         let indexes: Vec<u32> = pools
             .iter()
@@ -229,13 +228,12 @@ impl Kernel {
                 Ok(fresh)
             })
             .map_err(batch_error(maps::LOCK_WAITS))?;
-        let mut waits: BTreeMap<u32, Box<[Histogram; LockPrimitive::COUNT as usize]>> =
-            BTreeMap::new();
+        let mut waits: BTreeMap<u32, LockWaits> = BTreeMap::new();
         for (index, _) in counts {
             if let Some(histogram) = self.lock_waits_read.get(index) {
                 let (pool, primitive) =
                     (index / LockPrimitive::COUNT, index % LockPrimitive::COUNT);
-                waits.entry(pool).or_default()[primitive as usize] = **histogram;
+                waits.entry(pool).or_default()[primitive as usize] = Some(Arc::clone(histogram));
             }
         }
         Ok(waits)

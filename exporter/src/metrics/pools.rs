@@ -12,13 +12,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use poolscope_shared::{Activity, Histogram, LockPrimitive, PoolStats, Thread, maps};
+use poolscope_shared::{Activity, Histogram, Thread, maps};
 
 use crate::{
     clock::monotonic_ns,
     discovery::ids::DenseIds,
     discovery::procfs,
-    kernel::{MapErrors, Readout, ThreadTable},
+    kernel::{LockWaits, MapErrors, Readout, ThreadTable},
 };
 
 /// `thread_seconds_total{state}`: the thread states of DESIGN §3 as sums of activities.
@@ -127,13 +127,14 @@ pub struct PoolTotals {
     pub time_ns: [u64; Activity::COUNT],
     /// Request time per [`Activity`] of the serving thread.
     pub request_ns: [u64; Activity::COUNT],
-    /// Shared with the kernel reader's copy (kept between reads, see
-    /// `kernel/reread.rs`), as the lock waits are boxed: kilobytes each, and every
-    /// scrape moves the totals of every pool through maps and rows (moved whole,
-    /// they cost a 110-service scrape 4 ms).
-    pub runqueue: Arc<Histogram>,
-    /// Lock waits per [`LockPrimitive`].
-    pub lock_waits: Box<[Histogram; LockPrimitive::COUNT as usize]>,
+    /// Run-queue waits, `None` if the pool never waited. Histograms are kilobytes
+    /// each and every scrape moves the totals of every pool through maps and rows:
+    /// they are shared with the kernel reader's copy (kept between reads, see
+    /// `kernel/reread.rs`), and a pool that never waited carries none (zeroed ones,
+    /// allocated, copied and summed for every pool, cost a 110-service scrape ~1 ms).
+    pub runqueue: Option<Arc<Histogram>>,
+    /// Lock waits per [`LockPrimitive`], `None` for a primitive never waited on.
+    pub lock_waits: LockWaits,
     pub threads: u64,
     pub threads_busy: u64,
 }
@@ -155,10 +156,14 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
         .pools
         .iter()
         .map(|(pool, stats)| {
-            let mut totals = from_stats(stats, readout.runqueues.get(pool));
-            if let Some(waits) = readout.lock_waits.get(pool) {
-                totals.lock_waits = waits.clone();
-            }
+            let totals = PoolTotals {
+                time_ns: stats.time_ns,
+                request_ns: stats.request_ns,
+                runqueue: readout.runqueues.get(pool).cloned(),
+                lock_waits: readout.lock_waits.get(pool).cloned().unwrap_or_default(),
+                threads: 0,
+                threads_busy: 0,
+            };
             (*pool, totals)
         })
         .collect();
@@ -176,17 +181,6 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
         }
     }
     totals
-}
-
-fn from_stats(stats: &PoolStats, runqueue: Option<&Arc<Histogram>>) -> PoolTotals {
-    PoolTotals {
-        time_ns: stats.time_ns,
-        request_ns: stats.request_ns,
-        runqueue: runqueue.cloned().unwrap_or_default(),
-        lock_waits: Box::default(),
-        threads: 0,
-        threads_busy: 0,
-    }
 }
 
 /// A thread's time on CPU and in the run queue up to `now_ns`, open interval included
@@ -433,6 +427,8 @@ impl Pools {
 
 #[cfg(test)]
 mod tests {
+    use poolscope_shared::PoolStats;
+
     use super::*;
     use crate::kernel::fake::FakeTables;
 
