@@ -69,9 +69,11 @@ pub static WAIT_CLASSES: Array<u32> = Array::with_max_entries(SYSCALL_TABLE_SIZE
 #[map]
 pub static LOCK_WAITS: Array<Histogram> =
     Array::with_max_entries(MAX_POOLS * LockPrimitive::COUNT, 0);
+/// Records in each `LOCK_WAITS` histogram; mmap-able: a scrape reads every pool's
+/// without a system call, and `LOCK_WAITS` only where one moved.
 #[map]
 pub static LOCK_WAIT_COUNTS: Array<u64> =
-    Array::with_max_entries(MAX_POOLS * LockPrimitive::COUNT, 0);
+    Array::with_max_entries(MAX_POOLS * LockPrimitive::COUNT, BPF_F_MMAPABLE);
 #[map]
 pub static LOCKS: HashMap<LockKey, Histogram> = HashMap::with_max_entries(MAX_LOCKS, 0);
 #[map]

@@ -9,6 +9,7 @@ pub mod caps;
 mod entries;
 mod locks;
 mod map_errors;
+mod mapping;
 mod offsets;
 mod read;
 mod reread;
@@ -40,6 +41,7 @@ use self::attach::{
     attach_tracepoint, load_on_demand,
 };
 use self::batch::BatchMap;
+use self::mapping::Counters;
 use self::offsets::{
     BTF_VMLINUX, downstream_offsets, exit_has_group_dead, socket_inode_offsets,
     socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
@@ -146,7 +148,8 @@ pub struct Kernel {
     pool_stats: PerCpuArray<MapData, PoolStats>,
     pool_runqueue: PerCpuArray<MapData, Histogram>,
     lock_waits: Array<MapData, Histogram>,
-    lock_wait_counts: Array<MapData, u64>,
+    /// Counts of the records in `lock_waits` (mapped: a scrape reads them all).
+    lock_wait_counts: Counters,
     locks: HashMap<MapData, LockKey, Histogram>,
     lock_stacks: StackTraceMap<MapData>,
     downstream_waits: HashMap<MapData, DownstreamKey, DownstreamWait>,
@@ -186,7 +189,6 @@ struct BatchMaps {
     pool_stats: BatchMap,
     pool_runqueue: BatchMap,
     lock_waits: BatchMap,
-    lock_wait_counts: BatchMap,
     service_counters: BatchMap,
     request_times: BatchMap,
     losses: BatchMap,
@@ -205,7 +207,6 @@ impl BatchMaps {
             pool_stats: of(maps::POOL_STATS)?,
             pool_runqueue: of(maps::POOL_RUNQUEUE)?,
             lock_waits: of(maps::LOCK_WAITS)?,
-            lock_wait_counts: of(maps::LOCK_WAIT_COUNTS)?,
             service_counters: of(maps::SERVICE_COUNTERS)?,
             request_times: of(maps::REQUEST_TIMES)?,
             losses: of(maps::LOSSES)?,
@@ -428,7 +429,11 @@ impl Kernel {
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
             pool_runqueue: take(&mut ebpf, maps::POOL_RUNQUEUE)?,
             lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,
-            lock_wait_counts: take(&mut ebpf, maps::LOCK_WAIT_COUNTS)?,
+            lock_wait_counts: Counters::of(
+                &ebpf,
+                maps::LOCK_WAIT_COUNTS,
+                limits.max_pools * LockPrimitive::COUNT,
+            )?,
             locks: take(&mut ebpf, maps::LOCKS)?,
             lock_stacks: take(&mut ebpf, maps::LOCK_STACKS)?,
             downstream_waits: take(&mut ebpf, maps::DOWNSTREAM_WAITS)?,

@@ -3,67 +3,15 @@
 //! reading every entry for a scrape without a system call. The kernel claims and
 //! frees slots with the same compare-and-swap on the owner words, whose layout is
 //! `poolscope_shared`'s (`slot_owner`, `slot_overflow`, `SLOT_CLAIMING`).
-use std::{
-    io,
-    os::fd::{AsFd as _, AsRawFd as _},
-    ptr::NonNull,
-    sync::atomic::{AtomicU64, Ordering},
-};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use aya::{Ebpf, maps::Map};
+use aya::Ebpf;
 use poolscope_shared::{
     SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Thread, maps, slot_claimant, slot_claiming, slot_overflow,
     slot_owner, thread_slot,
 };
 
-use super::KernelError;
-
-/// A shared, writable mapping of a BPF array's values.
-#[derive(Debug)]
-struct Mapping {
-    base: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain shared memory; every access goes through atomics or
-// volatile copies, whichever thread makes it.
-unsafe impl Send for Mapping {}
-
-impl Mapping {
-    /// Maps the values of the array `name` of `ebpf`: `len` bytes.
-    fn of(ebpf: &Ebpf, name: &'static str, len: usize) -> io::Result<Self> {
-        let Some(Map::Array(data)) = ebpf.map(name) else {
-            return Err(io::Error::new(
-                io::ErrorKind::NotFound,
-                format!("no array {name}"),
-            ));
-        };
-        // SAFETY: a new shared mapping of the map's fd (created BPF_F_MMAPABLE),
-        // no larger than its values; nothing else is at the address the kernel picks.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                data.fd().as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let base = NonNull::new(base.cast::<u8>()).ok_or_else(io::Error::last_os_error)?;
-        Ok(Self { base, len })
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping, unmapped once; nothing borrows it past `self`.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
-    }
-}
+use super::{KernelError, mapping::Mapping};
 
 /// The thread array as user space sees it.
 #[derive(Debug)]
@@ -86,13 +34,9 @@ pub(super) enum Claim {
 impl ThreadSlots {
     /// Maps both arrays of `ebpf`, of `slots` entries each.
     pub fn map(ebpf: &Ebpf, slots: u32) -> Result<Self, KernelError> {
-        let map = |name, value_size| {
-            Mapping::of(ebpf, name, slots as usize * value_size)
-                .map_err(|source| KernelError::Mmap { map: name, source })
-        };
         Ok(Self {
-            owners: map(maps::THREAD_OWNERS, size_of::<u64>())?,
-            entries: map(maps::THREAD_ENTRIES, size_of::<Thread>())?,
+            owners: Mapping::of(ebpf, maps::THREAD_OWNERS, slots, size_of::<u64>())?,
+            entries: Mapping::of(ebpf, maps::THREAD_ENTRIES, slots, size_of::<Thread>())?,
             slots,
         })
     }
@@ -103,14 +47,13 @@ impl ThreadSlots {
 
     fn owner(&self, slot: usize) -> &AtomicU64 {
         debug_assert!(slot < self.slots as usize);
-        // SAFETY: `slot` is below the array's size (a tid masked by it); the word is
-        // 8-byte aligned in a page-aligned mapping and only ever accessed atomically.
-        unsafe { AtomicU64::from_ptr(self.owners.base.as_ptr().cast::<u64>().add(slot)) }
+        // SAFETY: `slot` is below the array's size (a tid masked by it).
+        unsafe { self.owners.word(slot) }
     }
 
     fn entry(&self, slot: usize) -> *mut Thread {
         // SAFETY: as in `owner`; entries are 144 bytes, a multiple of their alignment.
-        unsafe { self.entries.base.as_ptr().cast::<Thread>().add(slot) }
+        unsafe { self.entries.base().cast::<Thread>().add(slot) }
     }
 
     /// Follows `tid` with `thread` in its slot if the slot is free.

@@ -65,7 +65,7 @@ impl ThreadTable for Kernel {
         for primitive in LockPrimitive::ALL {
             let index = lock_wait_index(pool, primitive);
             self.lock_waits.set(index, Histogram::default(), 0)?;
-            self.lock_wait_counts.set(index, 0, 0)?;
+            self.lock_wait_counts.reset(index);
             self.lock_waits_read.forget(index);
         }
         // Normally gone already (released with its service), unless a thread of the
@@ -204,20 +204,13 @@ impl Kernel {
     /// moved since they were last read are read again, the rest kept.
     fn read_lock_waits(&mut self, pools: &[u32]) -> Result<BTreeMap<u32, LockWaits>, KernelError> {
         let batch_error = |map| move |source| KernelError::Batch { map, source };
-        let indexes: Vec<u32> = pools
+        // Most pools never wait on a lock: no entry rather than zeros.
+        let counts: Vec<(u32, u64)> = pools
             .iter()
             .flat_map(|&pool| LockPrimitive::ALL.map(|primitive| lock_wait_index(pool, primitive)))
+            .map(|index| (index, self.lock_wait_counts.get(index)))
+            .filter(|&(_, count)| count > 0)
             .collect();
-        let mut counts = Vec::with_capacity(indexes.len());
-        self.batch
-            .lock_wait_counts
-            .array_each_of::<u64>(&indexes, 1, |index, &count| {
-                // Most pools never wait on a lock: no entry rather than zeros.
-                if count > 0 {
-                    counts.push((index as u32, count));
-                }
-            })
-            .map_err(batch_error(maps::LOCK_WAIT_COUNTS))?;
         let batch = &self.batch.lock_waits;
         self.lock_waits_read
             .refresh(&counts, |moved| {

@@ -1,0 +1,122 @@
+//! BPF arrays created `BPF_F_MMAPABLE`, mapped into user space ([`Mapping`]): what a
+//! scrape reads whole and often (the thread array, the lock-wait counters) is read
+//! there without a system call per entry.
+use std::{
+    io,
+    os::fd::{AsFd as _, AsRawFd as _},
+    ptr::NonNull,
+    sync::atomic::AtomicU64,
+};
+
+use aya::{Ebpf, maps::Map};
+
+use super::KernelError;
+
+/// A shared, writable mapping of a BPF array's values.
+#[derive(Debug)]
+pub(super) struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; every access goes through atomics or
+// volatile copies, whichever thread makes it.
+unsafe impl Send for Mapping {}
+
+impl Mapping {
+    /// Maps the values of the array `name` of `ebpf`: `entries` of `value_size` bytes.
+    pub fn of(
+        ebpf: &Ebpf,
+        name: &'static str,
+        entries: u32,
+        value_size: usize,
+    ) -> Result<Self, KernelError> {
+        Self::map(ebpf, name, entries as usize * value_size)
+            .map_err(|source| KernelError::Mmap { map: name, source })
+    }
+
+    fn map(ebpf: &Ebpf, name: &'static str, len: usize) -> io::Result<Self> {
+        let Some(Map::Array(data)) = ebpf.map(name) else {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no array {name}"),
+            ));
+        };
+        // SAFETY: a new shared mapping of the map's fd (created BPF_F_MMAPABLE),
+        // no larger than its values; nothing else is at the address the kernel picks.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                data.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(base.cast::<u8>()).ok_or_else(io::Error::last_os_error)?;
+        Ok(Self { base, len })
+    }
+
+    /// The first value.
+    pub fn base(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// The `index`th value of an array of u64s, which the kernel and user space only
+    /// ever access atomically.
+    ///
+    /// # Safety
+    /// `index` is below the array's size.
+    pub unsafe fn word(&self, index: usize) -> &AtomicU64 {
+        debug_assert!((index + 1) * size_of::<u64>() <= self.len);
+        // SAFETY: in the mapping (the caller's promise), 8-byte aligned in a
+        // page-aligned mapping of u64s.
+        unsafe { AtomicU64::from_ptr(self.base().cast::<u64>().add(index)) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once; nothing borrows it past `self`.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A mapped array of u64 counters that the kernel adds to atomically.
+#[derive(Debug)]
+pub(super) struct Counters {
+    mapping: Mapping,
+    entries: u32,
+}
+
+impl Counters {
+    /// Maps the array `name` of `ebpf`, of `entries` counters.
+    pub fn of(ebpf: &Ebpf, name: &'static str, entries: u32) -> Result<Self, KernelError> {
+        Ok(Self {
+            mapping: Mapping::of(ebpf, name, entries, size_of::<u64>())?,
+            entries,
+        })
+    }
+
+    /// Counter `index`, 0 past the end.
+    pub fn get(&self, index: u32) -> u64 {
+        self.word(index)
+            .map_or(0, |word| word.load(std::sync::atomic::Ordering::Acquire))
+    }
+
+    /// Sets counter `index` to 0 (its entry gets a new owner).
+    pub fn reset(&self, index: u32) {
+        if let Some(word) = self.word(index) {
+            word.store(0, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    fn word(&self, index: u32) -> Option<&AtomicU64> {
+        // SAFETY: below the array's size, checked.
+        (index < self.entries).then(|| unsafe { self.mapping.word(index as usize) })
+    }
+}
