@@ -37,7 +37,8 @@ pub struct Reading<'a> {
     /// families are then exported at zero).
     pub kernel: Option<&'a Readout>,
     pub services: &'a [ServiceView],
-    /// Each service's request times over the quantile window.
+    /// The request times over the quantile window of each service that finished
+    /// a request in it.
     pub windows: &'a BTreeMap<u32, RequestTimes>,
     pub pools: &'a [PoolRow],
     /// The listen queues of the services; `None` if reading them failed.

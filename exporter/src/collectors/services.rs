@@ -31,8 +31,8 @@ pub struct ServiceInput<'a> {
     pub counters: &'a ServiceCounters,
     /// Cumulative request times since the service id was assigned.
     pub times: &'a RequestTimes,
-    /// Request times over the quantile window.
-    pub window: &'a RequestTimes,
+    /// Request times over the quantile window; `None` if none finished in it.
+    pub window: Option<&'a RequestTimes>,
     /// Request time by what the serving thread did, ns per [`COMPONENTS`] entry.
     pub components: [u64; COMPONENTS.len()],
 }
@@ -159,14 +159,14 @@ impl RequestFamilies {
         &mut self,
         labels: &[(&'static str, &str)],
         times: &RequestTimes,
-        window: &RequestTimes,
+        window: Option<&RequestTimes>,
     ) {
         // A service with no request finished in the window exports no histograms:
         // their series come back with its next request, cumulative as before.
-        let windowed = [&window.queue, &window.duration, &window.latency];
-        if windowed.iter().all(|histogram| histogram.count() == 0) {
+        let Some(window) = window else {
             return;
-        }
+        };
+        let windowed = [&window.queue, &window.duration, &window.latency];
         let cumulative = [&times.queue, &times.duration, &times.latency];
         for (family, histogram) in self.histograms.iter_mut().zip(cumulative) {
             family.push_value(labels, self.buckets.value(histogram));
@@ -213,7 +213,7 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
             times: kernel
                 .and_then(|k| k.request_times.get(&view.id).map(std::sync::Arc::as_ref))
                 .unwrap_or(&no_times),
-            window: reading.windows.get(&view.id).unwrap_or(&no_times),
+            window: reading.windows.get(&view.id),
             components: components.get(&view.id).copied().unwrap_or_default(),
         })
         .collect();
@@ -461,7 +461,7 @@ mod tests {
             view: &view,
             counters: &counters,
             times: &times,
-            window: &times,
+            window: Some(&times),
             components: [0; COMPONENTS.len()],
         }];
         let mut syscalls = BTreeMap::new();

@@ -60,7 +60,9 @@ impl Exporter {
         let mut windows = BTreeMap::new();
         if let Some(kernel) = &kernel {
             for (service, times) in &kernel.request_times {
-                windows.insert(*service, core.windows.delta(*service, now, times));
+                if let Some(delta) = core.windows.delta(*service, now, times) {
+                    windows.insert(*service, delta);
+                }
             }
             let live: Vec<u32> = kernel.request_times.keys().copied().collect();
             core.windows.retain(&live);

@@ -138,8 +138,15 @@ impl Windows {
     }
 
     /// What `service` finished over about the last `length` (or since its first
-    /// reading), given its cumulative `times` read at `now`.
-    pub fn delta(&mut self, service: u32, now: Instant, times: &RequestTimes) -> RequestTimes {
+    /// reading), given its cumulative `times` read at `now`; `None` if it finished
+    /// nothing (most services of a node, most of the time: no kilobytes of zeros
+    /// subtracted and moved for them).
+    pub fn delta(
+        &mut self,
+        service: u32,
+        now: Instant,
+        times: &RequestTimes,
+    ) -> Option<RequestTimes> {
         let history = self.history.entry(service).or_default();
         // Counters went back: the id was freed and reused; its past is not ours.
         if history
@@ -157,12 +164,13 @@ impl Windows {
             history.pop_front();
         }
         let delta = match history.front() {
-            Some((_, base)) => RequestTimes {
+            Some((_, base)) if **base == *times => None,
+            Some((_, base)) => Some(RequestTimes {
                 queue: minus(&times.queue, &base.queue),
                 duration: minus(&times.duration, &base.duration),
                 latency: minus(&times.latency, &base.latency),
-            },
-            None => *times,
+            }),
+            None => (*times != RequestTimes::default()).then_some(*times),
         };
         if history
             .back()
@@ -308,24 +316,30 @@ mod tests {
             ..RequestTimes::default()
         };
         // First reading: everything so far.
-        assert_eq!(windows.delta(1, start, &times).duration.count(), 10);
+        let count = |delta: Option<RequestTimes>| delta.map(|delta| delta.duration.count());
+        assert_eq!(count(windows.delta(1, start, &times)), Some(10));
         times.duration.add(&histogram_of(&[2_000_000; 5]));
         let delta = windows.delta(1, start + Duration::from_secs(30), &times);
-        assert_eq!(delta.duration.count(), 5);
+        assert_eq!(count(delta), Some(5));
         times.duration.add(&histogram_of(&[3_000_000; 7]));
         // 70 s in: the 30 s reading is not 60 s old yet, so the first one stays the base.
         let delta = windows.delta(1, start + Duration::from_secs(70), &times);
-        assert_eq!(delta.duration.count(), 12);
+        assert_eq!(count(delta), Some(12));
         let delta = windows.delta(1, start + Duration::from_secs(95), &times);
-        assert_eq!(delta.duration.count(), 7, "base moved to the 30 s reading");
+        assert_eq!(count(delta), Some(7), "base moved to the 30 s reading");
+        // Nothing finished since: the 7 stay in the window until it passes them.
+        let delta = windows.delta(1, start + Duration::from_secs(96), &times);
+        assert_eq!(count(delta), Some(7));
+        let delta = windows.delta(1, start + Duration::from_secs(200), &times);
+        assert_eq!(count(delta), None, "nothing finished in the last minute");
         // A reset (id reused) starts over.
         let fresh = RequestTimes::default();
+        let delta = windows.delta(1, start + Duration::from_secs(201), &fresh);
+        assert_eq!(count(delta), None);
         assert_eq!(
-            windows
-                .delta(1, start + Duration::from_secs(100), &fresh)
-                .duration
-                .count(),
-            0
+            count(windows.delta(2, start, &fresh)),
+            None,
+            "a first reading of nothing"
         );
         windows.retain(&[]);
         assert!(windows.history.is_empty());
