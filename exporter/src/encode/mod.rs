@@ -355,7 +355,8 @@ fn write_integer(value: i64, out: &mut String) {
     if value < 0 {
         out.push('-');
     }
-    out.extend(digits[at..].iter().map(|&digit| char::from(digit)));
+    // ASCII digits: one copy rather than a push per digit.
+    out.push_str(std::str::from_utf8(&digits[at..]).unwrap_or_default());
 }
 
 fn write_labels<'a>(

@@ -115,7 +115,10 @@ impl Kernel {
             threads.extend(overflowed);
         }
         let current = self.pools_epoch.wrapping_add(1);
-        let before = std::mem::take(&mut self.thread_pools_read);
+        let before = std::mem::replace(
+            &mut self.thread_pools_read,
+            std::collections::HashMap::with_capacity(threads.len()),
+        );
         let mut entries = Vec::with_capacity(threads.len());
         for (tid, thread) in threads {
             let read_before = before

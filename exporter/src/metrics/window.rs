@@ -149,10 +149,10 @@ impl Windows {
     ) -> Option<RequestTimes> {
         let history = self.history.entry(service).or_default();
         // Counters went back: the id was freed and reused; its past is not ours.
-        if history
-            .back()
-            .is_some_and(|(_, last)| last.duration.count() > times.duration.count())
-        {
+        // (Compared whole first: most services finished nothing since.)
+        if history.back().is_some_and(|(_, last)| {
+            **last != *times && last.duration.count() > times.duration.count()
+        }) {
             history.clear();
         }
         // Keep one reading at least `length` old as the base, and nothing older.
