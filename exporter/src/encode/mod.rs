@@ -361,7 +361,7 @@ fn write_integer(value: i64, out: &mut String) {
 
 fn write_labels<'a>(
     labels: impl ExactSizeIterator<Item = (&'static str, &'a str)>,
-    extra: Option<(&str, f64)>,
+    extra: Option<(&str, &str)>,
     out: &mut String,
 ) {
     let count = labels.len();
@@ -384,10 +384,41 @@ fn write_labels<'a>(
         }
         out.push_str(name);
         out.push_str("=\"");
-        write_value(value, out);
+        out.push_str(value);
         out.push('"');
     }
     out.push('}');
+}
+
+/// The text of the `le` and `quantile` values of one rendering, each formatted once:
+/// every histogram of a family has the same bounds, and formatting a float is most
+/// of what writing a bucket's line costs otherwise.
+#[derive(Default)]
+struct BoundTexts {
+    /// (the value's bits, its text), most recent last.
+    texts: Vec<(u64, String)>,
+}
+
+impl BoundTexts {
+    /// More than the bounds of any bucket layout and the quantiles together.
+    const MAX: usize = 128;
+
+    fn text(&mut self, value: f64) -> &str {
+        let bits = value.to_bits();
+        let at = match self.texts.iter().rposition(|(kept, _)| *kept == bits) {
+            Some(at) => at,
+            None => {
+                if self.texts.len() == Self::MAX {
+                    self.texts.remove(0);
+                }
+                let mut text = String::new();
+                write_value(value, &mut text);
+                self.texts.push((bits, text));
+                self.texts.len() - 1
+            }
+        };
+        &self.texts[at].1
+    }
 }
 
 /// A metric name as its prefix and the rest, written without joining them first.
@@ -406,7 +437,7 @@ fn write_line<'a>(
     name: Name,
     suffix: &str,
     labels: impl ExactSizeIterator<Item = (&'static str, &'a str)>,
-    extra: Option<(&str, f64)>,
+    extra: Option<(&str, &str)>,
     value: f64,
     out: &mut String,
 ) {
@@ -440,6 +471,7 @@ pub fn render(families: &[Family], format: Format) -> String {
 
 /// [`render`] appended to `out`.
 fn render_into(families: &[Family], format: Format, out: &mut String) {
+    let mut bounds = BoundTexts::default();
     for family in families {
         let (kind, number_suffix) = match family.kind {
             Kind::Counter => ("counter", "_total"),
@@ -470,16 +502,16 @@ fn render_into(families: &[Family], format: Format, out: &mut String) {
                     native: _,
                 } => {
                     for (le, cumulative) in buckets {
-                        let le = Some(("le", *le));
+                        let le = Some(("le", bounds.text(*le)));
                         write_line(name, "_bucket", labels.clone(), le, *cumulative as f64, out);
                     }
-                    let inf = Some(("le", f64::INFINITY));
+                    let inf = Some(("le", "+Inf"));
                     write_line(name, "_bucket", labels.clone(), inf, *count as f64, out);
                     write_totals(name, labels, *sum, *count, out);
                 }
                 Value::Summary { quantiles, totals } => {
                     for (quantile, value) in quantiles {
-                        let quantile = Some(("quantile", *quantile));
+                        let quantile = Some(("quantile", bounds.text(*quantile)));
                         write_line(name, "", labels.clone(), quantile, *value, out);
                     }
                     if let Some((sum, count)) = totals {
@@ -654,6 +686,28 @@ mod tests {
         let mut out = String::new();
         write_value(-0.0, &mut out);
         assert_eq!(out, "0");
+    }
+
+    #[test]
+    fn bound_texts_are_the_values_written_once() {
+        let mut texts = BoundTexts::default();
+        let written = |value: f64| {
+            let mut out = String::new();
+            write_value(value, &mut out);
+            out
+        };
+        // More distinct values than are kept, twice over: evicted ones come back right.
+        let values: Vec<f64> = (0..BoundTexts::MAX as u32 + 10)
+            .map(|i| f64::from(i) * 0.000_512 + 0.25)
+            .collect();
+        for _ in 0..2 {
+            for &value in &values {
+                assert_eq!(texts.text(value), written(value));
+            }
+        }
+        assert_eq!(texts.texts.len(), BoundTexts::MAX);
+        assert_eq!(texts.text(0.99), "0.99");
+        assert_eq!(texts.text(f64::INFINITY), "+Inf");
     }
 
     #[test]
