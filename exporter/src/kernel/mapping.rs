@@ -88,18 +88,12 @@ impl Drop for Mapping {
 
 /// A mapped array of u64 counters that the kernel adds to atomically.
 #[derive(Debug)]
-pub(super) struct Counters {
-    mapping: Mapping,
-    entries: u32,
-}
+pub(super) struct Counters(Mapping);
 
 impl Counters {
     /// Maps the array `name` of `ebpf`, of `entries` counters.
     pub fn of(ebpf: &Ebpf, name: &'static str, entries: u32) -> Result<Self, KernelError> {
-        Ok(Self {
-            mapping: Mapping::of(ebpf, name, entries, size_of::<u64>())?,
-            entries,
-        })
+        Ok(Self(Mapping::of(ebpf, name, entries, size_of::<u64>())?))
     }
 
     /// Counter `index`, 0 past the end.
@@ -116,7 +110,8 @@ impl Counters {
     }
 
     fn word(&self, index: u32) -> Option<&AtomicU64> {
-        // SAFETY: below the array's size, checked.
-        (index < self.entries).then(|| unsafe { self.mapping.word(index as usize) })
+        let index = index as usize;
+        // SAFETY: below the array's size (its mapping's), checked.
+        (index < self.0.len / size_of::<u64>()).then(|| unsafe { self.0.word(index) })
     }
 }

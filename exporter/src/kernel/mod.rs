@@ -279,6 +279,8 @@ impl Kernel {
             loader.map_max_entries(name, limits.stacks);
         }
         let copy_stride = limits.stack_copy_stride();
+        // Entries of the per pool × primitive arrays (`LOCK_WAITS`, `LOCK_WAIT_COUNTS`).
+        let lock_wait_slots = limits.max_pools * LockPrimitive::COUNT;
         // Left at 0 where BTF does not have them all: no peer is looked for, and the
         // socket programs are skipped.
         for (name, offset) in downstream.iter().flatten().chain(socket.iter().flatten()) {
@@ -320,11 +322,8 @@ impl Kernel {
                 true,
             )
             .map_max_entries(maps::THREAD_POOLS, limits.threads)
-            .map_max_entries(maps::LOCK_WAITS, limits.max_pools * LockPrimitive::COUNT)
-            .map_max_entries(
-                maps::LOCK_WAIT_COUNTS,
-                limits.max_pools * LockPrimitive::COUNT,
-            )
+            .map_max_entries(maps::LOCK_WAITS, lock_wait_slots)
+            .map_max_entries(maps::LOCK_WAIT_COUNTS, lock_wait_slots)
             .map_max_entries(maps::LOCKS, limits.locks)
             .map_max_entries(maps::LOCK_STACKS, limits.lock_stacks)
             .map_max_entries(maps::PENDING_CALLS, limits.syscalls_in_flight)
@@ -429,11 +428,7 @@ impl Kernel {
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
             pool_runqueue: take(&mut ebpf, maps::POOL_RUNQUEUE)?,
             lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,
-            lock_wait_counts: Counters::of(
-                &ebpf,
-                maps::LOCK_WAIT_COUNTS,
-                limits.max_pools * LockPrimitive::COUNT,
-            )?,
+            lock_wait_counts: Counters::of(&ebpf, maps::LOCK_WAIT_COUNTS, lock_wait_slots)?,
             locks: take(&mut ebpf, maps::LOCKS)?,
             lock_stacks: take(&mut ebpf, maps::LOCK_STACKS)?,
             downstream_waits: take(&mut ebpf, maps::DOWNSTREAM_WAITS)?,

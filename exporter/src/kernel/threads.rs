@@ -206,7 +206,6 @@ impl Kernel {
     /// The lock waits of each of `pools` that waited: the histograms whose count
     /// moved since they were last read are read again, the rest kept.
     fn read_lock_waits(&mut self, pools: &[u32]) -> Result<BTreeMap<u32, LockWaits>, KernelError> {
-        let batch_error = |map| move |source| KernelError::Batch { map, source };
         // Most pools never wait on a lock: no entry rather than zeros.
         let counts: Vec<(u32, u64)> = pools
             .iter()
@@ -223,7 +222,10 @@ impl Kernel {
                 })?;
                 Ok(fresh)
             })
-            .map_err(batch_error(maps::LOCK_WAITS))?;
+            .map_err(|source| KernelError::Batch {
+                map: maps::LOCK_WAITS,
+                source,
+            })?;
         let mut waits: BTreeMap<u32, LockWaits> = BTreeMap::new();
         for (index, _) in counts {
             if let Some(histogram) = self.lock_waits_read.get(index) {
