@@ -9,8 +9,14 @@
 //! thread waits for comes from the syscall it is in (its saved registers: the
 //! number, and a poll's fd count) and from what it holds (one request, several,
 //! none); a futex wait while serving is also a lock wait (`locks.rs`).
+//!
+//! When a woken thread's run-queue wait began is read from the kernel's own
+//! accounting when it goes on CPU (`sched_info`, see [`runqueue_wait`]), so that
+//! `sched_wakeup` is not attached and no clock is read at wakeups (a clock read is
+//! most of what a wakeup program costs: ~75 ns of ~100 on our test VM); on a kernel
+//! whose BTF lacks those fields, `sched_wakeup` stamps each wait's start instead.
 use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
-use poolscope_shared::{Activity, Peer, Serving, WaitClass};
+use poolscope_shared::{Activity, Peer, RUN_DELAY_UNKNOWN, Serving, Thread, WaitClass};
 
 use crate::{
     abi::SavedRegisters,
@@ -25,23 +31,87 @@ use crate::{
 #[unsafe(no_mangle)]
 static TASK_PID_OFFSET: u32 = 0;
 
+/// Where the kernel keeps a task's run-queue waits (`task_struct.sched_info`: their
+/// total `run_delay`, and `last_queued`, when the wait in progress began, 0 if none;
+/// CONFIG_SCHED_INFO) and its run queue's clock (`task_struct.se.cfs_rq`, `cfs_rq.rq`,
+/// `rq.clock`; CONFIG_FAIR_GROUP_SCHED), from the kernel's BTF; all 0 where it lacks
+/// any, and `sched_wakeup` then times the waits.
+#[unsafe(no_mangle)]
+static TASK_RUN_DELAY_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TASK_LAST_QUEUED_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TASK_CFS_RQ_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static CFS_RQ_RQ_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static RQ_CLOCK_OFFSET: u32 = 0;
+
 /// `prev_state` bit of a task in uninterruptible sleep (include/linux/sched.h).
 const TASK_UNINTERRUPTIBLE: u32 = 0x2;
 /// The state bits that say how a task sleeps; the rest are modifiers.
 const TASK_STATE_MASK: u32 = 0xff;
 
+/// The field of kernel struct `base` at `offset` (one of the offset globals).
+#[inline(always)]
+fn field<T: Copy>(base: *const u8, offset: &u32) -> T {
+    // SAFETY: a load-time constant (read-only data, so the verifier knows its value);
+    // volatile so that the compiler does not fold it.
+    let offset = unsafe { core::ptr::read_volatile(offset) };
+    // SAFETY: `base` is a typed pointer the kernel passed to this event, or one loaded
+    // through such a pointer; the verifier checks that the load is of the field (by
+    // its offset and size), and the kernel handles a fault in it.
+    unsafe { core::ptr::read_volatile(base.add(offset as usize).cast::<T>()) }
+}
+
 /// The tid of `task`, a `task_struct` pointer argument of a `tp_btf` program (here and
 /// in `process.rs`).
 #[inline(always)]
 pub(crate) fn task_tid(task: *const u8) -> u32 {
-    // SAFETY: a load-time constant (read-only data, so the verifier knows its value);
-    // volatile so that the compiler does not fold it.
-    let offset = unsafe { core::ptr::read_volatile(&TASK_PID_OFFSET) };
-    // SAFETY: `task` is a typed pointer the kernel passed to this event; the verifier
-    // checks that the load is of the `pid` field (by its offset and size), and the
-    // kernel handles a fault in it.
-    let pid = unsafe { core::ptr::read_volatile(task.add(offset as usize).cast::<i32>()) };
-    pid as u32
+    field::<i32>(task, &TASK_PID_OFFSET) as u32
+}
+
+/// Whether run-queue waits are read from the kernel's `sched_info` (else timed by
+/// `sched_wakeup`).
+#[inline(always)]
+fn run_delay_known() -> bool {
+    // SAFETY: a load-time constant, as in `field`.
+    unsafe { core::ptr::read_volatile(&TASK_RUN_DELAY_OFFSET) != 0 }
+}
+
+/// How long `task`, going on CPU now, waited in the run queue since `thread` last
+/// blocked, by the kernel's accounting (its `sched_clock`; a duration, so the clock
+/// does not matter). The kernel adds a wait to `run_delay` when the task arrives on
+/// CPU (after this tracepoint) or when it moves to another CPU's queue, so the total
+/// is `run_delay` plus the wait in progress, since `last_queued` by the queue's
+/// clock, which the scheduler read at this switch.
+#[inline(always)]
+fn runqueue_wait(task: *const u8, thread: &Thread) -> u64 {
+    let last_queued: u64 = field(task, &TASK_LAST_QUEUED_OFFSET);
+    let pending = if last_queued == 0 {
+        0
+    } else {
+        queue_clock(task).saturating_sub(last_queued)
+    };
+    if thread.run_delay_at_block == RUN_DELAY_UNKNOWN {
+        return pending;
+    }
+    let run_delay: u64 = field(task, &TASK_RUN_DELAY_OFFSET);
+    (run_delay + pending).saturating_sub(thread.run_delay_at_block)
+}
+
+/// The clock of `task`'s run queue (`rq_clock`), 0 if it cannot be reached.
+#[inline(always)]
+fn queue_clock(task: *const u8) -> u64 {
+    let cfs_rq: *const u8 = field(task, &TASK_CFS_RQ_OFFSET);
+    if cfs_rq.is_null() {
+        return 0;
+    }
+    let rq: *const u8 = field(cfs_rq, &CFS_RQ_RQ_OFFSET);
+    if rq.is_null() {
+        return 0;
+    }
+    field(rq, &RQ_CLOCK_OFFSET)
 }
 
 /// sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next,
@@ -74,6 +144,9 @@ fn try_sched_switch(ctx: &BtfTracePointContext) {
             let polled = polled_fds(call, serving);
             let next = Activity::blocked(class, serving, polled, state & TASK_UNINTERRUPTIBLE != 0);
             threads::change(prev_tid, prev, next, now);
+            if run_delay_known() {
+                prev.run_delay_at_block = field(prev_task, &TASK_RUN_DELAY_OFFSET);
+            }
             prev.downstream = match call {
                 Some((regs, _, _)) if next == Activity::OffNetwork => {
                     downstream::peer_of_wait(regs, class, polled)
@@ -88,7 +161,7 @@ fn try_sched_switch(ctx: &BtfTracePointContext) {
         locks::switched_out(ctx, prev_tid, prev, lock_wait, preempted, now);
     }
     let next: *const u8 = ctx.arg(2);
-    switched_in(task_tid(next), now);
+    switched_in(next, now);
 }
 
 /// The syscall `task` (the current one) is in: its saved user registers, what it
@@ -120,40 +193,46 @@ fn polled_fds(call: Option<(SavedRegisters, WaitClass, u64)>, serving: Serving) 
 #[btf_tracepoint(function = "sched_wakeup")]
 pub fn sched_wakeup(ctx: BtfTracePointContext) -> i32 {
     let task: *const u8 = ctx.arg(0);
-    woken(task_tid(task));
+    let tid = task_tid(task);
+    // A wakeup of a thread on CPU or already queued (it was woken before it slept,
+    // or preempted) changes nothing.
+    if let Some(thread) = threads::thread(tid)
+        && Activity::from_u32(thread.activity).is_off_cpu()
+    {
+        woken(tid, thread, now_ns());
+    }
     0
 }
 
-/// `tid` goes on CPU at `now` (0: not read yet): a run-queue wait ends.
+/// `task` goes on CPU at `now` (0: not read yet): a run-queue wait ends.
 #[inline(always)]
-fn switched_in(tid: u32, now: u64) {
+fn switched_in(task: *const u8, now: u64) {
+    let tid = task_tid(task);
     let Some(thread) = threads::thread(tid) else {
         return;
     };
+    let activity = Activity::from_u32(thread.activity);
     // Already running: the switch that put it off CPU was not seen (its entry was
     // made meanwhile).
-    if Activity::from_u32(thread.activity) == Activity::Running {
+    if activity == Activity::Running {
         return;
     }
     let now = if now == 0 { now_ns() } else { now };
-    // From a wait whose wakeup we did not see (entry made while it slept), the
-    // interval closes as that wait and no run-queue wait is timed.
+    if activity.is_off_cpu() && run_delay_known() {
+        // Not before the interval it is in began (a request's end cuts it).
+        let queued = now.saturating_sub(runqueue_wait(task, thread));
+        woken(tid, thread, queued.max(thread.since_ns));
+    }
+    // From a wait whose wakeup we did not see (entry made while it slept, without
+    // `sched_info`), the interval closes as that wait and no run-queue wait is timed.
     stacks::unblocked(tid, thread, now);
     threads::change(tid, thread, Activity::Running, now);
     locks::switched_in(thread, now);
 }
 
-/// `tid` was woken: it waits for a CPU from now.
+/// `thread` (`tid`), off CPU, was woken at `at`: it waits for a CPU from then.
 #[inline(always)]
-fn woken(tid: u32) {
-    let Some(thread) = threads::thread(tid) else {
-        return;
-    };
-    // A wakeup of a thread on CPU or already queued (it was woken before it slept,
-    // or preempted) changes nothing.
-    if Activity::from_u32(thread.activity).is_off_cpu() {
-        let now = now_ns();
-        stacks::unblocked(tid, thread, now);
-        threads::change(tid, thread, Activity::Runnable, now);
-    }
+fn woken(tid: u32, thread: &mut Thread, at: u64) {
+    stacks::unblocked(tid, thread, at);
+    threads::change(tid, thread, Activity::Runnable, at);
 }

@@ -251,7 +251,15 @@ pub struct Thread {
     pub offcpu_weight: u32,
     /// When the thread last blocked (request boundaries cut `since_ns`, not this).
     pub blocked_since_ns: u64,
+    /// The kernel's own total of the thread's run-queue waits (`sched_info.run_delay`)
+    /// when it last blocked, [`RUN_DELAY_UNKNOWN`] if that block was not seen: the
+    /// run-queue wait that ends its next switch in is the total's growth since
+    /// (see `sched.rs`).
+    pub run_delay_at_block: u64,
 }
+
+/// [`Thread::run_delay_at_block`] of a thread whose block was not seen.
+pub const RUN_DELAY_UNKNOWN: u64 = u64::MAX;
 
 impl Thread {
     /// A thread of `service` doing `activity` since `since_ns`, holding nothing.
@@ -281,6 +289,7 @@ impl Thread {
             offcpu_tgid: 0,
             offcpu_weight: 0,
             blocked_since_ns: 0,
+            run_delay_at_block: RUN_DELAY_UNKNOWN,
         }
     }
 }
@@ -354,7 +363,7 @@ impl PoolStats {
 
 const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
 const _: () = assert!(THREAD_SLOTS.is_power_of_two());
-const _: () = assert!(core::mem::size_of::<Thread>() == 144);
+const _: () = assert!(core::mem::size_of::<Thread>() == 152);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
 const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);

@@ -28,7 +28,7 @@ pub(super) enum TracepointKind {
 /// tracepoint, no BTF, the verifier refuses the program) is skipped, logged and
 /// exported as `probe_skipped`; the rest still measure.
 pub(super) struct Attachment {
-    program: &'static str,
+    pub(super) program: &'static str,
     category: &'static str,
     event: &'static str,
     kind: TracepointKind,
@@ -89,6 +89,9 @@ fn tracepoint_exists(vmlinux: Option<&[u8]>, attachment: &Attachment) -> bool {
     }
 }
 
+/// The program that times run-queue waits from their wakeups.
+pub(super) const WAKEUP_PROGRAM: &str = "sched_wakeup";
+
 /// Process lifecycle: attached with either backend.
 pub(super) const PROCESS_ATTACHMENTS: [Attachment; 3] = [
     btf_tracepoint("process_fork", "task", "task_newtask").reading_task_struct(),
@@ -96,10 +99,11 @@ pub(super) const PROCESS_ATTACHMENTS: [Attachment; 3] = [
     btf_tracepoint("process_exit", "sched", "sched_process_exit"),
 ];
 
-/// Thread states: attached with either backend.
+/// Thread states: attached with either backend (`sched_wakeup` only where the kernel
+/// does not count run-queue waits itself, see `sched.rs`).
 pub(super) const THREAD_ATTACHMENTS: [Attachment; 3] = [
     btf_tracepoint("sched_switch", "sched", "sched_switch").reading_task_struct(),
-    btf_tracepoint("sched_wakeup", "sched", "sched_wakeup").reading_task_struct(),
+    btf_tracepoint(WAKEUP_PROGRAM, "sched", "sched_wakeup").reading_task_struct(),
     btf_tracepoint("process_rename", "task", "task_rename").reading_task_struct(),
 ];
 

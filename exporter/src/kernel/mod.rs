@@ -37,13 +37,13 @@ use poolscope_shared::{
 
 pub use self::attach::{Backend, Probe, ProbeState, Skip};
 use self::attach::{
-    MUTEX_PROBES, PROCESS_ATTACHMENTS, SESSION_SAMPLERS, THREAD_ATTACHMENTS, attach_sampler,
-    attach_tracepoint, load_on_demand,
+    MUTEX_PROBES, PROCESS_ATTACHMENTS, SESSION_SAMPLERS, THREAD_ATTACHMENTS, WAKEUP_PROGRAM,
+    attach_sampler, attach_tracepoint, load_on_demand,
 };
 use self::batch::BatchMap;
 use self::mapping::Counters;
 use self::offsets::{
-    BTF_VMLINUX, downstream_offsets, exit_has_group_dead, socket_inode_offsets,
+    BTF_VMLINUX, downstream_offsets, exit_has_group_dead, run_delay_offsets, socket_inode_offsets,
     socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
 };
 use self::reread::Reread;
@@ -257,6 +257,7 @@ impl Kernel {
         let socket_inode = vmlinux.as_deref().and_then(socket_inode_offsets);
         let socket = vmlinux.as_deref().and_then(socket_offsets);
         let downstream = vmlinux.as_deref().and_then(downstream_offsets);
+        let run_delay = vmlinux.as_deref().and_then(run_delay_offsets);
         // The BTF tracepoints read the socket's fields at their offsets: they load
         // only where those were found.
         let btf = match socket {
@@ -283,7 +284,8 @@ impl Kernel {
         let lock_wait_slots = limits.max_pools * LockPrimitive::COUNT;
         // Left at 0 where BTF does not have them all: no peer is looked for, and the
         // socket programs are skipped.
-        for (name, offset) in downstream.iter().flatten().chain(socket.iter().flatten()) {
+        let globals = downstream.iter().flatten().chain(socket.iter().flatten());
+        for (name, offset) in globals.chain(run_delay.iter().flatten()) {
             loader.override_global(name, offset, true);
         }
         let mut ebpf = loader
@@ -375,6 +377,13 @@ impl Kernel {
             .chain(&THREAD_ATTACHMENTS)
             .chain(backend.attachments());
         for attachment in attachments {
+            if attachment.program == WAKEUP_PROGRAM && run_delay.is_some() {
+                tracing::info!(
+                    "sched_wakeup not attached: run-queue waits come from the kernel's \
+                     sched_info when a thread goes on CPU"
+                );
+                continue;
+            }
             probes.push(attach_tracepoint(
                 &mut ebpf,
                 attachment,

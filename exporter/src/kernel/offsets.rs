@@ -154,6 +154,37 @@ pub(super) fn socket_inode_offsets(vmlinux: &[u8]) -> Option<(u32, u32, u32)> {
     )
 }
 
+/// Where the scheduler programs read a task's run-queue waits as the kernel counts
+/// them (`task_struct.sched_info`, CONFIG_SCHED_INFO) and its run queue's clock
+/// (`task_struct.se.cfs_rq`, then `cfs_rq.rq`, CONFIG_FAIR_GROUP_SCHED, then
+/// `rq.clock`), in `sched.rs`' order of globals.
+pub(super) fn run_delay_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 5]> {
+    found(
+        || {
+            let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
+            let sched_info = member("task_struct", "sched_info")?;
+            Ok::<_, btf::BtfError>([
+                (
+                    "TASK_RUN_DELAY_OFFSET",
+                    sched_info + member("sched_info", "run_delay")?,
+                ),
+                (
+                    "TASK_LAST_QUEUED_OFFSET",
+                    sched_info + member("sched_info", "last_queued")?,
+                ),
+                (
+                    "TASK_CFS_RQ_OFFSET",
+                    member("task_struct", "se")? + member("sched_entity", "cfs_rq")?,
+                ),
+                ("CFS_RQ_RQ_OFFSET", member("cfs_rq", "rq")?),
+                ("RQ_CLOCK_OFFSET", member("rq", "clock")?),
+            ])
+        },
+        "a task's run-queue accounting",
+        "sched_wakeup is attached to time run-queue waits (a clock read per wakeup)",
+    )
+}
+
 /// `task_struct.pid`'s offset from the kernel's BTF; `None` (logged) without it.
 pub(super) fn task_pid_offset(vmlinux: &[u8]) -> Option<u32> {
     match btf::member_offset(vmlinux, "task_struct", "pid") {

@@ -437,7 +437,7 @@ fn sched_report(rounds: &[SchedRound]) {
         "| pingpong, 2 threads on CPU {PINGPONG_CPU} | roundtrips/s median (min) | /off median \
          | /off min | wall ns/switch more than off (median) | BPF ns/switch median (min) \
          | minus empty's ns/run (median) | sched_switch ns/run median | sched_wakeup ns/run \
-         median | wakeups/switch | pingpong's share of switches (median) |"
+         median | sched_wakeup runs/switch | pingpong's share of switches (median) |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for mode in SchedMode::ALL {
@@ -467,7 +467,9 @@ fn sched_report(rounds: &[SchedRound]) {
          sched_switch (every switch of the host), from a second run of each round with \
          kernel.bpf_stats_enabled=1. bpf_stats adds {floor:.1} ns to every run it times (the \
          empty program's ns/run), taken out in the next column. Wall ns/switch: half the \
-         time a round trip took more than off, bpf_stats off (hooks and programs)."
+         time a round trip took more than off, bpf_stats off (hooks and programs). \
+         sched_wakeup NaN, 0 runs: not attached (the kernel's sched_info times run-queue \
+         waits, exporter-ebpf/src/sched.rs)."
     );
     println!();
     println!(

@@ -100,7 +100,7 @@ enum OffcpuMode {
     /// `offcpu = true`, `offcpu_idle = true`, default `offcpu_min` (1 ms): each of
     /// pingpong's blocks is captured at its switch, none is recorded (they last µs).
     Capture,
-    /// As `Capture`, with `offcpu_min = 1ns`: each block is also recorded at its wakeup.
+    /// As `Capture`, with `offcpu_min = 1ns`: each block is also recorded when it ends.
     Record,
     /// `Capture` and `Record` with `offcpu_sample_one_in = 1`: every block captured,
     /// where the defaults sample one in 8 past 1000 blocks a second per CPU (pingpong
@@ -434,9 +434,9 @@ fn stacks_report(
         println!(
             "Per off-CPU event (a block of a watched thread; medians, bpf_stats on), {how}: \
              capturing both stacks at the switch costs {:+.0} ns of sched_switch per block \
-             (− offcpu=false); recording the block at its wakeup (offcpu_min=1ns) {:+.0} ns of \
-             sched_wakeup ({:+.0} ns of sched_switch besides): {:+.0} ns per recorded block in \
-             all. A block shorter than offcpu_min (default 1 ms) pays the capture only. Wall \
+             (− offcpu=false); recording the block when it ends (offcpu_min=1ns) {:+.0} ns of \
+             sched_wakeup (0 where it is not attached: the block then ends at the switch in) \
+             and {:+.0} ns of sched_switch: {:+.0} ns per recorded block in all. A block shorter than offcpu_min (default 1 ms) pays the capture only. Wall \
              time per block, bpf_stats off (half a round trip more than offcpu=false): {:+.0} \
              ns captured, {:+.0} ns recorded.",
             switch_capture - switch_off,
