@@ -1,8 +1,9 @@
 //! Which processes are services, and what they listen on: procfs parsers over a
 //! configurable root (`procfs`), the listen queues of poolscope's own network
-//! namespace (`sockdiag`), the target rules (`rules`), the watched set and its
-//! listening ports (`targets`), and the dense ids the kernel's arrays are indexed by
-//! (`ids`).
+//! namespace (`sockdiag`) and of listeners other processes hold (`held`), the target
+//! rules (`rules`), the watched set and its listening ports (`targets`), and the
+//! dense ids the kernel's arrays are indexed by (`ids`).
+pub mod held;
 pub mod ids;
 pub mod procfs;
 pub mod rules;

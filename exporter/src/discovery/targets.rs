@@ -13,6 +13,7 @@ use poolscope_shared::{ListenKey, Phase, ProcessEvent, ProcessEventKind, Watched
 
 use crate::{
     clock::monotonic_ns,
+    discovery::held::HeldListener,
     discovery::ids::DenseIds,
     discovery::procfs::{self, NetTables, ProcSnapshot},
     discovery::rules::Assignment,
@@ -79,9 +80,8 @@ pub struct Targets {
     listeners: HashMap<u64, String>,
     /// Every listening socket the last scan saw, watched or not.
     known_listen_sockets: HashSet<u64>,
-    /// The network namespaces of watched listeners, each with one process inside it
-    /// (from the last scan), to read their listen queues through.
-    listener_namespaces: BTreeMap<u32, u32>,
+    /// The network namespaces of watched listeners (from the last scan).
+    listener_namespaces: BTreeMap<u32, NamespaceListeners>,
     procfs_root: PathBuf,
     /// Processes the last scan left unwatched because `limits.max_services` was reached.
     pub services_refused: u64,
@@ -89,6 +89,15 @@ pub struct Targets {
     pub processes_unreadable: BTreeSet<u32>,
     /// Failed inserts into `WATCHED` and updates of `LISTEN_PORTS`.
     pub map_errors: MapErrors,
+}
+
+/// The watched listeners of one network namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NamespaceListeners {
+    /// A process inside it, to read its `net/tcp` tables through.
+    pub pid: u32,
+    /// Each listener where it is held; `None` when one's holder is unknown.
+    pub held: Option<Vec<HeldListener>>,
 }
 
 impl Targets {
@@ -216,14 +225,36 @@ impl Targets {
     /// handshake completes.
     fn sync_listen_ports(&mut self, kernel: &mut dyn WatchTable, snapshot: &ProcSnapshot) {
         let by_namespace = kernel.claims_by_namespace();
-        self.listener_namespaces = self
-            .listeners
-            .keys()
-            .filter_map(|inode| {
-                let netns = *snapshot.listen_namespaces.get(inode)?;
-                Some((netns, *snapshot.namespace_pids.get(&netns)?))
-            })
-            .collect();
+        self.listener_namespaces = BTreeMap::new();
+        for inode in self.listeners.keys() {
+            let Some(&netns) = snapshot.listen_namespaces.get(inode) else {
+                continue;
+            };
+            let Some(&pid) = snapshot.namespace_pids.get(&netns) else {
+                continue;
+            };
+            let namespace =
+                self.listener_namespaces
+                    .entry(netns)
+                    .or_insert_with(|| NamespaceListeners {
+                        pid,
+                        held: Some(Vec::new()),
+                    });
+            let held = snapshot
+                .listen_sockets
+                .get(inode)
+                .zip(snapshot.listen_holders.get(inode))
+                .map(|(&addr, &(pid, fd))| HeldListener {
+                    inode: *inode,
+                    addr,
+                    pid,
+                    fd,
+                });
+            namespace.held = namespace.held.take().zip(held).map(|(mut all, held)| {
+                all.push(held);
+                all
+            });
+        }
         let ports: BTreeMap<ListenKey, u32> = self
             .listeners
             .iter()
@@ -553,7 +584,7 @@ impl Targets {
     }
 
     /// The network namespaces of watched listeners (inode number → a process in it).
-    pub fn listener_namespaces(&self) -> &BTreeMap<u32, u32> {
+    pub fn listener_namespaces(&self) -> &BTreeMap<u32, NamespaceListeners> {
         &self.listener_namespaces
     }
 

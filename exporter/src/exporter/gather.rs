@@ -4,6 +4,7 @@
 //! queues.
 use std::{
     collections::{BTreeMap, HashMap},
+    io,
     path::Path,
     time::Instant,
 };
@@ -18,9 +19,10 @@ use crate::{
         process::process_families,
         services::{queue_depths, service_listeners},
     },
+    discovery::held,
     discovery::procfs,
     discovery::sockdiag,
-    discovery::targets::ServiceView,
+    discovery::targets::{NamespaceListeners, ServiceView},
     encode::{Family, cap_series},
     kernel::{Backend, Readout, WatchTable},
     metrics::health::{Loss, LossKind},
@@ -35,7 +37,7 @@ struct Locked {
     windows: BTreeMap<u32, RequestTimes>,
     pools: Vec<PoolRow>,
     owners: std::collections::HashMap<u64, String>,
-    namespaces: BTreeMap<u32, u32>,
+    namespaces: BTreeMap<u32, NamespaceListeners>,
     backend: Backend,
     /// Every loss counter, without the series this scrape drops.
     losses: Vec<Loss>,
@@ -105,20 +107,42 @@ impl Exporter {
         }
     }
 
-    /// The listen queues of poolscope's own network namespace (sock_diag, with their
-    /// limits) and of every other namespace with watched listeners (procfs, through
-    /// a process inside it: depths only). A namespace whose process is gone is left
-    /// out, and a rescan finds another process in it.
+    /// The listen queues of poolscope's own network namespace (sock_diag) and of
+    /// every other namespace with watched listeners: each listener through a copy of
+    /// the fd its process holds it at (`held`), or where that fails, the namespace's
+    /// tables through a process inside it (procfs: depths only, and milliseconds per
+    /// namespace). A namespace whose process is gone is left out, and a rescan finds
+    /// another process in it.
     fn listen_queues(
         &self,
-        namespaces: &BTreeMap<u32, u32>,
+        namespaces: &BTreeMap<u32, NamespaceListeners>,
     ) -> Result<Vec<sockdiag::ListenQueue>, sockdiag::SockDiagError> {
         let mut queues = sockdiag::listen_queues()?;
         let own = procfs::network_namespace(Path::new("/proc"), "self");
-        for (&netns, &pid) in namespaces {
+        for (&netns, listeners) in namespaces {
             if Some(netns) == own {
                 continue;
             }
+            let held = listeners
+                .held
+                .as_deref()
+                .filter(|_| self.procfs_is_the_kernels());
+            if let Some(held) = held {
+                match held
+                    .iter()
+                    .map(held::listen_queue)
+                    .collect::<io::Result<Vec<_>>>()
+                {
+                    Ok(found) => {
+                        queues.extend(found);
+                        continue;
+                    }
+                    Err(error) => {
+                        tracing::debug!(netns, %error, "held listener unreadable; reading the namespace's tables");
+                    }
+                }
+            }
+            let pid = listeners.pid;
             match procfs::listen_queues_of(&self.procfs_root, pid) {
                 // The pid may have been reused by a process of another namespace.
                 Ok(found)

@@ -18,7 +18,7 @@ mod profiles;
 mod stacks;
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex, MutexGuard, RwLock},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -38,6 +38,7 @@ use crate::{
     config::Settings,
     discovery::procfs,
     discovery::rules,
+    discovery::sockdiag,
     discovery::targets::Targets,
     encode::Family,
     kernel::{Kernel, Readout},
@@ -179,10 +180,13 @@ impl Exporter {
     pub fn rescan(&self) -> Result<(), ScanError> {
         let settings = self.settings();
         let started_ns = monotonic_ns();
-        let snapshot = procfs::scan(&self.procfs_root).map_err(|source| ScanError::Procfs {
-            root: self.procfs_root.display().to_string(),
-            source,
-        })?;
+        let snapshot =
+            procfs::scan(&self.procfs_root, self.own_listeners().as_ref()).map_err(|source| {
+                ScanError::Procfs {
+                    root: self.procfs_root.display().to_string(),
+                    source,
+                }
+            })?;
         let assignments = rules::assign(&snapshot, &settings.targets, std::process::id());
         let mut core = lock_or_recover(&self.core);
         let Core {
@@ -192,6 +196,30 @@ impl Exporter {
         // Pools of services gone go at the next sample, a second at most.
         core.follow_watch_changes(&self.procfs_root);
         Ok(())
+    }
+
+    /// Whether the procfs root is the kernel's own, whose pids and sockets poolscope
+    /// may also reach by system calls (not a fixture).
+    fn procfs_is_the_kernels(&self) -> bool {
+        self.procfs_root == Path::new("/proc")
+    }
+
+    /// The listening sockets of poolscope's own network namespace, by sock_diag: a
+    /// scan's read of a namespace's `net/tcp` tables walks the kernel's whole
+    /// connection hash, sized by memory and not by sockets (~5 ms per table at
+    /// 262,144 buckets), while sock_diag walks only the listeners.
+    fn own_listeners(&self) -> Option<procfs::KnownListeners> {
+        if !self.procfs_is_the_kernels() {
+            return None;
+        }
+        let namespace = procfs::network_namespace(Path::new("/proc"), "self")?;
+        match sockdiag::listen_queues() {
+            Ok(sockets) => Some(procfs::KnownListeners { namespace, sockets }),
+            Err(error) => {
+                tracing::debug!(%error, "sock_diag failed; the scan reads net/tcp");
+                None
+            }
+        }
     }
 
     /// Reads every loss counter and updates the health (logging what changed); run

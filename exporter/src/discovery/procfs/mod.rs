@@ -19,11 +19,12 @@ mod containers;
 mod own;
 mod sockets;
 
+use crate::discovery::sockdiag::ListenQueue;
 use containers::read_pod_name;
 pub use containers::*;
 pub use own::*;
+use sockets::listening_tables;
 pub use sockets::*;
-use sockets::{listening_tables, socket_inodes};
 
 /// What discovery needs to know about one process.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,6 +56,8 @@ pub struct ProcSnapshot {
     pub listen_namespaces: HashMap<u64, u32>,
     /// One process of each network namespace seen, to read its listen queues through.
     pub namespace_pids: HashMap<u32, u32>,
+    /// A process holding each of `listen_sockets` (the first seen) and its fd there.
+    pub listen_holders: HashMap<u64, (u32, u32)>,
     /// Processes whose open files poolscope was not allowed to follow (EACCES):
     /// their listening sockets are unknown. One that exits mid-scan is not here.
     pub processes_unreadable: Vec<u32>,
@@ -233,9 +236,18 @@ pub fn thread_comm(root: &Path, tid: u32) -> Option<String> {
     Some(comm.trim_end_matches('\n').to_owned())
 }
 
+/// The listening sockets of one network namespace, read another way than through
+/// its `net/tcp` tables (sock_diag, in poolscope's own).
+#[derive(Clone, Debug)]
+pub struct KnownListeners {
+    pub namespace: u32,
+    pub sockets: Vec<ListenQueue>,
+}
+
 /// Scans every process under `root` with its listening sockets. Listening sockets are
-/// read once per network namespace, through a process inside it.
-pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
+/// read once per network namespace, through a process inside it; those of `known`'s
+/// namespace are taken from it instead.
+pub fn scan(root: &Path, known: Option<&KnownListeners>) -> io::Result<ProcSnapshot> {
     let mut snapshot = ProcSnapshot::default();
     let mut namespaces_seen = HashSet::new();
     let mut pids: Vec<u32> = Vec::new();
@@ -257,31 +269,46 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
         let dir = root.join(pid.to_string());
         let namespace = fs::read_link(dir.join("ns/net")).ok();
         let inum = namespace.as_deref().and_then(namespace_inode);
-        // Seen once its tables are read: a process that exits in between (or a
-        // namespace that vanishes) leaves the namespace to its next process.
-        if !namespaces_seen.contains(&namespace)
-            && let Ok(tables) = listening_tables(root, pid)
-        {
-            namespaces_seen.insert(namespace);
-            if let Some(inum) = inum {
-                snapshot.namespace_pids.insert(inum, pid);
-            }
-            for queue in tables.iter().flat_map(|table| parse_net_tcp(table)) {
-                snapshot.listen_sockets.insert(queue.inode, queue.addr);
-                if let Some(inum) = inum {
-                    snapshot.listen_namespaces.insert(queue.inode, inum);
-                }
-            }
-        }
-        process.listeners = match socket_inodes(root, pid) {
-            Ok(inodes) => inodes,
+        let sockets = match socket_fds(root, pid) {
+            Ok(sockets) => sockets,
             Err(error) => {
                 if error.kind() == io::ErrorKind::PermissionDenied {
                     snapshot.processes_unreadable.push(pid);
                 }
-                Vec::new()
+                HashMap::new()
             }
         };
+        for (&fd, &inode) in &sockets {
+            snapshot.listen_holders.entry(inode).or_insert((pid, fd));
+        }
+        process.listeners = sockets.into_values().collect();
+        // A namespace's listeners are read through its first process with sockets (a
+        // read of its tables costs milliseconds, see `listening_tables`), and it is
+        // seen once they are: a process that exits in between (or a namespace that
+        // vanishes) leaves the namespace to its next process.
+        if !process.listeners.is_empty() && !namespaces_seen.contains(&namespace) {
+            let listening = match known.filter(|known| Some(known.namespace) == inum) {
+                Some(known) => Ok(known.sockets.clone()),
+                None => listening_tables(root, pid).map(|tables| {
+                    tables
+                        .iter()
+                        .flat_map(|table| parse_net_tcp(table))
+                        .collect()
+                }),
+            };
+            if let Ok(listening) = listening {
+                namespaces_seen.insert(namespace);
+                if let Some(inum) = inum {
+                    snapshot.namespace_pids.insert(inum, pid);
+                }
+                for queue in listening {
+                    snapshot.listen_sockets.insert(queue.inode, queue.addr);
+                    if let Some(inum) = inum {
+                        snapshot.listen_namespaces.insert(queue.inode, inum);
+                    }
+                }
+            }
+        }
         snapshot.processes.push(process);
     }
     // Keep only the sockets that listen; other fds were collected unfiltered above
@@ -291,6 +318,9 @@ pub fn scan(root: &Path) -> io::Result<ProcSnapshot> {
             .listeners
             .retain(|inode| snapshot.listen_sockets.contains_key(inode));
     }
+    snapshot
+        .listen_holders
+        .retain(|inode, _| snapshot.listen_sockets.contains_key(inode));
     Ok(snapshot)
 }
 
@@ -657,11 +687,40 @@ pub(crate) mod tests {
         make(11, 10, "web worker", &[None])?;
         // Listed first, in the same namespace, and gone before its tables are read:
         // the namespace's listeners are read through the next process.
-        make(9, 1, "leaving", &[])?;
+        make(9, 1, "leaving", &[Some(779)])?;
         fs::remove_dir_all(root.path().join("9/net"))?;
+        // Alone in a namespace of its own, without sockets: its tables are not read.
+        make(12, 1, "batch", &[None])?;
+        fs::remove_file(root.path().join("12/ns/net"))?;
+        symlink("net:[4026531999]", root.path().join("12/ns/net"))?;
         fs::create_dir_all(root.path().join("self"))?;
 
-        let mut snapshot = scan(root.path())?;
+        // The namespace's listeners known already (sock_diag): its tables are not read.
+        let known = KnownListeners {
+            namespace: 4026531840,
+            sockets: vec![ListenQueue {
+                inode: 778,
+                addr: "127.0.0.1:9090".parse().expect("addr"),
+                depth: 0,
+                limit: Some(128),
+            }],
+        };
+        let snapshot = scan(root.path(), Some(&known))?;
+        assert_eq!(snapshot.listen_sockets.len(), 1, "{snapshot:?}");
+        assert_eq!(snapshot.listen_namespaces.get(&778), Some(&4026531840));
+        assert_eq!(
+            snapshot.listen_holders,
+            HashMap::from([(778, (10, 2))]),
+            "pid 10 holds it at fd 2"
+        );
+        let web = snapshot.processes.iter().find(|p| p.pid == 10);
+        assert_eq!(web.map(|p| p.listeners.clone()), Some(vec![778]));
+        // Another namespace's: the tables are.
+        let elsewhere = KnownListeners {
+            namespace: 4026531841,
+            ..known
+        };
+        let mut snapshot = scan(root.path(), Some(&elsewhere))?;
         snapshot.processes.sort_by_key(|p| p.pid);
         assert_eq!(
             snapshot.listen_sockets.get(&777),
@@ -670,7 +729,7 @@ pub(crate) mod tests {
         assert_eq!(snapshot.listen_namespaces.get(&777), Some(&4026531840));
         assert_eq!(snapshot.namespace_pids.len(), 1);
         assert_ne!(snapshot.namespace_pids.get(&4026531840), Some(&9));
-        snapshot.processes.retain(|p| p.pid != 9);
+        snapshot.processes.retain(|p| p.pid != 9 && p.pid != 12);
         assert_eq!(snapshot.processes.len(), 2);
         assert_eq!(snapshot.processes[0].listeners, vec![777]);
         assert_eq!(snapshot.processes[0].start_time, 1010);

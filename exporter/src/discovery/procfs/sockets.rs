@@ -213,13 +213,8 @@ fn parse_hex_socket_addr(field: &str) -> Option<SocketAddr> {
     }
 }
 
-/// Socket inodes among the open fds of a process; `PermissionDenied` when poolscope
-/// may not read them, another error when the process vanished.
-pub(super) fn socket_inodes(root: &Path, pid: u32) -> io::Result<Vec<u64>> {
-    Ok(socket_fds(root, pid)?.into_values().collect())
-}
-
-/// The open sockets of a process: fd → socket inode. Errors as [`socket_inodes`].
+/// The open sockets of a process: fd → socket inode. `PermissionDenied` when
+/// poolscope may not read them, another error when the process vanished.
 pub fn socket_fds(root: &Path, pid: u32) -> io::Result<HashMap<u32, u64>> {
     let sockfs = sockfs_mount_id()
         .ok_or_else(|| io::Error::other("cannot find sockfs's mount id in /proc/self/fdinfo"))?;
