@@ -165,7 +165,8 @@ fn same_port_on_two_addresses_in_one_namespace() -> anyhow::Result<()> {
 }
 
 /// A server in its own namespace accepts nothing while 6 clients connect: they wait
-/// in its listen backlog, which sock_diag in poolscope's namespace cannot see.
+/// in its listen backlog, which sock_diag in poolscope's namespace cannot see (read
+/// through a copy of the listener's fd, with the backlog's limit).
 #[test]
 fn listen_backlog_of_a_pod() -> anyhow::Result<()> {
     if !privileged("listen_backlog_of_a_pod") {
@@ -198,7 +199,12 @@ fn listen_backlog_of_a_pod() -> anyhow::Result<()> {
                 && m.value("poolscope_queue_depth", &[("service", service)]) == Some(waiting)
         });
         eprintln!("{backend}: {WAITING} connections in the backlog of a pod");
-        metrics?;
+        // Read through the listener's fd (the pod's net/tcp tables have no limit).
+        let limit = metrics?.value(
+            "poolscope_listen_queue_limit",
+            &[("service", service), ("listener", &listener)],
+        );
+        assert_eq!(limit, Some(16.0), "the pod's listen(16)");
         // Accepted and unread: they leave the backlog and stay in the queue.
         assert_eq!(server.command(&format!("accept {WAITING}"))?, "ok");
         let metrics = scrape_until(&poolscope, |m| {
