@@ -27,8 +27,8 @@ use poolscope_shared::{
 use crate::{
     clock::now_ns,
     maps::{
-        ADOPT, ADOPTING, LISTEN_PORTS, SERVICE_EPOCHS, SOCK_CONNS, WATCHED_PORTS, count_entries,
-        count_loss,
+        ADOPT, ADOPTING, LISTEN_CHANGES, LISTEN_PORTS, SERVICE_EPOCHS, SOCK_CONNS, WATCHED_PORTS,
+        atomic_add, count_entries, count_loss,
     },
     requests::{self, Arrivals},
 };
@@ -71,6 +71,7 @@ const TCP_ESTABLISHED: i32 = 1;
 const TCP_SYN_RECV: i32 = 3;
 const TCP_CLOSE: i32 = 7;
 const TCP_CLOSE_WAIT: i32 = 8;
+const TCP_LISTEN: i32 = 10;
 
 /// A load-time constant, read volatile so that the compiler does not fold it.
 #[inline(always)]
@@ -116,6 +117,8 @@ fn try_sock_state(ctx: &BtfTracePointContext) -> Result<(), i64> {
                 requests::peer_closed(unsafe { &mut *conn });
             }
         }
+        TCP_LISTEN => listen_changed(),
+        TCP_CLOSE if ctx.arg::<i32>(1) == TCP_LISTEN => listen_changed(),
         TCP_CLOSE => {
             if let Some(conn) = current(sk)
                 // SAFETY: as above.
@@ -128,6 +131,16 @@ fn try_sock_state(ctx: &BtfTracePointContext) -> Result<(), i64> {
         _ => {}
     }
     Ok(())
+}
+
+/// A socket began or stopped listening (`listen()`, a listener's close): rare, so
+/// one shared counter.
+#[inline(always)]
+fn listen_changed() {
+    if let Some(changes) = LISTEN_CHANGES.get_ptr_mut(0) {
+        // SAFETY: the array's one element, valid while the program runs.
+        atomic_add(unsafe { &mut *changes }, 1);
+    }
 }
 
 /// The service whose listener accepted `sk`: one bound to the connection's own

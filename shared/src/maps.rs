@@ -27,6 +27,11 @@ pub const SERVICE_EPOCHS: &str = "SERVICE_EPOCHS";
 /// listeners of watched services, so that the socket backend knows a handshake is
 /// one of ours (it runs in softirq, in no process's context).
 pub const LISTEN_PORTS: &str = "LISTEN_PORTS";
+/// Array of one u64: TCP sockets that began or stopped listening, anywhere on the
+/// host, counted by the socket backend: the rescan reads the `net/tcp` tables of
+/// other network namespaces again only when it moved (each read walks the kernel's
+/// whole connection hash).
+pub const LISTEN_CHANGES: &str = "LISTEN_CHANGES";
 /// Array of [`crate::WATCHED_PORT_WORDS`] u64: a bit per local TCP port on which
 /// some watched service listens, in any namespace. The socket programs check it
 /// first, so that an event on any other socket (a client's, most of the host's)

@@ -9,6 +9,7 @@ use std::{
     time::Duration,
 };
 
+use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, Netns, PoolServer, Poolscope, TestServer, backends,
     load::{ClosedLoop, Connections},
@@ -216,6 +217,59 @@ fn listen_backlog_of_a_pod() -> anyhow::Result<()> {
                     == Some(waiting)
                 && m.value("poolscope_queue_depth", &[("service", service)]) == Some(waiting)
         });
+        metrics?;
+        drop(clients);
+        server.exit()?;
+    }
+    Ok(())
+}
+
+/// A watched server in a pod begins listening on a second port (no fork, no exec:
+/// only the kernel's count of listen changes tells a rescan that the pod's listeners
+/// it found before are stale) and 3 clients wait there: the new listener's backlog is
+/// found, with its limit.
+#[test]
+fn a_pod_that_listens_again_is_found() -> anyhow::Result<()> {
+    if !privileged("a_pod_that_listens_again_is_found") {
+        return Ok(());
+    }
+    const WAITING: usize = 3;
+    let _serial = one_at_a_time();
+    for backend in backends() {
+        let pod = Netns::new("relisten")?;
+        let mut server = TestServer::start_in(&pod, 16)?;
+        let service = "pod";
+        let poolscope = Poolscope::start(&config(backend, &[(service, server.pid())]))?;
+        let first = format!("127.0.0.1:{}", server.port);
+        scrape_until(&poolscope, |m| {
+            m.value(
+                "poolscope_listen_queue_limit",
+                &[("service", service), ("listener", &first)],
+            ) == Some(16.0)
+                && m.has_label("backend", backend)
+        })?;
+        // Two rescans (every 500 ms) with the pod's listeners known.
+        std::thread::sleep(Duration::from_millis(1200));
+        let answer = server.command("listen 8")?;
+        let port: u16 = answer
+            .strip_prefix("port ")
+            .and_then(|port| port.parse().ok())
+            .with_context(|| format!("testserver answered {answer:?}"))?;
+        let clients: Vec<TcpStream> = pod.run(move || {
+            (0..WAITING)
+                .map(|_| Ok(TcpStream::connect(("127.0.0.1", port))?))
+                .collect()
+        })?;
+        let second = format!("127.0.0.1:{port}");
+        let metrics = scrape_until(&poolscope, |m| {
+            let labels = [("service", service), ("listener", second.as_str())];
+            m.value("poolscope_listen_queue_depth", &labels) == Some(WAITING as f64)
+                && m.value("poolscope_listen_queue_limit", &labels) == Some(8.0)
+        });
+        eprintln!(
+            "{backend}: a second listener of a pod, {WAITING} waiting: found {}",
+            metrics.is_ok()
+        );
         metrics?;
         drop(clients);
         server.exit()?;

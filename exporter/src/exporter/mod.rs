@@ -18,6 +18,7 @@ mod profiles;
 mod stacks;
 
 use std::{
+    collections::HashMap,
     path::{Path, PathBuf},
     sync::{Arc, Mutex, MutexGuard, RwLock},
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -80,6 +81,16 @@ pub struct Exporter {
     /// Read at the first scrape that could.
     procfs_units: std::sync::OnceLock<procfs::ProcfsUnits>,
     reload_status: Mutex<ReloadStatus>,
+    /// The listeners of each network namespace as the last rescan found them.
+    listeners_found: Mutex<ListenersFound>,
+}
+
+/// Listeners by network namespace (inode number), and the kernel's count of listen
+/// changes read before they were.
+#[derive(Debug, Default)]
+struct ListenersFound {
+    changes: Option<u64>,
+    namespaces: HashMap<u32, Vec<sockdiag::ListenQueue>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +134,7 @@ impl Exporter {
             stopping: tokio::sync::watch::Sender::new(false),
             procfs_root,
             procfs_units: std::sync::OnceLock::new(),
+            listeners_found: Mutex::new(ListenersFound::default()),
         }
     }
 
@@ -180,13 +192,16 @@ impl Exporter {
     pub fn rescan(&self) -> Result<(), ScanError> {
         let settings = self.settings();
         let started_ns = monotonic_ns();
+        let (known, changes) = self.known_listeners();
         let snapshot =
-            procfs::scan(&self.procfs_root, self.own_listeners().as_ref()).map_err(|source| {
-                ScanError::Procfs {
-                    root: self.procfs_root.display().to_string(),
-                    source,
-                }
+            procfs::scan(&self.procfs_root, &known).map_err(|source| ScanError::Procfs {
+                root: self.procfs_root.display().to_string(),
+                source,
             })?;
+        *lock_or_recover(&self.listeners_found) = ListenersFound {
+            changes,
+            namespaces: snapshot.namespace_listeners.clone(),
+        };
         let assignments = rules::assign(&snapshot, &settings.targets, std::process::id());
         let mut core = lock_or_recover(&self.core);
         let Core {
@@ -198,28 +213,44 @@ impl Exporter {
         Ok(())
     }
 
+    /// The listeners a scan need not read from `net/tcp` tables (each read walks the
+    /// kernel's whole connection hash, sized by memory and not by sockets: ~5 ms per
+    /// table at 262,144 buckets), with the kernel's count of listen changes now: those
+    /// of poolscope's own network namespace by sock_diag (which walks only the
+    /// listeners), and every namespace's found by the last scan while no socket on
+    /// the host has begun or stopped listening since. Only where the procfs root is
+    /// the kernel's.
+    fn known_listeners(&self) -> (HashMap<u32, Vec<sockdiag::ListenQueue>>, Option<u64>) {
+        if !self.procfs_is_the_kernels() {
+            return (HashMap::new(), None);
+        }
+        // Read before the scan: a listen() during it moves the count for the next.
+        let changes = lock_or_recover(&self.core).kernel.listen_changes();
+        let mut known = {
+            let found = lock_or_recover(&self.listeners_found);
+            if changes.is_some() && found.changes == changes {
+                found.namespaces.clone()
+            } else {
+                HashMap::new()
+            }
+        };
+        let own = procfs::network_namespace(Path::new("/proc"), "self");
+        match (own, sockdiag::listen_queues()) {
+            (Some(namespace), Ok(sockets)) => {
+                known.insert(namespace, sockets);
+            }
+            (None, _) => {}
+            (Some(_), Err(error)) => {
+                tracing::debug!(%error, "sock_diag failed; the scan reads net/tcp");
+            }
+        }
+        (known, changes)
+    }
+
     /// Whether the procfs root is the kernel's own, whose pids and sockets poolscope
     /// may also reach by system calls (not a fixture).
     fn procfs_is_the_kernels(&self) -> bool {
         self.procfs_root == Path::new("/proc")
-    }
-
-    /// The listening sockets of poolscope's own network namespace, by sock_diag: a
-    /// scan's read of a namespace's `net/tcp` tables walks the kernel's whole
-    /// connection hash, sized by memory and not by sockets (~5 ms per table at
-    /// 262,144 buckets), while sock_diag walks only the listeners.
-    fn own_listeners(&self) -> Option<procfs::KnownListeners> {
-        if !self.procfs_is_the_kernels() {
-            return None;
-        }
-        let namespace = procfs::network_namespace(Path::new("/proc"), "self")?;
-        match sockdiag::listen_queues() {
-            Ok(sockets) => Some(procfs::KnownListeners { namespace, sockets }),
-            Err(error) => {
-                tracing::debug!(%error, "sock_diag failed; the scan reads net/tcp");
-                None
-            }
-        }
     }
 
     /// Reads every loss counter and updates the health (logging what changed); run

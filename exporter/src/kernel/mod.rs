@@ -141,6 +141,7 @@ pub struct Kernel {
     /// only writer).
     pool_epoch: Array<MapData, u32>,
     pools_epoch: u32,
+    listen_changes: Array<MapData, u64>,
     thread_pools: HashMap<MapData, u32, u32>,
     /// tid → (service, pool) as the last read of the threads found them (see
     /// `thread_entries`).
@@ -432,6 +433,7 @@ impl Kernel {
             threads_overflow: 0,
             pool_epoch: take(&mut ebpf, maps::POOL_EPOCH)?,
             pools_epoch: 0,
+            listen_changes: take(&mut ebpf, maps::LISTEN_CHANGES)?,
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
             thread_pools_read: std::collections::HashMap::new(),
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
@@ -475,6 +477,15 @@ impl Kernel {
             maps::PROFILE_SESSIONS => Some(MAX_PROFILE_SESSIONS),
             _ => None,
         })
+    }
+
+    /// How many TCP sockets began or stopped listening on the host since the
+    /// programs loaded, where the socket backend counts them (`None` with the
+    /// syscall backend, or if the read fails: then every rescan reads every table).
+    pub fn listen_changes(&self) -> Option<u64> {
+        (self.backend == Backend::Socket)
+            .then(|| self.listen_changes.get(&0, 0).ok())
+            .flatten()
     }
 }
 

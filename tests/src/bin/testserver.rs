@@ -10,6 +10,8 @@
 //!   read of it on the same fd (a dup would be another fd) and exits when the read
 //!   returns → `ok` once every thread has started
 //! - `fork`: fork a child that accepts on the same socket forever → `child <pid>`
+//! - `listen <backlog>`: listen on another port too, accepting nothing there →
+//!   `port <n>`
 //! - `exit`: exit at once
 use std::{
     io::{BufRead as _, Read as _, Write as _},
@@ -49,6 +51,7 @@ fn main() -> std::io::Result<()> {
     writeln!(out, "port {}", listener.local_addr()?.port())?;
     out.flush()?;
     let mut kept: Vec<TcpStream> = Vec::new();
+    let mut also_listening: Vec<TcpListener> = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let line = line?;
         let mut words = line.split_whitespace();
@@ -98,6 +101,11 @@ fn main() -> std::io::Result<()> {
                     std::process::exit(0);
                 }
                 writeln!(out, "child {pid}")?;
+            }
+            (Some("listen"), Some(backlog)) => {
+                let another = listen(i32::try_from(backlog).unwrap_or(i32::MAX))?;
+                writeln!(out, "port {}", another.local_addr()?.port())?;
+                also_listening.push(another);
             }
             (Some("exit"), _) => std::process::exit(0),
             _ => writeln!(out, "unknown command: {line}")?,

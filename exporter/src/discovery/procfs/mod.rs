@@ -58,6 +58,8 @@ pub struct ProcSnapshot {
     pub namespace_pids: HashMap<u32, u32>,
     /// A process holding each of `listen_sockets` (the first seen) and its fd there.
     pub listen_holders: HashMap<u64, (u32, u32)>,
+    /// The listening sockets of each network namespace seen (by inode number).
+    pub namespace_listeners: HashMap<u32, Vec<ListenQueue>>,
     /// Processes whose open files poolscope was not allowed to follow (EACCES):
     /// their listening sockets are unknown. One that exits mid-scan is not here.
     pub processes_unreadable: Vec<u32>,
@@ -236,18 +238,10 @@ pub fn thread_comm(root: &Path, tid: u32) -> Option<String> {
     Some(comm.trim_end_matches('\n').to_owned())
 }
 
-/// The listening sockets of one network namespace, read another way than through
-/// its `net/tcp` tables (sock_diag, in poolscope's own).
-#[derive(Clone, Debug)]
-pub struct KnownListeners {
-    pub namespace: u32,
-    pub sockets: Vec<ListenQueue>,
-}
-
 /// Scans every process under `root` with its listening sockets. Listening sockets are
-/// read once per network namespace, through a process inside it; those of `known`'s
-/// namespace are taken from it instead.
-pub fn scan(root: &Path, known: Option<&KnownListeners>) -> io::Result<ProcSnapshot> {
+/// read once per network namespace, through a process inside it; those of a namespace
+/// in `known` (by inode number) are taken from it instead.
+pub fn scan(root: &Path, known: &HashMap<u32, Vec<ListenQueue>>) -> io::Result<ProcSnapshot> {
     let mut snapshot = ProcSnapshot::default();
     let mut namespaces_seen = HashSet::new();
     let mut pids: Vec<u32> = Vec::new();
@@ -287,25 +281,27 @@ pub fn scan(root: &Path, known: Option<&KnownListeners>) -> io::Result<ProcSnaps
         // seen once they are: a process that exits in between (or a namespace that
         // vanishes) leaves the namespace to its next process.
         if !process.listeners.is_empty() && !namespaces_seen.contains(&namespace) {
-            let listening = match known.filter(|known| Some(known.namespace) == inum) {
-                Some(known) => Ok(known.sockets.clone()),
-                None => listening_tables(root, pid).map(|tables| {
-                    tables
-                        .iter()
-                        .flat_map(|table| parse_net_tcp(table))
-                        .collect()
-                }),
-            };
+            let listening: io::Result<Vec<ListenQueue>> =
+                match inum.and_then(|inum| known.get(&inum)) {
+                    Some(known) => Ok(known.clone()),
+                    None => listening_tables(root, pid).map(|tables| {
+                        tables
+                            .iter()
+                            .flat_map(|table| parse_net_tcp(table))
+                            .collect()
+                    }),
+                };
             if let Ok(listening) = listening {
                 namespaces_seen.insert(namespace);
+                for queue in &listening {
+                    snapshot.listen_sockets.insert(queue.inode, queue.addr);
+                }
                 if let Some(inum) = inum {
                     snapshot.namespace_pids.insert(inum, pid);
-                }
-                for queue in listening {
-                    snapshot.listen_sockets.insert(queue.inode, queue.addr);
-                    if let Some(inum) = inum {
+                    for queue in &listening {
                         snapshot.listen_namespaces.insert(queue.inode, inum);
                     }
+                    snapshot.namespace_listeners.insert(inum, listening);
                 }
             }
         }
@@ -696,16 +692,15 @@ pub(crate) mod tests {
         fs::create_dir_all(root.path().join("self"))?;
 
         // The namespace's listeners known already (sock_diag): its tables are not read.
-        let known = KnownListeners {
-            namespace: 4026531840,
-            sockets: vec![ListenQueue {
-                inode: 778,
-                addr: "127.0.0.1:9090".parse().expect("addr"),
-                depth: 0,
-                limit: Some(128),
-            }],
-        };
-        let snapshot = scan(root.path(), Some(&known))?;
+        let listening = vec![ListenQueue {
+            inode: 778,
+            addr: "127.0.0.1:9090".parse().expect("addr"),
+            depth: 0,
+            limit: Some(128),
+        }];
+        let known = HashMap::from([(4026531840, listening.clone())]);
+        let snapshot = scan(root.path(), &known)?;
+        assert_eq!(snapshot.namespace_listeners, known);
         assert_eq!(snapshot.listen_sockets.len(), 1, "{snapshot:?}");
         assert_eq!(snapshot.listen_namespaces.get(&778), Some(&4026531840));
         assert_eq!(
@@ -716,11 +711,8 @@ pub(crate) mod tests {
         let web = snapshot.processes.iter().find(|p| p.pid == 10);
         assert_eq!(web.map(|p| p.listeners.clone()), Some(vec![778]));
         // Another namespace's: the tables are.
-        let elsewhere = KnownListeners {
-            namespace: 4026531841,
-            ..known
-        };
-        let mut snapshot = scan(root.path(), Some(&elsewhere))?;
+        let elsewhere = HashMap::from([(4026531841, listening)]);
+        let mut snapshot = scan(root.path(), &elsewhere)?;
         snapshot.processes.sort_by_key(|p| p.pid);
         assert_eq!(
             snapshot.listen_sockets.get(&777),
