@@ -432,7 +432,7 @@ impl LineProgram {
     ) -> anyhow::Result<Self> {
         let binary = root.join("target/release").join(name);
         // taskset execs the program: its pid is the program's.
-        let mut command = match cpu {
+        let command = match cpu {
             Some(cpu) => {
                 let mut taskset = Command::new("taskset");
                 taskset.args(["-c", &cpu.to_string()]).arg(binary);
@@ -440,6 +440,25 @@ impl LineProgram {
             }
             None => Command::new(binary),
         };
+        Self::spawn(name, command, args)
+    }
+
+    /// Starts `name` in network namespace `netns` (`ip netns exec` execs it: its pid
+    /// is the program's).
+    fn start_in_netns(
+        root: &Path,
+        name: &'static str,
+        netns: &str,
+        args: &[String],
+    ) -> anyhow::Result<Self> {
+        let mut command = Command::new("ip");
+        command
+            .args(["netns", "exec", netns])
+            .arg(root.join("target/release").join(name));
+        Self::spawn(name, command, args)
+    }
+
+    fn spawn(name: &'static str, mut command: Command, args: &[String]) -> anyhow::Result<Self> {
         let mut child = command
             .args(args)
             .stdin(Stdio::piped())

@@ -7,7 +7,9 @@
 //! sends them to a scraper that asks), the scrape time p50 and p99, poolscope's RSS and
 //! its CPU per scrape, the series the cap dropped, and the p50 and CPU of the same
 //! scrapes asking for gzip, and asking as a Prometheus with native histograms on
-//! (protobuf, gzip): its bytes and the series it stores.
+//! (protobuf, gzip): its bytes and the series it stores. `BENCH_SCALE_PODS=1` puts
+//! each service in a network namespace of its own, as pods are (idle only: the load's
+//! clients are in the host's namespace).
 use std::{
     fmt::Write as _,
     fs,
@@ -162,11 +164,16 @@ pub(super) fn run_scale(
 /// Starts `services` servers and poolscope watching them, and measures it idle and
 /// under load.
 fn measure_node(root: &Path, dir: &Path, services: usize) -> anyhow::Result<Vec<Measured>> {
+    let pods = std::env::var("BENCH_SCALE_PODS").is_ok_and(|pods| pods == "1");
+    let namespaces = Namespaces::new(if pods { services } else { 0 })?;
     let mut servers = Vec::with_capacity(services);
     let mut ports = Vec::with_capacity(services);
-    for _ in 0..services {
+    for index in 0..services {
         let args = [WORKERS.to_owned(), "1000".to_owned(), "sleep".to_owned()];
-        let mut server = LineProgram::start(root, "threadpool", None, &args)?;
+        let mut server = match namespaces.0.get(index) {
+            Some(netns) => LineProgram::start_in_netns(root, "threadpool", netns, &args)?,
+            None => LineProgram::start(root, "threadpool", None, &args)?,
+        };
         let port: u16 = server.line("port ")?.parse().context("threadpool's port")?;
         server.line("workers ")?;
         ports.push(port);
@@ -195,6 +202,9 @@ fn measure_node(root: &Path, dir: &Path, services: usize) -> anyhow::Result<Vec<
     sleep(Duration::from_secs(2));
     let pid = poolscope.0.id();
     let idle = measure_scrapes(&address, pid, services, false)?;
+    if pods {
+        return Ok(vec![idle]);
+    }
 
     let stop = Arc::new(AtomicBool::new(false));
     let served = Arc::new(AtomicU64::new(0));
@@ -232,6 +242,43 @@ fn measure_node(root: &Path, dir: &Path, services: usize) -> anyhow::Result<Vec<
         let _ = server.line("served ");
     }
     Ok(vec![idle, loaded?])
+}
+
+/// Network namespaces made for the pods of a node, deleted when dropped.
+struct Namespaces(Vec<String>);
+
+impl Namespaces {
+    fn new(count: usize) -> anyhow::Result<Self> {
+        let mut made = Self(Vec::with_capacity(count));
+        for index in 0..count {
+            let name = format!("poolscope-bench-{}-{index}", std::process::id());
+            ip(&["netns", "add", &name])?;
+            made.0.push(name.clone());
+            ip(&["-n", &name, "link", "set", "lo", "up"])?;
+        }
+        Ok(made)
+    }
+}
+
+fn ip(args: &[&str]) -> anyhow::Result<()> {
+    let status = std::process::Command::new("ip")
+        .args(args)
+        .status()
+        .context("running ip")?;
+    if !status.success() {
+        bail!("ip {} failed: {status}", args.join(" "));
+    }
+    Ok(())
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for name in &self.0 {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "delete", name])
+                .status();
+        }
+    }
 }
 
 /// One request on a connection of its own.
