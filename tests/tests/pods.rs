@@ -248,8 +248,25 @@ fn a_pod_that_listens_again_is_found() -> anyhow::Result<()> {
             ) == Some(16.0)
                 && m.has_label("backend", backend)
         })?;
-        // Two rescans (every 500 ms) with the pod's listeners known.
+        // Two rescans (every 500 ms) with the pod's listeners known: the socket
+        // backend reads no table (unless some socket on the host listens meanwhile),
+        // the syscall backend (no count of listen changes) the pod's at each.
+        let tables_read = |m: &Metrics| {
+            m.value("poolscope_discovery_namespace_tables_read_total", &[])
+                .unwrap_or(f64::NAN)
+        };
+        let before = tables_read(&poolscope.scrape()?);
         std::thread::sleep(Duration::from_millis(1200));
+        let quiet = tables_read(&poolscope.scrape()?) - before;
+        eprintln!("{backend}: namespace tables read in 1.2 s of quiet rescans: {quiet}");
+        if backend == "socket" {
+            assert_eq!(quiet, 0.0, "no listen change, no table read");
+        } else {
+            assert!(
+                quiet >= 2.0,
+                "the syscall backend reads them at each rescan"
+            );
+        }
         let answer = server.command("listen 8")?;
         let port: u16 = answer
             .strip_prefix("port ")

@@ -19,6 +19,8 @@ pub struct SelfStats {
     pub degraded: bool,
     /// Processes with the `pthread_mutex_lock` probes attached.
     pub lock_probe_processes: usize,
+    /// Reads of a network namespace's `net/tcp` tables so far.
+    pub namespace_tables_read: u64,
     /// (collector, seconds, success)
     pub collectors: Vec<(&'static str, f64, bool)>,
     pub reload: ReloadStatus,
@@ -231,6 +233,18 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
             "Watched processes with the pthread_mutex_lock probes attached (probes.lock_uprobes).",
         )
         .with(&[], stats.lock_probe_processes as f64),
+    );
+    families.push(
+        Family::new(
+            "discovery_namespace_tables_read",
+            Kind::Counter,
+            "Reads of a network namespace's /proc/<pid>/net/tcp and tcp6 by rescans and \
+             scrapes; each walks the kernel's whole connection hash (milliseconds). \
+             Rises only when a socket began or stopped listening (socket backend), at \
+             every rescan per pod namespace (syscall backend), or when a pod's listener \
+             cannot be read through its fd.",
+        )
+        .with(&[], stats.namespace_tables_read as f64),
     );
     let mut duration = Family::new(
         "scrape_duration_seconds",

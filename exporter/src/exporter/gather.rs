@@ -143,6 +143,8 @@ impl Exporter {
                 }
             }
             let pid = listeners.pid;
+            self.namespace_tables_read
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             match procfs::listen_queues_of(&self.procfs_root, pid) {
                 // The pid may have been reused by a process of another namespace.
                 Ok(found)
@@ -241,6 +243,9 @@ impl Exporter {
             losses,
             degraded,
             lock_probe_processes: locked.lock_probe_processes,
+            namespace_tables_read: self
+                .namespace_tables_read
+                .load(std::sync::atomic::Ordering::Relaxed),
             collectors: timings.0,
             reload: *lock_or_recover(&self.reload_status),
         };

@@ -83,6 +83,8 @@ pub struct Exporter {
     reload_status: Mutex<ReloadStatus>,
     /// The listeners of each network namespace as the last rescan found them.
     listeners_found: Mutex<ListenersFound>,
+    /// Reads of a namespace's `net/tcp` tables, by rescans and scrapes.
+    namespace_tables_read: std::sync::atomic::AtomicU64,
 }
 
 /// Listeners by network namespace (inode number), and the kernel's count of listen
@@ -135,6 +137,7 @@ impl Exporter {
             procfs_root,
             procfs_units: std::sync::OnceLock::new(),
             listeners_found: Mutex::new(ListenersFound::default()),
+            namespace_tables_read: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -198,6 +201,8 @@ impl Exporter {
                 root: self.procfs_root.display().to_string(),
                 source,
             })?;
+        self.namespace_tables_read
+            .fetch_add(snapshot.tables_read, std::sync::atomic::Ordering::Relaxed);
         *lock_or_recover(&self.listeners_found) = ListenersFound {
             changes,
             namespaces: snapshot.namespace_listeners.clone(),

@@ -60,6 +60,8 @@ pub struct ProcSnapshot {
     pub listen_holders: HashMap<u64, (u32, u32)>,
     /// The listening sockets of each network namespace seen (by inode number).
     pub namespace_listeners: HashMap<u32, Vec<ListenQueue>>,
+    /// Namespaces whose `net/tcp` tables the scan read (the others were known).
+    pub tables_read: u64,
     /// Processes whose open files poolscope was not allowed to follow (EACCES):
     /// their listening sockets are unknown. One that exits mid-scan is not here.
     pub processes_unreadable: Vec<u32>,
@@ -284,12 +286,15 @@ pub fn scan(root: &Path, known: &HashMap<u32, Vec<ListenQueue>>) -> io::Result<P
             let listening: io::Result<Vec<ListenQueue>> =
                 match inum.and_then(|inum| known.get(&inum)) {
                     Some(known) => Ok(known.clone()),
-                    None => listening_tables(root, pid).map(|tables| {
-                        tables
-                            .iter()
-                            .flat_map(|table| parse_net_tcp(table))
-                            .collect()
-                    }),
+                    None => {
+                        snapshot.tables_read += 1;
+                        listening_tables(root, pid).map(|tables| {
+                            tables
+                                .iter()
+                                .flat_map(|table| parse_net_tcp(table))
+                                .collect()
+                        })
+                    }
                 };
             if let Ok(listening) = listening {
                 namespaces_seen.insert(namespace);
@@ -701,6 +706,7 @@ pub(crate) mod tests {
         let known = HashMap::from([(4026531840, listening.clone())]);
         let snapshot = scan(root.path(), &known)?;
         assert_eq!(snapshot.namespace_listeners, known);
+        assert_eq!(snapshot.tables_read, 0);
         assert_eq!(snapshot.listen_sockets.len(), 1, "{snapshot:?}");
         assert_eq!(snapshot.listen_namespaces.get(&778), Some(&4026531840));
         assert_eq!(
@@ -720,6 +726,8 @@ pub(crate) mod tests {
         );
         assert_eq!(snapshot.listen_namespaces.get(&777), Some(&4026531840));
         assert_eq!(snapshot.namespace_pids.len(), 1);
+        // Pid 9's (gone) and pid 10's.
+        assert_eq!(snapshot.tables_read, 2);
         assert_ne!(snapshot.namespace_pids.get(&4026531840), Some(&9));
         snapshot.processes.retain(|p| p.pid != 9 && p.pid != 12);
         assert_eq!(snapshot.processes.len(), 2);
