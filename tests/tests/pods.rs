@@ -255,9 +255,16 @@ fn a_pod_that_listens_again_is_found() -> anyhow::Result<()> {
             m.value("poolscope_discovery_namespace_tables_read_total", &[])
                 .unwrap_or(f64::NAN)
         };
-        let before = tables_read(&poolscope.scrape()?);
-        std::thread::sleep(Duration::from_millis(1200));
-        let quiet = tables_read(&poolscope.scrape()?) - before;
+        // A listen() elsewhere on the host is a change too: a window of two.
+        let mut quiet = f64::NAN;
+        for _ in 0..2 {
+            let before = tables_read(&poolscope.scrape()?);
+            std::thread::sleep(Duration::from_millis(1200));
+            quiet = tables_read(&poolscope.scrape()?) - before;
+            if quiet == 0.0 {
+                break;
+            }
+        }
         eprintln!("{backend}: namespace tables read in 1.2 s of quiet rescans: {quiet}");
         if backend == "socket" {
             assert_eq!(quiet, 0.0, "no listen change, no table read");

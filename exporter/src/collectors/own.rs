@@ -238,11 +238,12 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
         Family::new(
             "discovery_namespace_tables_read",
             Kind::Counter,
-            "Reads of a network namespace's /proc/<pid>/net/tcp and tcp6 by rescans and \
-             scrapes; each walks the kernel's whole connection hash (milliseconds). \
-             Rises only when a socket began or stopped listening (socket backend), at \
-             every rescan per pod namespace (syscall backend), or when a pod's listener \
-             cannot be read through its fd.",
+            "Reads of a network namespace's /proc/<pid>/net/tcp and tcp6 by rescans, \
+             scrapes and the saturation check; each walks the kernel's whole connection \
+             hash (milliseconds). With the socket backend the rescan reads them after a \
+             socket began or stopped listening and once a minute; with the syscall \
+             backend at each rescan; scrapes where a pod's listener cannot be read \
+             through its fd.",
         )
         .with(&[], stats.namespace_tables_read as f64),
     );

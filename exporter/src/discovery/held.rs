@@ -7,11 +7,14 @@
 //! few sockets), and gives their limits, which the tables lack.
 //!
 //! The copy is closed at once: while it is open, the socket would outlive its owner's
-//! close (microseconds here).
+//! close (microseconds here). A socket received this way takes its receiver's net_cls
+//! classid and net_prio index (`__receive_sock`), which mean something only where
+//! those cgroup v1 controllers are mounted: there no copy is made.
 use std::{
-    io,
+    fs, io,
     net::SocketAddr,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    sync::OnceLock,
 };
 
 use crate::discovery::sockdiag::ListenQueue;
@@ -23,6 +26,33 @@ pub struct HeldListener {
     pub addr: SocketAddr,
     pub pid: u32,
     pub fd: u32,
+}
+
+/// Whether copying a socket's fd leaves the socket as it was: no cgroup v1 hierarchy
+/// with net_cls or net_prio is mounted (`/proc/self/mountinfo`; unreadable: not).
+pub fn copies_leave_sockets_unchanged() -> bool {
+    static UNCHANGED: OnceLock<bool> = OnceLock::new();
+    *UNCHANGED.get_or_init(|| {
+        fs::read_to_string("/proc/self/mountinfo")
+            .is_ok_and(|mountinfo| !classifiers_mounted(&mountinfo))
+    })
+}
+
+/// A `cgroup` (v1) mount with the net_cls or net_prio controller among its super
+/// options, in `/proc/self/mountinfo` text.
+fn classifiers_mounted(mountinfo: &str) -> bool {
+    mountinfo.lines().any(|line| {
+        let Some((_, after)) = line.split_once(" - ") else {
+            return false;
+        };
+        let mut fields = after.split_whitespace();
+        fields.next() == Some("cgroup")
+            && fields.nth(1).is_some_and(|options| {
+                options
+                    .split(',')
+                    .any(|option| option == "net_cls" || option == "net_prio")
+            })
+    })
 }
 
 /// `TCP_LISTEN` in `tcpi_state` (include/net/tcp_states.h).
@@ -97,6 +127,17 @@ mod tests {
     };
 
     use super::*;
+
+    #[test]
+    fn net_classifiers_are_found_among_cgroup_v1_mounts_only() {
+        let v2 = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n";
+        let v1 = "31 23 0:27 / /sys/fs/cgroup/net_cls,net_prio rw - cgroup cgroup rw,net_cls,net_prio\n\
+                  32 23 0:28 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu,cpuacct\n";
+        let v1_without = "32 23 0:28 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu,cpuacct\n";
+        assert!(!classifiers_mounted(v2));
+        assert!(classifiers_mounted(v1));
+        assert!(!classifiers_mounted(v1_without));
+    }
 
     /// A listener of this process with two connections waiting, read as another
     /// process's would be; a stale fd or inode is refused.

@@ -96,8 +96,8 @@ pub struct Targets {
 pub struct NamespaceListeners {
     /// A process inside it, to read its `net/tcp` tables through.
     pub pid: u32,
-    /// Each listener where it is held; `None` when one's holder is unknown.
-    pub held: Option<Vec<HeldListener>>,
+    /// Each listener, where it is held.
+    pub held: Vec<HeldListener>,
 }
 
 impl Targets {
@@ -238,22 +238,21 @@ impl Targets {
                     .entry(netns)
                     .or_insert_with(|| NamespaceListeners {
                         pid,
-                        held: Some(Vec::new()),
+                        held: Vec::new(),
                     });
-            let held = snapshot
-                .listen_sockets
-                .get(inode)
-                .zip(snapshot.listen_holders.get(inode))
-                .map(|(&addr, &(pid, fd))| HeldListener {
+            // Both maps have every listening socket some process holds, as each
+            // watched listener is.
+            if let (Some(&addr), Some(&(pid, fd))) = (
+                snapshot.listen_sockets.get(inode),
+                snapshot.listen_holders.get(inode),
+            ) {
+                namespace.held.push(HeldListener {
                     inode: *inode,
                     addr,
                     pid,
                     fd,
                 });
-            namespace.held = namespace.held.take().zip(held).map(|(mut all, held)| {
-                all.push(held);
-                all
-            });
+            }
         }
         let ports: BTreeMap<ListenKey, u32> = self
             .listeners
@@ -583,7 +582,7 @@ impl Targets {
         &self.listeners
     }
 
-    /// The network namespaces of watched listeners (inode number → a process in it).
+    /// The network namespaces of watched listeners, by inode number.
     pub fn listener_namespaces(&self) -> &BTreeMap<u32, NamespaceListeners> {
         &self.listener_namespaces
     }

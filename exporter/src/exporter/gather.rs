@@ -6,6 +6,7 @@ use std::{
     collections::{BTreeMap, HashMap},
     io,
     path::Path,
+    sync::atomic::{AtomicBool, Ordering},
     time::Instant,
 };
 
@@ -29,6 +30,9 @@ use crate::{
     metrics::pools::{self, PoolView},
     stacks::snapshots::Trigger,
 };
+
+/// Set once a held listener could not be read (logged at warn once).
+static HELD_UNREADABLE_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// What a scrape reads under the core lock.
 struct Locked {
@@ -123,12 +127,12 @@ impl Exporter {
             if Some(netns) == own {
                 continue;
             }
-            let held = listeners
-                .held
-                .as_deref()
-                .filter(|_| self.procfs_is_the_kernels());
-            if let Some(held) = held {
-                match held
+            if !listeners.held.is_empty()
+                && self.procfs_is_the_kernels()
+                && held::copies_leave_sockets_unchanged()
+            {
+                match listeners
+                    .held
                     .iter()
                     .map(held::listen_queue)
                     .collect::<io::Result<Vec<_>>>()
@@ -136,6 +140,11 @@ impl Exporter {
                     Ok(found) => {
                         queues.extend(found);
                         continue;
+                    }
+                    // Once at warn: a refusal (no pidfd_getfd, a security module)
+                    // lasts, and each scrape then reads the tables.
+                    Err(error) if !HELD_UNREADABLE_WARNED.swap(true, Ordering::Relaxed) => {
+                        tracing::warn!(netns, %error, "a pod's listener cannot be read through its fd; reading its network namespace's net/tcp instead (milliseconds per scrape)");
                     }
                     Err(error) => {
                         tracing::debug!(netns, %error, "held listener unreadable; reading the namespace's tables");

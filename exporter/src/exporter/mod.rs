@@ -93,7 +93,14 @@ pub struct Exporter {
 struct ListenersFound {
     changes: Option<u64>,
     namespaces: HashMap<u32, Vec<sockdiag::ListenQueue>>,
+    /// Rescans that took them over from the one before.
+    reused: u32,
 }
+
+/// Rescans in a row that may reuse the listeners found before; the next reads every
+/// table (about a minute at the default interval): a safety net for listeners the
+/// count of listen changes would miss.
+const MAX_LISTENERS_REUSED: u32 = 11;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScanError {
@@ -195,7 +202,7 @@ impl Exporter {
     pub fn rescan(&self) -> Result<(), ScanError> {
         let settings = self.settings();
         let started_ns = monotonic_ns();
-        let (known, changes) = self.known_listeners();
+        let (known, changes, reused) = self.known_listeners();
         let snapshot =
             procfs::scan(&self.procfs_root, &known).map_err(|source| ScanError::Procfs {
                 root: self.procfs_root.display().to_string(),
@@ -206,6 +213,7 @@ impl Exporter {
         *lock_or_recover(&self.listeners_found) = ListenersFound {
             changes,
             namespaces: snapshot.namespace_listeners.clone(),
+            reused,
         };
         let assignments = rules::assign(&snapshot, &settings.targets, std::process::id());
         let mut core = lock_or_recover(&self.core);
@@ -223,20 +231,22 @@ impl Exporter {
     /// table at 262,144 buckets), with the kernel's count of listen changes now: those
     /// of poolscope's own network namespace by sock_diag (which walks only the
     /// listeners), and every namespace's found by the last scan while no socket on
-    /// the host has begun or stopped listening since. Only where the procfs root is
-    /// the kernel's.
-    fn known_listeners(&self) -> (HashMap<u32, Vec<sockdiag::ListenQueue>>, Option<u64>) {
+    /// the host has begun or stopped listening since (up to
+    /// [`MAX_LISTENERS_REUSED`] rescans in a row). Only where the procfs root is the
+    /// kernel's. Also how many rescans in a row the known listeners were reused.
+    fn known_listeners(&self) -> (HashMap<u32, Vec<sockdiag::ListenQueue>>, Option<u64>, u32) {
         if !self.procfs_is_the_kernels() {
-            return (HashMap::new(), None);
+            return (HashMap::new(), None, 0);
         }
         // Read before the scan: a listen() during it moves the count for the next.
         let changes = lock_or_recover(&self.core).kernel.listen_changes();
-        let mut known = {
+        let (mut known, reused) = {
             let found = lock_or_recover(&self.listeners_found);
-            if changes.is_some() && found.changes == changes {
-                found.namespaces.clone()
+            if changes.is_some() && found.changes == changes && found.reused < MAX_LISTENERS_REUSED
+            {
+                (found.namespaces.clone(), found.reused + 1)
             } else {
-                HashMap::new()
+                (HashMap::new(), 0)
             }
         };
         let own = procfs::network_namespace(Path::new("/proc"), "self");
@@ -249,7 +259,7 @@ impl Exporter {
                 tracing::debug!(%error, "sock_diag failed; the scan reads net/tcp");
             }
         }
-        (known, changes)
+        (known, changes, reused)
     }
 
     /// Whether the procfs root is the kernel's own, whose pids and sockets poolscope

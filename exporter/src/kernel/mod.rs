@@ -480,10 +480,14 @@ impl Kernel {
     }
 
     /// How many TCP sockets began or stopped listening on the host since the
-    /// programs loaded, where the socket backend counts them (`None` with the
-    /// syscall backend, or if the read fails: then every rescan reads every table).
+    /// programs loaded, where `sock_state` counts them (`None` where it is not
+    /// attached, with the syscall backend or for want of BTF, or if the read fails:
+    /// then every rescan reads every table).
     pub fn listen_changes(&self) -> Option<u64> {
-        (self.backend == Backend::Socket)
+        let counted = self.probes.iter().any(|probe| {
+            probe.name == "sock/inet_sock_set_state" && probe.state == ProbeState::Attached
+        });
+        counted
             .then(|| self.listen_changes.get(&0, 0).ok())
             .flatten()
     }

@@ -184,11 +184,14 @@ fn measure_node(root: &Path, dir: &Path, services: usize) -> anyhow::Result<Vec<
         services.max(256),
         (services * 4).max(512)
     );
-    for (index, port) in ports.iter().enumerate() {
-        writeln!(
-            config,
-            "[[targets]]\nservice = \"svc-{index}\"\nport = {port}"
-        )?;
+    for (index, (port, server)) in ports.iter().zip(&servers).enumerate() {
+        // Pods may listen on the same port: named by pid.
+        let rule = if pods {
+            format!("pids = [{}]", server.pid())
+        } else {
+            format!("port = {port}")
+        };
+        writeln!(config, "[[targets]]\nservice = \"svc-{index}\"\n{rule}")?;
     }
     let config_path = dir.join(format!("scale-{services}.toml"));
     fs::write(&config_path, config).context("writing the scale config")?;

@@ -23,7 +23,6 @@ use crate::discovery::sockdiag::ListenQueue;
 use containers::read_pod_name;
 pub use containers::*;
 pub use own::*;
-use sockets::listening_tables;
 pub use sockets::*;
 
 /// What discovery needs to know about one process.
@@ -288,12 +287,7 @@ pub fn scan(root: &Path, known: &HashMap<u32, Vec<ListenQueue>>) -> io::Result<P
                     Some(known) => Ok(known.clone()),
                     None => {
                         snapshot.tables_read += 1;
-                        listening_tables(root, pid).map(|tables| {
-                            tables
-                                .iter()
-                                .flat_map(|table| parse_net_tcp(table))
-                                .collect()
-                        })
+                        listen_queues_of(root, pid)
                     }
                 };
             if let Ok(listening) = listening {
