@@ -128,7 +128,7 @@ fn net_tcp_tables(root: &Path, pid: u32) -> io::Result<[String; 2]> {
 /// the first row of another state. A node's table can hold tens of thousands of
 /// connections (TIME_WAIT after short requests), and each read of the proc file
 /// walks the hash from its start: reading it all cost a rescan ~0.3 s per namespace.
-pub(super) fn listening_tables(root: &Path, pid: u32) -> io::Result<[String; 2]> {
+fn listening_tables(root: &Path, pid: u32) -> io::Result<[String; 2]> {
     let dir = root.join(pid.to_string()).join("net");
     let v4 = listening_rows(fs::File::open(dir.join("tcp"))?)?;
     let v6 = fs::File::open(dir.join("tcp6"))
