@@ -152,8 +152,7 @@ impl Exporter {
                 }
             }
             let pid = listeners.pid;
-            self.namespace_tables_read
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.namespace_tables_read.fetch_add(1, Ordering::Relaxed);
             match procfs::listen_queues_of(&self.procfs_root, pid) {
                 // The pid may have been reused by a process of another namespace.
                 Ok(found)
@@ -252,9 +251,7 @@ impl Exporter {
             losses,
             degraded,
             lock_probe_processes: locked.lock_probe_processes,
-            namespace_tables_read: self
-                .namespace_tables_read
-                .load(std::sync::atomic::Ordering::Relaxed),
+            namespace_tables_read: self.namespace_tables_read.load(Ordering::Relaxed),
             collectors: timings.0,
             reload: *lock_or_recover(&self.reload_status),
         };

@@ -203,7 +203,7 @@ impl Exporter {
         let settings = self.settings();
         let started_ns = monotonic_ns();
         let (known, changes, reused) = self.known_listeners();
-        let snapshot =
+        let mut snapshot =
             procfs::scan(&self.procfs_root, &known).map_err(|source| ScanError::Procfs {
                 root: self.procfs_root.display().to_string(),
                 source,
@@ -212,7 +212,8 @@ impl Exporter {
             .fetch_add(snapshot.tables_read, std::sync::atomic::Ordering::Relaxed);
         *lock_or_recover(&self.listeners_found) = ListenersFound {
             changes,
-            namespaces: snapshot.namespace_listeners.clone(),
+            // Nothing after this reads them from the snapshot.
+            namespaces: std::mem::take(&mut snapshot.namespace_listeners),
             reused,
         };
         let assignments = rules::assign(&snapshot, &settings.targets, std::process::id());
