@@ -10,11 +10,16 @@
 //! (protobuf, gzip): its bytes and the series it stores. `BENCH_SCALE_PODS=1` puts
 //! each service in a network namespace of its own, as pods are (idle only: the load's
 //! clients are in the host's namespace).
+//!
+//! Each scrape alternates with a fetch of the same bytes from a static server in
+//! this process (`Floor`): what moving the exposition to the client costs on this
+//! machine at that moment, so a scrape's time can be read against it where the
+//! machine is noisy (the two share every disturbance of the run).
 use std::{
     fmt::Write as _,
     fs,
     io::{Read as _, Write as _},
-    net::TcpStream,
+    net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
     sync::{
         Arc,
@@ -51,6 +56,9 @@ struct Measured {
     gzip_bytes: usize,
     p50_ms: f64,
     p99_ms: f64,
+    /// The same bytes from a static server, fetched between the scrapes.
+    floor_p50_ms: f64,
+    floor_p99_ms: f64,
     rss_mb: f64,
     cpu_ms_per_scrape: f64,
     dropped: f64,
@@ -102,7 +110,7 @@ pub(super) fn run_scale(
         results.extend(measure_node(root, &dir, services)?);
     }
     println!(
-        "{:>8} {:>6} {:>7} {:>11} {:>9} {:>9} {:>8} {:>8} {:>7} {:>10} {:>8} {:>10} {:>10}",
+        "{:>8} {:>6} {:>7} {:>11} {:>9} {:>9} {:>8} {:>8} {:>13} {:>7} {:>10} {:>8} {:>10} {:>10}",
         "services",
         "load",
         "series",
@@ -111,6 +119,7 @@ pub(super) fn run_scale(
         "gzip",
         "p50 ms",
         "p99 ms",
+        "floor p50/p99",
         "RSS MB",
         "CPU ms/scr",
         "dropped",
@@ -130,7 +139,7 @@ pub(super) fn run_scale(
     };
     for m in &results {
         println!(
-            "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>7.1} {:>10.2} {:>8} {:>10.2} {:>10.2}",
+            "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>13} {:>7.1} {:>10.2} {:>8} {:>10.2} {:>10.2}",
             m.services,
             if m.loaded { "loaded" } else { "idle" },
             m.series,
@@ -139,6 +148,7 @@ pub(super) fn run_scale(
             m.gzip_bytes,
             m.p50_ms,
             m.p99_ms,
+            format!("{:.2}/{:.2}", m.floor_p50_ms, m.floor_p99_ms),
             m.rss_mb,
             m.cpu_ms_per_scrape,
             m.dropped,
@@ -150,10 +160,12 @@ pub(super) fn run_scale(
     for m in results.iter().filter(|m| m.services == 110) {
         let load = if m.loaded { "loaded" } else { "idle" };
         println!(
-            "110 services {load}: scrape p99 {:.2} ms (goal ≤ {GOAL_SCRAPE_P99_MS} ms: {}), \
+            "110 services {load}: scrape p99 {:.2} ms (goal ≤ {GOAL_SCRAPE_P99_MS} ms: {}; \
+             the same bytes from a static server in the same loop: p99 {:.2} ms), \
              {} series of the default max_series {DEFAULT_MAX_SERIES} ({})",
             m.p99_ms,
             super::met(m.p99_ms <= GOAL_SCRAPE_P99_MS),
+            m.floor_p99_ms,
             m.series,
             super::met(m.series * 2 <= DEFAULT_MAX_SERIES && m.dropped == 0.0),
         );
@@ -300,19 +312,28 @@ fn measure_scrapes(
     loaded: bool,
 ) -> anyhow::Result<Measured> {
     let cpu = || processes().get(&pid).map_or(0.0, |p| p.cpu_seconds);
+    let body_of = |response: String| {
+        response
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_owned())
+            .context("a scrape without a body")
+    };
+    let floor = Floor::serve(body_of(scrape(address)?)?)?;
     let cpu_before = cpu();
     let mut times_ms = Vec::with_capacity(SCRAPES);
+    let mut floor_ms = Vec::with_capacity(SCRAPES);
     let mut body = String::new();
     for _ in 0..SCRAPES {
         let started = Instant::now();
         let response = scrape(address)?;
         times_ms.push(started.elapsed().as_secs_f64() * 1e3);
-        body = response
-            .split_once("\r\n\r\n")
-            .map(|(_, body)| body.to_owned())
-            .context("a scrape without a body")?;
+        body = body_of(response)?;
+        let started = Instant::now();
+        scrape(&floor.address)?;
+        floor_ms.push(started.elapsed().as_secs_f64() * 1e3);
     }
     let cpu_ms_per_scrape = (cpu() - cpu_before) * 1e3 / SCRAPES as f64;
+    drop(floor);
     let timed = |accept: &str| -> anyhow::Result<Timed> {
         let cpu_before = cpu();
         let mut times_ms = Vec::with_capacity(SCRAPES);
@@ -332,7 +353,9 @@ fn measure_scrapes(
     let gzip = timed("text/plain")?;
     let native = timed(NATIVE_ACCEPT)?;
     times_ms.sort_by(f64::total_cmp);
-    let at = |q: f64| times_ms[((q * SCRAPES as f64) as usize).min(SCRAPES - 1)];
+    floor_ms.sort_by(f64::total_cmp);
+    let at_of = |times: &[f64], q: f64| times[((q * SCRAPES as f64) as usize).min(SCRAPES - 1)];
+    let at = |q: f64| at_of(&times_ms, q);
     let samples: Vec<&str> = body.lines().filter(|l| !l.starts_with('#')).collect();
     let of_services = samples
         .iter()
@@ -360,6 +383,8 @@ fn measure_scrapes(
         gzip_bytes: gzip.bytes,
         p50_ms: at(0.5),
         p99_ms: at(0.99),
+        floor_p50_ms: at_of(&floor_ms, 0.5),
+        floor_p99_ms: at_of(&floor_ms, 0.99),
         rss_mb: rss_kb / 1024.0,
         cpu_ms_per_scrape,
         dropped,
@@ -368,6 +393,68 @@ fn measure_scrapes(
         native,
         native_series: samples.len() - bucket_lines - histograms,
     })
+}
+
+/// A static HTTP server of one body on a loopback port, stopped when dropped.
+struct Floor {
+    address: String,
+    stop: Arc<AtomicBool>,
+    server: Option<thread::JoinHandle<()>>,
+}
+
+impl Floor {
+    fn serve(body: String) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").context("binding the static server")?;
+        let address = listener.local_addr()?.to_string();
+        let stop = Arc::new(AtomicBool::new(false));
+        let response = [
+            format!(
+                "HTTP/1.0 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n\
+                 content-length: {}\r\n\r\n",
+                body.len()
+            )
+            .into_bytes(),
+            body.into_bytes(),
+        ]
+        .concat();
+        let server = thread::spawn({
+            let stop = stop.clone();
+            move || {
+                for stream in listener.incoming() {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let Ok(mut stream) = stream else { continue };
+                    // The request ends with an empty line; its content is not looked at.
+                    let mut request = Vec::new();
+                    let mut chunk = [0u8; 1024];
+                    while !request.ends_with(b"\r\n\r\n") {
+                        match stream.read(&mut chunk) {
+                            Ok(0) | Err(_) => break,
+                            Ok(read) => request.extend_from_slice(&chunk[..read]),
+                        }
+                    }
+                    let _ = stream.write_all(&response);
+                }
+            }
+        });
+        Ok(Self {
+            address,
+            stop,
+            server: Some(server),
+        })
+    }
+}
+
+impl Drop for Floor {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wakes the accept loop to see the stop.
+        let _ = TcpStream::connect(&self.address);
+        if let Some(server) = self.server.take() {
+            let _ = server.join();
+        }
+    }
 }
 
 /// One scrape asking for gzip and `accept`: the size of the body poolscope sent.
