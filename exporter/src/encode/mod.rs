@@ -332,12 +332,15 @@ fn escape_help(help: &str, format: Format, out: &mut String) {
 }
 
 fn write_value(value: f64, out: &mut String) {
-    if value.is_nan() {
+    // Most values are counts: an integer below 10^15 is written as one (a cast and a
+    // compare; NaN and the infinities never compare equal to their cast).
+    let integer = value as i64;
+    if integer as f64 == value && integer.unsigned_abs() < 1_000_000_000_000_000 {
+        write_integer(integer, out);
+    } else if value.is_nan() {
         out.push_str("NaN");
     } else if value.is_infinite() {
         out.push_str(if value > 0.0 { "+Inf" } else { "-Inf" });
-    } else if value.fract() == 0.0 && value.abs() < 1e15 {
-        write_integer(value as i64, out);
     } else {
         let _ = write!(out, "{value}");
     }
@@ -363,16 +366,8 @@ fn write_integer(value: i64, out: &mut String) {
     out.push_str(std::str::from_utf8(&digits[at..]).unwrap_or_default());
 }
 
-fn write_labels<'a>(
-    labels: impl ExactSizeIterator<Item = (&'static str, &'a str)>,
-    extra: Option<(&str, &str)>,
-    out: &mut String,
-) {
-    let count = labels.len();
-    if count == 0 && extra.is_none() {
-        return;
-    }
-    out.push('{');
+/// `name="value"` pairs, comma-separated, without braces.
+fn write_label_pairs<'a>(labels: impl Iterator<Item = (&'static str, &'a str)>, out: &mut String) {
     for (i, (name, value)) in labels.enumerate() {
         if i > 0 {
             out.push(',');
@@ -382,16 +377,6 @@ fn write_labels<'a>(
         escape_label_value(value, out);
         out.push('"');
     }
-    if let Some((name, value)) = extra {
-        if count > 0 {
-            out.push(',');
-        }
-        out.push_str(name);
-        out.push_str("=\"");
-        out.push_str(value);
-        out.push('"');
-    }
-    out.push('}');
 }
 
 /// The text of the `le` and `quantile` values of one rendering, each formatted once:
@@ -425,45 +410,58 @@ impl BoundTexts {
     }
 }
 
-/// A metric name as its prefix and the rest, written without joining them first.
-#[derive(Clone, Copy)]
-struct Name(&'static str, &'static str);
-
-impl std::fmt::Display for Name {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0)?;
-        f.write_str(self.1)
+/// One line: `<head>{<pairs>[,extra]} value`, where `head` is the metric's name with
+/// its suffix and `pairs` the sample's labels written once for all its lines.
+fn write_line(head: &str, pairs: &str, extra: Option<(&str, &str)>, value: f64, out: &mut String) {
+    out.push_str(head);
+    match extra {
+        Some((name, extra)) => {
+            out.push('{');
+            out.push_str(pairs);
+            if !pairs.is_empty() {
+                out.push(',');
+            }
+            out.push_str(name);
+            out.push_str("=\"");
+            out.push_str(extra);
+            out.push_str("\"}");
+        }
+        None if !pairs.is_empty() => {
+            out.push('{');
+            out.push_str(pairs);
+            out.push('}');
+        }
+        None => {}
     }
-}
-
-/// One line: `<prefixed name><suffix>{labels[,extra]} value`.
-fn write_line<'a>(
-    name: Name,
-    suffix: &str,
-    labels: impl ExactSizeIterator<Item = (&'static str, &'a str)>,
-    extra: Option<(&str, &str)>,
-    value: f64,
-    out: &mut String,
-) {
-    out.push_str(name.0);
-    out.push_str(name.1);
-    out.push_str(suffix);
-    write_labels(labels, extra, out);
     out.push(' ');
     write_value(value, out);
     out.push('\n');
 }
 
-/// The `_sum` and `_count` lines of a histogram or summary.
-fn write_totals<'a>(
-    name: Name,
-    labels: impl ExactSizeIterator<Item = (&'static str, &'a str)> + Clone,
-    sum: f64,
-    count: u64,
-    out: &mut String,
-) {
-    write_line(name, "_sum", labels.clone(), None, sum, out);
-    write_line(name, "_count", labels, None, count as f64, out);
+/// A family's metric name with each suffix its lines take, joined once per family.
+struct Heads {
+    number: String,
+    bucket: String,
+    sum: String,
+    count: String,
+}
+
+impl Heads {
+    fn of(family: &Family, number_suffix: &str) -> Self {
+        let head = |suffix: &str| [family.prefix, family.name, suffix].concat();
+        Self {
+            number: head(number_suffix),
+            bucket: head("_bucket"),
+            sum: head("_sum"),
+            count: head("_count"),
+        }
+    }
+
+    /// The `_sum` and `_count` lines of a histogram or summary.
+    fn write_totals(&self, pairs: &str, sum: f64, count: u64, out: &mut String) {
+        write_line(&self.sum, pairs, None, sum, out);
+        write_line(&self.count, pairs, None, count as f64, out);
+    }
 }
 
 /// Renders families in `format`.
@@ -476,6 +474,8 @@ pub fn render(families: &[Family], format: Format) -> String {
 /// [`render`] appended to `out`.
 fn render_into(families: &[Family], format: Format, out: &mut String) {
     let mut bounds = BoundTexts::default();
+    // One sample's labels, written once for all its lines.
+    let mut pairs = String::new();
     for family in families {
         let (kind, number_suffix) = match family.kind {
             Kind::Counter => ("counter", "_total"),
@@ -489,16 +489,16 @@ fn render_into(families: &[Family], format: Format, out: &mut String) {
         } else {
             ""
         };
-        let name = Name(family.prefix, family.name);
-        let _ = write!(out, "# HELP {name}{family_suffix} ");
+        let name = [family.prefix, family.name, family_suffix].concat();
+        let _ = write!(out, "# HELP {name} ");
         escape_help(family.help, format, out);
-        let _ = writeln!(out, "\n# TYPE {name}{family_suffix} {kind}");
+        let _ = writeln!(out, "\n# TYPE {name} {kind}");
+        let heads = Heads::of(family, number_suffix);
         for sample in &family.samples {
-            let labels = family.labels(sample);
+            pairs.clear();
+            write_label_pairs(family.labels(sample), &mut pairs);
             match &sample.value {
-                Value::Number(value) => {
-                    write_line(name, number_suffix, labels.clone(), None, *value, out);
-                }
+                Value::Number(value) => write_line(&heads.number, &pairs, None, *value, out),
                 Value::Histogram {
                     buckets,
                     sum,
@@ -507,19 +507,19 @@ fn render_into(families: &[Family], format: Format, out: &mut String) {
                 } => {
                     for (le, cumulative) in buckets {
                         let le = Some(("le", bounds.text(*le)));
-                        write_line(name, "_bucket", labels.clone(), le, *cumulative as f64, out);
+                        write_line(&heads.bucket, &pairs, le, *cumulative as f64, out);
                     }
                     let inf = Some(("le", "+Inf"));
-                    write_line(name, "_bucket", labels.clone(), inf, *count as f64, out);
-                    write_totals(name, labels, *sum, *count, out);
+                    write_line(&heads.bucket, &pairs, inf, *count as f64, out);
+                    heads.write_totals(&pairs, *sum, *count, out);
                 }
                 Value::Summary { quantiles, totals } => {
                     for (quantile, value) in quantiles {
                         let quantile = Some(("quantile", bounds.text(*quantile)));
-                        write_line(name, "", labels.clone(), quantile, *value, out);
+                        write_line(&heads.number, &pairs, quantile, *value, out);
                     }
                     if let Some((sum, count)) = totals {
-                        write_totals(name, labels, *sum, *count, out);
+                        heads.write_totals(&pairs, *sum, *count, out);
                     }
                 }
             }
