@@ -4,6 +4,7 @@
 //! kernel's cumulative buckets and subtracts; it never counts anything itself.
 use std::{
     collections::{HashMap, VecDeque},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -125,7 +126,9 @@ pub struct Windows {
     length: Duration,
     /// Readings closer together than this are not kept.
     step: Duration,
-    history: HashMap<u32, VecDeque<(Instant, Box<RequestTimes>)>>,
+    /// Shared with the kernel read's kept copies: an unchanged service's reading is
+    /// the same allocation as the last, told apart without comparing its kilobytes.
+    history: HashMap<u32, VecDeque<(Instant, Arc<RequestTimes>)>>,
 }
 
 impl Windows {
@@ -145,14 +148,16 @@ impl Windows {
         &mut self,
         service: u32,
         now: Instant,
-        times: &RequestTimes,
+        times: &Arc<RequestTimes>,
     ) -> Option<RequestTimes> {
+        let same = |reading: &Arc<RequestTimes>| Arc::ptr_eq(reading, times) || reading == times;
         let history = self.history.entry(service).or_default();
         // Counters went back: the id was freed and reused; its past is not ours.
         // (Compared whole first: most services finished nothing since.)
-        if history.back().is_some_and(|(_, last)| {
-            **last != *times && last.duration.count() > times.duration.count()
-        }) {
+        if history
+            .back()
+            .is_some_and(|(_, last)| !same(last) && last.duration.count() > times.duration.count())
+        {
             history.clear();
         }
         // Keep one reading at least `length` old as the base, and nothing older.
@@ -164,19 +169,19 @@ impl Windows {
             history.pop_front();
         }
         let delta = match history.front() {
-            Some((_, base)) if **base == *times => None,
+            Some((_, base)) if same(base) => None,
             Some((_, base)) => Some(RequestTimes {
                 queue: minus(&times.queue, &base.queue),
                 duration: minus(&times.duration, &base.duration),
                 latency: minus(&times.latency, &base.latency),
             }),
-            None => (*times != RequestTimes::default()).then_some(*times),
+            None => (**times != RequestTimes::default()).then_some(**times),
         };
         if history
             .back()
             .is_none_or(|(at, _)| now.duration_since(*at) >= self.step)
         {
-            history.push_back((now, Box::new(*times)));
+            history.push_back((now, times.clone()));
         }
         delta
     }
@@ -317,27 +322,27 @@ mod tests {
         };
         // First reading: everything so far.
         let count = |delta: Option<RequestTimes>| delta.map(|delta| delta.duration.count());
-        assert_eq!(count(windows.delta(1, start, &times)), Some(10));
+        assert_eq!(count(windows.delta(1, start, &Arc::new(times))), Some(10));
         times.duration.add(&histogram_of(&[2_000_000; 5]));
-        let delta = windows.delta(1, start + Duration::from_secs(30), &times);
+        let delta = windows.delta(1, start + Duration::from_secs(30), &Arc::new(times));
         assert_eq!(count(delta), Some(5));
         times.duration.add(&histogram_of(&[3_000_000; 7]));
         // 70 s in: the 30 s reading is not 60 s old yet, so the first one stays the base.
-        let delta = windows.delta(1, start + Duration::from_secs(70), &times);
+        let delta = windows.delta(1, start + Duration::from_secs(70), &Arc::new(times));
         assert_eq!(count(delta), Some(12));
-        let delta = windows.delta(1, start + Duration::from_secs(95), &times);
+        let delta = windows.delta(1, start + Duration::from_secs(95), &Arc::new(times));
         assert_eq!(count(delta), Some(7), "base moved to the 30 s reading");
         // Nothing finished since: the 7 stay in the window until it passes them.
-        let delta = windows.delta(1, start + Duration::from_secs(96), &times);
+        let delta = windows.delta(1, start + Duration::from_secs(96), &Arc::new(times));
         assert_eq!(count(delta), Some(7));
-        let delta = windows.delta(1, start + Duration::from_secs(200), &times);
+        let delta = windows.delta(1, start + Duration::from_secs(200), &Arc::new(times));
         assert_eq!(count(delta), None, "nothing finished in the last minute");
         // A reset (id reused) starts over.
         let fresh = RequestTimes::default();
-        let delta = windows.delta(1, start + Duration::from_secs(201), &fresh);
+        let delta = windows.delta(1, start + Duration::from_secs(201), &Arc::new(fresh));
         assert_eq!(count(delta), None);
         assert_eq!(
-            count(windows.delta(2, start, &fresh)),
+            count(windows.delta(2, start, &Arc::new(fresh))),
             None,
             "a first reading of nothing"
         );
