@@ -58,7 +58,7 @@ impl Exporter {
         if let Err(error) = &kernel {
             tracing::warn!(%error, "reading kernel maps failed");
         }
-        let kernel = kernel.ok();
+        let mut kernel = kernel.ok();
         let no_watch_table = BTreeMap::new();
         let watched = kernel.as_ref().map_or(&no_watch_table, |k| &k.watched);
         let services = core.targets.services(watched);
@@ -74,6 +74,11 @@ impl Exporter {
             core.windows.retain(&live);
         }
         let pool_totals = kernel.as_ref().map(pools::totals).unwrap_or_default();
+        // Nothing after the totals reads the threads.
+        if let Some(readout) = &mut kernel {
+            core.kernel
+                .give_back_threads(std::mem::take(&mut readout.threads));
+        }
         let mut views: HashMap<u32, PoolView> = core
             .pools
             .views()

@@ -290,6 +290,7 @@ impl Exporter {
             Ok(()) => {
                 pools.sample(std::time::Instant::now(), &pools::totals(&readout));
                 pools.sync(kernel, &targets.service_ids(), &readout.threads);
+                kernel.give_back_threads(readout.threads);
             }
             Err(error) => tracing::warn!(%error, "reading pool stats failed"),
         }

@@ -146,6 +146,10 @@ pub struct Kernel {
     /// tid → (service, pool) as the last read of the threads found them (see
     /// `thread_entries`).
     thread_pools_read: std::collections::HashMap<u32, (u32, u32)>,
+    /// Buffers of the last read of the threads, kept for the next (emptied).
+    thread_pools_spare: std::collections::HashMap<u32, (u32, u32)>,
+    slots_read: Vec<(u32, Thread)>,
+    entries_spare: Vec<(u32, Thread, Option<u32>)>,
     pool_stats: PerCpuArray<MapData, PoolStats>,
     pool_runqueue: PerCpuArray<MapData, Histogram>,
     lock_waits: Array<MapData, Histogram>,
@@ -436,6 +440,9 @@ impl Kernel {
             listen_changes: take(&mut ebpf, maps::LISTEN_CHANGES)?,
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
             thread_pools_read: std::collections::HashMap::new(),
+            thread_pools_spare: std::collections::HashMap::new(),
+            slots_read: Vec::new(),
+            entries_spare: Vec::new(),
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,
             pool_runqueue: take(&mut ebpf, maps::POOL_RUNQUEUE)?,
             lock_waits: take(&mut ebpf, maps::LOCK_WAITS)?,

@@ -113,9 +113,11 @@ impl ThreadSlots {
             .is_ok()
     }
 
-    /// Every slot's thread, and how many followed threads live in `THREADS`.
-    pub fn read(&self) -> (Vec<(u32, Thread)>, u64) {
-        let mut threads = Vec::new();
+    /// Every slot's thread into `threads` (emptied first: a buffer kept from the last
+    /// read, whose pages are not faulted in again each scrape), and how many followed
+    /// threads live in `THREADS`.
+    pub fn read_into(&self, threads: &mut Vec<(u32, Thread)>) -> u64 {
+        threads.clear();
         let mut overflow = 0;
         for slot in 0..self.slots as usize {
             let owner = self.owner(slot);
@@ -135,6 +137,6 @@ impl ThreadSlots {
                 threads.push((tid, thread));
             }
         }
-        (threads, overflow)
+        overflow
     }
 }
