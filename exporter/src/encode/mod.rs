@@ -300,12 +300,8 @@ pub fn cap_series(families: &mut Vec<Family>, max_series: usize) -> u64 {
 
 /// Label values: backslash, double quote and newline are escaped (both formats).
 fn escape_label_value(value: &str, out: &mut String) {
-    // Most values need no escape: copied whole. (Looked for byte by byte: the three
-    // are ASCII, and decoding characters to look was most of writing a line.)
-    if !value
-        .bytes()
-        .any(|byte| matches!(byte, b'\\' | b'"' | b'\n'))
-    {
+    // Most values need no escape: copied whole.
+    if !needs_escape(value.as_bytes()) {
         out.push_str(value);
         return;
     }
@@ -317,6 +313,31 @@ fn escape_label_value(value: &str, out: &mut String) {
             c => out.push(c),
         }
     }
+}
+
+/// Whether `bytes` hold a backslash, a double quote or a newline, looked for eight
+/// bytes at a time (label values are short: byte by byte, with three comparisons
+/// each, looking was a quarter of rendering; memchr's vector search starts above
+/// their length).
+fn needs_escape(bytes: &[u8]) -> bool {
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+    // Whether any byte of `word` is zero (exact: no false positives).
+    let has_zero = |word: u64| (word.wrapping_sub(ONES) & !word & HIGHS) != 0;
+    let has = |word: u64, byte: u8| has_zero(word ^ (ONES * u64::from(byte)));
+    let mut chunks = bytes.chunks_exact(8);
+    for chunk in &mut chunks {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        let word = u64::from_ne_bytes(word);
+        if has(word, b'\\') || has(word, b'"') || has(word, b'\n') {
+            return true;
+        }
+    }
+    chunks
+        .remainder()
+        .iter()
+        .any(|byte| matches!(byte, b'\\' | b'"' | b'\n'))
 }
 
 /// HELP text: backslash and newline escaped (plus `"` in OpenMetrics).
@@ -712,6 +733,23 @@ mod tests {
         assert_eq!(texts.texts.len(), BoundTexts::MAX);
         assert_eq!(texts.text(0.99), "0.99");
         assert_eq!(texts.text(f64::INFINITY), "+Inf");
+    }
+
+    #[test]
+    fn escapes_are_found_at_every_position() {
+        for length in 0..20 {
+            let plain = "a".repeat(length);
+            assert!(!needs_escape(plain.as_bytes()));
+            for at in 0..length {
+                for special in [b'\\', b'"', b'\n'] {
+                    let mut bytes = plain.clone().into_bytes();
+                    bytes[at] = special;
+                    assert!(needs_escape(&bytes), "{bytes:?}");
+                }
+            }
+        }
+        // Neighbours of the three (and bytes with the high bit set) are not escaped.
+        assert!(!needs_escape("[]!#\t\u{0b}é€ żółw Ü".as_bytes()));
     }
 
     #[test]
