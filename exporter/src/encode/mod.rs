@@ -736,6 +736,35 @@ mod tests {
     }
 
     #[test]
+    fn summaries_without_totals_keep_their_labels() {
+        let families = vec![
+            Family::new("wait_seconds", Kind::Summary, "Waits.")
+                .with_value(
+                    &[("service", "a\"b"), ("pool", "w")],
+                    Value::Summary {
+                        quantiles: vec![(0.99, 0.5)],
+                        totals: None,
+                    },
+                )
+                .with_value(
+                    &[("service", "c"), ("pool", "w")],
+                    Value::Summary {
+                        quantiles: Vec::new(),
+                        totals: Some((1.5, 3)),
+                    },
+                ),
+        ];
+        assert_eq!(
+            render(&families, Format::Text),
+            "# HELP poolscope_wait_seconds Waits.\n\
+             # TYPE poolscope_wait_seconds summary\n\
+             poolscope_wait_seconds{service=\"a\\\"b\",pool=\"w\",quantile=\"0.99\"} 0.5\n\
+             poolscope_wait_seconds_sum{service=\"c\",pool=\"w\"} 1.5\n\
+             poolscope_wait_seconds_count{service=\"c\",pool=\"w\"} 3\n"
+        );
+    }
+
+    #[test]
     fn escapes_are_found_at_every_position() {
         for length in 0..20 {
             let plain = "a".repeat(length);

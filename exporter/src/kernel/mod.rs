@@ -146,7 +146,10 @@ pub struct Kernel {
     /// tid → (service, pool) as the last read of the threads found them (see
     /// `thread_entries`).
     thread_pools_read: std::collections::HashMap<u32, (u32, u32)>,
-    /// Buffers of the last read of the threads, kept for the next (emptied).
+    /// Buffers of the last read of the threads, kept for the next so that their
+    /// pages stay mapped: the map `thread_pools_read` is swapped with (emptied),
+    /// the slots' copies (emptied), and the entries a readout gave back (emptied
+    /// when taken).
     thread_pools_spare: std::collections::HashMap<u32, (u32, u32)>,
     slots_read: Vec<(u32, Thread)>,
     entries_spare: Vec<(u32, Thread, Option<u32>)>,

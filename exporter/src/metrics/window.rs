@@ -153,7 +153,8 @@ impl Windows {
         let same = |reading: &Arc<RequestTimes>| Arc::ptr_eq(reading, times) || reading == times;
         let history = self.history.entry(service).or_default();
         // Counters went back: the id was freed and reused; its past is not ours.
-        // (Compared whole first: most services finished nothing since.)
+        // (Compared first by pointer, then whole: most services finished nothing
+        // since, and their reading is the same allocation as the last.)
         if history
             .back()
             .is_some_and(|(_, last)| !same(last) && last.duration.count() > times.duration.count())
@@ -334,6 +335,12 @@ mod tests {
         assert_eq!(count(delta), Some(7), "base moved to the 30 s reading");
         // Nothing finished since: the 7 stay in the window until it passes them.
         let delta = windows.delta(1, start + Duration::from_secs(96), &Arc::new(times));
+        assert_eq!(count(delta), Some(7));
+        // The same reading again (the kernel read's kept copy): still the 7.
+        let kept = Arc::new(times);
+        let delta = windows.delta(1, start + Duration::from_secs(97), &kept);
+        assert_eq!(count(delta), Some(7));
+        let delta = windows.delta(1, start + Duration::from_secs(98), &kept);
         assert_eq!(count(delta), Some(7));
         let delta = windows.delta(1, start + Duration::from_secs(200), &Arc::new(times));
         assert_eq!(count(delta), None, "nothing finished in the last minute");
