@@ -3,7 +3,7 @@
 //! poolscope's own families. Also the saturation check, which reads the same
 //! queues.
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::BTreeMap,
     io,
     path::Path,
     sync::atomic::{AtomicBool, Ordering},
@@ -25,6 +25,7 @@ use crate::{
     discovery::sockdiag,
     discovery::targets::{NamespaceListeners, ServiceView},
     encode::{Family, cap_series},
+    idmap::IdMap,
     kernel::{Backend, Readout, WatchTable},
     metrics::health::{Loss, LossKind},
     metrics::pools::{self, PoolView},
@@ -79,7 +80,7 @@ impl Exporter {
             core.kernel
                 .give_back_threads(std::mem::take(&mut readout.threads));
         }
-        let mut views: HashMap<u32, PoolView> = core
+        let mut views: IdMap<u32, PoolView> = core
             .pools
             .views()
             .into_iter()

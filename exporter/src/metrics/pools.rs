@@ -6,7 +6,7 @@
 //! names them (when first seen and when renamed) and follows the threads a process
 //! already had when it started being watched.
 use std::{
-    collections::{BTreeMap, HashMap, HashSet, VecDeque},
+    collections::{BTreeMap, VecDeque},
     path::PathBuf,
     sync::Arc,
     time::{Duration, Instant},
@@ -18,6 +18,7 @@ use crate::{
     clock::monotonic_ns,
     discovery::ids::DenseIds,
     discovery::procfs,
+    idmap::{IdMap, IdSet},
     kernel::{LockWaits, MapErrors, Readout, ThreadTable},
 };
 
@@ -205,8 +206,8 @@ struct Sample {
 pub struct Pools {
     ids: DenseIds<PoolKey>,
     /// tid → the pool we put it in; threads not here are named at the next sync.
-    named: HashMap<u32, u32>,
-    history: HashMap<u32, VecDeque<Sample>>,
+    named: IdMap<u32, u32>,
+    history: IdMap<u32, VecDeque<Sample>>,
     window: Duration,
     procfs_root: PathBuf,
     /// Threads left in their creator's pool because `limits.max_pools` was reached.
@@ -223,8 +224,8 @@ impl Pools {
     pub fn new(procfs_root: PathBuf, max_pools: u32, window: Duration) -> Self {
         Self {
             ids: DenseIds::new(max_pools),
-            named: HashMap::new(),
-            history: HashMap::new(),
+            named: IdMap::default(),
+            history: IdMap::default(),
             window,
             procfs_root,
             pools_refused: 0,
@@ -349,8 +350,8 @@ impl Pools {
         live_services: &[u32],
         threads: &[(u32, Thread, Option<u32>)],
     ) {
-        let live: HashSet<u32> = live_services.iter().copied().collect();
-        let present: HashSet<u32> = threads.iter().map(|(tid, ..)| *tid).collect();
+        let live: IdSet<u32> = live_services.iter().copied().collect();
+        let present: IdSet<u32> = threads.iter().map(|(tid, ..)| *tid).collect();
         self.named.retain(|tid, _| present.contains(tid));
         for (tid, thread, _) in threads {
             if !live.contains(&thread.service) {
