@@ -361,11 +361,18 @@ fn spawn_poolscope_binary(
 
 /// poolscope's /metrics (with the response's head).
 fn scrape(address: &str) -> anyhow::Result<String> {
+    let mut response = Vec::new();
+    scrape_into(address, &mut response)?;
+    String::from_utf8(response).context("a scrape not in UTF-8")
+}
+
+/// One scrape of `address` into `response` (emptied first; its capacity kept).
+fn scrape_into(address: &str, response: &mut Vec<u8>) -> std::io::Result<()> {
     let mut stream = TcpStream::connect(address)?;
     stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: poolscope\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    Ok(response)
+    response.clear();
+    stream.read_to_end(response)?;
+    Ok(())
 }
 
 /// Waits up to 20 s until poolscope's /metrics on `address` shows every line of `ready`.
