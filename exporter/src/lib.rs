@@ -131,7 +131,13 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         Ok(_) => tracing::debug!("no capability to drop"),
         Err(error) => tracing::warn!(%error, "cannot drop capabilities; running with them"),
     }
+    // One async worker: the async side only moves bytes and waits (what takes CPU or
+    // the core lock runs on the blocking pool). A second worker (tokio's default is
+    // one per CPU) was woken to look for work at each hand-off of a scrape, and at
+    // 110 idle services cost ~0.4 ms of run-queue wait and up to ~0.6 ms of CPU per
+    // scrape on two CPUs.
     tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
         .enable_all()
         .build()
         .context("starting the async runtime")?
@@ -313,7 +319,13 @@ async fn event_loop(exporter: Arc<Exporter>, events: ProcessEvents) {
             Err(_elapsed) => drain(ring.get_mut(), &mut batch),
         }
         if !batch.is_empty() {
-            exporter.on_events(&batch);
+            // Off the async worker: applying events takes the core lock, which a
+            // scrape's read holds for milliseconds, and reads procfs for execs.
+            let worker = exporter.clone();
+            if let Err(error) = tokio::task::spawn_blocking(move || worker.on_events(&batch)).await
+            {
+                tracing::error!(%error, "applying process events panicked");
+            }
         }
     }
 }
