@@ -131,13 +131,17 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         Ok(_) => tracing::debug!("no capability to drop"),
         Err(error) => tracing::warn!(%error, "cannot drop capabilities; running with them"),
     }
-    // One async worker: the async side only moves bytes and waits (what takes CPU or
-    // the core lock runs on the blocking pool). A second worker (tokio's default is
-    // one per CPU) was woken to look for work at each hand-off of a scrape, and at
-    // 110 idle services cost ~0.4 ms of run-queue wait and up to ~0.6 ms of CPU per
-    // scrape on two CPUs.
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+    // One async worker unless TOKIO_WORKER_THREADS says otherwise: the async side
+    // moves bytes, waits, and does TLS (what takes the core lock or milliseconds of
+    // CPU runs on the blocking pool). A second worker (tokio's default is one per
+    // CPU) was woken to look for work at each hand-off of a scrape, and at 110 idle
+    // services cost ~0.4 ms of run-queue wait and up to ~0.6 ms of CPU per scrape on
+    // two CPUs. Many TLS handshakes at once take turns on the one worker.
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
+        runtime.worker_threads(1);
+    }
+    runtime
         .enable_all()
         .build()
         .context("starting the async runtime")?

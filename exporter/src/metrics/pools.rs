@@ -377,7 +377,7 @@ impl Pools {
             kernel.release_pools(&gone);
             self.ids.retain(|key| live.contains(&key.service));
         }
-        let ids = self.ids();
+        let ids: IdSet<u32> = self.ids.iter().map(|(id, _)| id).collect();
         self.history.retain(|id, _| ids.contains(id));
     }
 

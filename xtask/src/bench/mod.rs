@@ -363,16 +363,29 @@ fn spawn_poolscope_binary(
 fn scrape(address: &str) -> anyhow::Result<String> {
     let mut response = Vec::new();
     scrape_into(address, &mut response)?;
-    String::from_utf8(response).context("a scrape not in UTF-8")
+    text(response)
 }
 
-/// One scrape of `address` into `response` (emptied first; its capacity kept).
-fn scrape_into(address: &str, response: &mut Vec<u8>) -> std::io::Result<()> {
+/// One scrape of `address` into `response` (emptied first; its capacity kept),
+/// answered with 200: a refusal or a timeout's 503 is an error, not a fast scrape.
+fn scrape_into(address: &str, response: &mut Vec<u8>) -> anyhow::Result<()> {
+    response.clear();
     let mut stream = TcpStream::connect(address)?;
     stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: poolscope\r\n\r\n")?;
-    response.clear();
     stream.read_to_end(response)?;
+    let status = response.split(|&b| b == b'\n').next().unwrap_or_default();
+    if !status.windows(5).any(|w| w == b" 200 ") {
+        bail!(
+            "{address} answered {:?}",
+            String::from_utf8_lossy(status).trim_end()
+        );
+    }
     Ok(())
+}
+
+/// A response as text.
+fn text(response: Vec<u8>) -> anyhow::Result<String> {
+    String::from_utf8(response).context("a scrape not in UTF-8")
 }
 
 /// Waits up to 20 s until poolscope's /metrics on `address` shows every line of `ready`.
