@@ -58,6 +58,7 @@ pub use self::{
     tables::{ServedConnection, ThreadTable, WatchTable},
 };
 use crate::config::Limits;
+use crate::idmap::IdMap;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -145,12 +146,12 @@ pub struct Kernel {
     thread_pools: HashMap<MapData, u32, u32>,
     /// tid → (service, pool) as the last read of the threads found them (see
     /// `thread_entries`).
-    thread_pools_read: crate::idmap::IdMap<u32, (u32, u32)>,
+    thread_pools_read: IdMap<u32, (u32, u32)>,
     /// Buffers of the last read of the threads, kept for the next so that their
     /// pages stay mapped: the map `thread_pools_read` is swapped with (emptied),
     /// the slots' copies (emptied), and the entries a readout gave back (emptied
     /// when taken).
-    thread_pools_spare: crate::idmap::IdMap<u32, (u32, u32)>,
+    thread_pools_spare: IdMap<u32, (u32, u32)>,
     slots_read: Vec<(u32, Thread)>,
     entries_spare: Vec<(u32, Thread, Option<u32>)>,
     pool_stats: PerCpuArray<MapData, PoolStats>,
@@ -442,8 +443,8 @@ impl Kernel {
             pools_epoch: 0,
             listen_changes: take(&mut ebpf, maps::LISTEN_CHANGES)?,
             thread_pools: take(&mut ebpf, maps::THREAD_POOLS)?,
-            thread_pools_read: crate::idmap::IdMap::default(),
-            thread_pools_spare: crate::idmap::IdMap::default(),
+            thread_pools_read: IdMap::default(),
+            thread_pools_spare: IdMap::default(),
             slots_read: Vec::new(),
             entries_spare: Vec::new(),
             pool_stats: take(&mut ebpf, maps::POOL_STATS)?,

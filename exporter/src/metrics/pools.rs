@@ -377,8 +377,7 @@ impl Pools {
             kernel.release_pools(&gone);
             self.ids.retain(|key| live.contains(&key.service));
         }
-        let ids: IdSet<u32> = self.ids.iter().map(|(id, _)| id).collect();
-        self.history.retain(|id, _| ids.contains(id));
+        self.history.retain(|&id, _| self.ids.key(id).is_some());
     }
 
     /// Ids of every pool.

@@ -362,16 +362,19 @@ fn spawn_poolscope_binary(
 /// poolscope's /metrics (with the response's head).
 fn scrape(address: &str) -> anyhow::Result<String> {
     let mut response = Vec::new();
-    scrape_into(address, &mut response)?;
+    scrape_into(address, "", &mut response)?;
     text(response)
 }
 
-/// One scrape of `address` into `response` (emptied first; its capacity kept),
-/// answered with 200: a refusal or a timeout's 503 is an error, not a fast scrape.
-fn scrape_into(address: &str, response: &mut Vec<u8>) -> anyhow::Result<()> {
+/// One scrape of `address` with `headers` (each line ending in CRLF) into `response`
+/// (emptied first; its capacity kept), answered with 200: a refusal or a timeout's
+/// 503 is an error, not a fast scrape.
+fn scrape_into(address: &str, headers: &str, response: &mut Vec<u8>) -> anyhow::Result<()> {
     response.clear();
     let mut stream = TcpStream::connect(address)?;
-    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: poolscope\r\n\r\n")?;
+    stream.write_all(
+        format!("GET /metrics HTTP/1.0\r\nHost: poolscope\r\n{headers}\r\n").as_bytes(),
+    )?;
     stream.read_to_end(response)?;
     let status = response.split(|&b| b == b'\n').next().unwrap_or_default();
     if !status.windows(5).any(|w| w == b" 200 ") {

@@ -336,10 +336,10 @@ fn measure_scrapes(
     let (mut response, mut floor_response) = (Vec::new(), Vec::new());
     for _ in 0..SCRAPES {
         let started = Instant::now();
-        scrape_into(address, &mut response)?;
+        scrape_into(address, "", &mut response)?;
         times_ms.push(started.elapsed().as_secs_f64() * 1e3);
         let started = Instant::now();
-        scrape_into(&floor.address, &mut floor_response)?;
+        scrape_into(&floor.address, "", &mut floor_response)?;
         floor_ms.push(started.elapsed().as_secs_f64() * 1e3);
     }
     let body = body_of(text(response)?)?;
@@ -475,16 +475,8 @@ impl Drop for Floor {
 /// One scrape asking for gzip and `accept`, into `response` (emptied first; its
 /// capacity kept): the size of the body poolscope sent.
 fn scrape_gzip(address: &str, accept: &str, response: &mut Vec<u8>) -> anyhow::Result<usize> {
-    response.clear();
-    let mut stream = TcpStream::connect(address)?;
-    stream.write_all(
-        format!(
-            "GET /metrics HTTP/1.0\r\nHost: poolscope\r\nAccept: {accept}\r\n\
-             Accept-Encoding: gzip\r\n\r\n"
-        )
-        .as_bytes(),
-    )?;
-    stream.read_to_end(response)?;
+    let headers = format!("Accept: {accept}\r\nAccept-Encoding: gzip\r\n");
+    scrape_into(address, &headers, response)?;
     let head_end = response
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
