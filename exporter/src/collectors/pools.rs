@@ -77,10 +77,10 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
         if layout.pool_histogram_buckets {
             buckets.value(histogram)
         } else {
-            Value::Summary {
-                quantiles: Vec::new(),
-                totals: Some((histogram.sum_ns as f64 / 1e9, histogram.count())),
-            }
+            Value::summary(
+                Vec::new(),
+                Some((histogram.sum_ns as f64 / 1e9, histogram.count())),
+            )
         }
     };
     let mut runqueue = Family::new(

@@ -178,13 +178,7 @@ impl RequestFamilies {
                 .iter()
                 .map(|&q| (q, quantile(histogram, q).unwrap_or(f64::NAN)))
                 .collect();
-            family.push_value(
-                labels,
-                Value::Summary {
-                    quantiles,
-                    totals: None,
-                },
-            );
+            family.push_value(labels, Value::summary(quantiles, None));
         }
     }
 }

@@ -23,24 +23,33 @@ pub enum Kind {
 }
 
 /// The value of one sample; histograms and summaries are one sample with their parts.
+/// Their parts are boxed: most of a scrape's thousands of samples are numbers, and
+/// with the parts inline every sample took 112 bytes, a cold buffer of ~650 KB at
+/// 110 services whose first writes were a third of what pushing a sample cost.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
     Number(f64),
-    Histogram {
-        /// (upper bound, cumulative count), ascending; `+Inf` is added when written.
-        buckets: Vec<(f64, u64)>,
-        sum: f64,
-        count: u64,
-        /// The same counts as a native histogram, for the protobuf exposition.
-        native: Option<NativeBuckets>,
-    },
-    Summary {
-        /// (quantile, value)
-        quantiles: Vec<(f64, f64)>,
-        /// `_sum` and `_count`; `None` for quantiles alone (the `_window` summaries,
-        /// whose totals are the same-named histogram's).
-        totals: Option<(f64, u64)>,
-    },
+    Histogram(Box<HistogramValue>),
+    Summary(Box<SummaryValue>),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct HistogramValue {
+    /// (upper bound, cumulative count), ascending; `+Inf` is added when written.
+    pub buckets: Vec<(f64, u64)>,
+    pub sum: f64,
+    pub count: u64,
+    /// The same counts as a native histogram, for the protobuf exposition.
+    pub native: Option<NativeBuckets>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SummaryValue {
+    /// (quantile, value)
+    pub quantiles: Vec<(f64, f64)>,
+    /// `_sum` and `_count`; `None` for quantiles alone (the `_window` summaries,
+    /// whose totals are the same-named histogram's).
+    pub totals: Option<(f64, u64)>,
 }
 
 /// A native histogram's buckets (positive values only; durations are never negative).
@@ -56,14 +65,32 @@ pub struct NativeBuckets {
 }
 
 impl Value {
+    pub fn histogram(
+        buckets: Vec<(f64, u64)>,
+        sum: f64,
+        count: u64,
+        native: Option<NativeBuckets>,
+    ) -> Self {
+        Self::Histogram(Box::new(HistogramValue {
+            buckets,
+            sum,
+            count,
+            native,
+        }))
+    }
+
+    pub fn summary(quantiles: Vec<(f64, f64)>, totals: Option<(f64, u64)>) -> Self {
+        Self::Summary(Box::new(SummaryValue { quantiles, totals }))
+    }
+
     /// Lines (series) this value takes in the exposition.
     fn series(&self) -> usize {
         match self {
             Self::Number(_) => 1,
             // the buckets, +Inf, _sum and _count
-            Self::Histogram { buckets, .. } => buckets.len() + 3,
-            Self::Summary { quantiles, totals } => {
-                quantiles.len() + 2 * usize::from(totals.is_some())
+            Self::Histogram(histogram) => histogram.buckets.len() + 3,
+            Self::Summary(summary) => {
+                summary.quantiles.len() + 2 * usize::from(summary.totals.is_some())
             }
         }
     }
@@ -75,6 +102,11 @@ pub struct Sample {
     labels: std::ops::Range<usize>,
     pub value: Value,
 }
+
+const _: () = assert!(
+    size_of::<Sample>() == 32,
+    "a sample is a range and a number"
+);
 
 /// A metric family; `name` has no prefix and, for counters, no `_total`.
 #[derive(Clone, Debug, PartialEq)]
@@ -520,12 +552,13 @@ fn render_into(families: &[Family], format: Format, out: &mut String) {
             write_label_pairs(family.labels(sample), &mut pairs);
             match &sample.value {
                 Value::Number(value) => write_line(&heads.number, &pairs, None, *value, out),
-                Value::Histogram {
-                    buckets,
-                    sum,
-                    count,
-                    native: _,
-                } => {
+                Value::Histogram(histogram) => {
+                    let HistogramValue {
+                        buckets,
+                        sum,
+                        count,
+                        native: _,
+                    } = &**histogram;
                     for (le, cumulative) in buckets {
                         let le = Some(("le", bounds.text(*le)));
                         write_line(&heads.bucket, &pairs, le, *cumulative as f64, out);
@@ -534,7 +567,8 @@ fn render_into(families: &[Family], format: Format, out: &mut String) {
                     write_line(&heads.bucket, &pairs, inf, *count as f64, out);
                     heads.write_totals(&pairs, *sum, *count, out);
                 }
-                Value::Summary { quantiles, totals } => {
+                Value::Summary(summary) => {
+                    let SummaryValue { quantiles, totals } = &**summary;
                     for (quantile, value) in quantiles {
                         let quantile = Some(("quantile", bounds.text(*quantile)));
                         write_line(&heads.number, &pairs, quantile, *value, out);
@@ -654,20 +688,10 @@ mod tests {
         let families = vec![
             Family::new("request_duration_seconds", Kind::Histogram, "Durations.").with_value(
                 &[("service", "web")],
-                Value::Histogram {
-                    buckets: vec![(0.5, 1), (1.0, 3)],
-                    sum: 2.25,
-                    count: 4,
-                    native: None,
-                },
+                Value::histogram(vec![(0.5, 1), (1.0, 3)], 2.25, 4, None),
             ),
-            Family::new("request_duration_window_seconds", Kind::Summary, "Window.").with_value(
-                &[],
-                Value::Summary {
-                    quantiles: vec![(0.5, 0.75)],
-                    totals: Some((2.25, 4)),
-                },
-            ),
+            Family::new("request_duration_window_seconds", Kind::Summary, "Window.")
+                .with_value(&[], Value::summary(vec![(0.5, 0.75)], Some((2.25, 4)))),
         ];
         assert_eq!(
             render(&families, Format::Text),
@@ -741,17 +765,11 @@ mod tests {
             Family::new("wait_seconds", Kind::Summary, "Waits.")
                 .with_value(
                     &[("service", "a\"b"), ("pool", "w")],
-                    Value::Summary {
-                        quantiles: vec![(0.99, 0.5)],
-                        totals: None,
-                    },
+                    Value::summary(vec![(0.99, 0.5)], None),
                 )
                 .with_value(
                     &[("service", "c"), ("pool", "w")],
-                    Value::Summary {
-                        quantiles: Vec::new(),
-                        totals: Some((1.5, 3)),
-                    },
+                    Value::summary(Vec::new(), Some((1.5, 3))),
                 ),
         ];
         assert_eq!(

@@ -2,7 +2,7 @@
 //! message length-delimited): what Prometheus asks for when it ingests native
 //! histograms. Histograms carry both their classic buckets and their native ones;
 //! Prometheus keeps the native histogram, one series, when it has native histograms on.
-use super::{Family, Kind, NativeBuckets, Value};
+use super::{Family, HistogramValue, Kind, NativeBuckets, SummaryValue, Value};
 
 /// The messages of `io.prometheus.client` (github.com/prometheus/client_model,
 /// io/prometheus/client/metrics.proto, proto2) that poolscope writes, declared for
@@ -282,8 +282,7 @@ impl Writer {
         // Quantiles without `_sum` and `_count` (the `_window` summaries): Prometheus
         // would read a protobuf summary's missing totals as zeros, two series of false
         // numbers; as gauges by `quantile` they are the series the text format makes.
-        let quantiles_alone =
-            |sample: &&super::Sample| matches!(sample.value, Value::Summary { totals: None, .. });
+        let quantiles_alone = |sample: &&super::Sample| matches!(&sample.value, Value::Summary(summary) if summary.totals.is_none());
         if family
             .samples
             .iter()
@@ -303,10 +302,10 @@ impl Writer {
             self.message(None, |out| {
                 header(out, tag::GAUGE);
                 for sample in family.samples.iter().filter(quantiles_alone) {
-                    let Value::Summary { quantiles, .. } = &sample.value else {
+                    let Value::Summary(summary) = &sample.value else {
                         continue;
                     };
-                    for &(quantile, value) in quantiles {
+                    for &(quantile, value) in &summary.quantiles {
                         let quantile = quantile.to_string();
                         out.message(Some(tag::FAMILY_METRIC), |metric| {
                             metric.labels(family.labels(sample), Some(("quantile", &quantile)));
@@ -333,12 +332,13 @@ impl Writer {
                     single.double(tag::SINGLE_VALUE, *number)
                 });
             }
-            Value::Histogram {
-                buckets,
-                sum,
-                count,
-                native,
-            } => self.message(Some(tag::METRIC_HISTOGRAM), |histogram| {
+            Value::Histogram(value) => self.message(Some(tag::METRIC_HISTOGRAM), |histogram| {
+                let HistogramValue {
+                    buckets,
+                    sum,
+                    count,
+                    native,
+                } = &**value;
                 histogram.uint(tag::SAMPLE_COUNT, *count);
                 histogram.double(tag::SAMPLE_SUM, *sum);
                 for &(upper_bound, cumulative) in buckets {
@@ -351,7 +351,8 @@ impl Writer {
                     histogram.native(native);
                 }
             }),
-            Value::Summary { quantiles, totals } => {
+            Value::Summary(value) => {
+                let SummaryValue { quantiles, totals } = &**value;
                 self.message(Some(tag::METRIC_SUMMARY), |summary| {
                     if let Some((sum, count)) = totals {
                         summary.uint(tag::SAMPLE_COUNT, *count);
@@ -408,12 +409,12 @@ mod tests {
     fn native_read_back(native: NativeBuckets) -> pb::Histogram {
         let family = Family::new("latency_seconds", Kind::Histogram, "Latency.").with_value(
             &[],
-            Value::Histogram {
-                buckets: Vec::new(),
-                sum: 1.0,
-                count: native.zero_count + native.positive.iter().map(|&(_, c)| c).sum::<u64>(),
-                native: Some(native),
-            },
+            Value::histogram(
+                Vec::new(),
+                1.0,
+                native.zero_count + native.positive.iter().map(|&(_, c)| c).sum::<u64>(),
+                Some(native),
+            ),
         );
         let read = decode(&render(&[family]));
         read[0].metric[0].histogram.clone().unwrap_or_default()
@@ -470,32 +471,24 @@ mod tests {
             Family::new("queue_depth", Kind::Gauge, "Depth.").with(&[("service", "a")], 0.0),
             Family::new("request_latency_seconds", Kind::Histogram, "Latency.").with_value(
                 &[("service", "a")],
-                Value::Histogram {
-                    buckets: vec![(0.5, 1), (1.0, 3)],
-                    sum: 2.25,
-                    count: 4,
-                    native: Some(NativeBuckets {
+                Value::histogram(
+                    vec![(0.5, 1), (1.0, 3)],
+                    2.25,
+                    4,
+                    Some(NativeBuckets {
                         schema: 4,
                         zero_threshold: 1e-6,
                         zero_count: 1,
                         positive: vec![(-16, 1), (0, 2)],
                     }),
-                },
+                ),
             ),
             Family::new("request_latency_window_seconds", Kind::Summary, "Window.").with_value(
                 &[("service", "a")],
-                Value::Summary {
-                    quantiles: vec![(0.5, 0.75), (0.99, 1.0)],
-                    totals: None,
-                },
+                Value::summary(vec![(0.5, 0.75), (0.99, 1.0)], None),
             ),
-            Family::new("pool_wait_seconds", Kind::Summary, "Mean.").with_value(
-                &[],
-                Value::Summary {
-                    quantiles: vec![],
-                    totals: Some((1.5, 2)),
-                },
-            ),
+            Family::new("pool_wait_seconds", Kind::Summary, "Mean.")
+                .with_value(&[], Value::summary(vec![], Some((1.5, 2)))),
         ];
         let read = decode(&render(&families));
         let names: Vec<(&str, Option<i32>)> = read

@@ -79,12 +79,12 @@ impl ClassicBuckets {
     /// `histogram` as an exported histogram: these classic buckets, and its native
     /// buckets for the protobuf exposition.
     pub fn value(self, histogram: &Histogram) -> Value {
-        Value::Histogram {
-            buckets: self.of(histogram),
-            sum: histogram.sum_ns as f64 / 1e9,
-            count: histogram.count(),
-            native: self.native.then(|| native_buckets(histogram)),
-        }
+        Value::histogram(
+            self.of(histogram),
+            histogram.sum_ns as f64 / 1e9,
+            histogram.count(),
+            self.native.then(|| native_buckets(histogram)),
+        )
     }
 }
 
@@ -260,9 +260,9 @@ mod tests {
         })
         .value(&histogram)
         {
-            Value::Histogram { native, count, .. } => {
-                assert_eq!(count, 4);
-                native
+            Value::Histogram(histogram) => {
+                assert_eq!(histogram.count, 4);
+                histogram.native
             }
             other => panic!("not a histogram: {other:?}"),
         };

@@ -303,16 +303,16 @@ impl Sessions {
             )
             .with_value(
                 &[],
-                Value::Histogram {
-                    buckets: START_BUCKETS
+                Value::histogram(
+                    START_BUCKETS
                         .iter()
                         .copied()
                         .zip(self.start_buckets)
                         .collect(),
-                    sum: self.start_sum,
-                    count: self.start_count,
-                    native: None,
-                },
+                    self.start_sum,
+                    self.start_count,
+                    None,
+                ),
             ),
         ]
     }
