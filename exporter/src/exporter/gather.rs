@@ -6,7 +6,10 @@ use std::{
     collections::BTreeMap,
     io,
     path::Path,
-    sync::atomic::{AtomicBool, Ordering},
+    sync::{
+        OnceLock,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Instant,
 };
 
@@ -34,6 +37,16 @@ use crate::{
 
 /// Set once a held listener could not be read (logged at warn once).
 static HELD_UNREADABLE_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// The value `cell` holds, or what `read` gives, kept: a failed read is tried again
+/// next time.
+fn read_once<T: Copy>(cell: &OnceLock<T>, read: impl FnOnce() -> Option<T>) -> Option<T> {
+    if let Some(value) = cell.get() {
+        return Some(*value);
+    }
+    let value = read()?;
+    Some(*cell.get_or_init(|| value))
+}
 
 /// What a scrape reads under the core lock.
 struct Locked {
@@ -128,7 +141,7 @@ impl Exporter {
         namespaces: &BTreeMap<u32, NamespaceListeners>,
     ) -> Result<Vec<sockdiag::ListenQueue>, sockdiag::SockDiagError> {
         let mut queues = sockdiag::listen_queues()?;
-        let own = procfs::network_namespace(Path::new("/proc"), "self");
+        let own = self.own_network_namespace();
         for (&netns, listeners) in namespaces {
             if Some(netns) == own {
                 continue;
@@ -176,14 +189,20 @@ impl Exporter {
         Ok(queues)
     }
 
+    /// poolscope's network namespace, read once (unreadable so far: tried again at
+    /// the next scrape).
+    fn own_network_namespace(&self) -> Option<u32> {
+        read_once(&self.own_network_namespace, || {
+            procfs::network_namespace(Path::new("/proc"), "self")
+        })
+    }
+
     /// The system's procfs units, read once (a procfs unreadable so far is tried
     /// again at the next scrape).
     fn procfs_units(&self) -> Option<procfs::ProcfsUnits> {
-        if let Some(units) = self.procfs_units.get() {
-            return Some(*units);
-        }
-        let units = procfs::ProcfsUnits::read(&self.procfs_root)?;
-        Some(*self.procfs_units.get_or_init(|| units))
+        read_once(&self.procfs_units, || {
+            procfs::ProcfsUnits::read(&self.procfs_root)
+        })
     }
 
     /// Every family of a scrape.

@@ -80,6 +80,8 @@ pub struct Exporter {
     procfs_root: PathBuf,
     /// Read at the first scrape that could.
     procfs_units: std::sync::OnceLock<procfs::ProcfsUnits>,
+    /// poolscope's own network namespace, read once (it never moves).
+    own_network_namespace: std::sync::OnceLock<u32>,
     reload_status: Mutex<ReloadStatus>,
     /// The listeners of each network namespace as the last rescan found them.
     listeners_found: Mutex<ListenersFound>,
@@ -143,6 +145,7 @@ impl Exporter {
             stopping: tokio::sync::watch::Sender::new(false),
             procfs_root,
             procfs_units: std::sync::OnceLock::new(),
+            own_network_namespace: std::sync::OnceLock::new(),
             listeners_found: Mutex::new(ListenersFound::default()),
             namespace_tables_read: std::sync::atomic::AtomicU64::new(0),
         }
