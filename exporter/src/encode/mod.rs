@@ -348,32 +348,38 @@ fn escape_label_value(value: &str, out: &mut String) {
 }
 
 /// Whether `bytes` hold a backslash, a double quote or a newline, looked for eight
-/// bytes at a time (label values are short: byte by byte, with three comparisons
-/// each, looking was a quarter of rendering; memchr's vector search starts above
-/// their length).
+/// bytes at a time, the last few in a word padded with zeros (label values are
+/// short: byte by byte, with three comparisons each, looking was a quarter of
+/// rendering; memchr's vector search starts above their length).
 fn needs_escape(bytes: &[u8]) -> bool {
     const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
     const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
     // Whether any byte of `word` is zero (exact: no false positives).
     let has_zero = |word: u64| (word.wrapping_sub(ONES) & !word & HIGHS) != 0;
     let has = |word: u64, byte: u8| has_zero(word ^ (ONES * u64::from(byte)));
+    let needs = |word: u64| has(word, b'\\') || has(word, b'"') || has(word, b'\n');
     let mut chunks = bytes.chunks_exact(8);
-    for chunk in &mut chunks {
+    let whole = chunks.any(|chunk| {
         let mut word = [0u8; 8];
         word.copy_from_slice(chunk);
-        let word = u64::from_ne_bytes(word);
-        if has(word, b'\\') || has(word, b'"') || has(word, b'\n') {
-            return true;
-        }
-    }
-    chunks
+        needs(u64::from_ne_bytes(word))
+    });
+    // The rest in one word, padded with zeros (which match none of the three).
+    let rest = chunks
         .remainder()
         .iter()
-        .any(|byte| matches!(byte, b'\\' | b'"' | b'\n'))
+        .enumerate()
+        .fold(0u64, |word, (i, &byte)| word | u64::from(byte) << (8 * i));
+    whole || needs(rest)
 }
 
 /// HELP text: backslash and newline escaped (plus `"` in OpenMetrics).
 fn escape_help(help: &str, format: Format, out: &mut String) {
+    // Most help texts need no escape: copied whole.
+    if !needs_escape(help.as_bytes()) {
+        out.push_str(help);
+        return;
+    }
     for c in help.chars() {
         match c {
             '\\' => out.push_str("\\\\"),
@@ -486,6 +492,11 @@ fn write_line(head: &str, pairs: &str, extra: Option<(&str, &str)>, value: f64, 
         }
         None => {}
     }
+    write_value_end(value, out);
+}
+
+/// A line's end: ` value` and the newline.
+fn write_value_end(value: f64, out: &mut String) {
     out.push(' ');
     write_value(value, out);
     out.push('\n');
@@ -548,10 +559,23 @@ fn render_into(families: &[Family], format: Format, out: &mut String) {
         let _ = writeln!(out, "\n# TYPE {name} {kind}");
         let heads = Heads::of(family, number_suffix);
         for sample in &family.samples {
-            pairs.clear();
-            write_label_pairs(family.labels(sample), &mut pairs);
+            // A number's one line takes its labels straight; the others' several
+            // lines copy them from `pairs`.
+            if !matches!(sample.value, Value::Number(_)) {
+                pairs.clear();
+                write_label_pairs(family.labels(sample), &mut pairs);
+            }
             match &sample.value {
-                Value::Number(value) => write_line(&heads.number, &pairs, None, *value, out),
+                Value::Number(value) => {
+                    out.push_str(&heads.number);
+                    let labels = family.labels(sample);
+                    if labels.len() > 0 {
+                        out.push('{');
+                        write_label_pairs(labels, out);
+                        out.push('}');
+                    }
+                    write_value_end(*value, out);
+                }
                 Value::Histogram(histogram) => {
                     let HistogramValue {
                         buckets,
