@@ -103,6 +103,7 @@ pub struct Sample {
     pub value: Value,
 }
 
+#[cfg(target_pointer_width = "64")]
 const _: () = assert!(
     size_of::<Sample>() == 32,
     "a sample is a range and a number"
@@ -359,18 +360,20 @@ fn needs_escape(bytes: &[u8]) -> bool {
     let has = |word: u64, byte: u8| has_zero(word ^ (ONES * u64::from(byte)));
     let needs = |word: u64| has(word, b'\\') || has(word, b'"') || has(word, b'\n');
     let mut chunks = bytes.chunks_exact(8);
-    let whole = chunks.any(|chunk| {
+    if chunks.any(|chunk| {
         let mut word = [0u8; 8];
         word.copy_from_slice(chunk);
         needs(u64::from_ne_bytes(word))
-    });
+    }) {
+        return true;
+    }
     // The rest in one word, padded with zeros (which match none of the three).
     let rest = chunks
         .remainder()
         .iter()
         .enumerate()
         .fold(0u64, |word, (i, &byte)| word | u64::from(byte) << (8 * i));
-    whole || needs(rest)
+    needs(rest)
 }
 
 /// HELP text: backslash and newline escaped (plus `"` in OpenMetrics).

@@ -282,7 +282,10 @@ impl Writer {
         // Quantiles without `_sum` and `_count` (the `_window` summaries): Prometheus
         // would read a protobuf summary's missing totals as zeros, two series of false
         // numbers; as gauges by `quantile` they are the series the text format makes.
-        let quantiles_alone = |sample: &&super::Sample| matches!(&sample.value, Value::Summary(summary) if summary.totals.is_none());
+        let quantiles_alone = |sample: &&super::Sample| match &sample.value {
+            Value::Summary(summary) => summary.totals.is_none(),
+            Value::Number(_) | Value::Histogram(_) => false,
+        };
         if family
             .samples
             .iter()

@@ -115,7 +115,7 @@ pub fn process_use(root: &Path, entry: &str, units: &ProcfsUnits) -> Option<Proc
     let dir = root.join(entry);
     let stat = parse_stat_use(&fs::read_to_string(dir.join("stat")).ok()?)?;
     let limits = fs::read_to_string(dir.join("limits")).ok()?;
-    let open_fds = open_fds(&dir.join("fd"))?;
+    let open_fds = open_fds(&dir.join("fd"), entry == "self")?;
     let ticks = units.ticks_per_second.max(1) as f64;
     let boot = units.boot_time;
     Some(ProcessUse {
@@ -129,20 +129,29 @@ pub fn process_use(root: &Path, entry: &str, units: &ProcfsUnits) -> Option<Proc
     })
 }
 
-/// The open descriptors in `fd_dir`, a process's `fd` directory. Since Linux 6.2
-/// the size `stat` gives such a directory on procfs is their number: two system
-/// calls, where listing it (~90 descriptors: maps, programs, links; procfs makes a
-/// dentry per entry) was ~3 % of a scrape at 110 services. A listing also counted
-/// the descriptor it read through. Listed where the size says nothing: older
-/// kernels (0), or a directory on another file system (a fixture).
-fn open_fds(fd_dir: &Path) -> Option<usize> {
-    if is_on_procfs(fd_dir) {
+/// The open descriptors in `fd_dir`, a process's `fd` directory (`own`: the calling
+/// process's). Since Linux 6.2 the size `stat` gives such a directory on procfs is
+/// their number: two system calls, where listing it (~90 descriptors: maps,
+/// programs, links; procfs makes a dentry per entry) was ~3 % of a scrape at 110
+/// services. Listed where the size says nothing: older kernels (0), or a directory
+/// on another file system (a fixture).
+fn open_fds(fd_dir: &Path, own: bool) -> Option<usize> {
+    let on_procfs = is_on_procfs(fd_dir);
+    if on_procfs {
         let counted = fs::metadata(fd_dir).ok()?.len();
         if counted > 0 {
             return usize::try_from(counted).ok();
         }
     }
-    Some(fs::read_dir(fd_dir).ok()?.count())
+    listed_fds(fd_dir, on_procfs && own)
+}
+
+/// The entries of `fd_dir`; without the one the listing reads through when it
+/// lists the calling process's own procfs `fd` directory (`own`), so that both
+/// ways count the same.
+fn listed_fds(fd_dir: &Path, own: bool) -> Option<usize> {
+    let listed = fs::read_dir(fd_dir).ok()?.count();
+    Some(listed.saturating_sub(usize::from(own)))
 }
 
 fn is_on_procfs(path: &Path) -> bool {
@@ -160,7 +169,7 @@ fn is_on_procfs(path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::{
-        ProcfsUnits, boot_time_from_clocks, is_on_procfs, open_fds, parse_boot_time,
+        ProcfsUnits, boot_time_from_clocks, is_on_procfs, listed_fds, open_fds, parse_boot_time,
         parse_soft_limit, parse_stat_use, process_use,
     };
 
@@ -238,19 +247,24 @@ mod tests {
             .spawn()?;
         let proc_dir = std::path::PathBuf::from(format!("/proc/{}", child.id()));
         let started = std::time::Instant::now();
-        while std::fs::read_to_string(proc_dir.join("comm"))?.trim() != "sleep"
+        // No early return before the kill below: a child left behind would outlive
+        // the test.
+        while std::fs::read_to_string(proc_dir.join("comm"))
+            .unwrap_or_default()
+            .trim()
+            != "sleep"
             && started.elapsed() < std::time::Duration::from_secs(10)
         {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        let counted = open_fds(&proc_dir.join("fd"));
-        let listed = std::fs::read_dir(proc_dir.join("fd"))?.count();
+        let counted = open_fds(&proc_dir.join("fd"), false);
+        let listed = listed_fds(&proc_dir.join("fd"), false);
         let on_procfs = is_on_procfs(&proc_dir);
         child.kill()?;
         child.wait()?;
         assert!(
-            counted == Some(listed) && listed >= 7,
-            "counted {counted:?}, listed {listed}"
+            counted == listed && listed >= Some(7),
+            "counted {counted:?}, listed {listed:?}"
         );
         // Counted through the size on procfs only.
         let fixture = tempfile::tempdir()?;
