@@ -42,6 +42,8 @@ const WORKERS: &str = "7";
 /// Scrapes per size and load, each followed by a fetch from the static server: the
 /// p99 is the tenth slowest (of 200 it was the second, one stall of the VM).
 const SCRAPES: usize = 1000;
+/// poolscope's RSS is read every this many back-to-back scrapes; the median is shown.
+const RSS_EVERY: usize = 100;
 /// Scrapes with a pause before each, as a scraper with an interval sends them: caches
 /// go cold and an idle CPU halts between them, which scrapes back to back never see.
 const PACED_SCRAPES: usize = 300;
@@ -72,6 +74,7 @@ struct Measured {
     /// The same bytes from a static server, fetched between the scrapes.
     floor_p50_ms: f64,
     floor_p99_ms: f64,
+    /// Median of the reads over the back-to-back loop.
     rss_mb: f64,
     cpu_ms_per_scrape: f64,
     dropped: f64,
@@ -314,6 +317,15 @@ impl Drop for Namespaces {
     }
 }
 
+/// poolscope's resident memory (`VmRSS`), in kB.
+fn resident_kb(pid: u32) -> anyhow::Result<f64> {
+    fs::read_to_string(format!("/proc/{pid}/status"))?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("VmRSS in /proc/<pid>/status")
+}
+
 /// One request on a connection of its own.
 fn request(port: u16) -> std::io::Result<()> {
     let mut stream = TcpStream::connect(("127.0.0.1", port))?;
@@ -347,7 +359,13 @@ fn measure_scrapes(
     // and copies inside the timed span (they kept a CPU busy while poolscope was to
     // be woken there, and doubled poolscope's run-queue wait per scrape).
     let (mut response, mut floor_response) = (Vec::new(), Vec::new());
-    for _ in 0..SCRAPES {
+    // Read every RSS_EVERY scrapes, outside the timed spans: one read after the loop
+    // ranged 36-63 MB for one build under load from run to run.
+    let mut rss_kb = Vec::with_capacity(SCRAPES / RSS_EVERY);
+    for scraped in 0..SCRAPES {
+        if scraped % RSS_EVERY == RSS_EVERY / 2 {
+            rss_kb.push(resident_kb(pid)?);
+        }
         let started = Instant::now();
         scrape_into(address, "", &mut response)?;
         times_ms.push(started.elapsed().as_secs_f64() * 1e3);
@@ -386,6 +404,7 @@ fn measure_scrapes(
     let native = timed(NATIVE_ACCEPT)?;
     times_ms.sort_by(f64::total_cmp);
     floor_ms.sort_by(f64::total_cmp);
+    rss_kb.sort_by(f64::total_cmp);
     let at_of =
         |times: &[f64], q: f64| times[((q * times.len() as f64) as usize).min(times.len() - 1)];
     let at = |q: f64| at_of(&times_ms, q);
@@ -402,11 +421,6 @@ fn measure_scrapes(
     // A histogram's buckets, `_sum` and `_count` are one native series.
     let histograms = samples.iter().filter(|l| l.contains("le=\"+Inf\"")).count();
     let bucket_lines = samples.iter().filter(|l| l.contains("_bucket{")).count();
-    let rss_kb: f64 = fs::read_to_string(format!("/proc/{pid}/status"))?
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(f64::NAN);
     Ok(Measured {
         services,
         loaded,
@@ -420,7 +434,9 @@ fn measure_scrapes(
         paced_p99_ms: at_of(&paced_ms, 0.99),
         floor_p50_ms: at_of(&floor_ms, 0.5),
         floor_p99_ms: at_of(&floor_ms, 0.99),
-        rss_mb: rss_kb / 1024.0,
+        rss_mb: rss_kb
+            .get(rss_kb.len() / 2)
+            .map_or(f64::NAN, |kb| kb / 1024.0),
         cpu_ms_per_scrape,
         dropped,
         gzip_p50_ms: gzip.p50_ms,
