@@ -6,11 +6,11 @@
 //! series (all, and per service), the bytes plain and gzip-compressed (as poolscope
 //! sends them to a scraper that asks), the scrape time p50 and p99 back to back and
 //! with a pause before each scrape (as a scraper with an interval sends them),
-//! poolscope's RSS and its CPU per scrape, the series the cap dropped, and the p50 and CPU of the same
-//! scrapes asking for gzip, and asking as a Prometheus with native histograms on
-//! (protobuf, gzip): its bytes and the series it stores. `BENCH_SCALE_PODS=1` puts
-//! each service in a network namespace of its own, as pods are (idle only: the load's
-//! clients are in the host's namespace).
+//! poolscope's RSS and its CPU per scrape, the series the cap dropped, and the p50
+//! and CPU of the same scrapes asking for gzip, and asking as a Prometheus with
+//! native histograms on (protobuf, gzip): its bytes and the series it stores.
+//! `BENCH_SCALE_PODS=1` puts each service in a network namespace of its own, as pods
+//! are (idle only: the load's clients are in the host's namespace).
 //!
 //! Each scrape alternates with a fetch of the same bytes from a static server in
 //! this process (`Floor`): what moving the exposition to the client costs on this
@@ -47,6 +47,7 @@ const SCRAPES: usize = 1000;
 const RSS_EVERY: usize = 100;
 /// Scrapes with a pause before each, as a scraper with an interval sends them: caches
 /// go cold and an idle CPU halts between them, which scrapes back to back never see.
+/// Their p99 is the third slowest.
 const PACED_SCRAPES: usize = 300;
 /// The pause before each paced scrape.
 const PACE: Duration = Duration::from_millis(50);
