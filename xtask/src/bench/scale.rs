@@ -401,12 +401,12 @@ fn measure_scrapes(
         scrape_into(address, "", &mut paced_response)?;
         paced_ms.push(started.elapsed().as_secs_f64() * 1e3);
     }
-    paced_ms.sort_by(f64::total_cmp);
     let gzip = timed("text/plain")?;
     let native = timed(NATIVE_ACCEPT)?;
     times_ms.sort_by(f64::total_cmp);
     floor_ms.sort_by(f64::total_cmp);
-    rss_kb.sort_by(f64::total_cmp);
+    paced_ms.sort_by(f64::total_cmp);
+    let (_, rss_median_kb) = super::min_median(&mut rss_kb);
     let at_of =
         |times: &[f64], q: f64| times[((q * times.len() as f64) as usize).min(times.len() - 1)];
     let at = |q: f64| at_of(&times_ms, q);
@@ -436,9 +436,7 @@ fn measure_scrapes(
         paced_p99_ms: at_of(&paced_ms, 0.99),
         floor_p50_ms: at_of(&floor_ms, 0.5),
         floor_p99_ms: at_of(&floor_ms, 0.99),
-        rss_mb: rss_kb
-            .get(rss_kb.len() / 2)
-            .map_or(f64::NAN, |kb| kb / 1024.0),
+        rss_mb: rss_median_kb / 1024.0,
         cpu_ms_per_scrape,
         dropped,
         gzip_p50_ms: gzip.p50_ms,
