@@ -11,12 +11,12 @@
 //! none); a futex wait while serving is also a lock wait (`locks.rs`).
 //!
 //! When a woken thread's run-queue wait began is read from the kernel's own
-//! accounting when it goes on CPU (`sched_info`, see [`runqueue_wait`]), so that
+//! accounting when it goes on CPU (`sched_info`, see [`woken_at`]), so that
 //! `sched_wakeup` is not attached and no clock is read at wakeups (a clock read is
 //! most of what a wakeup program costs: ~75 ns of ~100 on our test VM); on a kernel
 //! whose BTF lacks those fields, `sched_wakeup` stamps each wait's start instead.
 use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
-use poolscope_shared::{Activity, Peer, RUN_DELAY_UNKNOWN, Serving, Thread, WaitClass};
+use poolscope_shared::{Activity, BLOCK_UNSEEN, Peer, Serving, Thread, WaitClass};
 
 use crate::{
     abi::SavedRegisters,
@@ -79,25 +79,39 @@ fn run_delay_known() -> bool {
     unsafe { core::ptr::read_volatile(&TASK_RUN_DELAY_OFFSET) != 0 }
 }
 
-/// How long `task`, going on CPU now, waited in the run queue since `thread` last
-/// blocked, by the kernel's accounting (its `sched_clock`; a duration, so the clock
-/// does not matter). The kernel adds a wait to `run_delay` when the task arrives on
-/// CPU (after this tracepoint) or when it moves to another CPU's queue, so the total
-/// is `run_delay` plus the wait in progress, since `last_queued` by the queue's
-/// clock, which the scheduler read at this switch.
+/// When `task`, going on CPU at `now`, was woken by our clock, from the kernel's
+/// accounting. The kernel stamps a wait's start by its run queue's clock
+/// (`last_queued`, 0 once the wait is added to `run_delay`: when the task arrives on
+/// CPU, after this tracepoint, or moves to another CPU's queue, whose wait then
+/// starts anew), so the wakeup is the start of the wait in progress less the waits
+/// added since the block. The queue's clock is turned into ours by the offset between
+/// the two kept at the block, when the scheduler had just read its clock: not by the
+/// queue's clock now, which the scheduler does not read again at a switch that a
+/// wakeup asked for (the wakeup read it). Not before the interval the thread is in
+/// began (a request's end cuts it), nor after `now`.
 #[inline(always)]
-fn runqueue_wait(task: *const u8, thread: &Thread) -> u64 {
+fn woken_at(task: *const u8, thread: &Thread, now: u64) -> u64 {
     let last_queued: u64 = field(task, &TASK_LAST_QUEUED_OFFSET);
-    let pending = if last_queued == 0 {
-        0
+    let at = if thread.clock_offset_at_block == BLOCK_UNSEEN {
+        // Without the block's offset, the wait in progress by the queue's clock.
+        let pending = if last_queued == 0 {
+            0
+        } else {
+            queue_clock(task).saturating_sub(last_queued)
+        };
+        now.saturating_sub(pending)
     } else {
-        queue_clock(task).saturating_sub(last_queued)
+        let wait_start = if last_queued == 0 {
+            queue_clock(task)
+        } else {
+            last_queued
+        };
+        let run_delay: u64 = field(task, &TASK_RUN_DELAY_OFFSET);
+        wait_start
+            .wrapping_sub(run_delay)
+            .wrapping_sub(thread.clock_offset_at_block)
     };
-    if thread.run_delay_at_block == RUN_DELAY_UNKNOWN {
-        return pending;
-    }
-    let run_delay: u64 = field(task, &TASK_RUN_DELAY_OFFSET);
-    (run_delay + pending).saturating_sub(thread.run_delay_at_block)
+    at.min(now).max(thread.since_ns)
 }
 
 /// The clock of `task`'s run queue (`rq_clock`), 0 if it cannot be reached.
@@ -145,7 +159,10 @@ fn try_sched_switch(ctx: &BtfTracePointContext) {
             let next = Activity::blocked(class, serving, polled, state & TASK_UNINTERRUPTIBLE != 0);
             threads::change(prev_tid, prev, next, now);
             if run_delay_known() {
-                prev.run_delay_at_block = field(prev_task, &TASK_RUN_DELAY_OFFSET);
+                let run_delay: u64 = field(prev_task, &TASK_RUN_DELAY_OFFSET);
+                prev.clock_offset_at_block = queue_clock(prev_task)
+                    .wrapping_sub(run_delay)
+                    .wrapping_sub(now);
             }
             prev.downstream = match call {
                 Some((regs, _, _)) if next == Activity::OffNetwork => {
@@ -219,9 +236,7 @@ fn switched_in(task: *const u8, now: u64) {
     }
     let now = if now == 0 { now_ns() } else { now };
     if activity.is_off_cpu() && run_delay_known() {
-        // Not before the interval it is in began (a request's end cuts it).
-        let queued = now.saturating_sub(runqueue_wait(task, thread));
-        woken(tid, thread, queued.max(thread.since_ns));
+        woken(tid, thread, woken_at(task, thread, now));
     }
     // From a wait whose wakeup we did not see (entry made while it slept, without
     // `sched_info`), the interval closes as that wait and no run-queue wait is timed.

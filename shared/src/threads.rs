@@ -251,15 +251,16 @@ pub struct Thread {
     pub offcpu_weight: u32,
     /// When the thread last blocked (request boundaries cut `since_ns`, not this).
     pub blocked_since_ns: u64,
-    /// The kernel's own total of the thread's run-queue waits (`sched_info.run_delay`)
-    /// when it last blocked, [`RUN_DELAY_UNKNOWN`] if that block was not seen: the
-    /// run-queue wait that ends its next switch in is the total's growth since
-    /// (see `sched.rs`).
-    pub run_delay_at_block: u64,
+    /// When the thread last blocked: its run queue's clock less the kernel's total
+    /// of its run-queue waits (`sched_info.run_delay`) less our clock (wrapping),
+    /// [`BLOCK_UNSEEN`] if that block was not seen. A later wait's start by the
+    /// kernel's clock (`sched_info.last_queued`), less the waits the kernel added
+    /// since, less this, is when the thread was woken by our clock (see `sched.rs`).
+    pub clock_offset_at_block: u64,
 }
 
-/// [`Thread::run_delay_at_block`] of a thread whose block was not seen.
-pub const RUN_DELAY_UNKNOWN: u64 = u64::MAX;
+/// [`Thread::clock_offset_at_block`] of a thread whose block was not seen.
+pub const BLOCK_UNSEEN: u64 = u64::MAX;
 
 impl Thread {
     /// A thread of `service` doing `activity` since `since_ns`, holding nothing.
@@ -289,7 +290,7 @@ impl Thread {
             offcpu_tgid: 0,
             offcpu_weight: 0,
             blocked_since_ns: 0,
-            run_delay_at_block: RUN_DELAY_UNKNOWN,
+            clock_offset_at_block: BLOCK_UNSEEN,
         }
     }
 }

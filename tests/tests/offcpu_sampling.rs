@@ -2,7 +2,8 @@
 //! 0.2 ms at a time in `sleep_in_named_function` (thousands of blocks a second), and
 //! its own clock and schedstat say how long it was blocked. Run twice, each with its
 //! own poolscope:
-//! - every block captured (`offcpu_sample_one_in = 1`): the reference;
+//! - every block captured (`offcpu_sample_one_in = 1`): the reference, within 3 % of
+//!   the program's blocked time;
 //! - every block past a full rate of 0 sampled one in 8 (`offcpu_full_rate = 0`):
 //!   the microseconds under `sleep_in_named_function` must be the program's blocked
 //!   time within 10 % or 5 standard errors of the sampling, whichever is wider, and
@@ -27,6 +28,8 @@ const PHASE: Duration = Duration::from_secs(8);
 const SLEEP_MS: f64 = 0.2;
 const INTERVAL: Duration = Duration::from_secs(2);
 const ONE_IN: u64 = 8;
+/// How far the every-block run may be from the truth (relative).
+const EVERY_BLOCK_BOUND: f64 = 0.03;
 
 /// What one run measured: the program's blocked µs, its sleeps, and poolscope's µs
 /// under the named function and block counts by capture.
@@ -126,9 +129,14 @@ fn sampled_offcpu_stacks_weigh_true() -> anyhow::Result<()> {
         every.sampled + every.skipped == 0.0 && one_per_sleep(every.full, every.sleeps),
         "with one_in = 1 every block is captured in full: {every:?}"
     );
+    // Every block captured has no sampling error: measured 0.988–1.000 of the truth.
+    // A bound of 10 % let through a bias of 6.7–6.8 % (the wait from a wakeup that
+    // preempts the running task to its switch counted as blocked; see `woken_at` in
+    // exporter-ebpf/src/sched.rs), which only the sampled run's noise made fail.
     anyhow::ensure!(
-        (every.recorded_us as f64 - every.truth_us).abs() <= 0.10 * every.truth_us,
-        "every block captured: {every:?}"
+        (every.recorded_us as f64 - every.truth_us).abs() <= EVERY_BLOCK_BOUND * every.truth_us,
+        "every block captured: {every:?} (bound ±{:.0} %)",
+        EVERY_BLOCK_BOUND * 100.0
     );
     // Each block is in with probability 1/8 and weighs 8: for n blocks of about equal
     // length the estimate's relative standard error is sqrt((8 - 1) / n).
