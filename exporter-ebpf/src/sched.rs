@@ -160,9 +160,10 @@ fn try_sched_switch(ctx: &BtfTracePointContext) {
             threads::change(prev_tid, prev, next, now);
             if run_delay_known() {
                 let run_delay: u64 = field(prev_task, &TASK_RUN_DELAY_OFFSET);
-                prev.clock_offset_at_block = queue_clock(prev_task)
-                    .wrapping_sub(run_delay)
-                    .wrapping_sub(now);
+                prev.clock_offset_at_block = match queue_clock(prev_task) {
+                    0 => BLOCK_UNSEEN,
+                    clock => clock.wrapping_sub(run_delay).wrapping_sub(now),
+                };
             }
             prev.downstream = match call {
                 Some((regs, _, _)) if next == Activity::OffNetwork => {
