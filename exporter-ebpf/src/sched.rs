@@ -92,20 +92,16 @@ fn run_delay_known() -> bool {
 #[inline(always)]
 fn woken_at(task: *const u8, thread: &Thread, now: u64) -> u64 {
     let last_queued: u64 = field(task, &TASK_LAST_QUEUED_OFFSET);
+    // The wait in progress began at `last_queued`; none is (0): it ends now.
+    let wait_start = if last_queued == 0 {
+        queue_clock(task)
+    } else {
+        last_queued
+    };
     let at = if thread.clock_offset_at_block == BLOCK_UNSEEN {
         // Without the block's offset, the wait in progress by the queue's clock.
-        let pending = if last_queued == 0 {
-            0
-        } else {
-            queue_clock(task).saturating_sub(last_queued)
-        };
-        now.saturating_sub(pending)
+        now.saturating_sub(queue_clock(task).saturating_sub(wait_start))
     } else {
-        let wait_start = if last_queued == 0 {
-            queue_clock(task)
-        } else {
-            last_queued
-        };
         let run_delay: u64 = field(task, &TASK_RUN_DELAY_OFFSET);
         wait_start
             .wrapping_sub(run_delay)
