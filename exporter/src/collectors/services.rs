@@ -15,7 +15,7 @@ use crate::{
     encode::{Family, Kind, Value},
     kernel::Backend,
     metrics::pools::{COMPONENTS, sum_of},
-    metrics::window::{ClassicBuckets, QUANTILES, quantile},
+    metrics::window::{ClassicBuckets, QUANTILES, quantiles},
 };
 
 /// A listening socket that belongs to a watched service.
@@ -174,11 +174,9 @@ impl RequestFamilies {
         // Quantiles over the window, without `_sum` and `_count`: those are the
         // histogram's (counters to Prometheus, so cumulative, not the window's).
         for (family, histogram) in self.windows.iter_mut().zip(windowed) {
-            let quantiles = QUANTILES
-                .iter()
-                .map(|&q| (q, quantile(histogram, q).unwrap_or(f64::NAN)))
-                .collect();
-            family.push_value(labels, Value::summary(quantiles, None));
+            let values = quantiles(histogram, QUANTILES).unwrap_or([f64::NAN; QUANTILES.len()]);
+            let summary = QUANTILES.into_iter().zip(values).collect();
+            family.push_value(labels, Value::summary(summary, None));
         }
     }
 }

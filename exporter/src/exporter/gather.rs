@@ -23,11 +23,12 @@ use crate::{
         process::process_families,
         services::{queue_depths, service_listeners},
     },
+    config::MetricsSettings,
     discovery::held,
     discovery::procfs,
     discovery::sockdiag,
     discovery::targets::{NamespaceListeners, ServiceView},
-    encode::{Family, cap_series},
+    encode::{Exposition, Family, cap_series},
     idmap::IdMap,
     kernel::{Backend, Readout, WatchTable},
     metrics::health::{Loss, LossKind},
@@ -205,9 +206,16 @@ impl Exporter {
         })
     }
 
-    /// Every family of a scrape.
-    pub(super) fn gather_families(&self) -> Vec<Family> {
+    /// Every family of a scrape to be written in `exposition`.
+    pub(super) fn gather_families(&self, exposition: Exposition) -> Vec<Family> {
         let settings = self.settings();
+        // Native buckets only where they are written: a text scrape skips mapping
+        // every request and wait histogram onto the native schema.
+        let metrics = MetricsSettings {
+            native_histograms: settings.metrics.native_histograms
+                && exposition == Exposition::Protobuf,
+            ..settings.metrics
+        };
         let mut timings = Timings::default();
         let locked = timings.time("kernel", || {
             let locked = self.read_locked();
@@ -243,7 +251,7 @@ impl Exporter {
             windows: &locked.windows,
             pools: &locked.pools,
             listeners: listeners.as_deref(),
-            metrics: settings.metrics,
+            metrics,
         };
         let mut families = collectors::collect_all(&reading, &mut timings);
         let dropped = cap_series(&mut families, settings.max_series);

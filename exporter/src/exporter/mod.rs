@@ -41,7 +41,7 @@ use crate::{
     discovery::rules,
     discovery::sockdiag,
     discovery::targets::Targets,
-    encode::Family,
+    encode::{Exposition, Family},
     kernel::{Kernel, Readout},
     metrics::health::{self as health_model, HealthTracker},
     metrics::locks::LockProbes,
@@ -406,8 +406,8 @@ impl Gatherer for Exporter {
         self.profiles.cancel(&ticket, &self.parts(&settings));
     }
 
-    fn gather(&self) -> Vec<Family> {
-        self.gather_families()
+    fn gather(&self, exposition: Exposition) -> Vec<Family> {
+        self.gather_families(exposition)
     }
 }
 

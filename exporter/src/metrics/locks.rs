@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::{
     discovery::procfs,
     kernel::Kernel,
-    metrics::window::quantile,
+    metrics::window::quantiles,
     stacks::symbolize::{Symbol, Symbols, lookup_addresses},
 };
 
@@ -144,6 +144,7 @@ pub fn top_locks(
         .filter(|(_, (total, _))| total.count() > 0)
         .map(|((pid, address), (total, mut stacks))| {
             stacks.sort_by(|a, b| b.wait_seconds.total_cmp(&a.wait_seconds));
+            let [p50_seconds, p99_seconds] = quantiles(&total, [0.5, 0.99]).unwrap_or_default();
             LockReport {
                 pid,
                 address: format!("{address:#x}"),
@@ -154,8 +155,8 @@ pub fn top_locks(
                     .filter(|stack| stack.timed)
                     .map(|stack| stack.waits)
                     .sum(),
-                p50_seconds: quantile(&total, 0.5).unwrap_or(0.0),
-                p99_seconds: quantile(&total, 0.99).unwrap_or(0.0),
+                p50_seconds,
+                p99_seconds,
                 stacks,
             }
         })

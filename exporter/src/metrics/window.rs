@@ -91,24 +91,39 @@ impl ClassicBuckets {
 /// The `q` quantile in seconds: the middle of the fine bucket it falls in, so at most
 /// half a bucket (6.25 %) off whatever the shape inside the bucket; `None` when empty.
 pub fn quantile(histogram: &Histogram, q: f64) -> Option<f64> {
+    quantiles(histogram, [q]).map(|[value]| value)
+}
+
+/// Each of `qs` (ascending) as [`quantile`] gives it, in one count and one pass over
+/// the buckets (a service's summaries take four quantiles of each of its three
+/// histograms at every scrape).
+pub fn quantiles<const N: usize>(histogram: &Histogram, qs: [f64; N]) -> Option<[f64; N]> {
     let count = histogram.count();
     if count == 0 {
         return None;
     }
-    let rank = (q * count as f64).max(1.0);
+    let rank = |q: f64| (q * count as f64).max(1.0);
+    // Past the last bucket (only by float rounding of a rank near the count): its
+    // lower bound.
+    let (lower, _) = histogram_bucket_bounds(HISTOGRAM_BUCKETS - 1);
+    let mut values = [lower as f64 / 1e9; N];
+    let mut next = 0;
     let mut below = 0u64;
     for (index, &in_bucket) in histogram.buckets.iter().enumerate() {
         if in_bucket == 0 {
             continue;
         }
-        if (below + in_bucket) as f64 >= rank {
-            let (lower, upper) = histogram_bucket_bounds(index);
-            return Some((lower + upper) as f64 / 2.0 / 1e9);
-        }
         below += in_bucket;
+        while next < N && below as f64 >= rank(qs[next]) {
+            let (lower, upper) = histogram_bucket_bounds(index);
+            values[next] = (lower + upper) as f64 / 2.0 / 1e9;
+            next += 1;
+        }
+        if next == N {
+            break;
+        }
     }
-    let (lower, _) = histogram_bucket_bounds(HISTOGRAM_BUCKETS - 1);
-    Some(lower as f64 / 1e9)
+    Some(values)
 }
 
 fn minus(now: &Histogram, then: &Histogram) -> Histogram {
@@ -391,6 +406,37 @@ mod properties {
                 prop_assert!(value >= floor && value <= ceiling, "q {} = {} outside [{}, {}]", q, value, floor, ceiling);
                 prop_assert!(value >= previous, "q {} = {} below {}", q, value, previous);
                 previous = value;
+            }
+        }
+
+        #[test]
+        fn quantiles_in_one_pass_are_each_by_its_definition(
+            counts in proptest::collection::vec((0..HISTOGRAM_BUCKETS, 1u64..1000), 1..30),
+            mut qs in proptest::array::uniform4(0.0f64..=1.0),
+        ) {
+            let mut histogram = Histogram::default();
+            for &(bucket, count) in &counts {
+                histogram.buckets[bucket] += count;
+            }
+            qs.sort_by(f64::total_cmp);
+            let found = quantiles(&histogram, qs)
+                .ok_or_else(|| TestCaseError::fail("no quantiles of a non-empty histogram"))?;
+            // By definition: the middle of the first bucket whose cumulative count
+            // reaches the rank (at least the first value).
+            let total: u64 = histogram.buckets.iter().sum();
+            for (q, value) in qs.into_iter().zip(found) {
+                let rank = (q * total as f64).max(1.0);
+                let mut cumulative = 0;
+                let index = histogram
+                    .buckets
+                    .iter()
+                    .position(|&in_bucket| {
+                        cumulative += in_bucket;
+                        cumulative as f64 >= rank
+                    })
+                    .unwrap_or(HISTOGRAM_BUCKETS - 1);
+                let (lower, upper) = histogram_bucket_bounds(index);
+                prop_assert_eq!(value, (lower + upper) as f64 / 2.0 / 1e9, "q {}", q);
             }
         }
     }

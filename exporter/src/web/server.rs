@@ -45,8 +45,9 @@ use crate::{
 
 /// Something that reads every metric family for one scrape.
 pub trait Gatherer: Send + Sync + 'static {
-    /// Blocking: reads kernel maps and netlink.
-    fn gather(&self) -> Vec<Family>;
+    /// Blocking: reads kernel maps and netlink; the families to be written in
+    /// `exposition` (only the protobuf exposition carries native buckets).
+    fn gather(&self, exposition: Exposition) -> Vec<Family>;
 
     /// Blocking: one line per followed thread, with a header line.
     fn debug_threads(&self) -> String;
@@ -352,7 +353,7 @@ async fn metrics(
     // held until the work ends, also past a timeout: abandoned work still counts.
     let work = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        let mut families = gatherer.gather();
+        let mut families = gatherer.gather(format);
         families.extend(counters.families());
         let body = format.render(&families);
         if gzip {
@@ -650,7 +651,7 @@ mod tests {
     }
 
     impl Gatherer for Fixed {
-        fn gather(&self) -> Vec<Family> {
+        fn gather(&self, _: Exposition) -> Vec<Family> {
             std::thread::sleep(self.delay);
             vec![Family::new("queue_depth", Kind::Gauge, "Depth.").with(&[("service", "a")], 2.0)]
         }
