@@ -88,15 +88,11 @@ impl ClassicBuckets {
     }
 }
 
-/// The `q` quantile in seconds: the middle of the fine bucket it falls in, so at most
-/// half a bucket (6.25 %) off whatever the shape inside the bucket; `None` when empty.
-pub fn quantile(histogram: &Histogram, q: f64) -> Option<f64> {
-    quantiles(histogram, [q]).map(|[value]| value)
-}
-
-/// Each of `qs` (ascending) as [`quantile`] gives it, in one count and one pass over
-/// the buckets (a service's summaries take four quantiles of each of its three
-/// histograms at every scrape).
+/// The `qs` quantiles (ascending) in seconds, each the middle of the fine bucket it
+/// falls in, so at most half a bucket (6.25 %) off whatever the shape inside the
+/// bucket; `None` when empty. One count and one pass over the buckets for all of them
+/// (a service's summaries take four quantiles of each of its three histograms at
+/// every scrape).
 pub fn quantiles<const N: usize>(histogram: &Histogram, qs: [f64; N]) -> Option<[f64; N]> {
     let count = histogram.count();
     if count == 0 {
@@ -236,7 +232,7 @@ mod tests {
                 let mut sorted = samples.clone();
                 sorted.sort_unstable();
                 let truth = sorted[((q * 1000.0) as usize).min(999)] as f64 / 1e9;
-                let ours = quantile(&histogram, q).expect("non-empty");
+                let [ours] = quantiles(&histogram, [q]).expect("non-empty");
                 assert!(
                     (ours - truth).abs() <= truth * 0.10,
                     "q{q} of ~{value} ns: ours {ours}, truth {truth}"
@@ -244,7 +240,7 @@ mod tests {
             }
             value = value * 13 / 10;
         }
-        assert_eq!(quantile(&Histogram::default(), 0.5), None);
+        assert_eq!(quantiles(&Histogram::default(), [0.5]), None);
     }
 
     #[test]
@@ -401,7 +397,7 @@ mod properties {
             qs.sort_by(f64::total_cmp);
             let mut previous = 0.0;
             for q in qs {
-                let value = quantile(&histogram, q)
+                let [value] = quantiles(&histogram, [q])
                     .ok_or_else(|| TestCaseError::fail("no quantile of a non-empty histogram"))?;
                 prop_assert!(value >= floor && value <= ceiling, "q {} = {} outside [{}, {}]", q, value, floor, ceiling);
                 prop_assert!(value >= previous, "q {} = {} below {}", q, value, previous);
