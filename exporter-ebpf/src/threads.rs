@@ -252,6 +252,10 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
             unsafe {
                 write_volatile(bucket, *bucket + 1);
                 write_volatile(&mut runqueue.sum_ns, runqueue.sum_ns + elapsed);
+                write_volatile(
+                    &mut stats.runqueue_wait_ns,
+                    stats.runqueue_wait_ns + elapsed,
+                );
                 write_volatile(&mut stats.runqueue_waits, stats.runqueue_waits + 1);
             }
         }

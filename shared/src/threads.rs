@@ -347,6 +347,10 @@ pub struct PoolStats {
     /// counted after each record: user space reads that histogram again only when
     /// this moved.
     pub runqueue_waits: u64,
+    /// Their time, the histogram's sum: with `runqueue_waits` the mean wait, which is
+    /// what a scrape exports unless it asks for the buckets (then the per-CPU
+    /// histograms, kilobytes per pool per CPU, need not be read).
+    pub runqueue_wait_ns: u64,
 }
 
 impl PoolStats {
@@ -359,6 +363,7 @@ impl PoolStats {
             *sum += value;
         }
         self.runqueue_waits += other.runqueue_waits;
+        self.runqueue_wait_ns += other.runqueue_wait_ns;
     }
 }
 
@@ -368,7 +373,7 @@ const _: () = assert!(core::mem::size_of::<Thread>() == 152);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
 const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);
-const _: () = assert!(core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + 8);
+const _: () = assert!(core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + 16);
 
 #[cfg(test)]
 mod tests {

@@ -238,6 +238,8 @@ mod tests {
                     Arc::make_mut(histogram.get_or_insert_default()).buckets[bucket] += count;
                 };
                 add(&mut totals.runqueue, 3);
+                totals.runqueue_waits += 3;
+                totals.runqueue_wait_ns += 3 * ns;
                 add(&mut totals.lock_waits[0], 2);
             }
             totals.time_ns = [1_000_000; poolscope_shared::Activity::COUNT];

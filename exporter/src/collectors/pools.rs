@@ -41,6 +41,11 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
     }
 }
 
+/// Waits without their buckets: a summary of `_sum` and `_count` (the mean wait).
+fn mean_wait(sum_ns: u64, count: u64) -> Value {
+    Value::summary(Vec::new(), Some((sum_ns as f64 / 1e9, count)))
+}
+
 /// Per-pool families (DESIGN §4).
 pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Family> {
     let mut threads = Family::new(
@@ -77,10 +82,7 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
         if layout.pool_histogram_buckets {
             buckets.value(histogram)
         } else {
-            Value::summary(
-                Vec::new(),
-                Some((histogram.sum_ns as f64 / 1e9, histogram.count())),
-            )
+            mean_wait(histogram.sum_ns, histogram.count())
         }
     };
     let mut runqueue = Family::new(
@@ -123,9 +125,18 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
                 totals.time_ns[activity as usize] as f64 / 1e9,
             );
         }
-        // A pool that never waited exports no empty distribution.
-        if let Some(histogram) = &totals.runqueue {
-            runqueue.push_value(&labels, distribution(histogram));
+        // A pool that never waited exports no empty distribution. Without buckets
+        // the mean wait comes from the pool's stats: its per-CPU histograms are not
+        // read then.
+        if layout.pool_histogram_buckets {
+            if let Some(histogram) = &totals.runqueue {
+                runqueue.push_value(&labels, buckets.value(histogram));
+            }
+        } else if totals.runqueue_waits > 0 {
+            runqueue.push_value(
+                &labels,
+                mean_wait(totals.runqueue_wait_ns, totals.runqueue_waits),
+            );
         }
         for primitive in LockPrimitive::ALL {
             let Some(histogram) = &totals.lock_waits[primitive as usize] else {
@@ -155,4 +166,65 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
         runqueue,
         lock_waits,
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::encode::{Format, render};
+
+    /// The mean run-queue wait comes from the pool's stats by default (its per-CPU
+    /// histograms are not read then), and the buckets from the histogram when asked.
+    #[test]
+    fn run_queue_waits_are_the_stats_mean_or_the_histograms_buckets() {
+        let mut histogram = Histogram::default();
+        histogram.buckets[poolscope_shared::histogram_bucket(2_000_000)] = 4;
+        histogram.sum_ns = 8_000_000;
+        let totals = PoolTotals {
+            runqueue: Some(Arc::new(histogram)),
+            runqueue_waits: 5,
+            runqueue_wait_ns: 9_000_000,
+            ..PoolTotals::default()
+        };
+        let input = |totals| PoolInput {
+            service: "web",
+            pool: "worker",
+            totals,
+            utilization: None,
+        };
+        let text = |totals, pool_histogram_buckets| {
+            let layout = MetricsSettings {
+                pool_histogram_buckets,
+                ..MetricsSettings::default()
+            };
+            render(&pool_families(&[input(totals)], layout), Format::Text)
+        };
+        let labels = "{service=\"web\",pool=\"worker\"}";
+        let means = text(&totals, false);
+        assert!(
+            means.contains(&format!(
+                "poolscope_runqueue_wait_seconds_sum{labels} 0.009\n"
+            )) && means.contains(&format!(
+                "poolscope_runqueue_wait_seconds_count{labels} 5\n"
+            )) && !means.contains("poolscope_runqueue_wait_seconds_bucket"),
+            "{means}"
+        );
+        let buckets = text(&totals, true);
+        assert!(
+            buckets.contains(&format!(
+                "poolscope_runqueue_wait_seconds_sum{labels} 0.008\n"
+            )) && buckets.contains(&format!(
+                "poolscope_runqueue_wait_seconds_count{labels} 4\n"
+            )) && buckets.contains("poolscope_runqueue_wait_seconds_bucket{"),
+            "{buckets}"
+        );
+        // A pool that never waited exports no sample of it.
+        let never = text(&PoolTotals::default(), false);
+        assert!(
+            !never.contains("poolscope_runqueue_wait_seconds_count{"),
+            "{never}"
+        );
+    }
 }

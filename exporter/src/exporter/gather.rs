@@ -30,7 +30,7 @@ use crate::{
     discovery::targets::{NamespaceListeners, ServiceView},
     encode::{Exposition, Family, cap_series},
     idmap::IdMap,
-    kernel::{Backend, Readout, WatchTable},
+    kernel::{Backend, PoolWaits, Readout, WatchTable},
     metrics::health::{Loss, LossKind},
     metrics::pools::{self, PoolView},
     stacks::snapshots::Trigger,
@@ -64,12 +64,13 @@ struct Locked {
 }
 
 impl Exporter {
-    fn read_locked(&self) -> Locked {
+    /// `waits`: how much of the pools' waits the scrape exports.
+    fn read_locked(&self, waits: PoolWaits) -> Locked {
         let mut core = lock_or_recover(&self.core);
         let core = &mut *core;
         let kernel = core
             .kernel
-            .read(&core.targets.service_ids(), &core.pools.ids());
+            .read(&core.targets.service_ids(), &core.pools.ids(), waits);
         if let Err(error) = &kernel {
             tracing::warn!(%error, "reading kernel maps failed");
         }
@@ -218,7 +219,12 @@ impl Exporter {
         };
         let mut timings = Timings::default();
         let locked = timings.time("kernel", || {
-            let locked = self.read_locked();
+            let waits = if metrics.pool_histogram_buckets {
+                PoolWaits::WithRunqueueHistograms
+            } else {
+                PoolWaits::Totals
+            };
+            let locked = self.read_locked(waits);
             let read = locked.kernel.is_some();
             (locked, read)
         });

@@ -42,7 +42,7 @@ use crate::{
     discovery::sockdiag,
     discovery::targets::Targets,
     encode::{Exposition, Family},
-    kernel::{Kernel, Readout},
+    kernel::{Kernel, PoolWaits, Readout},
     metrics::health::{self as health_model, HealthTracker},
     metrics::locks::LockProbes,
     metrics::pools::{self, Pools},
@@ -289,7 +289,7 @@ impl Exporter {
             ..
         } = &mut *core;
         let mut readout = Readout::default();
-        match kernel.read_pools(&pools.ids(), &mut readout) {
+        match kernel.read_pools(&pools.ids(), PoolWaits::Skipped, &mut readout) {
             Ok(()) => {
                 pools.sample(std::time::Instant::now(), &pools::totals(&readout));
                 pools.sync(kernel, &targets.service_ids(), &readout.threads);

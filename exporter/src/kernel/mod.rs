@@ -56,6 +56,7 @@ pub use self::{
     read::{LockWaits, MapFill, ProgramStats, Readout},
     services::Adopted,
     tables::{ServedConnection, ThreadTable, WatchTable},
+    threads::PoolWaits,
 };
 use crate::config::Limits;
 use crate::idmap::IdMap;

@@ -9,7 +9,7 @@ use poolscope_shared::{
     syscall_counter_index,
 };
 
-use super::{Backend, Kernel, KernelError, WatchTable};
+use super::{Backend, Kernel, KernelError, PoolWaits, WatchTable};
 
 /// A pool's lock waits per [`LockPrimitive`], `None` for a primitive it never waited
 /// on.
@@ -28,7 +28,7 @@ pub struct Readout {
     /// Closed intervals of each pool's threads, read before `threads`.
     pub pools: BTreeMap<u32, Box<PoolStats>>,
     /// Run-queue waits of each pool (shared with the kernel reader's copy, as the
-    /// request times).
+    /// request times); read only for [`PoolWaits::WithRunqueueHistograms`].
     pub runqueues: BTreeMap<u32, Arc<Histogram>>,
     /// Lock waits of each pool that waited (shared as the run-queue waits).
     pub lock_waits: BTreeMap<u32, LockWaits>,
@@ -127,7 +127,12 @@ impl Kernel {
 
     /// Reads the counters of `services` and `pools` and the exporter's own
     /// kernel-side health.
-    pub fn read(&mut self, services: &[u32], pools: &[u32]) -> Result<Readout, KernelError> {
+    pub fn read(
+        &mut self,
+        services: &[u32],
+        pools: &[u32],
+        waits: PoolWaits,
+    ) -> Result<Readout, KernelError> {
         let map_error = |map| move |source| KernelError::Map { map, source };
         let mut readout = Readout {
             watched: self
@@ -155,7 +160,7 @@ impl Kernel {
                 readout.syscalls.insert((service, slot.name()), calls);
             }
         }
-        self.read_pools(pools, &mut readout)?;
+        self.read_pools(pools, waits, &mut readout)?;
         readout.losses = self.losses()?;
         for cpu in self
             .offcpu_captures

@@ -10,6 +10,19 @@ use poolscope_shared::{
 
 use super::{BPF_NOEXIST, Claim, Kernel, KernelError, LockWaits, Readout, ThreadTable};
 
+/// How much of the pools' waits a read takes besides their stats and threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolWaits {
+    /// None (the utilization sample needs the threads' time only).
+    Skipped,
+    /// Lock and downstream waits; run-queue waits as the stats' count and sum only
+    /// (what a scrape exports by default: the mean wait).
+    Totals,
+    /// Also each pool's per-CPU run-queue histogram (kilobytes per pool per CPU), for
+    /// a scrape that exports the buckets (`[metrics] pool_histogram_buckets`).
+    WithRunqueueHistograms,
+}
+
 impl ThreadTable for Kernel {
     fn follow_thread(&mut self, tid: u32, thread: Thread) -> Result<(), MapError> {
         // Followed already in `THREADS` (its slot was taken when the kernel followed
@@ -157,23 +170,32 @@ impl Kernel {
         }
     }
 
-    /// Reads the stats of `pools` and then every followed thread (in that order:
-    /// the kernel updates a thread before its pool, so a transition between the two
-    /// reads is missed once, never counted twice).
-    pub fn read_pools(&mut self, pools: &[u32], readout: &mut Readout) -> Result<(), KernelError> {
+    /// Reads the stats of `pools`, their waits as far as `waits` asks, and then every
+    /// followed thread (in that order: the kernel updates a thread before its pool,
+    /// so a transition between the two reads is missed once, never counted twice).
+    pub fn read_pools(
+        &mut self,
+        pools: &[u32],
+        waits: PoolWaits,
+        readout: &mut Readout,
+    ) -> Result<(), KernelError> {
         let batch_error = |map| move |source| KernelError::Batch { map, source };
         readout.pools = self
             .batch
             .pool_stats
             .sum_by_id::<PoolStats>(pools, self.cpus, PoolStats::add)
             .map_err(batch_error(maps::POOL_STATS))?;
-        readout.runqueues = self.read_runqueues(&readout.pools)?;
-        readout.lock_waits = self.read_lock_waits(pools)?;
-        readout.downstreams = self
-            .downstream_waits
-            .iter()
-            .filter_map(Result::ok)
-            .collect();
+        if waits == PoolWaits::WithRunqueueHistograms {
+            readout.runqueues = self.read_runqueues(&readout.pools)?;
+        }
+        if waits != PoolWaits::Skipped {
+            readout.lock_waits = self.read_lock_waits(pools)?;
+            readout.downstreams = self
+                .downstream_waits
+                .iter()
+                .filter_map(Result::ok)
+                .collect();
+        }
         self.read_threads(readout)
     }
 

@@ -128,12 +128,17 @@ pub struct PoolTotals {
     pub time_ns: [u64; Activity::COUNT],
     /// Request time per [`Activity`] of the serving thread.
     pub request_ns: [u64; Activity::COUNT],
-    /// Run-queue waits, `None` if the pool never waited. Histograms are kilobytes
+    /// Run-queue waits, `None` if the pool never waited or the scrape did not ask
+    /// for the buckets ([`crate::kernel::PoolWaits`]). Histograms are kilobytes
     /// each and every scrape moves the totals of every pool through maps and rows:
     /// they are shared with the kernel reader's copy (kept between reads, see
     /// `kernel/reread.rs`), and a pool that never waited carries none (zeroed ones,
     /// allocated, copied and summed for every pool, cost a 110-service scrape ~1 ms).
     pub runqueue: Option<Arc<Histogram>>,
+    /// Run-queue waits and their time, from the pool's stats (the mean wait, exported
+    /// without `runqueue`'s buckets).
+    pub runqueue_waits: u64,
+    pub runqueue_wait_ns: u64,
     /// Lock waits per [`LockPrimitive`], `None` for a primitive never waited on.
     pub lock_waits: LockWaits,
     pub threads: u64,
@@ -161,6 +166,8 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
                 time_ns: stats.time_ns,
                 request_ns: stats.request_ns,
                 runqueue: readout.runqueues.get(pool).cloned(),
+                runqueue_waits: stats.runqueue_waits,
+                runqueue_wait_ns: stats.runqueue_wait_ns,
                 lock_waits: readout.lock_waits.get(pool).cloned().unwrap_or_default(),
                 threads: 0,
                 threads_busy: 0,
