@@ -201,25 +201,21 @@ mod tests {
             };
             render(&pool_families(&[input(totals)], layout), Format::Text)
         };
-        let labels = "{service=\"web\",pool=\"worker\"}";
+        // Whether `text` has the wait's `_sum` and `_count` lines with these values,
+        // and buckets or none.
+        let exported = |text: &str, sum: &str, count: &str, with_buckets: bool| {
+            let labels = "{service=\"web\",pool=\"worker\"}";
+            let line = |suffix: &str, value: &str| {
+                format!("poolscope_runqueue_wait_seconds_{suffix}{labels} {value}\n")
+            };
+            text.contains(&line("sum", sum))
+                && text.contains(&line("count", count))
+                && text.contains("poolscope_runqueue_wait_seconds_bucket{") == with_buckets
+        };
         let means = text(&totals, false);
-        assert!(
-            means.contains(&format!(
-                "poolscope_runqueue_wait_seconds_sum{labels} 0.009\n"
-            )) && means.contains(&format!(
-                "poolscope_runqueue_wait_seconds_count{labels} 5\n"
-            )) && !means.contains("poolscope_runqueue_wait_seconds_bucket"),
-            "{means}"
-        );
+        assert!(exported(&means, "0.009", "5", false), "{means}");
         let buckets = text(&totals, true);
-        assert!(
-            buckets.contains(&format!(
-                "poolscope_runqueue_wait_seconds_sum{labels} 0.008\n"
-            )) && buckets.contains(&format!(
-                "poolscope_runqueue_wait_seconds_count{labels} 4\n"
-            )) && buckets.contains("poolscope_runqueue_wait_seconds_bucket{"),
-            "{buckets}"
-        );
+        assert!(exported(&buckets, "0.008", "4", true), "{buckets}");
         // A pool that never waited exports no sample of it.
         let never = text(&PoolTotals::default(), false);
         assert!(
