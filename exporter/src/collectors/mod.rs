@@ -220,10 +220,13 @@ mod tests {
             .count()
     }
 
-    /// A service of two pools (a main thread and eight workers), listening on one
-    /// socket, as the series budget counts it: idle (nothing ever served), or busy
-    /// (requests in the window, every kind of wait, futex lock waits in both pools).
-    fn two_pool_service(busy: bool) -> (Readout, Vec<PoolRow>, BTreeMap<u32, RequestTimes>) {
+    /// A service of the named pools, listening on one socket, as the series budget
+    /// counts it: idle (nothing ever served, every thread waiting for work), or busy
+    /// (requests in the window, every kind of wait, futex lock waits in each pool).
+    fn service_of_pools(
+        names: &[&str],
+        busy: bool,
+    ) -> (Readout, Vec<PoolRow>, BTreeMap<u32, RequestTimes>) {
         let mut readout = Readout::default();
         let mut times = RequestTimes::default();
         let mut totals = PoolTotals::default();
@@ -246,9 +249,9 @@ mod tests {
             totals.request_ns = [500_000; poolscope_shared::Activity::COUNT];
         }
         readout.request_times.insert(2, std::sync::Arc::new(times));
-        let pools = ["server", "worker"]
+        let pools = names
             .iter()
-            .zip([5, 6])
+            .zip(5..)
             .map(|(name, id)| PoolRow {
                 view: PoolView {
                     id,
@@ -284,8 +287,8 @@ mod tests {
                 limit: Some(4096),
             },
         }];
-        let count = |busy: bool, metrics: MetricsSettings| {
-            let (readout, pools, windows) = two_pool_service(busy);
+        let count_of = |names: &[&str], busy: bool, metrics: MetricsSettings| {
+            let (readout, pools, windows) = service_of_pools(names, busy);
             let reading = Reading {
                 backend: Backend::Socket,
                 kernel: Some(&readout),
@@ -301,9 +304,17 @@ mod tests {
             );
             (series_of(&text, "api"), text)
         };
+        // Two pools (a main thread and eight workers) for the busy budget; the idle
+        // one also for three (a main thread, an acceptor and workers).
+        let count = |busy, metrics| count_of(&["server", "worker"], busy, metrics);
         let defaults = MetricsSettings::default();
         let (idle, text) = count(false, defaults);
         assert!(idle <= 40, "{idle} series for an idle service:\n{text}");
+        let (idle_three, text) = count_of(&["server", "acceptor", "worker"], false, defaults);
+        assert!(
+            idle_three <= 40,
+            "{idle_three} series for an idle service of three pools:\n{text}"
+        );
         assert!(
             !text.contains("_bucket"),
             "an idle service exports no histogram:\n{text}"
@@ -328,7 +339,10 @@ mod tests {
             !text.contains("poolscope_request_latency_window_seconds_sum"),
             "{text}"
         );
-        eprintln!("series per service at the defaults: idle {idle}, busy {busy}");
+        eprintln!(
+            "series per service at the defaults: idle {idle} (three pools: {idle_three}), \
+             busy {busy}"
+        );
 
         // The layout of the first release: half an octave per bucket, pool buckets.
         let Some(half_octave) = crate::config::OctavesPerBucket::new(0.5) else {

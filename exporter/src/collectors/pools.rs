@@ -75,7 +75,8 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
         "offcpu_seconds",
         Kind::Counter,
         "Time the pool's threads spent blocked on I/O (state blocked_io), by what they \
-         waited for: disk, network, sleep, other.",
+         waited for: disk, network, sleep, other; a reason appears once the pool has \
+         first waited for it.",
     );
     let buckets = ClassicBuckets::configured(layout);
     let distribution = |histogram: &Histogram| {
@@ -116,6 +117,12 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
             );
         }
         for (reason, activity) in REASONS {
+            // A reason the pool never waited for is left out, not exported as 0:
+            // most pools never touch a disk or sleep, and the total is always there
+            // in `thread_seconds_total{state="blocked_io"}`.
+            if totals.time_ns[activity as usize] == 0 {
+                continue;
+            }
             offcpu.push(
                 &[
                     ("service", input.service),
@@ -221,6 +228,41 @@ mod tests {
         assert!(
             !never.contains("poolscope_runqueue_wait_seconds_count{"),
             "{never}"
+        );
+    }
+
+    /// `offcpu_seconds_total` has the reasons the pool has waited for, which add up
+    /// to its `blocked_io` time; the others are left out rather than exported as 0.
+    #[test]
+    fn off_cpu_reasons_appear_once_waited_for_and_add_up_to_blocked_io() {
+        let mut totals = PoolTotals::default();
+        totals.time_ns[poolscope_shared::Activity::OffDisk as usize] = 1_500_000_000;
+        totals.time_ns[poolscope_shared::Activity::OffSleep as usize] = 500_000_000;
+        totals.time_ns[poolscope_shared::Activity::OffIdle as usize] = 7_000_000_000;
+        let input = PoolInput {
+            service: "web",
+            pool: "worker",
+            totals: &totals,
+            utilization: None,
+        };
+        let text = render(
+            &pool_families(&[input], MetricsSettings::default()),
+            Format::Text,
+        );
+        let labels = "service=\"web\",pool=\"worker\"";
+        for line in [
+            format!("poolscope_offcpu_seconds_total{{{labels},reason=\"disk\"}} 1.5\n"),
+            format!("poolscope_offcpu_seconds_total{{{labels},reason=\"sleep\"}} 0.5\n"),
+            format!("poolscope_thread_seconds_total{{{labels},state=\"blocked_io\"}} 2\n"),
+            // States stay whole, at 0 too: they add up to the pool's threads.
+            format!("poolscope_thread_seconds_total{{{labels},state=\"blocked_lock\"}} 0\n"),
+        ] {
+            assert!(text.contains(&line), "no {line:?} in\n{text}");
+        }
+        assert_eq!(
+            text.matches("poolscope_offcpu_seconds_total{").count(),
+            2,
+            "{text}"
         );
     }
 }
