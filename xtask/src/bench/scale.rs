@@ -51,6 +51,10 @@ const RSS_EVERY: usize = 100;
 const PACED_SCRAPES: usize = 300;
 /// The pause before each paced scrape.
 const PACE: Duration = Duration::from_millis(50);
+/// How long poolscope's CPU is read with no scrape, before the paced ones: its
+/// background work (pool samples, rescans, stack drains), taken off the paced scrapes'
+/// CPU.
+const BACKGROUND: Duration = Duration::from_secs(3);
 /// Scrapes of the gzip and protobuf answers, whose p50 alone is reported.
 const ENCODED_SCRAPES: usize = 200;
 /// Client threads of the load, each one request per connection, round robin.
@@ -76,6 +80,9 @@ struct Measured {
     /// Scrapes [`PACE`] apart.
     paced_p50_ms: f64,
     paced_p99_ms: f64,
+    /// CPU of each paced scrape, less the background's over the same time: more
+    /// than back to back, as caches went cold meanwhile.
+    paced_cpu_ms_per_scrape: f64,
     /// The same bytes from a static server, fetched between the scrapes.
     floor_p50_ms: f64,
     floor_p99_ms: f64,
@@ -131,7 +138,7 @@ pub(super) fn run_scale(
         results.extend(measure_node(root, &dir, services)?);
     }
     println!(
-        "{:>8} {:>6} {:>7} {:>11} {:>9} {:>9} {:>8} {:>8} {:>13} {:>13} {:>7} {:>10} {:>8} {:>10} {:>10}",
+        "{:>8} {:>6} {:>7} {:>11} {:>9} {:>9} {:>8} {:>8} {:>13} {:>9} {:>13} {:>7} {:>10} {:>8} {:>10} {:>10}",
         "services",
         "load",
         "series",
@@ -141,6 +148,7 @@ pub(super) fn run_scale(
         "p50 ms",
         "p99 ms",
         "paced p50/p99",
+        "paced CPU",
         "floor p50/p99",
         "RSS MB",
         "CPU ms/scr",
@@ -161,7 +169,7 @@ pub(super) fn run_scale(
     };
     for m in &results {
         println!(
-            "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>13} {:>13} {:>7.1} {:>10.2} {:>8} {:>10.2} {:>10.2}",
+            "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>13} {:>9.2} {:>13} {:>7.1} {:>10.2} {:>8} {:>10.2} {:>10.2}",
             m.services,
             if m.loaded { "loaded" } else { "idle" },
             m.series,
@@ -171,6 +179,7 @@ pub(super) fn run_scale(
             m.p50_ms,
             m.p99_ms,
             format!("{:.2}/{:.2}", m.paced_p50_ms, m.paced_p99_ms),
+            m.paced_cpu_ms_per_scrape,
             format!("{:.2}/{:.2}", m.floor_p50_ms, m.floor_p99_ms),
             m.rss_mb,
             m.cpu_ms_per_scrape,
@@ -401,13 +410,19 @@ fn measure_scrapes(
             cpu_ms_per_scrape: (cpu() - cpu_before) * 1e3 / ENCODED_SCRAPES as f64,
         })
     };
+    let background_before = cpu();
+    std::thread::sleep(BACKGROUND);
+    let background_per_s = (cpu() - background_before) / BACKGROUND.as_secs_f64();
     let (mut paced_ms, mut paced_response) = (Vec::with_capacity(PACED_SCRAPES), Vec::new());
+    let (paced_cpu_before, paced_started) = (cpu(), Instant::now());
     for _ in 0..PACED_SCRAPES {
         std::thread::sleep(PACE);
         let started = Instant::now();
         scrape_into(address, "", &mut paced_response)?;
         paced_ms.push(started.elapsed().as_secs_f64() * 1e3);
     }
+    let paced_cpu =
+        cpu() - paced_cpu_before - background_per_s * paced_started.elapsed().as_secs_f64();
     let gzip = timed("text/plain")?;
     let native = timed(NATIVE_ACCEPT)?;
     times_ms.sort_by(f64::total_cmp);
@@ -441,6 +456,7 @@ fn measure_scrapes(
         p99_ms: at(0.99),
         paced_p50_ms: at_of(&paced_ms, 0.5),
         paced_p99_ms: at_of(&paced_ms, 0.99),
+        paced_cpu_ms_per_scrape: paced_cpu * 1e3 / PACED_SCRAPES as f64,
         floor_p50_ms: at_of(&floor_ms, 0.5),
         floor_p99_ms: at_of(&floor_ms, 0.99),
         rss_mb: rss_median_kb / 1024.0,
