@@ -11,14 +11,13 @@ pub mod services;
 
 use std::{collections::BTreeMap, time::Instant};
 
-use poolscope_shared::RequestTimes;
-
 use crate::{
     config::MetricsSettings,
     discovery::targets::ServiceView,
     encode::Family,
     kernel::{Backend, Readout},
     metrics::pools::{PoolTotals, PoolView},
+    metrics::window::WindowDelta,
 };
 
 /// One pool at scrape time: its totals and its busy share over the utilization
@@ -39,7 +38,7 @@ pub struct Reading<'a> {
     pub services: &'a [ServiceView],
     /// The request times over the quantile window of each service that finished
     /// a request in it.
-    pub windows: &'a BTreeMap<u32, RequestTimes>,
+    pub windows: &'a BTreeMap<u32, WindowDelta>,
     pub pools: &'a [PoolRow],
     /// The listen queues of the services; `None` if reading them failed.
     pub listeners: Option<&'a [services::ServiceListener]>,
@@ -115,14 +114,17 @@ pub fn collect_all(reading: &Reading<'_>, timings: &mut Timings) -> Vec<Family> 
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
+    use std::{sync::Arc, time::Duration};
 
-    use poolscope_shared::{DownstreamKey, DownstreamWait, Histogram, Peer, ServiceCounters};
+    use poolscope_shared::{
+        DownstreamKey, DownstreamWait, Histogram, Peer, RequestTimes, ServiceCounters,
+    };
 
     use super::*;
     use crate::{
         discovery::targets::Corrections,
         encode::{Format, render},
+        metrics::window::Windows,
     };
 
     fn outcome(timings: &Timings) -> Vec<(&'static str, bool)> {
@@ -226,7 +228,7 @@ mod tests {
     fn service_of_pools(
         names: &[&str],
         busy: bool,
-    ) -> (Readout, Vec<PoolRow>, BTreeMap<u32, RequestTimes>) {
+    ) -> (Readout, Vec<PoolRow>, BTreeMap<u32, WindowDelta>) {
         let mut readout = Readout::default();
         let mut times = RequestTimes::default();
         let mut totals = PoolTotals::default();
@@ -248,7 +250,8 @@ mod tests {
             totals.time_ns = [1_000_000; poolscope_shared::Activity::COUNT];
             totals.request_ns = [500_000; poolscope_shared::Activity::COUNT];
         }
-        readout.request_times.insert(2, std::sync::Arc::new(times));
+        let times = Arc::new(times);
+        readout.request_times.insert(2, times.clone());
         let pools = names
             .iter()
             .zip(5..)
@@ -262,11 +265,13 @@ mod tests {
                 utilization: Some(0.5),
             })
             .collect();
-        let windows = if busy {
-            BTreeMap::from([(2, times)])
-        } else {
-            BTreeMap::new()
-        };
+        // The first reading of a service: its window is all it has finished.
+        let window = Windows::new(Duration::from_secs(60)).delta(2, Instant::now(), &times);
+        let windows = window
+            .filter(|_| busy)
+            .map(|window| (2, window))
+            .into_iter()
+            .collect();
         (readout, pools, windows)
     }
 

@@ -15,7 +15,7 @@ use crate::{
     encode::{Family, Kind, Value},
     kernel::Backend,
     metrics::pools::{COMPONENTS, sum_of},
-    metrics::window::{ClassicBuckets, QUANTILES, quantiles},
+    metrics::window::{ClassicBuckets, PARTS, QUANTILES, WindowDelta},
 };
 
 /// A listening socket that belongs to a watched service.
@@ -32,7 +32,7 @@ pub struct ServiceInput<'a> {
     /// Cumulative request times since the service id was assigned.
     pub times: &'a RequestTimes,
     /// Request times over the quantile window; `None` if none finished in it.
-    pub window: Option<&'a RequestTimes>,
+    pub window: Option<&'a WindowDelta>,
     /// Request time by what the serving thread did, ns per [`COMPONENTS`] entry.
     pub components: [u64; COMPONENTS.len()],
 }
@@ -159,22 +159,22 @@ impl RequestFamilies {
         &mut self,
         labels: &[(&'static str, &str)],
         times: &RequestTimes,
-        window: Option<&RequestTimes>,
+        window: Option<&WindowDelta>,
     ) {
         // A service with no request finished in the window exports no histograms:
         // their series come back with its next request, cumulative as before.
         let Some(window) = window else {
             return;
         };
-        let windowed = [&window.queue, &window.duration, &window.latency];
-        let cumulative = [&times.queue, &times.duration, &times.latency];
-        for (family, histogram) in self.histograms.iter_mut().zip(cumulative) {
-            family.push_value(labels, self.buckets.value(histogram));
+        for (family, part) in self.histograms.iter_mut().zip(PARTS) {
+            family.push_value(labels, self.buckets.value(part(times)));
         }
         // Quantiles over the window, without `_sum` and `_count`: those are the
         // histogram's (counters to Prometheus, so cumulative, not the window's).
-        for (family, histogram) in self.windows.iter_mut().zip(windowed) {
-            let values = quantiles(histogram, QUANTILES).unwrap_or([f64::NAN; QUANTILES.len()]);
+        for (family, part) in self.windows.iter_mut().zip(PARTS) {
+            let values = window
+                .quantiles(part, QUANTILES)
+                .unwrap_or([f64::NAN; QUANTILES.len()]);
             let summary = QUANTILES.into_iter().zip(values).collect();
             family.push_value(labels, Value::summary(summary, None));
         }
@@ -379,12 +379,18 @@ pub fn service_listeners(
 
 #[cfg(test)]
 mod tests {
+    use std::{
+        sync::Arc,
+        time::{Duration, Instant},
+    };
+
     use poolscope_shared::ServiceCounters;
 
     use super::*;
     use crate::{
         config::OctavesPerBucket,
         encode::{Format, render},
+        metrics::window::Windows,
     };
 
     fn view(id: u32, name: &str, corrections: Corrections) -> ServiceView {
@@ -449,11 +455,14 @@ mod tests {
         times.duration.sum_ns = 20_000_000;
         let view = view(3, "web", Corrections::default());
         let counters = counters();
+        // The service's first reading: the window has all it finished.
+        let window =
+            Windows::new(Duration::from_secs(60)).delta(3, Instant::now(), &Arc::new(times));
         let inputs = [ServiceInput {
             view: &view,
             counters: &counters,
             times: &times,
-            window: Some(&times),
+            window: window.as_ref(),
             components: [0; COMPONENTS.len()],
         }];
         let mut syscalls = BTreeMap::new();

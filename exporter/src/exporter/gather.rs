@@ -13,8 +13,6 @@ use std::{
     time::Instant,
 };
 
-use poolscope_shared::RequestTimes;
-
 use super::{Exporter, lock_or_recover};
 use crate::{
     collectors::{
@@ -33,6 +31,7 @@ use crate::{
     kernel::{Backend, PoolWaits, Readout, WatchTable},
     metrics::health::{Loss, LossKind},
     metrics::pools::{self, PoolView},
+    metrics::window::WindowDelta,
     stacks::snapshots::Trigger,
 };
 
@@ -53,7 +52,7 @@ fn read_once<T: Copy>(cell: &OnceLock<T>, read: impl FnOnce() -> Option<T>) -> O
 struct Locked {
     kernel: Option<Readout>,
     services: Vec<ServiceView>,
-    windows: BTreeMap<u32, RequestTimes>,
+    windows: BTreeMap<u32, WindowDelta>,
     pools: Vec<PoolRow>,
     owners: std::collections::HashMap<u64, String>,
     namespaces: BTreeMap<u32, NamespaceListeners>,

@@ -94,7 +94,15 @@ impl ClassicBuckets {
 /// (a service's summaries take four quantiles of each of its three histograms at
 /// every scrape).
 pub fn quantiles<const N: usize>(histogram: &Histogram, qs: [f64; N]) -> Option<[f64; N]> {
-    let count = histogram.count();
+    quantiles_of(|index| histogram.buckets[index], qs)
+}
+
+/// [`quantiles`] of the fine buckets `in_bucket` gives by index.
+fn quantiles_of<const N: usize>(
+    in_bucket: impl Fn(usize) -> u64,
+    qs: [f64; N],
+) -> Option<[f64; N]> {
+    let count: u64 = (0..HISTOGRAM_BUCKETS).map(&in_bucket).sum();
     if count == 0 {
         return None;
     }
@@ -105,7 +113,8 @@ pub fn quantiles<const N: usize>(histogram: &Histogram, qs: [f64; N]) -> Option<
     let mut values = [lower as f64 / 1e9; N];
     let mut next = 0;
     let mut below = 0u64;
-    for (index, &in_bucket) in histogram.buckets.iter().enumerate() {
+    for index in 0..HISTOGRAM_BUCKETS {
+        let in_bucket = in_bucket(index);
         if in_bucket == 0 {
             continue;
         }
@@ -122,13 +131,40 @@ pub fn quantiles<const N: usize>(histogram: &Histogram, qs: [f64; N]) -> Option<
     Some(values)
 }
 
-fn minus(now: &Histogram, then: &Histogram) -> Histogram {
-    let mut delta = Histogram::default();
-    for (index, bucket) in delta.buckets.iter_mut().enumerate() {
-        *bucket = now.buckets[index].saturating_sub(then.buckets[index]);
+/// One of a service's three histograms: queue, duration or latency.
+pub type Part = fn(&RequestTimes) -> &Histogram;
+
+/// The three histograms of [`RequestTimes`], in the order of the families.
+pub const PARTS: [Part; 3] = [
+    |times| &times.queue,
+    |times| &times.duration,
+    |times| &times.latency,
+];
+
+/// What a service finished over the window: its reading now less the one a window
+/// ago (none: everything since its first reading), subtracted bucket by bucket as
+/// the quantiles walk them, not into kilobytes of their own at every scrape.
+#[derive(Clone, Debug)]
+pub struct WindowDelta {
+    now: Arc<RequestTimes>,
+    base: Option<Arc<RequestTimes>>,
+}
+
+impl WindowDelta {
+    /// Requests of `part` over the window in each fine bucket, by index.
+    fn in_buckets(&self, part: Part) -> impl Fn(usize) -> u64 + '_ {
+        let now = part(&self.now);
+        let base = self.base.as_deref().map(part);
+        move |index| {
+            let in_now = now.buckets[index];
+            base.map_or(in_now, |base| in_now.saturating_sub(base.buckets[index]))
+        }
     }
-    delta.sum_ns = now.sum_ns.saturating_sub(then.sum_ns);
-    delta
+
+    /// The `qs` quantiles of `part` over the window, as [`quantiles`] gives them.
+    pub fn quantiles<const N: usize>(&self, part: Part, qs: [f64; N]) -> Option<[f64; N]> {
+        quantiles_of(self.in_buckets(part), qs)
+    }
 }
 
 /// Past readings of each service's cumulative request times.
@@ -153,14 +189,13 @@ impl Windows {
 
     /// What `service` finished over about the last `length` (or since its first
     /// reading), given its cumulative `times` read at `now`; `None` if it finished
-    /// nothing (most services of a node, most of the time: no kilobytes of zeros
-    /// subtracted and moved for them).
+    /// nothing (most services of a node, most of the time).
     pub fn delta(
         &mut self,
         service: u32,
         now: Instant,
         times: &Arc<RequestTimes>,
-    ) -> Option<RequestTimes> {
+    ) -> Option<WindowDelta> {
         let same = |reading: &Arc<RequestTimes>| Arc::ptr_eq(reading, times) || reading == times;
         let history = self.history.entry(service).or_default();
         // Counters went back: the id was freed and reused; its past is not ours.
@@ -182,12 +217,14 @@ impl Windows {
         }
         let delta = match history.front() {
             Some((_, base)) if same(base) => None,
-            Some((_, base)) => Some(RequestTimes {
-                queue: minus(&times.queue, &base.queue),
-                duration: minus(&times.duration, &base.duration),
-                latency: minus(&times.latency, &base.latency),
+            Some((_, base)) => Some(WindowDelta {
+                now: times.clone(),
+                base: Some(base.clone()),
             }),
-            None => (**times != RequestTimes::default()).then_some(**times),
+            None => (**times != RequestTimes::default()).then(|| WindowDelta {
+                now: times.clone(),
+                base: None,
+            }),
         };
         if history
             .back()
@@ -333,7 +370,13 @@ mod tests {
             ..RequestTimes::default()
         };
         // First reading: everything so far.
-        let count = |delta: Option<RequestTimes>| delta.map(|delta| delta.duration.count());
+        let count = |delta: Option<WindowDelta>| {
+            delta.map(|delta| {
+                (0..HISTOGRAM_BUCKETS)
+                    .map(delta.in_buckets(PARTS[1]))
+                    .sum::<u64>()
+            })
+        };
         assert_eq!(count(windows.delta(1, start, &Arc::new(times))), Some(10));
         times.duration.add(&histogram_of(&[2_000_000; 5]));
         let delta = windows.delta(1, start + Duration::from_secs(30), &Arc::new(times));
@@ -433,6 +476,36 @@ mod properties {
                     .unwrap_or(HISTOGRAM_BUCKETS - 1);
                 let (lower, upper) = histogram_bucket_bounds(index);
                 prop_assert_eq!(value, (lower + upper) as f64 / 2.0 / 1e9, "q {}", q);
+            }
+        }
+
+        /// A window's quantiles, taken bucket by bucket from the reading now less the
+        /// base, are those of the requests finished in between, in each part.
+        #[test]
+        fn window_quantiles_are_those_of_what_finished_since_the_base(
+            before in proptest::collection::vec((0..3usize, 0..HISTOGRAM_BUCKETS, 1u64..1000), 0..30),
+            since in proptest::collection::vec((0..3usize, 0..HISTOGRAM_BUCKETS, 1u64..1000), 1..30),
+            mut qs in proptest::array::uniform4(0.0f64..=1.0),
+        ) {
+            let record = |times: &mut RequestTimes, counts: &[(usize, usize, u64)]| {
+                for &(part, bucket, count) in counts {
+                    let histogram = match part {
+                        0 => &mut times.queue,
+                        1 => &mut times.duration,
+                        _ => &mut times.latency,
+                    };
+                    histogram.buckets[bucket] += count;
+                }
+            };
+            let (mut base, mut finished) = (RequestTimes::default(), RequestTimes::default());
+            record(&mut base, &before);
+            record(&mut finished, &since);
+            let mut now = base;
+            record(&mut now, &since);
+            let delta = WindowDelta { now: Arc::new(now), base: Some(Arc::new(base)) };
+            qs.sort_by(f64::total_cmp);
+            for part in PARTS {
+                prop_assert_eq!(delta.quantiles(part, qs), quantiles(part(&finished), qs));
             }
         }
     }
