@@ -5,6 +5,7 @@
 //! backlog, the number of connections the test left unaccepted. Every number is
 //! checked exactly, on both backends.
 use std::{
+    fs,
     net::{Ipv4Addr, SocketAddr, TcpStream},
     time::Duration,
 };
@@ -249,29 +250,57 @@ fn a_pod_that_listens_again_is_found() -> anyhow::Result<()> {
                 && m.has_label("backend", backend)
         })?;
         // Two rescans (every 500 ms) with the pod's listeners known: the socket
-        // backend reads no table (unless some socket on the host listens meanwhile),
-        // the syscall backend (no count of listen changes) the pod's at each.
-        let tables_read = |m: &Metrics| {
-            m.value("poolscope_discovery_namespace_tables_read_total", &[])
-                .unwrap_or(f64::NAN)
+        // backend reads no table (unless some socket on the host listens meanwhile)
+        // and the open files of no process it saw before, the syscall backend (no
+        // count of listen changes) the pod's tables and every process's files at each.
+        let read = |m: &Metrics| {
+            let counter = |name| m.value(name, &[]).unwrap_or(f64::NAN);
+            (
+                counter("poolscope_discovery_namespace_tables_read_total"),
+                counter("poolscope_discovery_process_fds_read_total"),
+            )
         };
+        // Processes a scan reads (kernel threads have no exe and are skipped).
+        let processes = fs::read_dir("/proc")?
+            .filter_map(Result::ok)
+            .filter(|entry| {
+                entry
+                    .file_name()
+                    .to_str()
+                    .is_some_and(|name| name.parse::<u32>().is_ok())
+                    && fs::read_link(entry.path().join("exe")).is_ok()
+            })
+            .count() as f64;
         // A listen() elsewhere on the host is a change too: a window of two.
-        let mut quiet = f64::NAN;
+        let (mut quiet_tables, mut quiet_fds) = (f64::NAN, f64::NAN);
         for _ in 0..2 {
-            let before = tables_read(&poolscope.scrape()?);
+            let (tables, fds) = read(&poolscope.scrape()?);
             std::thread::sleep(Duration::from_millis(1200));
-            quiet = tables_read(&poolscope.scrape()?) - before;
-            if quiet == 0.0 {
+            let (tables_after, fds_after) = read(&poolscope.scrape()?);
+            (quiet_tables, quiet_fds) = (tables_after - tables, fds_after - fds);
+            if quiet_tables == 0.0 {
                 break;
             }
         }
-        eprintln!("{backend}: namespace tables read in 1.2 s of quiet rescans: {quiet}");
+        eprintln!(
+            "{backend}: in 1.2 s of quiet rescans, namespace tables read: {quiet_tables}, \
+             processes' open files read: {quiet_fds} (of {processes} processes)"
+        );
         if backend == "socket" {
-            assert_eq!(quiet, 0.0, "no listen change, no table read");
+            assert_eq!(quiet_tables, 0.0, "no listen change, no table read");
+            // Only processes started meanwhile: fewer than one full read.
+            assert!(
+                quiet_fds < processes,
+                "processes seen before were read again"
+            );
         } else {
             assert!(
-                quiet >= 2.0,
+                quiet_tables >= 2.0,
                 "the syscall backend reads them at each rescan"
+            );
+            assert!(
+                quiet_fds >= processes,
+                "the syscall backend reads every process at each rescan"
             );
         }
         let answer = server.command("listen 8")?;

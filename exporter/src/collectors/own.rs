@@ -21,6 +21,8 @@ pub struct SelfStats {
     pub lock_probe_processes: usize,
     /// Reads of a network namespace's `net/tcp` tables so far.
     pub namespace_tables_read: u64,
+    /// Processes whose open files rescans read so far.
+    pub process_fds_read: u64,
     /// (collector, seconds, success)
     pub collectors: Vec<(&'static str, f64, bool)>,
     pub reload: ReloadStatus,
@@ -246,6 +248,17 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
              through its fd.",
         )
         .with(&[], stats.namespace_tables_read as f64),
+    );
+    families.push(
+        Family::new(
+            "discovery_process_fds_read",
+            Kind::Counter,
+            "Processes whose open files (/proc/<pid>/fdinfo, a file per fd) rescans read \
+             to find which process holds each listener. With the socket backend, between \
+             listen changes only processes new since the last rescan are read (and every \
+             process once a minute); with the syscall backend every process at each rescan.",
+        )
+        .with(&[], stats.process_fds_read as f64),
     );
     let mut duration = Family::new(
         "scrape_duration_seconds",

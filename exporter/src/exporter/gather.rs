@@ -290,6 +290,7 @@ impl Exporter {
             degraded,
             lock_probe_processes: locked.lock_probe_processes,
             namespace_tables_read: self.namespace_tables_read.load(Ordering::Relaxed),
+            process_fds_read: self.process_fds_read.load(Ordering::Relaxed),
             collectors: timings.0,
             reload: *lock_or_recover(&self.reload_status),
         };

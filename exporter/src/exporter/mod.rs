@@ -87,21 +87,24 @@ pub struct Exporter {
     listeners_found: Mutex<ListenersFound>,
     /// Reads of a namespace's `net/tcp` tables, by rescans and scrapes.
     namespace_tables_read: std::sync::atomic::AtomicU64,
+    /// Processes whose open files rescans read.
+    process_fds_read: std::sync::atomic::AtomicU64,
 }
 
-/// Listeners by network namespace (inode number), and the kernel's count of listen
-/// changes read before they were.
+/// Listeners by network namespace (inode number) and by process, and the kernel's
+/// count of listen changes read before they were.
 #[derive(Debug, Default)]
 struct ListenersFound {
     changes: Option<u64>,
     namespaces: HashMap<u32, Vec<sockdiag::ListenQueue>>,
+    processes: HashMap<u32, procfs::HeldSockets>,
     /// Rescans that took them over from the one before.
     reused: u32,
 }
 
 /// Rescans in a row that may reuse the listeners found before; the next reads every
-/// table (about a minute at the default interval): a safety net for listeners the
-/// count of listen changes would miss.
+/// table and every process's open files (about a minute at the default interval): a
+/// safety net for listeners the count of listen changes would miss.
 const MAX_LISTENERS_REUSED: u32 = 11;
 
 #[derive(Debug, thiserror::Error)]
@@ -148,6 +151,7 @@ impl Exporter {
             own_network_namespace: std::sync::OnceLock::new(),
             listeners_found: Mutex::new(ListenersFound::default()),
             namespace_tables_read: std::sync::atomic::AtomicU64::new(0),
+            process_fds_read: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -207,16 +211,19 @@ impl Exporter {
         let started_ns = monotonic_ns();
         let (known, changes, reused) = self.known_listeners();
         let mut snapshot =
-            procfs::scan(&self.procfs_root, &known).map_err(|source| ScanError::Procfs {
+            procfs::scan(&self.procfs_root, known).map_err(|source| ScanError::Procfs {
                 root: self.procfs_root.display().to_string(),
                 source,
             })?;
         self.namespace_tables_read
             .fetch_add(snapshot.tables_read, std::sync::atomic::Ordering::Relaxed);
+        self.process_fds_read
+            .fetch_add(snapshot.fds_read, std::sync::atomic::Ordering::Relaxed);
         *lock_or_recover(&self.listeners_found) = ListenersFound {
             changes,
             // Nothing after this reads them from the snapshot.
             namespaces: std::mem::take(&mut snapshot.namespace_listeners),
+            processes: std::mem::take(&mut snapshot.held),
             reused,
         };
         let assignments = rules::assign(&snapshot, &settings.targets, std::process::id());
@@ -232,31 +239,37 @@ impl Exporter {
 
     /// The listeners a scan need not read from `net/tcp` tables (each read walks the
     /// kernel's whole connection hash, sized by memory and not by sockets: ~5 ms per
-    /// table at 262,144 buckets), with the kernel's count of listen changes now: those
-    /// of poolscope's own network namespace by sock_diag (which walks only the
-    /// listeners), and every namespace's found by the last scan while no socket on
-    /// the host has begun or stopped listening since (up to
+    /// table at 262,144 buckets) nor from processes' open files (a file per fd: at
+    /// 110 services, half a scan's CPU), with the kernel's count of listen changes
+    /// now: those of poolscope's own network namespace by sock_diag (which walks only
+    /// the listeners), and every namespace's and process's found by the last scan
+    /// while no socket on the host has begun or stopped listening since (up to
     /// [`MAX_LISTENERS_REUSED`] rescans in a row). Only where the procfs root is the
     /// kernel's. Also how many rescans in a row the known listeners were reused.
-    fn known_listeners(&self) -> (HashMap<u32, Vec<sockdiag::ListenQueue>>, Option<u64>, u32) {
+    fn known_listeners(&self) -> (procfs::Known, Option<u64>, u32) {
         if !self.procfs_is_the_kernels() {
-            return (HashMap::new(), None, 0);
+            return (procfs::Known::default(), None, 0);
         }
         // Read before the scan: a listen() during it moves the count for the next.
         let changes = lock_or_recover(&self.core).kernel.listen_changes();
         let (mut known, reused) = {
-            let found = lock_or_recover(&self.listeners_found);
+            let mut found = lock_or_recover(&self.listeners_found);
             if changes.is_some() && found.changes == changes && found.reused < MAX_LISTENERS_REUSED
             {
-                (found.namespaces.clone(), found.reused + 1)
+                let known = procfs::Known {
+                    namespaces: found.namespaces.clone(),
+                    // This scan finds them again (or reads them).
+                    processes: std::mem::take(&mut found.processes),
+                };
+                (known, found.reused + 1)
             } else {
-                (HashMap::new(), 0)
+                (procfs::Known::default(), 0)
             }
         };
         let own = procfs::network_namespace(Path::new("/proc"), "self");
         match (own, sockdiag::listen_queues()) {
             (Some(namespace), Ok(sockets)) => {
-                known.insert(namespace, sockets);
+                known.namespaces.insert(namespace, sockets);
             }
             (None, _) => {}
             (Some(_), Err(error)) => {

@@ -64,6 +64,38 @@ pub struct ProcSnapshot {
     /// Processes whose open files poolscope was not allowed to follow (EACCES):
     /// their listening sockets are unknown. One that exits mid-scan is not here.
     pub processes_unreadable: Vec<u32>,
+    /// The listening sockets of every process whose open files were read or taken
+    /// over (by pid), for the next scan.
+    pub held: HashMap<u32, HeldSockets>,
+    /// Processes whose open files were read (the others were taken over).
+    pub fds_read: u64,
+}
+
+/// The sockets a process held at a scan, for the next to take over while no socket
+/// on the host began or stopped listening (see [`Known`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HeldSockets {
+    /// With the pid, names the process: a pid reused by another is read again.
+    pub start_time: u64,
+    /// Whether it held any socket: a namespace's listeners are read through a
+    /// process with sockets.
+    pub any: bool,
+    /// fd and inode of its sockets, by fd: every one while a scan reads them, the
+    /// listening ones in a snapshot.
+    pub sockets: Vec<(u32, u64)>,
+}
+
+/// What a scan may take over instead of reading it again.
+#[derive(Clone, Debug, Default)]
+pub struct Known {
+    /// The listening sockets of network namespaces (by inode number).
+    pub namespaces: HashMap<u32, Vec<ListenQueue>>,
+    /// The sockets of processes (by pid) found by an earlier scan. Each is valid while
+    /// no socket began or stopped listening since: a new listener or a closed one
+    /// changes the set, and a process that gained one by fork is a new process. What
+    /// it misses (a listener passed over a unix socket, or closed in one process of
+    /// several that share it) lasts until the caller stops offering them.
+    pub processes: HashMap<u32, HeldSockets>,
 }
 
 /// Fields of `/proc/<pid>/stat` we use.
@@ -241,8 +273,9 @@ pub fn thread_comm(root: &Path, tid: u32) -> Option<String> {
 
 /// Scans every process under `root` with its listening sockets. Listening sockets are
 /// read once per network namespace, through a process inside it; those of a namespace
-/// in `known` (by inode number) are taken from it instead.
-pub fn scan(root: &Path, known: &HashMap<u32, Vec<ListenQueue>>) -> io::Result<ProcSnapshot> {
+/// in `known` are taken from it instead, as are the sockets of a process in `known`
+/// (the same pid started at the same time).
+pub fn scan(root: &Path, mut known: Known) -> io::Result<ProcSnapshot> {
     let mut snapshot = ProcSnapshot::default();
     let mut namespaces_seen = HashSet::new();
     let mut pids: Vec<u32> = Vec::new();
@@ -264,26 +297,41 @@ pub fn scan(root: &Path, known: &HashMap<u32, Vec<ListenQueue>>) -> io::Result<P
         let dir = root.join(pid.to_string());
         let namespace = fs::read_link(dir.join("ns/net")).ok();
         let inum = namespace.as_deref().and_then(namespace_inode);
-        let sockets = match socket_fds(root, pid) {
-            Ok(sockets) => sockets,
-            Err(error) => {
-                if error.kind() == io::ErrorKind::PermissionDenied {
-                    snapshot.processes_unreadable.push(pid);
+        let held = match known.processes.remove(&pid) {
+            Some(held) if held.start_time == process.start_time => Some(held),
+            _ => {
+                snapshot.fds_read += 1;
+                match socket_fds(root, pid) {
+                    Ok(sockets) => {
+                        let mut sockets: Vec<(u32, u64)> = sockets.into_iter().collect();
+                        sockets.sort_unstable();
+                        Some(HeldSockets {
+                            start_time: process.start_time,
+                            any: !sockets.is_empty(),
+                            sockets,
+                        })
+                    }
+                    Err(error) => {
+                        if error.kind() == io::ErrorKind::PermissionDenied {
+                            snapshot.processes_unreadable.push(pid);
+                        }
+                        None
+                    }
                 }
-                HashMap::new()
             }
         };
-        for (&fd, &inode) in &sockets {
+        let sockets = held.as_ref().map_or(&[][..], |held| &held.sockets);
+        for &(fd, inode) in sockets {
             snapshot.listen_holders.entry(inode).or_insert((pid, fd));
         }
-        process.listeners = sockets.into_values().collect();
+        process.listeners = sockets.iter().map(|&(_, inode)| inode).collect();
         // A namespace's listeners are read through its first process with sockets (a
         // read of its tables costs milliseconds, see `listening_tables`), and it is
         // seen once they are: a process that exits in between (or a namespace that
         // vanishes) leaves the namespace to its next process.
-        if !process.listeners.is_empty() && !namespaces_seen.contains(&namespace) {
+        if held.as_ref().is_some_and(|held| held.any) && !namespaces_seen.contains(&namespace) {
             let listening: io::Result<Vec<ListenQueue>> =
-                match inum.and_then(|inum| known.get(&inum)) {
+                match inum.and_then(|inum| known.namespaces.get(&inum)) {
                     Some(known) => Ok(known.clone()),
                     None => {
                         snapshot.tables_read += 1;
@@ -304,6 +352,10 @@ pub fn scan(root: &Path, known: &HashMap<u32, Vec<ListenQueue>>) -> io::Result<P
                 }
             }
         }
+        // Not kept when its fds could not be read: the next scan tries again.
+        if let Some(held) = held {
+            snapshot.held.insert(pid, held);
+        }
         snapshot.processes.push(process);
     }
     // Keep only the sockets that listen; other fds were collected unfiltered above
@@ -312,6 +364,10 @@ pub fn scan(root: &Path, known: &HashMap<u32, Vec<ListenQueue>>) -> io::Result<P
         process
             .listeners
             .retain(|inode| snapshot.listen_sockets.contains_key(inode));
+    }
+    for held in snapshot.held.values_mut() {
+        held.sockets
+            .retain(|(_, inode)| snapshot.listen_sockets.contains_key(inode));
     }
     snapshot
         .listen_holders
@@ -641,42 +697,116 @@ pub(crate) mod tests {
         Ok(())
     }
 
+    /// A process under `root` in network namespace 4026531840, whose tables list one
+    /// listener (inode 777 on 0.0.0.0:8080), and whose fds are `fds` as fdinfo shows
+    /// them: a socket's inode on sockfs, or (`None`) another file.
+    fn fixture_listener_process(
+        root: &Path,
+        pid: u32,
+        ppid: u32,
+        comm: &str,
+        fds: &[Option<u64>],
+    ) -> io::Result<()> {
+        use std::os::unix::fs::symlink;
+        let sockfs = sockets::sockfs_mount_id().expect("sockfs's mount id");
+        let dir = root.join(pid.to_string());
+        fs::create_dir_all(dir.join("fdinfo"))?;
+        fs::create_dir_all(dir.join("net"))?;
+        fs::create_dir_all(dir.join("ns"))?;
+        fs::write(
+            dir.join("stat"),
+            format!(
+                "{pid} ({comm}) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {} 0 0",
+                1000 + pid
+            ),
+        )?;
+        fs::write(dir.join("cgroup"), "0::/system.slice/web.service\n")?;
+        symlink("/usr/bin/web", dir.join("exe"))?;
+        symlink("net:[4026531840]", dir.join("ns/net"))?;
+        fs::write(
+            dir.join("net/tcp"),
+            "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 777 1 0 100 0 0 10 0\n",
+        )?;
+        for (i, socket) in fds.iter().enumerate() {
+            // Not a socket: /dev/null's inode 5 on another mount, which happens to
+            // equal a pipe's inode too.
+            let (mount, inode) = socket.map_or((sockfs + 1, 5), |inode| (sockfs, inode));
+            fs::write(
+                dir.join("fdinfo").join(i.to_string()),
+                format!("pos:\t0\nflags:\t02\nmnt_id:\t{mount}\nino:\t{inode}\n"),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// A scan takes over the sockets of the processes an earlier one found (same pid,
+    /// same start) without reading their fds, and reads those of a reused pid.
+    #[test]
+    fn a_scan_takes_over_the_sockets_of_processes_it_knows() -> io::Result<()> {
+        let root = tempfile::tempdir()?;
+        fixture_listener_process(root.path(), 10, 1, "web", &[None, Some(777)])?;
+        fixture_listener_process(root.path(), 11, 10, "web worker", &[None, Some(777)])?;
+        fixture_listener_process(root.path(), 12, 1, "client", &[Some(900)])?;
+        let first = scan(root.path(), Known::default())?;
+        assert_eq!(first.fds_read, 3);
+        let listening_at_fd_1 = |pid: u32| HeldSockets {
+            start_time: 1000 + u64::from(pid),
+            any: true,
+            sockets: vec![(1, 777)],
+        };
+        let only_a_client = HeldSockets {
+            start_time: 1012,
+            any: true,
+            sockets: Vec::new(),
+        };
+        assert_eq!(
+            first.held,
+            HashMap::from([
+                (10, listening_at_fd_1(10)),
+                (11, listening_at_fd_1(11)),
+                (12, only_a_client.clone()),
+            ])
+        );
+
+        // Pid 10's fds are no longer readable, and pid 11 is another process now,
+        // with no socket.
+        fs::remove_dir_all(root.path().join("10/fdinfo"))?;
+        fs::remove_dir_all(root.path().join("11"))?;
+        fixture_listener_process(root.path(), 11, 1, "cron", &[None])?;
+        fs::write(
+            root.path().join("11/stat"),
+            "11 (cron) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 5000 0 0",
+        )?;
+        let second = scan(
+            root.path(),
+            Known {
+                processes: first.held,
+                ..Known::default()
+            },
+        )?;
+        assert_eq!(second.fds_read, 1, "only the reused pid's fds are read");
+        let listeners = |pid| {
+            second
+                .processes
+                .iter()
+                .find(|p| p.pid == pid)
+                .map(|p| p.listeners.clone())
+        };
+        assert_eq!(listeners(10), Some(vec![777]));
+        assert_eq!(listeners(11), Some(Vec::new()));
+        assert_eq!(second.listen_holders, HashMap::from([(777, (10, 1))]));
+        assert_eq!(second.held.get(&12), Some(&only_a_client));
+        assert_eq!(second.held.get(&11).map(|held| held.start_time), Some(5000));
+        Ok(())
+    }
+
     /// A fixture procfs root: two processes in one namespace, one listening.
     #[test]
     fn scan_fixture_root() -> io::Result<()> {
         use std::os::unix::fs::symlink;
         let root = tempfile::tempdir()?;
-        let sockfs = sockets::sockfs_mount_id().expect("sockfs's mount id");
-        // Each fd as fdinfo shows it: a socket's inode on sockfs, or another file's.
-        let make = |pid: u32, ppid: u32, comm: &str, fds: &[Option<u64>]| -> io::Result<()> {
-            let dir = root.path().join(pid.to_string());
-            fs::create_dir_all(dir.join("fdinfo"))?;
-            fs::create_dir_all(dir.join("net"))?;
-            fs::create_dir_all(dir.join("ns"))?;
-            fs::write(
-                dir.join("stat"),
-                format!(
-                    "{pid} ({comm}) S {ppid} 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {} 0 0",
-                    1000 + pid
-                ),
-            )?;
-            fs::write(dir.join("cgroup"), "0::/system.slice/web.service\n")?;
-            symlink("/usr/bin/web", dir.join("exe"))?;
-            symlink("net:[4026531840]", dir.join("ns/net"))?;
-            fs::write(
-                dir.join("net/tcp"),
-                "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 777 1 0 100 0 0 10 0\n",
-            )?;
-            for (i, socket) in fds.iter().enumerate() {
-                // Not a socket: /dev/null's inode 5 on another mount, which happens
-                // to equal a pipe's inode too.
-                let (mount, inode) = socket.map_or((sockfs + 1, 5), |inode| (sockfs, inode));
-                fs::write(
-                    dir.join("fdinfo").join(i.to_string()),
-                    format!("pos:\t0\nflags:\t02\nmnt_id:\t{mount}\nino:\t{inode}\n"),
-                )?;
-            }
-            Ok(())
+        let make = |pid, ppid, comm, fds: &[Option<u64>]| {
+            fixture_listener_process(root.path(), pid, ppid, comm, fds)
         };
         make(10, 1, "web", &[None, Some(777), Some(778)])?;
         make(11, 10, "web worker", &[None])?;
@@ -697,9 +827,13 @@ pub(crate) mod tests {
             depth: 0,
             limit: Some(128),
         }];
-        let known = HashMap::from([(4026531840, listening.clone())]);
-        let snapshot = scan(root.path(), &known)?;
-        assert_eq!(snapshot.namespace_listeners, known);
+        let namespaces = HashMap::from([(4026531840, listening.clone())]);
+        let known = Known {
+            namespaces: namespaces.clone(),
+            ..Known::default()
+        };
+        let snapshot = scan(root.path(), known)?;
+        assert_eq!(snapshot.namespace_listeners, namespaces);
         assert_eq!(snapshot.tables_read, 0);
         assert_eq!(snapshot.listen_sockets.len(), 1, "{snapshot:?}");
         assert_eq!(snapshot.listen_namespaces.get(&778), Some(&4026531840));
@@ -711,8 +845,11 @@ pub(crate) mod tests {
         let web = snapshot.processes.iter().find(|p| p.pid == 10);
         assert_eq!(web.map(|p| p.listeners.clone()), Some(vec![778]));
         // Another namespace's: the tables are.
-        let elsewhere = HashMap::from([(4026531841, listening)]);
-        let mut snapshot = scan(root.path(), &elsewhere)?;
+        let elsewhere = Known {
+            namespaces: HashMap::from([(4026531841, listening)]),
+            ..Known::default()
+        };
+        let mut snapshot = scan(root.path(), elsewhere)?;
         snapshot.processes.sort_by_key(|p| p.pid);
         assert_eq!(
             snapshot.listen_sockets.get(&777),
