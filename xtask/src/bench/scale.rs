@@ -6,16 +6,16 @@
 //! series (all, and per service), the bytes plain and gzip-compressed (as poolscope
 //! sends them to a scraper that asks), the scrape time p50 and p99 back to back and
 //! with a pause before each scrape (as a scraper with an interval sends them),
-//! poolscope's RSS and its CPU per scrape, the series the cap dropped, and the p50
+//! poolscope's RSS, its CPU per scrape and per second between scrapes, the series the cap dropped, and the p50
 //! and CPU of the same scrapes asking for gzip, and asking as a Prometheus with
 //! native histograms on (protobuf, gzip): its bytes and the series it stores.
 //! `BENCH_SCALE_PODS=1` puts each service in a network namespace of its own, as pods
 //! are (idle only: the load's clients are in the host's namespace).
 //!
-//! Each scrape alternates with a fetch of the same bytes from a static server in
-//! this process (`Floor`): what moving the exposition to the client costs on this
-//! machine at that moment, so a scrape's time can be read against it where the
-//! machine is noisy (the two share every disturbance of the run).
+//! Each scrape, back to back or paced, alternates with a fetch of the same bytes
+//! from a static server in this process (`Floor`): what moving the exposition to
+//! the client costs on this machine at that moment, so a scrape's time can be read
+//! against it where the machine is noisy (the two share every disturbance of the run).
 use std::{
     fmt::Write as _,
     fs,
@@ -52,9 +52,10 @@ const PACED_SCRAPES: usize = 300;
 /// The pause before each paced scrape.
 const PACE: Duration = Duration::from_millis(50);
 /// How long poolscope's CPU is read with no scrape, before the paced ones: its
-/// background work (pool samples, rescans, stack drains), taken off the paced scrapes'
-/// CPU.
-const BACKGROUND: Duration = Duration::from_secs(3);
+/// background work (pool samples, rescans, stack drains), reported per second and
+/// taken off the paced scrapes' CPU. Two rescans at the default interval, so that
+/// where the window falls moves it little.
+const BACKGROUND: Duration = Duration::from_secs(10);
 /// Scrapes of the gzip and protobuf answers, whose p50 alone is reported.
 const ENCODED_SCRAPES: usize = 200;
 /// Client threads of the load, each one request per connection, round robin.
@@ -83,6 +84,13 @@ struct Measured {
     /// CPU of each paced scrape, less the background's over the same time: more
     /// than back to back, as caches went cold meanwhile.
     paced_cpu_ms_per_scrape: f64,
+    /// The same bytes from the static server, fetched [`PACE`] after each paced
+    /// scrape and as long before the next: what the machine does to a paced fetch.
+    paced_floor_p50_ms: f64,
+    paced_floor_p99_ms: f64,
+    /// poolscope's CPU with no scrape (pool samples, rescans, stack drains), per
+    /// second: what it costs the node between scrapes.
+    background_cpu_ms_per_s: f64,
     /// The same bytes from a static server, fetched between the scrapes.
     floor_p50_ms: f64,
     floor_p99_ms: f64,
@@ -138,7 +146,7 @@ pub(super) fn run_scale(
         results.extend(measure_node(root, &dir, services)?);
     }
     println!(
-        "{:>8} {:>6} {:>7} {:>11} {:>9} {:>9} {:>8} {:>8} {:>13} {:>9} {:>13} {:>7} {:>10} {:>8} {:>10} {:>10}",
+        "{:>8} {:>6} {:>7} {:>11} {:>9} {:>9} {:>8} {:>8} {:>13} {:>9} {:>11} {:>7} {:>13} {:>7} {:>10} {:>8} {:>10} {:>10}",
         "services",
         "load",
         "series",
@@ -149,6 +157,8 @@ pub(super) fn run_scale(
         "p99 ms",
         "paced p50/p99",
         "paced CPU",
+        "paced floor",
+        "bg ms/s",
         "floor p50/p99",
         "RSS MB",
         "CPU ms/scr",
@@ -169,7 +179,7 @@ pub(super) fn run_scale(
     };
     for m in &results {
         println!(
-            "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>13} {:>9.2} {:>13} {:>7.1} {:>10.2} {:>8} {:>10.2} {:>10.2}",
+            "{:>8} {:>6} {:>7} {:>11.1} {:>9} {:>9} {:>8.2} {:>8.2} {:>13} {:>9.2} {:>11} {:>7.1} {:>13} {:>7.1} {:>10.2} {:>8} {:>10.2} {:>10.2}",
             m.services,
             if m.loaded { "loaded" } else { "idle" },
             m.series,
@@ -180,6 +190,8 @@ pub(super) fn run_scale(
             m.p99_ms,
             format!("{:.2}/{:.2}", m.paced_p50_ms, m.paced_p99_ms),
             m.paced_cpu_ms_per_scrape,
+            format!("{:.2}/{:.2}", m.paced_floor_p50_ms, m.paced_floor_p99_ms),
+            m.background_cpu_ms_per_s,
             format!("{:.2}/{:.2}", m.floor_p50_ms, m.floor_p99_ms),
             m.rss_mb,
             m.cpu_ms_per_scrape,
@@ -195,7 +207,8 @@ pub(super) fn run_scale(
         println!(
             "110 services {load}: scrape p99 {:.2} ms (goal ≤ {GOAL_SCRAPE_P99_MS} ms: {}; \
              the same bytes from a static server in the same loop: p99 {:.2} ms; \
-             scrapes {} ms apart: p99 {:.2} ms), \
+             scrapes {} ms apart: p99 {:.2} ms, the static server's between them: \
+             p99 {:.2} ms), \
              {:.1} series per service (goal ≤ {per_service_goal}: {}), \
              {} series of the default max_series {DEFAULT_MAX_SERIES} ({})",
             m.p99_ms,
@@ -203,6 +216,7 @@ pub(super) fn run_scale(
             m.floor_p99_ms,
             PACE.as_millis(),
             m.paced_p99_ms,
+            m.paced_floor_p99_ms,
             m.per_service,
             super::met(m.per_service <= per_service_goal),
             m.series,
@@ -393,7 +407,6 @@ fn measure_scrapes(
     }
     let body = body_of(text(response)?)?;
     let cpu_ms_per_scrape = (cpu() - cpu_before) * 1e3 / SCRAPES as f64;
-    drop(floor);
     let timed = |accept: &str| -> anyhow::Result<Timed> {
         let cpu_before = cpu();
         let mut times_ms = Vec::with_capacity(ENCODED_SCRAPES);
@@ -414,20 +427,27 @@ fn measure_scrapes(
     std::thread::sleep(BACKGROUND);
     let background_per_s = (cpu() - background_before) / BACKGROUND.as_secs_f64();
     let (mut paced_ms, mut paced_response) = (Vec::with_capacity(PACED_SCRAPES), Vec::new());
+    let mut paced_floor_ms = Vec::with_capacity(PACED_SCRAPES);
     let (paced_cpu_before, paced_started) = (cpu(), Instant::now());
     for _ in 0..PACED_SCRAPES {
         std::thread::sleep(PACE);
         let started = Instant::now();
         scrape_into(address, "", &mut paced_response)?;
         paced_ms.push(started.elapsed().as_secs_f64() * 1e3);
+        std::thread::sleep(PACE);
+        let started = Instant::now();
+        scrape_into(&floor.address, "", &mut floor_response)?;
+        paced_floor_ms.push(started.elapsed().as_secs_f64() * 1e3);
     }
     let paced_cpu =
         cpu() - paced_cpu_before - background_per_s * paced_started.elapsed().as_secs_f64();
+    drop(floor);
     let gzip = timed("text/plain")?;
     let native = timed(NATIVE_ACCEPT)?;
     times_ms.sort_by(f64::total_cmp);
     floor_ms.sort_by(f64::total_cmp);
     paced_ms.sort_by(f64::total_cmp);
+    paced_floor_ms.sort_by(f64::total_cmp);
     let (_, rss_median_kb) = super::min_median(&mut rss_kb);
     let at_of =
         |times: &[f64], q: f64| times[((q * times.len() as f64) as usize).min(times.len() - 1)];
@@ -457,6 +477,9 @@ fn measure_scrapes(
         paced_p50_ms: at_of(&paced_ms, 0.5),
         paced_p99_ms: at_of(&paced_ms, 0.99),
         paced_cpu_ms_per_scrape: paced_cpu * 1e3 / PACED_SCRAPES as f64,
+        paced_floor_p50_ms: at_of(&paced_floor_ms, 0.5),
+        paced_floor_p99_ms: at_of(&paced_floor_ms, 0.99),
+        background_cpu_ms_per_s: background_per_s * 1e3,
         floor_p50_ms: at_of(&floor_ms, 0.5),
         floor_p99_ms: at_of(&floor_ms, 0.99),
         rss_mb: rss_median_kb / 1024.0,
