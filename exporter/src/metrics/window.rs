@@ -144,7 +144,7 @@ pub const PARTS: [Part; 3] = [
 /// What a service finished over the window: its reading now less the one a window
 /// ago (none: everything since its first reading), subtracted bucket by bucket as
 /// the quantiles walk them, not into kilobytes of their own at every scrape.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct WindowDelta {
     now: Arc<RequestTimes>,
     base: Option<Arc<RequestTimes>>,

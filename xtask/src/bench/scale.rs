@@ -6,9 +6,10 @@
 //! series (all, and per service), the bytes plain and gzip-compressed (as poolscope
 //! sends them to a scraper that asks), the scrape time p50 and p99 back to back and
 //! with a pause before each scrape (as a scraper with an interval sends them),
-//! poolscope's RSS, its CPU per scrape and per second between scrapes, the series the cap dropped, and the p50
-//! and CPU of the same scrapes asking for gzip, and asking as a Prometheus with
-//! native histograms on (protobuf, gzip): its bytes and the series it stores.
+//! poolscope's RSS, its CPU per scrape and per second between scrapes, the series
+//! the cap dropped, and the p50 and CPU of the same scrapes asking for gzip, and
+//! asking as a Prometheus with native histograms on (protobuf, gzip): its bytes and
+//! the series it stores.
 //! `BENCH_SCALE_PODS=1` puts each service in a network namespace of its own, as pods
 //! are (idle only: the load's clients are in the host's namespace).
 //!

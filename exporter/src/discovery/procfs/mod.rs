@@ -301,23 +301,7 @@ pub fn scan(root: &Path, mut known: Known) -> io::Result<ProcSnapshot> {
             Some(held) if held.start_time == process.start_time => Some(held),
             _ => {
                 snapshot.fds_read += 1;
-                match socket_fds(root, pid) {
-                    Ok(sockets) => {
-                        let mut sockets: Vec<(u32, u64)> = sockets.into_iter().collect();
-                        sockets.sort_unstable();
-                        Some(HeldSockets {
-                            start_time: process.start_time,
-                            any: !sockets.is_empty(),
-                            sockets,
-                        })
-                    }
-                    Err(error) => {
-                        if error.kind() == io::ErrorKind::PermissionDenied {
-                            snapshot.processes_unreadable.push(pid);
-                        }
-                        None
-                    }
-                }
+                read_held(root, &process, &mut snapshot.processes_unreadable)
             }
         };
         let sockets = held.as_ref().map_or(&[][..], |held| &held.sockets);
@@ -373,6 +357,28 @@ pub fn scan(root: &Path, mut known: Known) -> io::Result<ProcSnapshot> {
         .listen_holders
         .retain(|inode, _| snapshot.listen_sockets.contains_key(inode));
     Ok(snapshot)
+}
+
+/// The sockets of `process` read from its fds, by fd; `None` if they cannot be read
+/// (a process poolscope may not follow is added to `unreadable`).
+fn read_held(root: &Path, process: &ProcInfo, unreadable: &mut Vec<u32>) -> Option<HeldSockets> {
+    match socket_fds(root, process.pid) {
+        Ok(sockets) => {
+            let mut sockets: Vec<(u32, u64)> = sockets.into_iter().collect();
+            sockets.sort_unstable();
+            Some(HeldSockets {
+                start_time: process.start_time,
+                any: !sockets.is_empty(),
+                sockets,
+            })
+        }
+        Err(error) => {
+            if error.kind() == io::ErrorKind::PermissionDenied {
+                unreadable.push(process.pid);
+            }
+            None
+        }
+    }
 }
 
 /// What `/proc/<pid>/ns/pid` reads for a process of the host's (initial) pid
