@@ -10,15 +10,12 @@
 //! A connection open before its service was watched is adopted: user space makes its
 //! entry `Unserved` (unread bytes wait) or `Responded` with `start_ns` 0 (between
 //! requests, or a request read before the watch and not answered yet).
-use poolscope_shared::{
-    Conn, Histogram, LossErrno, LossSource, Phase, ServiceCounters, histogram_bucket,
-    maps::CountedMap,
-};
+use poolscope_shared::{Conn, LossErrno, LossSource, Phase, ServiceCounters, maps::CountedMap};
 
 use crate::{
     maps::{
-        CONNS, REQUEST_TIMES, compare_and_swap, count_loss, insert_counted, remove_counted,
-        update_service,
+        CONNS, REQUEST_TIMES, add_to_shared_histogram, compare_and_swap, count_loss,
+        insert_counted, remove_counted, update_service,
     },
     threads::{self, End},
 };
@@ -315,30 +312,22 @@ fn finish(conn: &Conn) {
     let Some(times) = REQUEST_TIMES.get_ptr_mut(conn.service) else {
         return;
     };
-    // SAFETY: per-CPU slot, no other writer while we run on this CPU.
+    // SAFETY: a live array slot; concurrent updates are atomic adds.
     let times = unsafe { &mut *times };
-    record(
+    add_to_shared_histogram(
         &mut times.queue,
         conn.start_ns.saturating_sub(conn.arrive_ns),
     );
-    record(
+    add_to_shared_histogram(
         &mut times.duration,
         conn.end_ns.saturating_sub(conn.start_ns),
     );
-    record(
+    add_to_shared_histogram(
         &mut times.latency,
         conn.end_ns.saturating_sub(conn.arrive_ns),
     );
-    // Counted after the record (stores of one CPU are seen in order, and the
+    // Counted after the record (x86's atomic adds are seen in order, and the
     // compiler keeps them before the counters' lookup, a call that may read them):
     // user space reads the times again only when this count moved.
     update_service(conn.service, |c| c.finished += 1);
-}
-
-#[inline(always)]
-fn record(histogram: &mut Histogram, ns: u64) {
-    if let Some(bucket) = histogram.buckets.get_mut(histogram_bucket(ns)) {
-        *bucket += 1;
-    }
-    histogram.sum_ns += ns;
 }

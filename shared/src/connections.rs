@@ -124,7 +124,7 @@ pub struct ServiceCounters {
     pub serving_left: u64,
     /// Requests recorded in [`maps::REQUEST_TIMES`], counted after their record: a
     /// service whose count has not moved since its times were read is not read again
-    /// (kilobytes per CPU, and most services of a node are idle at any moment).
+    /// (kilobytes, and most services of a node are idle at any moment).
     pub finished: u64,
 }
 
@@ -145,7 +145,8 @@ impl ServiceCounters {
     }
 }
 
-/// Value of [`maps::REQUEST_TIMES`]: the three durations of every finished request.
+/// Value of [`maps::REQUEST_TIMES`]: the three durations of every finished request,
+/// one for all CPUs (atomic adds, u64 words only: user space copies it word by word).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RequestTimes {

@@ -1,14 +1,18 @@
 //! BPF arrays created `BPF_F_MMAPABLE`, mapped into user space ([`Mapping`]): what a
-//! scrape reads whole and often (the thread array, the lock-wait counters) is read
-//! there without a system call per entry.
+//! scrape reads whole and often (the thread array, the lock-wait counters, the busy
+//! services' request times) is read there without a system call per entry.
 use std::{
     io,
+    marker::PhantomData,
     os::fd::{AsFd as _, AsRawFd as _},
     ptr::NonNull,
-    sync::atomic::AtomicU64,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
-use aya::{Ebpf, maps::Map};
+use aya::{Ebpf, Pod, maps::Map};
 
 use super::KernelError;
 
@@ -99,13 +103,13 @@ impl Counters {
     /// Counter `index`, 0 past the end.
     pub fn get(&self, index: u32) -> u64 {
         self.word(index)
-            .map_or(0, |word| word.load(std::sync::atomic::Ordering::Acquire))
+            .map_or(0, |word| word.load(Ordering::Acquire))
     }
 
     /// Sets counter `index` to 0 (its entry gets a new owner).
     pub fn reset(&self, index: u32) {
         if let Some(word) = self.word(index) {
-            word.store(0, std::sync::atomic::Ordering::Release);
+            word.store(0, Ordering::Release);
         }
     }
 
@@ -113,5 +117,71 @@ impl Counters {
         let index = index as usize;
         // SAFETY: below the array's size (its mapping's), checked.
         (index < self.0.len / size_of::<u64>()).then(|| unsafe { self.0.word(index) })
+    }
+}
+
+/// A mapped array of values made only of u64 words, which the kernel adds to
+/// atomically from any CPU (histograms shared by all CPUs).
+#[derive(Debug)]
+pub(super) struct SharedValues<V> {
+    mapping: Mapping,
+    entries: usize,
+    value: PhantomData<V>,
+}
+
+impl<V: Pod> SharedValues<V> {
+    /// Words per value.
+    const WORDS: usize = size_of::<V>() / size_of::<u64>();
+
+    /// Maps the array `name` of `ebpf`, of `entries` values.
+    pub fn of(ebpf: &Ebpf, name: &'static str, entries: u32) -> Result<Self, KernelError> {
+        // The kernel lays array values out at their size rounded up to 8: a value of
+        // whole words sits at `index * size_of::<V>()`, word-aligned.
+        if !size_of::<V>().is_multiple_of(size_of::<u64>()) || align_of::<V>() < align_of::<u64>() {
+            return Err(KernelError::Mmap {
+                map: name,
+                source: io::Error::new(io::ErrorKind::InvalidInput, "values not of u64 words"),
+            });
+        }
+        Ok(Self {
+            mapping: Mapping::of(ebpf, name, entries, size_of::<V>())?,
+            entries: entries as usize,
+            value: PhantomData,
+        })
+    }
+
+    /// A copy of value `index` (`None` past the end), each word loaded atomically. A
+    /// copy made while the kernel adds may hold part of a record; its count, which
+    /// the kernel moves after the record, brings a later read.
+    pub fn get(&self, index: u32) -> Option<Arc<V>> {
+        let words = self.words(index)?;
+        let mut value = Arc::<V>::new_uninit();
+        let into = Arc::get_mut(&mut value)?.as_mut_ptr().cast::<u64>();
+        for (offset, word) in words.iter().enumerate() {
+            // SAFETY: `into` is a fresh V of `WORDS` words, written only here.
+            unsafe { into.add(offset).write(word.load(Ordering::Relaxed)) };
+        }
+        // SAFETY: every word of V written above, and V is Pod: any bytes are a V.
+        Some(unsafe { value.assume_init() })
+    }
+
+    /// Sets value `index` to zeros (its entry gets a new owner).
+    pub fn reset(&self, index: u32) {
+        for word in self.words(index).unwrap_or_default() {
+            word.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn words(&self, index: u32) -> Option<&[AtomicU64]> {
+        let index = index as usize;
+        (index < self.entries).then(|| {
+            // SAFETY: value `index` is inside the mapping (checked), word-aligned
+            // (checked in `of`), and the kernel and user space access its words
+            // only atomically.
+            unsafe {
+                let first = self.mapping.base().add(index * size_of::<V>());
+                std::slice::from_raw_parts(first.cast::<AtomicU64>(), Self::WORDS)
+            }
+        })
     }
 }

@@ -41,7 +41,7 @@ use self::attach::{
     attach_sampler, attach_tracepoint, load_on_demand,
 };
 use self::batch::BatchMap;
-use self::mapping::Counters;
+use self::mapping::{Counters, SharedValues};
 use self::offsets::{
     BTF_VMLINUX, downstream_offsets, exit_has_group_dead, run_delay_offsets, socket_inode_offsets,
     socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
@@ -129,7 +129,8 @@ pub struct Kernel {
     adopting: Array<MapData, u32>,
     /// The kernel's BTF says where a socket's inode is (socket backend adoption).
     socket_inodes: bool,
-    request_times: PerCpuArray<MapData, RequestTimes>,
+    /// Each service's request times, mapped (one for all CPUs).
+    request_times: SharedValues<RequestTimes>,
     pending_calls: HashMap<MapData, u32, PendingCall>,
     syscall_counts: PerCpuArray<MapData, u64>,
     offcpu_captures: PerCpuArray<MapData, OffcpuCaptures>,
@@ -200,7 +201,6 @@ struct BatchMaps {
     pool_runqueue: BatchMap,
     lock_waits: BatchMap,
     service_counters: BatchMap,
-    request_times: BatchMap,
     losses: BatchMap,
     entry_counts: BatchMap,
 }
@@ -218,7 +218,6 @@ impl BatchMaps {
             pool_runqueue: of(maps::POOL_RUNQUEUE)?,
             lock_waits: of(maps::LOCK_WAITS)?,
             service_counters: of(maps::SERVICE_COUNTERS)?,
-            request_times: of(maps::REQUEST_TIMES)?,
             losses: of(maps::LOSSES)?,
             entry_counts: of(maps::ENTRY_COUNTS)?,
         })
@@ -432,7 +431,7 @@ impl Kernel {
             adopt: take(&mut ebpf, maps::ADOPT)?,
             adopting: take(&mut ebpf, maps::ADOPTING)?,
             socket_inodes: socket_inode.is_some(),
-            request_times: take(&mut ebpf, maps::REQUEST_TIMES)?,
+            request_times: SharedValues::of(&ebpf, maps::REQUEST_TIMES, limits.max_services)?,
             pending_calls: take(&mut ebpf, maps::PENDING_CALLS)?,
             syscall_counts: take(&mut ebpf, maps::SYSCALL_COUNTS)?,
             offcpu_captures: take(&mut ebpf, maps::OFFCPU_CAPTURES)?,

@@ -103,26 +103,14 @@ impl Kernel {
     fn read_request_times(
         &mut self,
         services: &BTreeMap<u32, ServiceCounters>,
-    ) -> Result<BTreeMap<u32, Arc<RequestTimes>>, KernelError> {
+    ) -> BTreeMap<u32, Arc<RequestTimes>> {
         let finished: Vec<(u32, u64)> = services
             .iter()
             .map(|(&id, counters)| (id, counters.finished))
             .collect();
+        let mapped = &self.request_times;
         self.request_times_read
-            .refresh_sums(
-                &finished,
-                &self.batch.request_times,
-                self.cpus,
-                |times, cpu| {
-                    times.queue.add(&cpu.queue);
-                    times.duration.add(&cpu.duration);
-                    times.latency.add(&cpu.latency);
-                },
-            )
-            .map_err(|source| KernelError::Batch {
-                map: maps::REQUEST_TIMES,
-                source,
-            })
+            .refresh_mapped(&finished, |id| mapped.get(id))
     }
 
     /// Reads the counters of `services` and `pools` and the exporter's own
@@ -143,7 +131,7 @@ impl Kernel {
             ..Readout::default()
         };
         readout.services = self.read_services(services)?;
-        readout.request_times = self.read_request_times(&readout.services)?;
+        readout.request_times = self.read_request_times(&readout.services);
         let syscall_services = if self.backend == Backend::Syscall {
             services
         } else {

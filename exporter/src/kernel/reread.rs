@@ -5,7 +5,9 @@
 //! node record nothing between two scrapes. The kernel counts after it records, so
 //! a value read after its counter holds at least what the counter says, and a
 //! record that lands between the two reads moves the counter for the next scrape.
-use std::{collections::BTreeMap, io, sync::Arc};
+//! Values come from batch reads (`refresh`, `refresh_sums`) or a mapping
+//! (`refresh_mapped`).
+use std::{collections::BTreeMap, convert::Infallible, io, sync::Arc};
 
 use aya::Pod;
 
@@ -34,7 +36,7 @@ impl<V> Reread<V> {
         read: impl FnOnce(&[u32]) -> Result<Values, Error>,
     ) -> Result<(), Error>
     where
-        Values: IntoIterator<Item = (u32, V)>,
+        Values: IntoIterator<Item = (u32, Arc<V>)>,
     {
         let moved = self.moved(counts.iter().copied());
         let counted: BTreeMap<u32, u64> = counts.iter().copied().collect();
@@ -61,12 +63,37 @@ impl<V> Reread<V> {
     {
         self.refresh(counts, |moved| {
             let sums = batch.sum_by_id::<V>(moved, cpus, add)?;
-            Ok::<_, io::Error>(sums.into_iter().map(|(id, sum)| (id, *sum)))
+            Ok::<_, io::Error>(sums.into_iter().map(|(id, sum)| (id, Arc::new(*sum))))
         })?;
-        Ok(counts
+        Ok(self.shared(counts))
+    }
+
+    /// [`Self::refresh`] from a mapped array (`get` copies an id's value, `None`
+    /// past its end); the values of the ids in `counts`, shared with this copy.
+    pub fn refresh_mapped(
+        &mut self,
+        counts: &[(u32, u64)],
+        get: impl Fn(u32) -> Option<Arc<V>>,
+    ) -> BTreeMap<u32, Arc<V>> {
+        let read = |moved: &[u32]| {
+            let values: Vec<_> = moved
+                .iter()
+                .filter_map(|&id| Some((id, get(id)?)))
+                .collect();
+            Ok::<_, Infallible>(values)
+        };
+        match self.refresh(counts, read) {
+            Ok(()) => self.shared(counts),
+            Err(never) => match never {},
+        }
+    }
+
+    /// The values of the ids in `counts`, shared with this copy.
+    fn shared(&self, counts: &[(u32, u64)]) -> BTreeMap<u32, Arc<V>> {
+        counts
             .iter()
             .filter_map(|&(id, _)| Some((id, Arc::clone(self.get(id)?))))
-            .collect())
+            .collect()
     }
 
     /// Of `counts` (id, its counter now), the ids whose value was not read since the
@@ -80,8 +107,8 @@ impl<V> Reread<V> {
     }
 
     /// Keeps `value` of `id`, read after its counter was `count`.
-    fn keep(&mut self, id: u32, count: u64, value: V) {
-        self.read.insert(id, (count, Arc::new(value)));
+    fn keep(&mut self, id: u32, count: u64, value: Arc<V>) {
+        self.read.insert(id, (count, value));
     }
 
     pub fn get(&self, id: u32) -> Option<&Arc<V>> {
@@ -101,17 +128,19 @@ impl<V> Reread<V> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::Reread;
 
     #[test]
     fn only_ids_whose_counter_moved_are_read_again() {
         let mut values = Reread::default();
         assert_eq!(values.moved([(1, 0), (2, 5)]), vec![1, 2], "never read");
-        values.keep(1, 0, "one");
-        values.keep(2, 5, "two");
+        values.keep(1, 0, Arc::new("one"));
+        values.keep(2, 5, Arc::new("two"));
         assert_eq!(values.moved([(1, 0), (2, 5)]), Vec::<u32>::new());
         assert_eq!(values.moved([(1, 0), (2, 6)]), vec![2]);
-        values.keep(2, 6, "two, later");
+        values.keep(2, 6, Arc::new("two, later"));
         assert_eq!(values.get(2).map(|value| **value), Some("two, later"));
         values.forget(1);
         assert_eq!(values.moved([(1, 0)]), vec![1], "reset for a new owner");

@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 
 use aya::maps::{HashMap, MapData, MapError, PerCpuValues};
 use poolscope_shared::{
-    Conn, ListenKey, PendingCall, Phase, RequestTimes, ServiceCounters, SyscallSlot, Watched,
-    conn_key_tgid, fd_conn_key, maps::CountedMap, syscall_counter_index, watched_port_bit,
+    Conn, ListenKey, PendingCall, Phase, ServiceCounters, SyscallSlot, Watched, conn_key_tgid,
+    fd_conn_key, maps::CountedMap, syscall_counter_index, watched_port_bit,
 };
 
 use super::{BPF_NOEXIST, Backend, Kernel, ServedConnection, WatchTable, syscalls::syscall_number};
@@ -261,8 +261,7 @@ impl WatchTable for Kernel {
         self.service_epochs.set(service, epoch.wrapping_add(1), 0)?;
         let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;
         self.service_counters.set(service, zero_counters, 0)?;
-        let zero_times = PerCpuValues::try_from(vec![RequestTimes::default(); self.cpus])?;
-        self.request_times.set(service, zero_times, 0)?;
+        self.request_times.reset(service);
         self.request_times_read.forget(service);
         for slot in SyscallSlot::ALL {
             let zeros = PerCpuValues::try_from(vec![0u64; self.cpus])?;

@@ -254,7 +254,7 @@ impl Kernel {
             .refresh(&counts, |moved| {
                 let mut fresh = Vec::with_capacity(moved.len());
                 batch.array_each_of::<Histogram>(moved, 1, |index, histogram| {
-                    fresh.push((index as u32, *histogram));
+                    fresh.push((index as u32, Arc::new(*histogram)));
                 })?;
                 Ok(fresh)
             })
