@@ -4,7 +4,6 @@
 //! at 110 services was most of a scrape's time.
 use std::{
     cell::RefCell,
-    collections::BTreeMap,
     io,
     mem::{MaybeUninit, size_of},
     ops::Range,
@@ -209,18 +208,23 @@ impl BatchMap {
     }
 
     /// The entries `ids` of an array of `V` indexed by dense id, each summed over its
-    /// `cpus` values with `add`; boxed (kilobytes each: the tree's nodes move only
-    /// pointers) and streamed into the map in id order, with no array of every
-    /// entry's kilobytes built on the side.
+    /// `cpus` values with `add`, in id order: the values come by id, each id's CPUs
+    /// together, so each sum is made in place at the end of the list.
     pub fn sum_by_id<V: Pod + Default>(
         &self,
         ids: &[u32],
         cpus: usize,
         add: impl Fn(&mut V, &V),
-    ) -> io::Result<BTreeMap<u32, Box<V>>> {
-        let mut sums: BTreeMap<u32, Box<V>> = BTreeMap::new();
+    ) -> io::Result<Vec<(u32, V)>> {
+        let mut sums: Vec<(u32, V)> = Vec::with_capacity(ids.len());
         self.array_each_of::<V>(ids, cpus, |index, value| {
-            add(sums.entry(index as u32).or_default(), value);
+            let id = index as u32;
+            if sums.last().is_none_or(|(last, _)| *last != id) {
+                sums.push((id, V::default()));
+            }
+            if let Some((_, sum)) = sums.last_mut() {
+                add(sum, value);
+            }
         })?;
         Ok(sums)
     }

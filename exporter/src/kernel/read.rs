@@ -26,7 +26,7 @@ pub struct Readout {
     pub request_times: BTreeMap<u32, Arc<RequestTimes>>,
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
     /// Closed intervals of each pool's threads, read before `threads`.
-    pub pools: BTreeMap<u32, Box<PoolStats>>,
+    pub pools: BTreeMap<u32, PoolStats>,
     /// Run-queue waits of each pool (shared with the kernel reader's copy, as the
     /// request times); read only for [`PoolWaits::WithRunqueueHistograms`].
     pub runqueues: BTreeMap<u32, Arc<Histogram>>,
@@ -91,7 +91,7 @@ impl Kernel {
             .sum_by_id::<ServiceCounters>(services, self.cpus, |total, cpu| {
                 *total = total.plus(cpu);
             })
-            .map(|sums| sums.into_iter().map(|(id, sum)| (id, *sum)).collect())
+            .map(|sums| sums.into_iter().collect())
             .map_err(|source| KernelError::Batch {
                 map: maps::SERVICE_COUNTERS,
                 source,

@@ -63,7 +63,7 @@ impl<V> Reread<V> {
     {
         self.refresh(counts, |moved| {
             let sums = batch.sum_by_id::<V>(moved, cpus, add)?;
-            Ok::<_, io::Error>(sums.into_iter().map(|(id, sum)| (id, Arc::new(*sum))))
+            Ok::<_, io::Error>(sums.into_iter().map(|(id, sum)| (id, Arc::new(sum))))
         })?;
         Ok(self.shared(counts))
     }

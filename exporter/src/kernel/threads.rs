@@ -184,7 +184,9 @@ impl Kernel {
             .batch
             .pool_stats
             .sum_by_id::<PoolStats>(pools, self.cpus, PoolStats::add)
-            .map_err(batch_error(maps::POOL_STATS))?;
+            .map_err(batch_error(maps::POOL_STATS))?
+            .into_iter()
+            .collect();
         if waits == PoolWaits::WithRunqueueHistograms {
             readout.runqueues = self.read_runqueues(&readout.pools)?;
         }
@@ -218,7 +220,7 @@ impl Kernel {
     /// again, the rest kept.
     fn read_runqueues(
         &mut self,
-        pools: &BTreeMap<u32, Box<PoolStats>>,
+        pools: &BTreeMap<u32, PoolStats>,
     ) -> Result<BTreeMap<u32, Arc<Histogram>>, KernelError> {
         // A pool that never waited has no entry rather than zeros.
         let counts: Vec<(u32, u64)> = pools

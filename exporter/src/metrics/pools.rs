@@ -567,7 +567,7 @@ mod tests {
         stats.time_ns[Activity::OffIdle as usize] = 50;
         stats.request_ns[Activity::Running as usize] = 80;
         let readout = Readout {
-            pools: BTreeMap::from([(7, Box::new(stats))]),
+            pools: BTreeMap::from([(7, stats)]),
             threads_read_ns: 1_000,
             threads: vec![
                 (1, thread(Activity::Running, 900, 2), Some(7)),
