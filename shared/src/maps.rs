@@ -45,7 +45,8 @@ pub const ADOPT: &str = "ADOPT";
 /// sockets of no watched service skip the inode read when there is nothing to
 /// adopt.
 pub const ADOPTING: &str = "ADOPTING";
-/// per-CPU array, index service id → [`crate::RequestTimes`].
+/// array (one for all CPUs: atomic adds; mmap-able), index service id →
+/// [`crate::RequestTimes`].
 pub const REQUEST_TIMES: &str = "REQUEST_TIMES";
 /// tid (u32) → [`crate::PendingCall`]: an accept, or a read or write of a tracked
 /// connection, between syscall entry and exit (syscall backend).

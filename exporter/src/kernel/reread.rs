@@ -1,7 +1,7 @@
 //! Values of per-id kernel arrays kept from their last read with the id's counter as
 //! read before them (a service's finished requests, a pool's lock waits), so that a
 //! scrape reads again only the ids whose counter moved: each value is kilobytes of
-//! fine buckets (per CPU for the request times), and most services and pools of a
+//! fine buckets (per CPU for the run-queue waits), and most services and pools of a
 //! node record nothing between two scrapes. The kernel counts after it records, so
 //! a value read after its counter holds at least what the counter says, and a
 //! record that lands between the two reads moves the counter for the next scrape.

@@ -259,10 +259,12 @@ impl WatchTable for Kernel {
         self.count_own_entries(CountedMap::Adopt, -dropped);
         let epoch = self.service_epochs.get(&service, 0)?;
         self.service_epochs.set(service, epoch.wrapping_add(1), 0)?;
-        let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;
-        self.service_counters.set(service, zero_counters, 0)?;
+        // The times before their count: a record landing in between then leaves
+        // times ahead of the count (read again when it moves), never behind it.
         self.request_times.reset(service);
         self.request_times_read.forget(service);
+        let zero_counters = PerCpuValues::try_from(vec![ServiceCounters::default(); self.cpus])?;
+        self.service_counters.set(service, zero_counters, 0)?;
         for slot in SyscallSlot::ALL {
             let zeros = PerCpuValues::try_from(vec![0u64; self.cpus])?;
             self.syscall_counts
