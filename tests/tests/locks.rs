@@ -1,8 +1,9 @@
 //! Ground truth for lock waits, against the real kernel:
 //! - `lockserver`: T workers contend one pthread mutex held H on CPU per request and
 //!   time their own blocked `pthread_mutex_lock` calls: our futex wait total within
-//!   5 % of theirs, the top lock's p50 and p99 within 10 %, its stack naming the
-//!   program's functions; with the opt-in uprobes, one `pthread_mutex` wait per call;
+//!   5 % of theirs, the top lock's p50 and p99 those of theirs (by rank, see
+//!   [`RANK_SLACK`]), its stack naming the program's functions; with the opt-in
+//!   uprobes, one `pthread_mutex` wait per call;
 //! - the same program with one worker (no contention): no futex lock wait at all;
 //! - `threadpool`, whose idle workers wait on a condition variable: no lock wait;
 //! - a process killed while its threads wait on the mutex leaves no entry behind;
@@ -35,15 +36,42 @@ struct LockServer {
 }
 
 /// What `lockserver` measured of its own lock calls.
-#[derive(Debug)]
 struct OwnTimes {
     calls: u64,
     blocked: u64,
-    blocked_total_s: f64,
-    p50_s: f64,
-    p99_s: f64,
+    /// Each blocked call's duration in ns, ascending.
+    blocked_ns: Vec<u64>,
     /// Requests answered.
     served: u64,
+}
+
+/// A summary: the durations themselves would be thousands of numbers.
+impl std::fmt::Debug for OwnTimes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} calls, {} blocked for {:.4} s (p50 {:.6} s, p99 {:.6} s), {} served",
+            self.calls,
+            self.blocked,
+            self.blocked_total_s(),
+            self.quantile_s(0.5),
+            self.quantile_s(0.99),
+            self.served
+        )
+    }
+}
+
+impl OwnTimes {
+    fn blocked_total_s(&self) -> f64 {
+        self.blocked_ns.iter().sum::<u64>() as f64 / 1e9
+    }
+
+    /// The `q` quantile of the blocked calls' durations in seconds (nearest rank).
+    fn quantile_s(&self, q: f64) -> f64 {
+        let count = self.blocked_ns.len();
+        let rank = ((q * count as f64).ceil() as usize).clamp(1, count.max(1));
+        self.blocked_ns.get(rank - 1).copied().unwrap_or(0) as f64 / 1e9
+    }
 }
 
 impl LockServer {
@@ -63,20 +91,21 @@ impl LockServer {
 
     fn finish(mut self) -> anyhow::Result<OwnTimes> {
         let line = self.program.finish("locks")?;
-        let fields: Vec<u64> = line
-            .split_whitespace()
-            .map(str::parse)
-            .collect::<Result<_, _>>()?;
-        let [calls, blocked, total, p50, p99] = fields[..] else {
+        let numbers = |line: &str| -> anyhow::Result<Vec<u64>> {
+            Ok(line
+                .split_whitespace()
+                .map(str::parse)
+                .collect::<Result<_, _>>()?)
+        };
+        let [calls, blocked] = numbers(&line)?[..] else {
             anyhow::bail!("locks line {line:?}");
         };
+        let blocked_ns = numbers(&self.program.line("blocked_ns")?)?;
         let served = self.program.line("served")?.parse()?;
         Ok(OwnTimes {
             calls,
             blocked,
-            blocked_total_s: total as f64 / 1e9,
-            p50_s: p50 as f64 / 1e9,
-            p99_s: p99 as f64 / 1e9,
+            blocked_ns,
             served,
         })
     }
@@ -115,6 +144,28 @@ fn map_entries(metrics: &Metrics, map: &str) -> f64 {
     metrics
         .value("poolscope_map_entries", &[("map", map)])
         .unwrap_or(f64::NAN)
+}
+
+/// How far in rank a quantile poolscope reports may sit from the program's. This
+/// load's waits cluster at whole hold times (3 ms: the other three workers' holds;
+/// 4 and 6 ms: a woken waiter passed over), and its p99 falls in the sparse stretch
+/// between 4 and 6 ms, where three calls move the value by a millisecond: a check by
+/// value at p99 failed in CI (5.0 ms against the program's 6.1 ms) while the two
+/// distributions agreed. Measured over six runs, binned in poolscope's buckets, the
+/// cumulative counts above 3.5 ms differed by at most 6 calls of ~5,700 (0.1 %; a
+/// call's µs on CPU move it across a bucket bound), 0.5 % anywhere: this is twice
+/// the tail's difference.
+const RANK_SLACK: f64 = 0.002;
+
+/// The values a quantile `q` poolscope reports of the program's blocked calls may
+/// take: the program's `q ± RANK_SLACK` quantiles, widened by how far a fine
+/// bucket's midpoint (what poolscope reports) can sit from a value in the bucket
+/// `[8, 9)` steps wide: 8.5/9 below, 8.5/8 above.
+fn quantile_bounds(own: &OwnTimes, q: f64) -> (f64, f64) {
+    (
+        own.quantile_s(q - RANK_SLACK) * 8.5 / 9.0,
+        own.quantile_s(q + RANK_SLACK) * 8.5 / 8.0,
+    )
 }
 
 fn within(ours: f64, truth: f64, tolerance: f64) -> bool {
@@ -173,9 +224,9 @@ fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
 
     // Totals: every blocked call's time is futex wait (plus the call's own µs).
     anyhow::ensure!(
-        within(futex_sum, own.blocked_total_s, 0.05),
+        within(futex_sum, own.blocked_total_s(), 0.05),
         "futex wait {futex_sum:.4} s vs the program's blocked lock calls {:.4} s",
-        own.blocked_total_s
+        own.blocked_total_s()
     );
     // The uprobes time every pthread_mutex_lock call; the program calls it only
     // after a failed trylock, so exactly for its blocked calls.
@@ -185,9 +236,9 @@ fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
         own.blocked
     );
     anyhow::ensure!(
-        within(mutex_sum, own.blocked_total_s, 0.05),
+        within(mutex_sum, own.blocked_total_s(), 0.05),
         "pthread_mutex time {mutex_sum:.4} s vs {:.4} s",
-        own.blocked_total_s
+        own.blocked_total_s()
     );
 
     // The top lock: the one mutex, with the program's percentiles and stack.
@@ -212,12 +263,16 @@ fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
         top["timed_waits"].as_u64() == Some(0),
         "the mutex has timed waits: {top}"
     );
-    anyhow::ensure!(
-        within(p50, own.p50_s, 0.10) && within(p99, own.p99_s, 0.10),
-        "top lock p50 {p50:.6} s / p99 {p99:.6} s vs the program's {:.6} s / {:.6} s",
-        own.p50_s,
-        own.p99_s
-    );
+    for (q, ours) in [(0.5, p50), (0.99, p99)] {
+        let (low, high) = quantile_bounds(&own, q);
+        anyhow::ensure!(
+            (low..=high).contains(&ours),
+            "top lock's {q} quantile {ours:.6} s vs the program's {low:.6} s to {high:.6} s \
+             (its {:.4} to {:.4} quantiles, and a bucket's midpoint)",
+            q - RANK_SLACK,
+            q + RANK_SLACK
+        );
+    }
     let frames: Vec<&str> = top["stacks"][0]["frames"]
         .as_array()
         .map(|frames| frames.iter().filter_map(|f| f.as_str()).collect())

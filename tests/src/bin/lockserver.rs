@@ -8,8 +8,9 @@
 //! Protocol: one request per connection, `req\n` answered by `ok\n` (the tests' load
 //! generators speak it). Usage: `lockserver <workers> <hold_us>`. Prints `port <n>`,
 //! `workers <tid>,...`, then serves until stdin closes and prints
-//! `locks <calls> <blocked> <blocked_total_ns> <p50_ns> <p99_ns>` (the percentiles
-//! are of the blocked calls) and `served <count>`.
+//! `locks <calls> <blocked>`, `blocked_ns <ns> ...` (each blocked call's duration,
+//! ascending: tests compare whole distributions, not a few percentiles) and
+//! `served <count>`.
 use std::{
     cell::UnsafeCell,
     io::{Read as _, Write as _},
@@ -95,12 +96,6 @@ fn worker(listener: &TcpListener, hold: Duration, times: &Mutex<LockTimes>) {
     }
 }
 
-/// The `q` quantile of sorted values (nearest rank).
-fn quantile(sorted: &[u64], q: f64) -> u64 {
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len().max(1));
-    sorted.get(rank - 1).copied().unwrap_or(0)
-}
-
 fn main() -> std::io::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let workers = args.first().and_then(|a| a.parse::<usize>().ok());
@@ -126,15 +121,9 @@ fn main() -> std::io::Result<()> {
     wait_for_stdin_close()?;
     let mut times = times.lock().unwrap_or_else(|p| p.into_inner());
     times.blocked.sort_unstable();
-    writeln!(
-        stdout,
-        "locks {} {} {} {} {}",
-        times.calls,
-        times.blocked.len(),
-        times.blocked.iter().sum::<u64>(),
-        quantile(&times.blocked, 0.5),
-        quantile(&times.blocked, 0.99),
-    )?;
+    writeln!(stdout, "locks {} {}", times.calls, times.blocked.len())?;
+    let durations: Vec<String> = times.blocked.iter().map(u64::to_string).collect();
+    writeln!(stdout, "blocked_ns {}", durations.join(" "))?;
     writeln!(stdout, "served {}", times.served)?;
     stdout.flush()?;
     Ok(())
