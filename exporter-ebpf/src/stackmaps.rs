@@ -8,15 +8,15 @@ use aya_ebpf::{
     programs::tracing::StackIdContext,
 };
 use poolscope_shared::{
-    LossErrno, LossSource, STACK_COPY_BYTES, STACK_COPY_SHORT_BYTES, StackCopy, StackCount,
-    StackKey, maps::CountedMap,
+    LossErrno, LossSource, SHORTENED_STACK, STACK_COPY_BYTES, STACK_COPY_SHORT_BYTES, StackCopy,
+    StackCount, StackKey, maps::CountedMap,
 };
 
 use crate::{
     abi::SavedRegisters,
     maps::{
-        STACK_COPIED, STACK_COPIES, STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1, STACKS_2,
-        atomic_add, compare_and_swap, count_loss, get_or_insert,
+        EEXIST, STACK_COPIED, STACK_COPIES, STACK_COUNTS, STACK_EPOCH, STACKS_0, STACKS_1,
+        STACKS_2, atomic_add, compare_and_swap, count_loss, get_or_insert,
     },
 };
 
@@ -25,6 +25,9 @@ pub const BPF_F_USER_STACK: u64 = 1 << 8;
 
 /// bpf_get_stackid's error when there is no stack to walk (or it cannot be read).
 const EFAULT: i32 = 14;
+
+/// bpf_get_stackid flags: skip the innermost frame (`BPF_F_SKIP_FIELD_MASK`'s count).
+const SKIP_ONE_FRAME: u64 = 1;
 
 /// bpf_ringbuf_submit flag: no wakeup (user space reads the copies at its drains).
 const BPF_RB_NO_WAKEUP: u64 = 1;
@@ -43,17 +46,29 @@ pub fn current_epoch() -> u32 {
 /// in `map`; -1 if not captured, counted under `loss` by its errno (its bucket held
 /// another stack, no free bucket, or no stack could be walked). A sample taken in
 /// user mode has no kernel stack: that is not a loss.
+///
+/// A bucket keeps the first stack that hashed to it until the map is drained, so a
+/// stack whose bucket another took is refused for the rest of the generation (a
+/// service's one hot stack then lost its frames for a whole snapshot). It is taken
+/// again less its innermost frame, which hashes to another bucket, and marked
+/// [`SHORTENED_STACK`]: still counted as the collision it was, kept with its callers.
+/// Its id is past every copy slot, so it is never copied for unwinding (the copy
+/// would begin at the frame the id lacks).
 #[inline(always)]
 pub fn stack_id<C: StackIdContext>(ctx: &C, map: &StackTrace, flags: u64, loss: LossSource) -> i32 {
-    match ctx.get_stackid(map, flags) {
-        Ok(id) => id as i32,
-        Err(error) => {
-            if error != -EFAULT || flags & BPF_F_USER_STACK != 0 {
-                count_loss(loss, LossErrno::of(error.into()));
-            }
-            -1
-        }
+    let error = match ctx.get_stackid(map, flags) {
+        Ok(id) => return id as i32,
+        Err(error) => error,
+    };
+    if error != -EFAULT || flags & BPF_F_USER_STACK != 0 {
+        count_loss(loss, LossErrno::of(error.into()));
     }
+    if error == -EEXIST
+        && let Ok(id) = ctx.get_stackid(map, flags | SKIP_ONE_FRAME)
+    {
+        return id as i32 | SHORTENED_STACK;
+    }
+    -1
 }
 
 /// The current (user, kernel) stack ids in the stack map of `generation`; a user

@@ -25,15 +25,16 @@ pub enum LossSource {
     /// A [`maps::LOCKS`] insert failed: that wait is in `lock_wait_seconds` but not
     /// in the top locks.
     LocksInsert,
-    /// A lock wait's stack was not kept in [`maps::LOCK_STACKS`] (its hash bucket
-    /// held another stack, or the stack could not be walked): the wait is kept
-    /// without a stack.
+    /// A lock wait's stack was not kept whole in [`maps::LOCK_STACKS`] (its hash
+    /// bucket held another stack: kept less its innermost frame where that fits; or
+    /// the stack could not be walked): the wait is kept, without a stack if need be.
     LockStackCapture,
     /// A [`maps::MUTEX_CALLS`] insert failed: one `pthread_mutex_lock` call not timed.
     MutexCallsInsert,
-    /// A stack was not kept in its [`maps::STACKS`] map (its hash bucket held another
-    /// stack, or the stack could not be walked): the sample or block is kept without
-    /// that stack.
+    /// A stack was not kept whole in its [`maps::STACKS`] map (its hash bucket held
+    /// another stack: kept less its innermost frame where that fits; or the stack
+    /// could not be walked): the sample or block is kept, without that stack if need
+    /// be.
     StackCapture,
     /// A [`maps::STACK_COUNTS`] insert failed: one sample or block lost.
     StackCountsInsert,

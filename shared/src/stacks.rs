@@ -90,6 +90,12 @@ pub struct OffcpuCaptures {
     pub skipped: u64,
 }
 
+/// Set in a stack id (`StackKey`'s `user_stack` and `kernel_stack`, `LockKey::stack`)
+/// whose stack was kept less its innermost frame: its whole stack's hash bucket held
+/// another stack (a stack map keeps a bucket's first stack until it is drained) and
+/// the shortened stack hashed to a free one. The map's id is the other bits.
+pub const SHORTENED_STACK: i32 = 1 << 30;
+
 /// Bytes of user stack a [`StackCopy`] holds: enough for the frames of a library
 /// without frame pointers between a blocking call and its caller (glibc's lock and
 /// sleep paths use a few hundred) and for a dozen interpreter frames.

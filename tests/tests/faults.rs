@@ -176,7 +176,8 @@ fn a_thousand_processes_and_ten_thousand_threads_leave_nothing_behind() -> anyho
         "series added {added:#?}\nremoved {removed:#?}"
     );
     // Nothing was lost on the way: the churn fits every map and the event ring. (Stacks
-    // that collided in their stack map keep their samples' time, without the stack.)
+    // that collided in their stack map keep their samples' time, less their innermost
+    // frame or without the stack.)
     let collision =
         |s: &poolscope_tests::Sample| s.labels.iter().any(|(k, v)| k == "errno" && v == "EEXIST");
     for sample in second.samples.iter().filter(|s| {
@@ -622,8 +623,8 @@ fn soak(plan: &SoakPlan) -> anyhow::Result<()> {
     eprintln!("left once every process is gone: {left:?}");
     assert!(left.is_empty(), "entries left behind: {left:?}");
     // Losses that degrade poolscope (a full map, lost events) must not happen; a stack
-    // that collides in its hash bucket is counted, kept without its stack, and does
-    // not degrade (README, Limits).
+    // that collides in its hash bucket is counted, kept less its innermost frame or
+    // without its stack, and does not degrade (README, Limits).
     let losses: Vec<String> = after
         .samples
         .iter()

@@ -5,7 +5,7 @@ use aya::{
     programs::PerfEvent,
 };
 use poolscope_shared::{
-    ProfileSession, STACK_GENERATIONS, StackCopy, StackCount, StackKey,
+    ProfileSession, SHORTENED_STACK, STACK_GENERATIONS, StackCopy, StackCount, StackKey,
     maps::{self, CountedMap},
 };
 
@@ -14,12 +14,25 @@ use super::{
     attach::{attach_cpu_clock, detach_all, session_sampler, typed_program},
 };
 
+/// Stands, innermost, for the frame a stack kept less its innermost one lacks
+/// ([`SHORTENED_STACK`]): no code is at the last byte of the address space, and the
+/// symbolizer names it `[frame lost]` without looking it up.
+pub const LOST_FRAME_ADDRESS: u64 = u64::MAX;
+
 /// The return addresses (innermost first) of stack `id` of a stack map; `None` for
-/// a negative id (not captured) or one the map no longer holds.
+/// a negative id (not captured) or one the map no longer holds. A stack kept less
+/// its innermost frame begins with [`LOST_FRAME_ADDRESS`] in that frame's place, so
+/// that its first real address is read as the return address it is.
 pub(super) fn addresses(map: &StackTraceMap<MapData>, id: i32) -> Option<Vec<u64>> {
-    let id = u32::try_from(id).ok()?;
+    let shortened = id & SHORTENED_STACK != 0;
+    let id = u32::try_from(id & !SHORTENED_STACK).ok()?;
     let trace = map.get(&id, 0).ok()?;
-    Some(trace.frames().iter().map(|frame| frame.ip).collect())
+    let lost = shortened.then_some(LOST_FRAME_ADDRESS);
+    Some(
+        lost.into_iter()
+            .chain(trace.frames().iter().map(|frame| frame.ip))
+            .collect(),
+    )
 }
 impl Kernel {
     /// Starts a new stack epoch. Returns the generation to drain: the one of two

@@ -166,7 +166,8 @@ impl LossKind {
 
     /// Whether this loss makes poolscope degraded: something was not measured. A
     /// stack that did not fit its stack map (a hash-bucket collision, more frequent
-    /// as the map fills), that could not be walked, or that expired keeps its sample's time, under no stack or
+    /// as the map fills: kept less its innermost frame where that fits), that could
+    /// not be walked, or that expired keeps its sample's time, under no stack or
     /// `[stack lost]`, and a frame without a symbol keeps its module and offset:
     /// counted, not degrading. Processes whose open files poolscope may not follow
     /// are counted and logged, not degrading: some hosts run one that no exporter

@@ -587,7 +587,10 @@ impl Saturation {
 #[cfg(test)]
 mod tests {
 
+    use poolscope_shared::SHORTENED_STACK;
+
     use super::*;
+    use crate::{kernel::LOST_FRAME_ADDRESS, stacks::symbolize::LOST_INNERMOST_FRAME};
 
     fn key(activity: Activity, pool: u32, user_stack: i32, kernel_stack: i32) -> StackKey {
         StackKey {
@@ -679,6 +682,25 @@ mod tests {
         assert_eq!(summary.ended_unix_seconds, 60.0);
         assert_eq!(snapshot.records(Some("web"), Some("workers")).len(), 2);
         assert!(snapshot.records(Some("db"), None).is_empty());
+    }
+
+    #[test]
+    fn a_stack_kept_less_its_innermost_frame_says_so() {
+        let here = drained as *const () as usize as u64;
+        let shortened = 2 | SHORTENED_STACK;
+        let mut drained = drained(&[(key(Activity::Running, 3, shortened, -1), count(3, 0))]);
+        // What `Kernel::stack` reads for it: the marker, then the return addresses.
+        drained
+            .stacks
+            .insert(shortened, vec![LOST_FRAME_ADDRESS, here + 1]);
+        let symbols = Symbols::new(Path::new("/proc"));
+        let frames = symbolized_frames(&drained, &symbols);
+        let names: Vec<&str> = frames[0].iter().map(|frame| frame.name.as_str()).collect();
+        // The caller's return address is looked up one byte back, as any caller's.
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(names[0].contains("drained"), "{names:?}");
+        assert_eq!(names[1], LOST_INNERMOST_FRAME);
+        assert_eq!(symbols.unnamed().user, 0, "the marker is no unnamed frame");
     }
 
     #[test]

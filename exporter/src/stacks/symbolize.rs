@@ -17,6 +17,7 @@ use blazesym::symbolize::{
 };
 
 use crate::discovery::procfs::{self, Mapping};
+use crate::kernel::LOST_FRAME_ADDRESS;
 
 /// What one address resolved to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,6 +75,45 @@ fn file_mapping(mappings: &[Mapping], address: u64) -> Option<&Mapping> {
     mappings
         .iter()
         .find(|m| (m.start..m.end).contains(&address) && m.path.is_absolute())
+}
+
+/// Frame standing for the innermost frame of a stack kept without it (its whole
+/// stack's bucket in the kernel's stack map held another stack).
+pub const LOST_INNERMOST_FRAME: &str = "[frame lost]";
+
+/// The symbols of `addresses` in order: [`LOST_FRAME_ADDRESS`] named
+/// [`LOST_INNERMOST_FRAME`], the others by `symbolize` (which never sees it, so
+/// neither looks it up nor counts it unnamed).
+fn with_lost_frames(
+    addresses: &[u64],
+    symbolize: impl FnOnce(&[u64]) -> Vec<Symbol>,
+) -> Vec<Symbol> {
+    if !addresses.contains(&LOST_FRAME_ADDRESS) {
+        return symbolize(addresses);
+    }
+    let real: Vec<u64> = addresses
+        .iter()
+        .copied()
+        .filter(|&address| address != LOST_FRAME_ADDRESS)
+        .collect();
+    let mut named = symbolize(&real).into_iter();
+    addresses
+        .iter()
+        .map(|&address| {
+            let bare = |name: String| Symbol {
+                name,
+                module: String::new(),
+                offset: None,
+            };
+            if address == LOST_FRAME_ADDRESS {
+                bare(LOST_INNERMOST_FRAME.to_owned())
+            } else {
+                named
+                    .next()
+                    .unwrap_or_else(|| bare(format!("{address:#x}")))
+            }
+        })
+        .collect()
 }
 
 /// The address to look up for each frame of a stack (innermost first): every frame
@@ -151,6 +191,13 @@ impl Symbols {
     /// container's files, or the host's /tmp that a sandboxed poolscope does not
     /// see), and its JIT code by its perf map.
     pub fn user(&self, pid: u32, addresses: &[u64], remembered: &[Mapping]) -> Vec<Symbol> {
+        with_lost_frames(addresses, |addresses| {
+            self.user_symbols(pid, addresses, remembered)
+        })
+    }
+
+    /// [`Self::user`] of addresses that are all real.
+    fn user_symbols(&self, pid: u32, addresses: &[u64], remembered: &[Mapping]) -> Vec<Symbol> {
         let mappings = procfs::maps(&self.procfs_root, pid);
         let process_dir = self.procfs_root.join(pid.to_string());
         let root = process_dir.join("root");
@@ -258,6 +305,11 @@ impl Symbols {
 
     /// Symbols of kernel `addresses`, in order.
     pub fn kernel(&self, addresses: &[u64]) -> Vec<Symbol> {
+        with_lost_frames(addresses, |addresses| self.kernel_symbols(addresses))
+    }
+
+    /// [`Self::kernel`] of addresses that are all real.
+    fn kernel_symbols(&self, addresses: &[u64]) -> Vec<Symbol> {
         let unknown = |address: u64| Symbol {
             name: format!("{address:#x}"),
             module: "[kernel]".to_owned(),
@@ -316,6 +368,28 @@ impl Symbols {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_frame_is_named_without_a_lookup() {
+        let mut looked_up = Vec::new();
+        let symbols = with_lost_frames(&[LOST_FRAME_ADDRESS, 0x10, 0x20], |addresses| {
+            looked_up.extend_from_slice(addresses);
+            addresses
+                .iter()
+                .map(|address| Symbol {
+                    name: format!("f{address:x}"),
+                    module: "m".to_owned(),
+                    offset: Some(0),
+                })
+                .collect()
+        });
+        assert_eq!(looked_up, [0x10, 0x20]);
+        let names: Vec<&str> = symbols.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, [LOST_INNERMOST_FRAME, "f10", "f20"]);
+        // The marker stays where `lookup_addresses` puts the innermost frame: as is.
+        let lookups: Vec<u64> = lookup_addresses(&[LOST_FRAME_ADDRESS, 0x100]).collect();
+        assert_eq!(lookups, [LOST_FRAME_ADDRESS, 0xff]);
+    }
 
     #[test]
     fn unknown_frames_are_module_and_offset() {
