@@ -42,7 +42,8 @@ pub const fn lock_wait_index(pool: u32, primitive: LockPrimitive) -> u32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct LockKey {
     pub tgid: u32,
-    /// Id in [`maps::LOCK_STACKS`]; negative when the stack was not captured.
+    /// Id in [`maps::LOCK_STACKS`]; negative when the stack was not captured; with
+    /// [`crate::SHORTENED_STACK`] set when it was kept less its innermost frame.
     pub stack: i32,
     pub address: u64,
     /// 1 for waits whose first futex call had a timeout ([`LockPrimitive::FutexTimed`]).

@@ -17,7 +17,8 @@ pub struct StackKey {
     pub tgid: u32,
     /// Pool id; [`NO_POOL`] for a thread not named yet.
     pub pool: u32,
-    /// Ids in the generation's stack map; negative: not captured ([`stack_id_lost`]).
+    /// Ids in the generation's stack map; negative: not captured; with
+    /// [`SHORTENED_STACK`] set: kept less its innermost frame.
     pub user_stack: i32,
     pub kernel_stack: i32,
     /// 0 for the periodic snapshots; else the [`ProfileSession::id`] it was

@@ -575,6 +575,25 @@ mod tests {
     }
 
     #[test]
+    fn stack_maps_stay_clear_of_the_shortened_stack_bit() -> Result<(), ConfigError> {
+        assert_eq!(
+            load_toml("[limits]\nstacks = 16777216\n")?.limits.stacks,
+            1 << 24
+        );
+        for key in ["stacks", "lock_stacks"] {
+            for size in ["16777217", "1073741824"] {
+                let toml = format!("[limits]\n{key} = {size}\n");
+                let error = error_of(&toml);
+                assert!(
+                    error.contains(&format!("limits.{key}")) && error.contains("at most"),
+                    "{toml}: {error}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
     fn profile_limits_are_checked() -> Result<(), ConfigError> {
         let limits = load_toml("")?.profiles;
         assert_eq!(

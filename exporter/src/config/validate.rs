@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use figment::Figment;
+use poolscope_shared::SHORTENED_STACK;
 use regex::Regex;
 
 use super::{
@@ -13,6 +14,10 @@ use super::{
 /// Most slots of the thread array: 152 bytes of kernel memory each (144 MiB here),
 /// and tids (below 2^22) spread over them all well before.
 const MAX_THREAD_SLOTS: u32 = 1 << 20;
+/// Entries of a stack map (1 kB each): far below [`SHORTENED_STACK`], the bit that
+/// marks a stack id kept less its innermost frame, which no map id may reach.
+const MAX_STACK_MAP_ENTRIES: u32 = 1 << 24;
+const _: () = assert!(MAX_STACK_MAP_ENTRIES.next_power_of_two() < SHORTENED_STACK as u32);
 
 /// A validation failure for `key`, naming the source that set it.
 fn invalid(figment: &Figment, key: &str, reason: impl std::fmt::Display) -> ConfigError {
@@ -72,6 +77,18 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
             "limits.thread_slots",
             format!("must be a power of two, at most {MAX_THREAD_SLOTS}"),
         ));
+    }
+    for (key, size) in [
+        ("limits.stacks", limits.stacks),
+        ("limits.lock_stacks", limits.lock_stacks),
+    ] {
+        if size > MAX_STACK_MAP_ENTRIES {
+            return Err(invalid(
+                figment,
+                key,
+                format!("must be at most {MAX_STACK_MAP_ENTRIES}"),
+            ));
+        }
     }
     if raw.probes.lock_uprobes.iter().any(String::is_empty) {
         return Err(invalid(
