@@ -11,6 +11,8 @@ pub const FIRST_ARG_OFFSET: usize = 112; // rdi
 #[cfg(bpf_target_arch = "x86_64")]
 pub const SECOND_ARG_OFFSET: usize = 104; // rsi
 #[cfg(bpf_target_arch = "x86_64")]
+pub const THIRD_ARG_OFFSET: usize = 96; // rdx
+#[cfg(bpf_target_arch = "x86_64")]
 pub const FOURTH_ARG_OFFSET: usize = 56; // r10 (a syscall's, not rcx as in calls)
 #[cfg(bpf_target_arch = "x86_64")]
 pub const FIFTH_ARG_OFFSET: usize = 72; // r8
@@ -32,6 +34,8 @@ pub const SYS_FUTEX: u64 = 202;
 pub const FIRST_ARG_OFFSET: usize = 0; // regs[0]
 #[cfg(bpf_target_arch = "aarch64")]
 pub const SECOND_ARG_OFFSET: usize = 8; // regs[1]
+#[cfg(bpf_target_arch = "aarch64")]
+pub const THIRD_ARG_OFFSET: usize = 16; // regs[2]
 #[cfg(bpf_target_arch = "aarch64")]
 pub const FOURTH_ARG_OFFSET: usize = 24; // regs[3]
 #[cfg(bpf_target_arch = "aarch64")]
@@ -112,6 +116,11 @@ impl SavedRegisters {
     #[inline(always)]
     pub fn fp(self) -> u64 {
         self.load(FP_OFFSET)
+    }
+
+    #[inline(always)]
+    pub fn third_arg(self) -> u64 {
+        self.load(THIRD_ARG_OFFSET)
     }
 
     #[inline(always)]

@@ -8,7 +8,8 @@
 //!   state machine; `stackmaps` (capture and count stacks) and `locks` (lock waits)
 //!   on top of it;
 //! - `requests`, the request state machine that the two request backends (`sock`,
-//!   `syscalls`) share;
+//!   `syscalls`) share, and `h2`, which follows HTTP/2 connections' streams instead
+//!   (socket backend);
 //! - the programs of each subsystem: `sched` (switches and wakeups drive threads,
 //!   stacks and locks), `stacks` and `sessions` (samples and off-CPU blocks),
 //!   `process` (lifecycle), `sock` and `syscalls`.
@@ -21,6 +22,7 @@
 mod abi;
 mod clock;
 mod downstream;
+mod h2;
 mod locks;
 mod maps;
 mod process;

@@ -7,11 +7,11 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, RingBuf, StackTrace},
 };
 use poolscope_shared::{
-    Conn, DownstreamKey, DownstreamWait, Histogram, LOSSES_SIZE, ListenKey, LockKey, LockPrimitive,
-    LossErrno, LossSource, MAX_DOWNSTREAMS, MAX_LISTEN_PORTS, MAX_LOCK_STACKS, MAX_LOCKS,
-    MAX_MUTEX_CALLS_IN_FLIGHT, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES, MAX_STACK_COUNTS,
-    MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS, OffcpuCaptures, PendingCall, PoolStats,
-    ProcessEvent, ProfileSession, RequestTimes, STACK_GENERATIONS, SYSCALL_COUNTS_SIZE,
+    Conn, DownstreamKey, DownstreamWait, H2Conn, Histogram, LOSSES_SIZE, ListenKey, LockKey,
+    LockPrimitive, LossErrno, LossSource, MAX_DOWNSTREAMS, MAX_LISTEN_PORTS, MAX_LOCK_STACKS,
+    MAX_LOCKS, MAX_MUTEX_CALLS_IN_FLIGHT, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES,
+    MAX_STACK_COUNTS, MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS, OffcpuCaptures, PendingCall,
+    PoolStats, ProcessEvent, ProfileSession, RequestTimes, STACK_GENERATIONS, SYSCALL_COUNTS_SIZE,
     SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, THREAD_SLOTS, Thread,
     WATCHED_PORT_WORDS, Watched, loss_index, maps::CountedMap,
 };
@@ -23,6 +23,8 @@ pub static WATCHED: HashMap<u32, Watched> = HashMap::with_max_entries(16384, 0);
 pub static CONNS: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
 #[btf_map]
 pub static SOCK_CONNS: SkStorage<Conn> = SkStorage::new();
+#[btf_map]
+pub static H2_CONNS: SkStorage<H2Conn> = SkStorage::new();
 #[map]
 pub static ENTRY_COUNTS: PerCpuArray<i64> = PerCpuArray::with_max_entries(CountedMap::COUNT, 0);
 #[map]

@@ -14,7 +14,7 @@ use poolscope_shared::{Conn, LossErrno, LossSource, Phase, ServiceCounters, maps
 
 use crate::{
     maps::{
-        CONNS, REQUEST_TIMES, add_to_shared_histogram, compare_and_swap, count_loss,
+        CONNS, REQUEST_TIMES, add_to_shared_histogram, atomic_add, compare_and_swap, count_loss,
         insert_counted, remove_counted, update_service,
     },
     threads::{self, End},
@@ -178,10 +178,26 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
             }
             // The bytes that arrived meanwhile belong to this request.
             Phase::Serving => conn.next_arrive_ns = 0,
-            Phase::Closing | Phase::Gone => {}
+            // `h2.rs` follows its streams.
+            Phase::Multiplexed | Phase::Closing | Phase::Gone => {}
         }
         Ok(())
     });
+}
+
+/// The first bytes of connection `conn` (`Unserved`) are the HTTP/2 client preface:
+/// it leaves this machine, and `h2.rs` follows its streams. `false` if another
+/// event moved it first.
+#[inline(always)]
+pub fn multiplexed(conn: &mut Conn) -> bool {
+    if advance(conn, Phase::Unserved, Phase::Multiplexed).is_err() {
+        return false;
+    }
+    update_service(conn.service, |c| {
+        c.unserved_left += 1;
+        c.multiplexed += 1;
+    });
+    true
 }
 
 /// The fields of a request that starts being served at `now`, once its phase is
@@ -197,11 +213,15 @@ fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
     });
 }
 
-/// A write sent response bytes.
+/// A write sent `bytes` response bytes.
 #[inline(always)]
-pub fn wrote(conn: &mut Conn, now: u64) {
+pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
     apply(conn, |conn, phase| {
         match phase {
+            // Bytes sent before any request (a greeting) are not a response; they
+            // are counted in `end_ns`, unused until a request starts, so that an
+            // HTTP/2 connection's frames are followed from after them (`h2.rs`).
+            Phase::Unserved => atomic_add(&mut conn.end_ns, u64::from(bytes)),
             Phase::Serving => {
                 advance(conn, phase, Phase::Responded)?;
                 conn.end_ns = now;
@@ -220,7 +240,6 @@ pub fn wrote(conn: &mut Conn, now: u64) {
                 });
             }
             Phase::Responded => conn.end_ns = now,
-            // Bytes sent before any request (a greeting) are not a response.
             _ => {}
         }
         Ok(())
@@ -297,8 +316,15 @@ impl Gone {
                 finish(conn);
             }
             Phase::Responded => finish(conn),
-            Phase::Closing | Phase::Gone => {}
+            // Its streams end in `h2.rs`.
+            Phase::Multiplexed | Phase::Closing | Phase::Gone => {}
         }
+    }
+
+    /// Whether the connection was an HTTP/2 one, whose open streams end apart.
+    #[inline(always)]
+    pub fn multiplexed(&self) -> bool {
+        self.phase == Phase::Multiplexed
     }
 }
 
@@ -309,25 +335,23 @@ fn finish(conn: &Conn) {
     if conn.start_ns == 0 {
         return;
     }
-    let Some(times) = REQUEST_TIMES.get_ptr_mut(conn.service) else {
+    record(conn.service, conn.arrive_ns, conn.start_ns, conn.end_ns);
+}
+
+/// Records a request of `service` that arrived, started and ended at these times in
+/// its histograms, then counts it finished.
+#[inline(always)]
+pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64) {
+    let Some(times) = REQUEST_TIMES.get_ptr_mut(service) else {
         return;
     };
     // SAFETY: a live array slot; concurrent updates are atomic adds.
     let times = unsafe { &mut *times };
-    add_to_shared_histogram(
-        &mut times.queue,
-        conn.start_ns.saturating_sub(conn.arrive_ns),
-    );
-    add_to_shared_histogram(
-        &mut times.duration,
-        conn.end_ns.saturating_sub(conn.start_ns),
-    );
-    add_to_shared_histogram(
-        &mut times.latency,
-        conn.end_ns.saturating_sub(conn.arrive_ns),
-    );
+    add_to_shared_histogram(&mut times.queue, start_ns.saturating_sub(arrive_ns));
+    add_to_shared_histogram(&mut times.duration, end_ns.saturating_sub(start_ns));
+    add_to_shared_histogram(&mut times.latency, end_ns.saturating_sub(arrive_ns));
     // Counted after the record (x86's atomic adds are seen in order, and the
     // compiler keeps them before the counters' lookup, a call that may read them):
     // user space reads the times again only when this count moved.
-    update_service(conn.service, |c| c.finished += 1);
+    update_service(service, |c| c.finished += 1);
 }

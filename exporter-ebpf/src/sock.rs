@@ -26,12 +26,14 @@ use poolscope_shared::{
 
 use crate::{
     clock::now_ns,
+    h2::{self, Direction},
     maps::{
         ADOPT, ADOPTING, LISTEN_CHANGES, LISTEN_PORTS, SERVICE_EPOCHS, SOCK_CONNS, WATCHED_PORTS,
         atomic_add, count_entries, count_loss,
     },
     requests::{self, Arrivals},
 };
+use poolscope_shared::Phase;
 
 /// Offset of the `struct net *` in `struct sock` (`__sk_common.skc_net.net`), and of
 /// the namespace's inode number in `struct net` (`ns.inum`), from the kernel's BTF;
@@ -124,6 +126,10 @@ fn try_sock_state(ctx: &BtfTracePointContext) -> Result<(), i64> {
                 // SAFETY: as above.
                 && let Some(gone) = requests::closing(unsafe { &mut *conn })
             {
+                if gone.multiplexed() {
+                    // SAFETY: as above; `service` never changes.
+                    h2::closed(sk, unsafe { (*conn).service });
+                }
                 unstore(sk);
                 gone.account(now_ns());
             }
@@ -311,11 +317,24 @@ fn unstore(sk: *const u8) {
 /// sk_data_ready(const struct sock *sk)
 #[btf_tracepoint(function = "sk_data_ready")]
 pub fn sock_data_ready(ctx: BtfTracePointContext) -> i32 {
-    if let Some(conn) = conn(ctx.arg(0)) {
+    let sk = ctx.arg(0);
+    if let Some(conn) = conn(sk) {
         // SAFETY: a live entry, changed by compare-and-swap.
-        requests::data_arrived(unsafe { &mut *conn }, now_ns());
+        let conn = unsafe { &mut *conn };
+        if phase(conn) == Phase::Multiplexed {
+            h2::arrived(sk, now_ns());
+        } else {
+            requests::data_arrived(conn, now_ns());
+        }
     }
     0
+}
+
+/// The phase of `conn` as it is now (other CPUs change it).
+#[inline(always)]
+fn phase(conn: &Conn) -> Phase {
+    // SAFETY: a live entry; volatile, since other CPUs change it.
+    Phase::from_u32(unsafe { ptr::read_volatile(&conn.phase) })
 }
 
 /// sock_recv_length(struct sock *sk, int ret, int flags)
@@ -326,9 +345,20 @@ pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
     if ret <= 0 {
         return 0;
     }
-    if let Some(conn) = conn(ctx.arg(0)) {
+    let sk = ctx.arg(0);
+    if let Some(conn) = conn(sk) {
         // SAFETY: as above.
-        requests::read(unsafe { &mut *conn }, now_ns(), Arrivals::Seen);
+        let conn = unsafe { &mut *conn };
+        match phase(conn) {
+            Phase::Multiplexed => {
+                h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
+            }
+            // A connection's first bytes tell HTTP/2 (the client preface) from the rest.
+            Phase::Unserved if h2::opens(sk, conn, ret) => {
+                h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
+            }
+            _ => requests::read(conn, now_ns(), Arrivals::Seen),
+        }
     }
     0
 }
@@ -340,9 +370,15 @@ pub fn sock_send(ctx: BtfTracePointContext) -> i32 {
     if ret <= 0 {
         return 0;
     }
-    if let Some(conn) = conn(ctx.arg(0)) {
+    let sk = ctx.arg(0);
+    if let Some(conn) = conn(sk) {
         // SAFETY: as above.
-        requests::wrote(unsafe { &mut *conn }, now_ns());
+        let conn = unsafe { &mut *conn };
+        if phase(conn) == Phase::Multiplexed {
+            h2::transferred(sk, conn.service, Direction::Sent, ret, now_ns());
+        } else {
+            requests::wrote(conn, now_ns(), ret as u32);
+        }
     }
     0
 }

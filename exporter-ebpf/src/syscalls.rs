@@ -135,7 +135,7 @@ pub fn sys_exit(ctx: RawTracePointContext) -> i32 {
     if slot.is_read() {
         requests::read(conn, now_ns(), Arrivals::Unseen);
     } else if slot.is_write() {
-        requests::wrote(conn, now_ns());
+        requests::wrote(conn, now_ns(), ret as u32);
     }
     0
 }

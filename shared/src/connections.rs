@@ -49,6 +49,9 @@ pub enum Phase {
     /// Closed and accounted: the entry is being removed, and an event that still
     /// holds it (on another CPU) changes nothing.
     Gone = 0,
+    /// An HTTP/2 connection (its first bytes were the client preface): its requests
+    /// are its streams, followed in [`crate::maps::H2_CONNS`], not by this machine.
+    Multiplexed = 6,
 }
 
 impl Phase {
@@ -59,6 +62,7 @@ impl Phase {
             2 => Self::Waiting,
             3 => Self::Serving,
             4 => Self::Responded,
+            6 => Self::Multiplexed,
             _ => Self::Closing,
         }
     }
@@ -126,6 +130,18 @@ pub struct ServiceCounters {
     /// service whose count has not moved since its times were read is not read again
     /// (kilobytes, and most services of a node are idle at any moment).
     pub finished: u64,
+    /// HTTP/2 connections: their first bytes were the client preface.
+    pub multiplexed: u64,
+    /// HTTP/2 streams ended by RST_STREAM (either side) or by their connection's end
+    /// before the server's END_STREAM: they leave `serving` and are not `finished`.
+    pub streams_reset: u64,
+    /// HTTP/2 connections whose open streams reached the server's
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`, and that fell below it again (or closed).
+    pub at_limit_entered: u64,
+    pub at_limit_left: u64,
+    /// The highest `SETTINGS_MAX_CONCURRENT_STREAMS` a server of the service announced
+    /// (a maximum, not a sum, over CPUs).
+    pub max_streams: u64,
 }
 
 impl ServiceCounters {
@@ -141,6 +157,15 @@ impl ServiceCounters {
             serving_entered: self.serving_entered + other.serving_entered,
             serving_left: self.serving_left + other.serving_left,
             finished: self.finished + other.finished,
+            multiplexed: self.multiplexed + other.multiplexed,
+            streams_reset: self.streams_reset + other.streams_reset,
+            at_limit_entered: self.at_limit_entered + other.at_limit_entered,
+            at_limit_left: self.at_limit_left + other.at_limit_left,
+            max_streams: if self.max_streams > other.max_streams {
+                self.max_streams
+            } else {
+                other.max_streams
+            },
         }
     }
 }
@@ -195,5 +220,5 @@ const _: () = assert!(
         && core::mem::align_of::<Conn>() == 8
 );
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 16);
-const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 64);
+const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 104);
 const _: () = assert!(core::mem::size_of::<RequestTimes>() == 3 * (HISTOGRAM_BUCKETS + 1) * 8);

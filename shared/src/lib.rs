@@ -7,6 +7,7 @@ pub mod maps;
 
 mod connections;
 mod histogram;
+mod http2;
 mod limits;
 mod locks;
 mod losses;
@@ -17,6 +18,7 @@ mod threads;
 
 pub use connections::*;
 pub use histogram::*;
+pub use http2::*;
 pub use limits::*;
 pub use locks::*;
 pub use losses::*;

@@ -50,11 +50,28 @@ pub enum LossSource {
     /// The stack-copy ring buffer ([`maps::STACK_COPIES`]) was full: a stack keeps
     /// its frame-pointer walk (a later block with the same stack tries again).
     StackCopies,
+    /// An HTTP/2 connection's bytes broke the protocol (a first frame that is not
+    /// SETTINGS, a frame of the wrong size, a preface that stopped matching): it is
+    /// no longer followed and counts no more requests.
+    Http2Unparsable,
+    /// An HTTP/2 connection's bytes could not be read where a frame header was
+    /// (io_uring, `sendfile` or `splice`, a buffer the helper could not read): as
+    /// above.
+    Http2Unreadable,
+    /// One read or write of an HTTP/2 connection held more frames or buffers than a
+    /// program follows in one run: as above.
+    Http2FrameBound,
+    /// An HTTP/2 stream opened while the stream 256 ids before it was still open
+    /// (their slot was taken): that stream is not counted.
+    Http2StreamSlots,
+    /// An HTTP/2 connection's state could not be stored in its socket (the socket's
+    /// memory limit): it counts no requests.
+    Http2ConnsInsert,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 15;
-    pub const ALL: [LossSource; 15] = [
+    pub const COUNT: u32 = 20;
+    pub const ALL: [LossSource; 20] = [
         Self::ConnsInsert,
         Self::SockConnsInsert,
         Self::PendingCallsInsert,
@@ -70,6 +87,11 @@ impl LossSource {
         Self::DownstreamInsert,
         Self::PhaseRetries,
         Self::StackCopies,
+        Self::Http2Unparsable,
+        Self::Http2Unreadable,
+        Self::Http2FrameBound,
+        Self::Http2StreamSlots,
+        Self::Http2ConnsInsert,
     ];
 }
 

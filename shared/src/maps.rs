@@ -11,6 +11,11 @@ pub const CONNS: &str = "CONNS";
 /// no hash lookup, and the kernel frees it with the socket, so none goes stale.
 /// Unbounded by design (a socket's own memory limit applies).
 pub const SOCK_CONNS: &str = "SOCK_CONNS";
+/// Socket-local storage → [`crate::H2Conn`]: the HTTP/2 connections of watched
+/// services, followed frame by frame (socket backend). Made when a connection's first
+/// bytes are the client preface, freed with the socket; unbounded by design, as
+/// [`SOCK_CONNS`].
+pub const H2_CONNS: &str = "H2_CONNS";
 /// per-CPU array, index [`CountedMap`] → i64: the entries the kernel made in that
 /// map less those it removed, on this CPU. User space adds its own inserts and
 /// removals; the sum is how full the map is, read in O(1) per scrape (walking a

@@ -268,6 +268,7 @@ pub fn service_families(
         "Where the time of finished requests went, by component.",
     );
     let mut request_families = RequestFamilies::new(buckets);
+    let mut http2 = Http2Families::new();
     let mut syscall_family = Family::new(
         "syscalls",
         Kind::Counter,
@@ -299,6 +300,7 @@ pub fn service_families(
             );
         }
         request_families.push(&labels, input.times, input.window);
+        http2.push(&labels, counters);
         for ((id, syscall), calls) in syscalls.range((service.id, "")..) {
             if *id != service.id {
                 break;
@@ -345,9 +347,64 @@ pub fn service_families(
         time,
         syscall_family,
     ];
+    families.extend(http2.families);
     families.extend(request_families.windows);
     families.extend(request_families.histograms);
     families
+}
+
+/// The HTTP/2 families of the services that had an HTTP/2 connection (others get no
+/// series).
+struct Http2Families {
+    families: [Family; 4],
+}
+
+impl Http2Families {
+    fn new() -> Self {
+        Self {
+            families: [
+                Family::new(
+                    "http2_connections",
+                    Kind::Counter,
+                    "Connections that began with the HTTP/2 client preface: their requests \
+                     are their streams.",
+                ),
+                Family::new(
+                    "http2_streams_reset",
+                    Kind::Counter,
+                    "HTTP/2 streams ended by RST_STREAM (either side) or by their connection's \
+                     end before the server's END_STREAM; not in requests_total.",
+                ),
+                Family::new(
+                    "http2_connections_at_stream_limit",
+                    Kind::Gauge,
+                    "HTTP/2 connections whose open streams reached the server's \
+                     SETTINGS_MAX_CONCURRENT_STREAMS: their clients queue further requests \
+                     on their own side.",
+                ),
+                Family::new(
+                    "http2_max_concurrent_streams",
+                    Kind::Gauge,
+                    "The highest SETTINGS_MAX_CONCURRENT_STREAMS the service announced (0: \
+                     none seen, no limit).",
+                ),
+            ],
+        }
+    }
+
+    fn push(&mut self, labels: &[(&'static str, &str)], counters: &ServiceCounters) {
+        if counters.multiplexed == 0 {
+            return;
+        }
+        let at_limit = counters
+            .at_limit_entered
+            .saturating_sub(counters.at_limit_left);
+        let [connections, reset, at_stream_limit, max_streams] = &mut self.families;
+        connections.push(labels, counters.multiplexed as f64);
+        reset.push(labels, counters.streams_reset as f64);
+        at_stream_limit.push(labels, at_limit as f64);
+        max_streams.push(labels, counters.max_streams as f64);
+    }
 }
 
 /// Joins listen queues to the services that own their sockets. Sockets of unwatched
@@ -412,6 +469,7 @@ mod tests {
             serving_entered: 30,
             serving_left: 25,
             finished: 25,
+            ..ServiceCounters::default()
         }
     }
 
@@ -444,6 +502,51 @@ mod tests {
         assert_eq!(queue_depth(Backend::Socket, &open, 2), (1, 6));
         // A backlog read a moment later than the kernel's counters never goes negative.
         assert_eq!(queue_depth(Backend::Socket, &open, 5), (0, 8));
+    }
+
+    #[test]
+    fn http2_families_only_for_services_with_http2_connections() {
+        let times = RequestTimes::default();
+        let (h2, h1) = (
+            view(1, "grpc", Corrections::default()),
+            view(2, "web", Corrections::default()),
+        );
+        let h2_counters = ServiceCounters {
+            multiplexed: 3,
+            streams_reset: 2,
+            at_limit_entered: 5,
+            at_limit_left: 4,
+            max_streams: 100,
+            ..counters()
+        };
+        let h1_counters = counters();
+        let input = |view, counters| ServiceInput {
+            view,
+            counters,
+            times: &times,
+            window: None,
+            components: [0; COMPONENTS.len()],
+        };
+        let families = service_families(
+            Backend::Socket,
+            &[input(&h2, &h2_counters), input(&h1, &h1_counters)],
+            &BTreeMap::new(),
+            &[],
+            ClassicBuckets::new(OctavesPerBucket::default()),
+        );
+        let text = render(&families, Format::Text);
+        for line in [
+            "poolscope_http2_connections_total{service=\"grpc\"} 3\n",
+            "poolscope_http2_streams_reset_total{service=\"grpc\"} 2\n",
+            "poolscope_http2_connections_at_stream_limit{service=\"grpc\"} 1\n",
+            "poolscope_http2_max_concurrent_streams{service=\"grpc\"} 100\n",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+        assert!(
+            !text.contains("poolscope_http2_connections_total{service=\"web\"}"),
+            "a service without HTTP/2 got HTTP/2 series: {text}"
+        );
     }
 
     #[test]

@@ -375,7 +375,7 @@ impl Targets {
             Phase::Unserved => corrections.unserved += 1,
             Phase::Waiting => corrections.waiting += 1,
             Phase::Serving => corrections.serving += 1,
-            Phase::Responded | Phase::Closing | Phase::Gone => {}
+            Phase::Responded | Phase::Multiplexed | Phase::Closing | Phase::Gone => {}
         }
     }
 

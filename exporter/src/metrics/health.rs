@@ -51,6 +51,11 @@ const PHASE_RETRIES: &str = "phase_retries";
 /// A user stack copy the ring buffer had no room for: the stack keeps its
 /// frame-pointer walk, nothing to change unless it keeps rising.
 const STACK_COPIES: &str = "stack_copies";
+/// HTTP/2 connections no longer followed, by why, and streams not followed.
+const HTTP2_UNPARSABLE: &str = "http2_unparsable";
+const HTTP2_UNREADABLE: &str = "http2_unreadable";
+const HTTP2_FRAME_BOUND: &str = "http2_frame_bound";
+const HTTP2_STREAM_SLOTS: &str = "http2_stream_slots";
 
 /// Every loss path's current count, from the kernel and user space.
 #[derive(Clone, Copy, Debug, Default)]
@@ -89,10 +94,21 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
                 },
                 0,
             ),
+            (
+                LossKind::MapUpdate {
+                    map: maps::H2_CONNS,
+                    errno: LossErrno::Enomem,
+                },
+                0,
+            ),
             (LossKind::Events(PROCESS_EVENTS), 0),
             (LossKind::Events(STACKS_EXPIRED), 0),
             (LossKind::Events(PHASE_RETRIES), 0),
             (LossKind::Events(STACK_COPIES), 0),
+            (LossKind::Events(HTTP2_UNPARSABLE), 0),
+            (LossKind::Events(HTTP2_UNREADABLE), 0),
+            (LossKind::Events(HTTP2_FRAME_BOUND), 0),
+            (LossKind::Events(HTTP2_STREAM_SLOTS), 0),
             (LossKind::SeriesDropped, inputs.series_dropped),
             (LossKind::ServicesRefused, inputs.services_refused),
             (LossKind::ProcessesUnreadable, inputs.processes_unreadable),
@@ -153,6 +169,11 @@ impl LossKind {
             LossSource::OffCpuStacksExpired => Self::Events(STACKS_EXPIRED),
             LossSource::PhaseRetries => Self::Events(PHASE_RETRIES),
             LossSource::StackCopies => Self::Events(STACK_COPIES),
+            LossSource::Http2Unparsable => Self::Events(HTTP2_UNPARSABLE),
+            LossSource::Http2Unreadable => Self::Events(HTTP2_UNREADABLE),
+            LossSource::Http2FrameBound => Self::Events(HTTP2_FRAME_BOUND),
+            LossSource::Http2StreamSlots => Self::Events(HTTP2_STREAM_SLOTS),
+            LossSource::Http2ConnsInsert => map(maps::H2_CONNS),
         }
     }
 
@@ -197,7 +218,7 @@ impl LossKind {
                          (see the README's Limits)"
                     ),
                 },
-                LossErrno::Enomem if *map == maps::SOCK_CONNS => format!(
+                LossErrno::Enomem if *map == maps::SOCK_CONNS || *map == maps::H2_CONNS => format!(
                     "kernel map {map}: a socket had no room for its entry (its option memory, \
                      net.core.optmem_max, or memory pressure)"
                 ),
@@ -225,6 +246,20 @@ impl LossKind {
             Self::Events(STACK_COPIES) => "the stack-copy ring buffer was full: some stacks \
                  keep their frame-pointer walk, without the callers of libraries built without \
                  frame pointers (bursts of new stacks; nothing to change unless it keeps rising)"
+                .to_owned(),
+            Self::Events(HTTP2_UNPARSABLE) => "an HTTP/2 connection's bytes broke the protocol \
+                 (or were not HTTP/2 after a preface): it counts no requests from then on"
+                .to_owned(),
+            Self::Events(HTTP2_UNREADABLE) => "an HTTP/2 frame header was in bytes no user \
+                 buffer held (io_uring, sendfile, splice) or that could not be read: that \
+                 connection counts no requests from then on"
+                .to_owned(),
+            Self::Events(HTTP2_FRAME_BOUND) => "one read or write of an HTTP/2 connection held \
+                 more frames or buffers than a program run follows (512 steps): that \
+                 connection counts no requests from then on"
+                .to_owned(),
+            Self::Events(HTTP2_STREAM_SLOTS) => "an HTTP/2 stream opened while the stream 256 \
+                 ids before it on its connection was still open: that stream is not counted"
                 .to_owned(),
             Self::Events(source) => format!("events lost from {source}"),
             Self::SeriesDropped => {

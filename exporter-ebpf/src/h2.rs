@@ -1,0 +1,708 @@
+//! HTTP/2 over cleartext TCP, socket backend (DESIGN §3): a connection whose first
+//! bytes are the client preface leaves the one-request-at-a-time machine of
+//! `requests.rs` (its `Conn` becomes `Multiplexed`) and is followed here frame by
+//! frame. A request is a stream: it starts when the server reads the client's HEADERS
+//! that open it and ends at the server's END_STREAM (finished) or at an RST_STREAM
+//! from either side, or the connection's end (reset).
+//!
+//! The socket tracepoints carry no buffer: the bytes are read from the syscall's own
+//! buffer, found through the calling thread's saved registers (read, recvfrom,
+//! readv, recvmsg and their write twins, iovecs included). Only frame headers are
+//! read (9 bytes a frame; a payload is skipped by its length, whatever wrote it).
+//! Parse state lives in the socket (`H2_CONNS`) since a header may span reads,
+//! writes and buffers. Where the frame stream cannot be followed (bytes that break
+//! the protocol, a header in a buffer that cannot be read, more frames in one call
+//! than a run follows) the connection stops counting, its open streams leave the
+//! in-flight gauge uncounted, and the reason is counted as a loss: a count known to be
+//! partial, never a wrong one.
+use core::{ffi::c_void, ptr};
+
+use aya_ebpf::{
+    bindings::BPF_SK_STORAGE_GET_F_CREATE,
+    helpers::{
+        bpf_get_current_task_btf,
+        generated::{bpf_loop, bpf_probe_read_user, bpf_sk_storage_get},
+    },
+};
+use poolscope_shared::{
+    CallWalk, Conn, FrameCursor, H2_FRAME_HEADER, H2_PREFACE, H2_STREAM_SLOTS, H2Conn, LossErrno,
+    LossSource, SyscallSlot, h2_stream_slot,
+};
+
+use crate::{
+    abi::SavedRegisters,
+    maps::{H2_CONNS, SYSCALL_SLOTS, count_loss, update_service},
+    requests,
+};
+
+/// Steps one program run takes through a call's bytes: a frame header, a payload
+/// skipped, or a move to the next buffer each. A call that needs more loses the
+/// connection (`Http2FrameBound`): 100 streams answered in one write take ~400.
+const MAX_STEPS: u32 = 2048;
+/// Frame types (RFC 9113 §6).
+const DATA: u8 = 0;
+const HEADERS: u8 = 1;
+const PRIORITY: u8 = 2;
+const RST_STREAM: u8 = 3;
+const SETTINGS: u8 = 4;
+const PING: u8 = 6;
+const GOAWAY: u8 = 7;
+const WINDOW_UPDATE: u8 = 8;
+const END_STREAM: u8 = 0x1;
+const ACK: u8 = 0x1;
+const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
+/// SETTINGS entries read from one frame for `SETTINGS_MAX_CONCURRENT_STREAMS`.
+const MAX_SETTINGS: u32 = 8;
+
+/// Which way bytes go on the connection.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Client to server: reads by the server.
+    Received,
+    /// Server to client: writes by the server.
+    Sent,
+}
+
+/// How a stream ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum End {
+    Finished,
+    Reset,
+}
+
+/// Where a call's bytes are in the caller's memory: one buffer, or an iovec array.
+#[derive(Clone, Copy)]
+struct Source {
+    /// The buffer, or the iovec array.
+    base: u64,
+    /// Buffers in the iovec array; 0 for one buffer.
+    iovecs: u64,
+}
+
+impl Source {
+    /// The source of the syscall the current thread is in, if it is one whose buffer
+    /// holds the socket's bytes.
+    #[inline(always)]
+    fn of_current_call() -> Option<Self> {
+        // SAFETY: the helper returns the current task, typed for the next helper.
+        let task = unsafe { bpf_get_current_task_btf() };
+        let regs = SavedRegisters::of(task.cast())?;
+        let number = u32::try_from(regs.number()).ok()?;
+        let slot = SyscallSlot::from_u32(SYSCALL_SLOTS.get(number).copied()?);
+        match slot {
+            SyscallSlot::Read
+            | SyscallSlot::Recvfrom
+            | SyscallSlot::Write
+            | SyscallSlot::Sendto => Some(Self {
+                base: regs.second_arg(),
+                iovecs: 0,
+            }),
+            SyscallSlot::Readv | SyscallSlot::Writev => Some(Self {
+                base: regs.second_arg(),
+                iovecs: regs.third_arg(),
+            }),
+            SyscallSlot::Recvmsg | SyscallSlot::Sendmsg => {
+                // struct msghdr: msg_iov at 16, msg_iovlen at 24 (64-bit).
+                let header = regs.second_arg();
+                let base: u64 = read_user(header + 16)?;
+                let iovecs: u64 = read_user(header + 24)?;
+                Some(Self { base, iovecs })
+            }
+            // sendfile, splice, io_uring: no user buffer holds the bytes.
+            _ => None,
+        }
+    }
+
+    /// Buffer `index` of the source: its address and length.
+    #[inline(always)]
+    fn buffer(self, index: u64) -> Option<(u64, u64)> {
+        if self.iovecs == 0 {
+            return (index == 0).then_some((self.base, u64::MAX));
+        }
+        if index >= self.iovecs {
+            return None;
+        }
+        // struct iovec: base, length.
+        let iovec: [u64; 2] = read_user(self.base + index * 16)?;
+        Some((iovec[0], iovec[1]))
+    }
+}
+
+/// Reads a `T` from user address `at`.
+#[inline(always)]
+fn read_user<T>(at: u64) -> Option<T> {
+    // SAFETY: the helper checks the read and faults nothing.
+    unsafe { aya_ebpf::helpers::bpf_probe_read_user(at as *const T) }.ok()
+}
+
+/// Copies `len` (≤ 24) bytes from user address `from` to `to`.
+#[inline(always)]
+fn copy_user(to: &mut [u8; 32], len: u32, from: u64) -> bool {
+    // SAFETY: `to` has room for 31 bytes; the helper checks the user read.
+    unsafe { bpf_probe_read_user(to.as_mut_ptr().cast(), len & 31, from as *const c_void) == 0 }
+}
+
+/// Whether the first `len` bytes of `bytes` are the first `len` of the preface.
+#[inline(always)]
+fn preface_prefix(bytes: &[u8; 32], len: u32) -> bool {
+    let mut word = 0;
+    while word < 3 {
+        let at = word * 8;
+        let mut have = [0u8; 8];
+        have.copy_from_slice(&bytes[at..at + 8]);
+        let mut want = [0u8; 8];
+        want.copy_from_slice(&H2_PREFACE[at..at + 8]);
+        let from = at as u32;
+        let mask = if len >= from + 8 {
+            u64::MAX
+        } else if len <= from {
+            0
+        } else {
+            (1u64 << ((len - from) * 8)) - 1
+        };
+        if (u64::from_le_bytes(have) ^ u64::from_le_bytes(want)) & mask != 0 {
+            return false;
+        }
+        word += 1;
+    }
+    true
+}
+
+/// `H2_CONNS` as the helpers take it.
+#[inline(always)]
+fn h2_conns() -> *mut c_void {
+    ptr::from_ref(&H2_CONNS).cast_mut().cast()
+}
+
+/// The state of HTTP/2 connection `sk`, if it has one.
+#[inline(always)]
+fn stored(sk: *const u8) -> Option<&'static mut H2Conn> {
+    // SAFETY: `sk` is the tracepoint's `struct sock *`, as the helper wants it.
+    let h2 = unsafe { bpf_sk_storage_get(h2_conns(), sk.cast_mut().cast(), ptr::null_mut(), 0) };
+    // SAFETY: a live storage value, freed with the socket after every program that
+    // holds it ends.
+    (!h2.is_null()).then(|| unsafe { &mut *h2.cast::<H2Conn>() })
+}
+
+/// The first read of connection `sk` (`Unserved`) returned `len` bytes: if they begin
+/// the client preface, the connection becomes `Multiplexed` and its state is made,
+/// and `true` tells the caller to follow the read here.
+#[inline(never)]
+pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
+    let Some(source) = Source::of_current_call() else {
+        return false;
+    };
+    let Some((base, size)) = source.buffer(0) else {
+        return false;
+    };
+    let mut bytes = [0u8; 32];
+    let len = (len as u32).min(24).min(size.min(24) as u32);
+    if len == 0 || !copy_user(&mut bytes, len, base) || !preface_prefix(&bytes, len) {
+        return false;
+    }
+    // Bytes the server sent before this read (a greeting: its SETTINGS) are skipped.
+    let greeting = conn.end_ns as u32;
+    if !requests::multiplexed(conn) {
+        return false;
+    }
+    // SAFETY: as in `stored`; a NULL value makes the entry zeroed.
+    let h2 = unsafe {
+        bpf_sk_storage_get(
+            h2_conns(),
+            sk.cast_mut().cast(),
+            ptr::null_mut(),
+            BPF_SK_STORAGE_GET_F_CREATE.into(),
+        )
+    };
+    if h2.is_null() {
+        // Multiplexed without a state: it counts no requests, and says so.
+        count_loss(LossSource::Http2ConnsInsert, LossErrno::Enomem);
+        return false;
+    }
+    // SAFETY: as in `stored`.
+    let h2 = unsafe { &mut *h2.cast::<H2Conn>() };
+    h2.recv.preface_left = H2_PREFACE.len() as u32;
+    h2.send.payload_left = greeting;
+    true
+}
+
+/// Request bytes arrived on HTTP/2 connection `sk`.
+#[inline(always)]
+pub fn arrived(sk: *const u8, now: u64) {
+    if let Some(h2) = stored(sk)
+        && h2.arrived_ns == 0
+    {
+        h2.arrived_ns = now;
+    }
+}
+
+/// A read (`Received`) or write (`Sent`) of `len` bytes on HTTP/2 connection `sk` of
+/// `service`.
+#[inline(never)]
+pub fn transferred(sk: *const u8, service: u32, direction: Direction, len: i32, now: u64) {
+    let Some(h2) = stored(sk) else {
+        return;
+    };
+    if h2.lost != 0 {
+        return;
+    }
+    let arrived = h2.arrived_ns;
+    if direction == Direction::Received {
+        h2.arrived_ns = 0;
+    }
+    let moment = Moment {
+        service,
+        now,
+        arrive: if arrived != 0 { arrived } else { now },
+    };
+    if let Err(lost) = follow(h2, direction, len as u32, moment) {
+        lose(h2, service, lost);
+    }
+}
+
+/// HTTP/2 connection `sk` of `service` is gone: its open streams end, reset.
+#[inline(never)]
+pub fn closed(sk: *const u8, service: u32) {
+    let Some(h2) = stored(sk) else {
+        return;
+    };
+    if h2.lost == 0 {
+        end_all(h2, service, true);
+    }
+}
+
+/// The connection can no longer be followed: its open streams leave the gauge
+/// uncounted, and the reason is counted.
+#[inline(always)]
+fn lose(h2: &mut H2Conn, service: u32, lost: LossSource) {
+    // Plus one: 0 is "followed".
+    h2.lost = lost as u32 + 1;
+    end_all(h2, service, false);
+    count_loss(lost, LossErrno::None);
+}
+
+/// Ends every open stream; `reset` counts them as reset.
+#[inline(always)]
+fn end_all(h2: &mut H2Conn, service: u32, reset: bool) {
+    // No branch on what a slot holds: the verifier walks each of the 128 iterations
+    // once, where a count kept here would multiply its states.
+    let mut slot = 0;
+    while slot < H2_STREAM_SLOTS as usize {
+        if let Some(stream) = h2.streams.get_mut(slot) {
+            stream.id = 0;
+        }
+        slot += 1;
+    }
+    let ended = u64::from(h2.open);
+    let was_at_limit = at_limit(h2);
+    h2.open = 0;
+    update_service(service, |c| {
+        c.serving_left += ended;
+        if reset {
+            c.streams_reset += ended;
+        }
+        if was_at_limit {
+            c.at_limit_left += 1;
+        }
+    });
+}
+
+/// What every frame of one call shares.
+struct Moment {
+    service: u32,
+    now: u64,
+    /// When this read's bytes arrived.
+    arrive: u64,
+}
+
+/// The cursor of `direction`.
+#[inline(always)]
+fn cursor(h2: &mut H2Conn, direction: Direction) -> &mut FrameCursor {
+    match direction {
+        Direction::Received => &mut h2.recv,
+        Direction::Sent => &mut h2.send,
+    }
+}
+
+/// Follows `total` bytes of the current call through the frames of `direction`, one
+/// step per `bpf_loop` iteration: the verifier checks a step until its states
+/// converge, where a bounded loop of this body would exceed its budget.
+#[inline(always)]
+fn follow(
+    h2: &mut H2Conn,
+    direction: Direction,
+    total: u32,
+    moment: Moment,
+) -> Result<(), LossSource> {
+    cursor(h2, direction).call = CallWalk {
+        total,
+        done: 0,
+        outcome: GOING,
+        found: 0,
+        source: 0,
+        iovecs: 0,
+        buffer: 0,
+        base: 0,
+        size: 0,
+        at: 0,
+    };
+    let mut walk = Walk {
+        h2,
+        direction,
+        moment,
+    };
+    // SAFETY: `step` has the callback's signature; `walk` outlives the call.
+    unsafe {
+        bpf_loop(
+            MAX_STEPS,
+            step as *mut c_void,
+            ptr::from_mut(&mut walk).cast(),
+            0,
+        );
+    }
+    match cursor(walk.h2, direction).call.outcome {
+        GOING => Err(LossSource::Http2FrameBound),
+        DONE => Ok(()),
+        lost => Err(loss_of(lost - LOST)),
+    }
+}
+
+/// [`CallWalk::outcome`]s.
+const GOING: u32 = 0;
+const DONE: u32 = 1;
+const LOST: u32 = 2;
+
+/// The HTTP/2 loss source numbered `index` (as `LossSource as u32` less the first).
+#[inline(always)]
+fn loss_of(index: u32) -> LossSource {
+    match index {
+        0 => LossSource::Http2Unparsable,
+        1 => LossSource::Http2Unreadable,
+        _ => LossSource::Http2FrameBound,
+    }
+}
+
+/// One call's bytes being walked: what stays the same for every step (the walk's
+/// place is in the connection's cursor).
+struct Walk<'a> {
+    h2: &'a mut H2Conn,
+    direction: Direction,
+    moment: Moment,
+}
+
+/// `bpf_loop`'s callback: one step of the walk; 1 stops the loop.
+extern "C" fn step(_index: u64, walk: *mut c_void) -> i64 {
+    // SAFETY: the `Walk` that `follow` passed, alive for the whole loop.
+    let walk = unsafe { &mut *walk.cast::<Walk<'_>>() };
+    let outcome = match walk.step() {
+        Ok(true) => return 0,
+        Ok(false) => DONE,
+        Err(lost) => LOST + (lost as u32 - LossSource::Http2Unparsable as u32),
+    };
+    cursor(walk.h2, walk.direction).call.outcome = outcome;
+    1
+}
+
+impl Walk<'_> {
+    /// Takes one step: skips a payload, moves to the next buffer, or reads (part of)
+    /// a frame header or the preface and acts on a whole header. `false` once the
+    /// call's bytes are all walked.
+    #[inline(always)]
+    fn step(&mut self) -> Result<bool, LossSource> {
+        let cursor = cursor(self.h2, self.direction);
+        let call = &mut cursor.call;
+        if call.done >= call.total {
+            return Ok(false);
+        }
+        let left = call.total - call.done;
+        // A payload passes by its length: no byte of it is read, so a payload that
+        // no user buffer holds (sendfile) costs nothing.
+        if cursor.payload_left > 0 {
+            let skipped = cursor.payload_left.min(left);
+            cursor.payload_left -= skipped;
+            call.done += skipped;
+            call.at += u64::from(skipped);
+            return Ok(true);
+        }
+        // A header (or the preface) begins here: find the buffer that holds it, one
+        // step per buffer passed.
+        let source = if call.found != 0 {
+            Source {
+                base: call.source,
+                iovecs: call.iovecs,
+            }
+        } else {
+            let found = Source::of_current_call().ok_or(LossSource::Http2Unreadable)?;
+            (call.base, call.size) = found.buffer(0).ok_or(LossSource::Http2Unreadable)?;
+            (call.found, call.source, call.iovecs) = (1, found.base, found.iovecs);
+            found
+        };
+        if call.at >= call.size {
+            call.at -= call.size;
+            call.buffer += 1;
+            (call.base, call.size) = source
+                .buffer(call.buffer)
+                .ok_or(LossSource::Http2Unreadable)?;
+            return Ok(true);
+        }
+        let in_buffer = call.size - call.at;
+        let want = if cursor.preface_left > 0 {
+            cursor.preface_left
+        } else {
+            H2_FRAME_HEADER - cursor.have
+        };
+        // Whole (a header, the preface) in one read of a constant size, else a byte
+        // a step (a header split across buffers or calls: rare): the verifier takes
+        // a helper's size as it is, and one that varied would multiply its states.
+        let from = call.base + call.at;
+        let take = if cursor.have == 0 && want <= left && u64::from(want) <= in_buffer {
+            let read = if want == H2_FRAME_HEADER {
+                read_user::<[u8; H2_FRAME_HEADER as usize]>(from)
+                    .map(|header| cursor.bytes[..9].copy_from_slice(&header))
+            } else {
+                read_user::<[u8; 24]>(from)
+                    .map(|preface| cursor.bytes[..24].copy_from_slice(&preface))
+            };
+            read.ok_or(LossSource::Http2Unreadable)?;
+            want
+        } else {
+            let byte = read_user::<u8>(from).ok_or(LossSource::Http2Unreadable)?;
+            let slot = cursor
+                .bytes
+                .get_mut((cursor.have & 31) as usize)
+                .ok_or(LossSource::Http2Unparsable)?;
+            *slot = byte;
+            1
+        };
+        cursor.have += take;
+        call.done += take;
+        call.at += u64::from(take);
+        if cursor.preface_left > 0 {
+            cursor.preface_left -= take;
+            if !preface_prefix(&cursor.bytes, cursor.have) {
+                return Err(LossSource::Http2Unparsable);
+            }
+            if cursor.preface_left == 0 {
+                cursor.have = 0;
+            }
+            return Ok(true);
+        }
+        if cursor.have < H2_FRAME_HEADER {
+            return Ok(true);
+        }
+        cursor.have = 0;
+        let frame = Frame::of(&cursor.bytes);
+        if !frame.well_formed(cursor.frames == 0) {
+            return Err(LossSource::Http2Unparsable);
+        }
+        cursor.frames = cursor.frames.saturating_add(1);
+        cursor.payload_left = frame.length;
+        // The payload of the server's SETTINGS (its stream limit) and GOAWAY (the
+        // last stream it processes), where it is whole in this buffer: nearly
+        // always, a small frame.
+        let payload_at = (frame.length <= call.total - call.done
+            && u64::from(frame.length) <= call.size - call.at)
+            .then_some(call.base + call.at);
+        match self.direction {
+            Direction::Received => received(self.h2, &frame, &self.moment),
+            Direction::Sent => {
+                match (frame.kind, payload_at) {
+                    (SETTINGS, Some(at)) if frame.flags & ACK == 0 => {
+                        settings(self.h2, at, frame.length, self.moment.service);
+                    }
+                    (GOAWAY, Some(at)) => goaway(self.h2, at, self.moment.service),
+                    _ => {}
+                }
+                sent(self.h2, &frame, &self.moment);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// A frame header.
+struct Frame {
+    length: u32,
+    kind: u8,
+    flags: u8,
+    stream: u32,
+}
+
+impl Frame {
+    #[inline(always)]
+    fn of(bytes: &[u8; 32]) -> Self {
+        Self {
+            length: u32::from(bytes[0]) << 16 | u32::from(bytes[1]) << 8 | u32::from(bytes[2]),
+            kind: bytes[3],
+            flags: bytes[4],
+            stream: u32::from_be_bytes([bytes[5], bytes[6], bytes[7], bytes[8]]) & 0x7fff_ffff,
+        }
+    }
+
+    /// Whether the frame is one a peer may send (RFC 9113 §6): the first of each side
+    /// is SETTINGS, and each type has its stream and size rules. Bytes that break them
+    /// are not HTTP/2 (or no longer in step): the connection is not followed further.
+    #[inline(always)]
+    fn well_formed(&self, first: bool) -> bool {
+        if first && self.kind != SETTINGS {
+            return false;
+        }
+        match self.kind {
+            DATA | HEADERS => self.stream != 0,
+            PRIORITY => self.stream != 0 && self.length == 5,
+            RST_STREAM => self.stream != 0 && self.length == 4,
+            SETTINGS => self.stream == 0 && self.length.is_multiple_of(6),
+            PING => self.stream == 0 && self.length == 8,
+            GOAWAY => self.stream == 0 && self.length >= 8,
+            WINDOW_UPDATE => self.length == 4,
+            // PUSH_PROMISE, CONTINUATION, and extension types, which peers ignore.
+            _ => true,
+        }
+    }
+}
+
+/// A frame the client sent.
+#[inline(always)]
+fn received(h2: &mut H2Conn, frame: &Frame, moment: &Moment) {
+    match frame.kind {
+        // A HEADERS frame on a new (higher, odd) client stream id opens a stream; on
+        // an open one it carries trailers.
+        HEADERS if frame.stream & 1 == 1 && frame.stream > h2.last_stream => {
+            h2.last_stream = frame.stream;
+            // After the server's GOAWAY, streams above its last id are not processed.
+            if h2.goaway == 0 || frame.stream < h2.goaway {
+                open(h2, frame.stream, moment);
+            }
+        }
+        RST_STREAM => end(h2, frame.stream, End::Reset, moment),
+        _ => {}
+    }
+}
+
+/// A frame the server sent.
+#[inline(always)]
+fn sent(h2: &mut H2Conn, frame: &Frame, moment: &Moment) {
+    match frame.kind {
+        DATA | HEADERS if frame.flags & END_STREAM != 0 => {
+            end(h2, frame.stream, End::Finished, moment);
+        }
+        RST_STREAM => end(h2, frame.stream, End::Reset, moment),
+        _ => {}
+    }
+}
+
+/// Client stream `id` opens.
+#[inline(always)]
+fn open(h2: &mut H2Conn, id: u32, moment: &Moment) {
+    let Some(stream) = h2.streams.get_mut(h2_stream_slot(id)) else {
+        return;
+    };
+    if stream.id != 0 {
+        count_loss(LossSource::Http2StreamSlots, LossErrno::None);
+        return;
+    }
+    stream.id = id;
+    stream.arrive_ns = moment.arrive;
+    stream.start_ns = moment.now;
+    let was_at_limit = at_limit(h2);
+    h2.open += 1;
+    let reaches_limit = !was_at_limit && at_limit(h2);
+    update_service(moment.service, |c| {
+        c.serving_entered += 1;
+        if reaches_limit {
+            c.at_limit_entered += 1;
+        }
+    });
+}
+
+/// Stream `id` ends; nothing if it is not open (a server push, one not followed).
+#[inline(always)]
+fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) {
+    let Some(stream) = h2.streams.get_mut(h2_stream_slot(id)) else {
+        return;
+    };
+    if stream.id != id || id == 0 {
+        return;
+    }
+    stream.id = 0;
+    let (arrive, start) = (stream.arrive_ns, stream.start_ns);
+    let was_at_limit = at_limit(h2);
+    h2.open = h2.open.saturating_sub(1);
+    let leaves_limit = was_at_limit && !at_limit(h2);
+    update_service(moment.service, |c| {
+        c.serving_left += 1;
+        if leaves_limit {
+            c.at_limit_left += 1;
+        }
+        if how == End::Reset {
+            c.streams_reset += 1;
+        }
+    });
+    if how == End::Finished {
+        requests::record(moment.service, arrive, start, moment.now);
+    }
+}
+
+/// Whether the connection holds as many open streams as the server allows: its
+/// client queues any more on its own side.
+#[inline(always)]
+fn at_limit(h2: &H2Conn) -> bool {
+    h2.max_streams != 0 && h2.open >= h2.max_streams
+}
+
+/// The server's GOAWAY, its payload at user address `at`: the open streams above its
+/// last stream id will not be processed, and end (reset).
+#[inline(never)]
+fn goaway(h2: &mut H2Conn, at: u64, service: u32) {
+    let Some(last) = read_user::<[u8; 4]>(at) else {
+        return;
+    };
+    let last = u32::from_be_bytes(last) & 0x7fff_ffff;
+    h2.goaway = last.saturating_add(1);
+    let mut slot = 0;
+    while slot < H2_STREAM_SLOTS as usize {
+        if let Some(stream) = h2.streams.get_mut(slot)
+            && stream.id > last
+        {
+            stream.id = 0;
+            let was_at_limit = at_limit(h2);
+            h2.open = h2.open.saturating_sub(1);
+            let leaves_limit = was_at_limit && !at_limit(h2);
+            update_service(service, |c| {
+                c.serving_left += 1;
+                c.streams_reset += 1;
+                if leaves_limit {
+                    c.at_limit_left += 1;
+                }
+            });
+        }
+        slot += 1;
+    }
+}
+
+/// Reads the server's SETTINGS payload of `length` bytes at user address `at` for
+/// its stream limit.
+#[inline(never)]
+fn settings(h2: &mut H2Conn, at: u64, length: u32, service: u32) {
+    let mut entry = 0;
+    while entry < MAX_SETTINGS && entry * 6 < length {
+        let Some(setting) = read_user::<[u8; 6]>(at + u64::from(entry) * 6) else {
+            return;
+        };
+        if u16::from_be_bytes([setting[0], setting[1]]) == SETTINGS_MAX_CONCURRENT_STREAMS {
+            let limit = u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]]);
+            let was_at_limit = at_limit(h2);
+            h2.max_streams = limit;
+            let is_at_limit = at_limit(h2);
+            update_service(service, |c| {
+                c.max_streams = c.max_streams.max(u64::from(limit));
+                match (was_at_limit, is_at_limit) {
+                    (false, true) => c.at_limit_entered += 1,
+                    (true, false) => c.at_limit_left += 1,
+                    _ => {}
+                }
+            });
+        }
+        entry += 1;
+    }
+}
