@@ -48,6 +48,7 @@ const SETTINGS: u8 = 4;
 const PING: u8 = 6;
 const GOAWAY: u8 = 7;
 const WINDOW_UPDATE: u8 = 8;
+const CONTINUATION: u8 = 9;
 const END_STREAM: u8 = 0x1;
 const ACK: u8 = 0x1;
 const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
@@ -200,8 +201,10 @@ pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
     if len == 0 || !copy_user(&mut bytes, len, base) || !preface_prefix(&bytes, len) {
         return false;
     }
-    // Bytes the server sent before this read (a greeting: its SETTINGS) are skipped.
-    let greeting = conn.end_ns as u32;
+    // Bytes the server sent before this read: a greeting (gRPC sends its SETTINGS at
+    // accept). They went by before the walk begins, so the server's next frame need
+    // not be SETTINGS.
+    let greeting = conn.end_ns;
     if !requests::multiplexed(conn) {
         return false;
     }
@@ -222,7 +225,35 @@ pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
     // SAFETY: as in `stored`.
     let h2 = unsafe { &mut *h2.cast::<H2Conn>() };
     h2.recv.preface_left = H2_PREFACE.len() as u32;
-    h2.send.payload_left = greeting;
+    h2.send.frames = u32::from(greeting != 0);
+    true
+}
+
+/// The first read or write (`len` bytes) of connection `conn`, adopted open
+/// ([`Conn::ADOPTED`]): if its bytes are HTTP/2 (a frame header: a length under 64
+/// KiB, a known type; text protocols and TLS never start so), it becomes
+/// `Multiplexed` and counts nothing, since where its frames begin and which streams
+/// are open is unknown (`Http2Adopted`). `true` if so; checked once.
+#[inline(never)]
+pub fn adopted_mid_stream(conn: &mut Conn, len: i32) -> bool {
+    conn.owner_since_ns = 0;
+    if len < H2_FRAME_HEADER as i32 {
+        return false;
+    }
+    let Some((base, _)) = Source::of_current_call().and_then(|source| source.buffer(0)) else {
+        return false;
+    };
+    let Some(header) = read_user::<[u8; H2_FRAME_HEADER as usize]>(base) else {
+        return false;
+    };
+    let frame_like = header[0] == 0 && header[3] <= CONTINUATION && header[5] & 0x80 == 0;
+    let mut bytes = [0u8; 32];
+    bytes[..9].copy_from_slice(&header);
+    let preface = preface_prefix(&bytes, H2_FRAME_HEADER);
+    if !(frame_like || preface) || !requests::multiplexed(conn) {
+        return false;
+    }
+    count_loss(LossSource::Http2Adopted, LossErrno::None);
     true
 }
 

@@ -185,19 +185,33 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
     });
 }
 
-/// The first bytes of connection `conn` (`Unserved`) are the HTTP/2 client preface:
-/// it leaves this machine, and `h2.rs` follows its streams. `false` if another
-/// event moved it first.
+/// Connection `conn` carries HTTP/2: it leaves this machine, and `h2.rs` follows its
+/// streams (or, adopted mid-stream, counts none). It leaves the gauge it is in: a new
+/// connection's first bytes are the preface (`Unserved`); an adopted one may be
+/// waiting or between requests. `false` if it is in no phase that can carry HTTP/2's
+/// first bytes, or another CPU moved it meanwhile.
 #[inline(always)]
 pub fn multiplexed(conn: &mut Conn) -> bool {
-    if advance(conn, Phase::Unserved, Phase::Multiplexed).is_err() {
-        return false;
-    }
-    update_service(conn.service, |c| {
-        c.unserved_left += 1;
-        c.multiplexed += 1;
+    let mut moved = false;
+    apply(conn, |conn, phase| {
+        match phase {
+            Phase::Unserved | Phase::Waiting | Phase::Responded => {
+                advance(conn, phase, Phase::Multiplexed)?;
+                moved = true;
+                update_service(conn.service, |c| {
+                    match phase {
+                        Phase::Unserved => c.unserved_left += 1,
+                        Phase::Waiting => c.waiting_left += 1,
+                        _ => {}
+                    }
+                    c.multiplexed += 1;
+                });
+            }
+            _ => {}
+        }
+        Ok(())
     });
-    true
+    moved
 }
 
 /// The fields of a request that starts being served at `now`, once its phase is
@@ -219,8 +233,8 @@ pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
     apply(conn, |conn, phase| {
         match phase {
             // Bytes sent before any request (a greeting) are not a response; they
-            // are counted in `end_ns`, unused until a request starts, so that an
-            // HTTP/2 connection's frames are followed from after them (`h2.rs`).
+            // are counted in `end_ns`, unused until a request starts: an HTTP/2
+            // server's first frame (SETTINGS) may be among them (`h2.rs`).
             Phase::Unserved => atomic_add(&mut conn.end_ns, u64::from(bytes)),
             Phase::Serving => {
                 advance(conn, phase, Phase::Responded)?;

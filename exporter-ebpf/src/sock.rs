@@ -357,6 +357,7 @@ pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
             Phase::Unserved if h2::opens(sk, conn, ret) => {
                 h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
             }
+            _ if conn.owner_since_ns == Conn::ADOPTED && h2::adopted_mid_stream(conn, ret) => {}
             _ => requests::read(conn, now_ns(), Arrivals::Seen),
         }
     }
@@ -376,7 +377,7 @@ pub fn sock_send(ctx: BtfTracePointContext) -> i32 {
         let conn = unsafe { &mut *conn };
         if phase(conn) == Phase::Multiplexed {
             h2::transferred(sk, conn.service, Direction::Sent, ret, now_ns());
-        } else {
+        } else if conn.owner_since_ns != Conn::ADOPTED || !h2::adopted_mid_stream(conn, ret) {
             requests::wrote(conn, now_ns(), ret as u32);
         }
     }

@@ -76,7 +76,9 @@ pub struct Conn {
     /// [`Phase`] as u32.
     pub phase: u32,
     /// Syscall backend: [`Watched::since_ns`] of the owning process when the entry was
-    /// made; an entry whose owner no longer matches is stale. 0 in the socket backend.
+    /// made; an entry whose owner no longer matches is stale. Socket backend:
+    /// [`Conn::ADOPTED`] for a connection adopted open, until its first read or write
+    /// tells whether it carries HTTP/2 mid-stream; else 0.
     pub owner_since_ns: u64,
     /// When the current request arrived (handshake, bytes queued, or first read when
     /// the arrival is not seen).
@@ -95,6 +97,11 @@ pub struct Conn {
     /// Socket backend: the service's epoch ([`maps::SERVICE_EPOCHS`]) when the
     /// connection was claimed; 0 in the syscall backend.
     pub epoch: u32,
+}
+
+impl Conn {
+    /// [`Conn::owner_since_ns`] of a connection adopted open (socket backend).
+    pub const ADOPTED: u64 = u64::MAX;
 }
 
 /// Value of [`maps::PENDING_CALLS`].

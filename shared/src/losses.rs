@@ -67,11 +67,15 @@ pub enum LossSource {
     /// An HTTP/2 connection's state could not be stored in its socket (the socket's
     /// memory limit): it counts no requests.
     Http2ConnsInsert,
+    /// A connection adopted open (before its service was watched) turned out to
+    /// carry HTTP/2 mid-stream: where its frames begin and which streams are open is
+    /// unknown, so it counts no requests.
+    Http2Adopted,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 20;
-    pub const ALL: [LossSource; 20] = [
+    pub const COUNT: u32 = 21;
+    pub const ALL: [LossSource; 21] = [
         Self::ConnsInsert,
         Self::SockConnsInsert,
         Self::PendingCallsInsert,
@@ -92,6 +96,7 @@ impl LossSource {
         Self::Http2FrameBound,
         Self::Http2StreamSlots,
         Self::Http2ConnsInsert,
+        Self::Http2Adopted,
     ];
 }
 

@@ -8,8 +8,8 @@
 //! stops the server and every process it started.
 //!
 //! Keep-alive is each server's default: nginx closes a connection after 1000
-//! requests, Tomcat after 100, the gunicorn sync worker after every request (it does
-//! not do keep-alive), gthread, Node.js and Go keep it open.
+//! requests (`nginx-h2c`: never), Tomcat after 100, the gunicorn sync worker after
+//! every request (it does not do keep-alive), gthread, Node.js and Go keep it open.
 use std::{
     collections::HashMap,
     fs,
@@ -43,6 +43,17 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 pub enum Kind {
     /// nginx: master + 1 worker, static file with sendfile.
     Nginx,
+    /// The same nginx speaking cleartext HTTP/2 with prior knowledge (h2c, `listen
+    /// PORT http2`) on its port, and HTTP/1.1 on [`RealServer::http1_port`] in the
+    /// same server block: nginx 1.22 (Debian 12) answers an HTTP/1.1 request on an
+    /// `http2` listener with a GOAWAY, so one port cannot serve both. No limit on
+    /// requests per connection (`keepalive_requests`, which HTTP/2 uses too), and
+    /// `/reset` answers with a stream reset (`return 444`: RST_STREAM
+    /// INTERNAL_ERROR, the connection stays). No sendfile: with it, nginx 1.22 sends a
+    /// response's file data in a write of its own after the HEADERS frame's, which
+    /// Nagle holds until the client's delayed ACK: 44 ms per request with one stream
+    /// per connection, against 25 µs without (measured with h2load).
+    NginxH2c,
     /// Tomcat 10 (one JVM, NIO connector, default servlet serving a static file).
     Tomcat,
     /// gunicorn arbiter + 2 sync workers (one request at a time each).
@@ -58,6 +69,7 @@ pub enum Kind {
 impl Kind {
     pub const ALL: &[Kind] = &[
         Kind::Nginx,
+        Kind::NginxH2c,
         Kind::Tomcat,
         Kind::GunicornSync,
         Kind::GunicornGthread,
@@ -68,6 +80,7 @@ impl Kind {
     pub fn name(&self) -> &'static str {
         match self {
             Kind::Nginx => "nginx",
+            Kind::NginxH2c => "nginx-h2c",
             Kind::Tomcat => "tomcat",
             Kind::GunicornSync => "gunicorn-sync",
             Kind::GunicornGthread => "gunicorn-gthread",
@@ -79,7 +92,7 @@ impl Kind {
     /// Processes the server runs once it is up (master + workers).
     fn processes(self) -> usize {
         match self {
-            Kind::Nginx | Kind::GunicornGthread => 2,
+            Kind::Nginx | Kind::NginxH2c | Kind::GunicornGthread => 2,
             Kind::GunicornSync => 3,
             Kind::Tomcat | Kind::Node | Kind::Go => 1,
         }
@@ -120,6 +133,8 @@ pub struct Options {
 pub struct RealServer {
     kind: Kind,
     port: u16,
+    /// `nginx-h2c`'s HTTP/1.1 port.
+    http1_port: Option<u16>,
     child: Child,
     dir: tempfile::TempDir,
 }
@@ -139,8 +154,13 @@ impl RealServer {
         let dir = tempfile::tempdir()?;
         // nginx workers run as nobody and read the file from here.
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755))?;
+        let http1_port = match kind {
+            Kind::NginxH2c => Some(crate::free_port()?),
+            _ => None,
+        };
         let mut command = match kind {
-            Kind::Nginx => nginx(dir.path(), port)?,
+            Kind::Nginx => nginx(dir.path(), port, None)?,
+            Kind::NginxH2c => nginx(dir.path(), port, http1_port)?,
             Kind::Tomcat => tomcat(dir.path(), port, options)?,
             Kind::GunicornSync => gunicorn(dir.path(), port, &["--workers", "2"], options.work)?,
             Kind::GunicornGthread => gunicorn(
@@ -170,12 +190,13 @@ impl RealServer {
         let mut server = Self {
             kind,
             port,
+            http1_port,
             child,
             dir,
         };
         let ready = wait_until(kind.startup_timeout(), || {
             !matches!(server.child.try_wait(), Ok(None))
-                || (get_body(port).is_ok_and(|body| body == BODY)
+                || (server.answer().is_ok_and(|body| body == BODY)
                     && server.pids().len() >= kind.processes())
         });
         if let Some(status) = server.child.try_wait()? {
@@ -186,7 +207,7 @@ impl RealServer {
             );
         }
         if !ready {
-            let answer = match get_body(port) {
+            let answer = match server.answer() {
                 Ok(body) => format!("answered {body:?}"),
                 Err(error) => format!("{error:#}"),
             };
@@ -207,6 +228,23 @@ impl RealServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// `nginx-h2c`'s HTTP/1.1 port (None for the other kinds).
+    pub fn http1_port(&self) -> Option<u16> {
+        self.http1_port
+    }
+
+    /// The readiness check: the body of `GET /` over HTTP/1.1; for `nginx-h2c`, on
+    /// its HTTP/1.1 port once its h2c port answered one request.
+    fn answer(&self) -> anyhow::Result<String> {
+        match self.http1_port {
+            Some(http1_port) => {
+                crate::http2::h2c_answers(self.port)?;
+                get_body(http1_port)
+            }
+            None => get_body(self.port),
+        }
     }
 
     /// The spawned process and all its descendants (master and workers), sorted.
@@ -334,9 +372,23 @@ fn write(dir: &Path, name: &str, contents: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-fn nginx(dir: &Path, port: u16) -> anyhow::Result<Command> {
+/// nginx's config: HTTP/1.1 on `port`; or with `http1_port`, cleartext HTTP/2 on
+/// `port` and HTTP/1.1 on `http1_port` (see [`Kind::NginxH2c`]).
+fn nginx(dir: &Path, port: u16, http1_port: Option<u16>) -> anyhow::Result<Command> {
     write(dir, "www/index.txt", BODY)?;
     let d = dir.display();
+    let (listen, h2c) = match http1_port {
+        None => (format!("listen 127.0.0.1:{port};"), ""),
+        Some(http1_port) => (
+            format!("listen 127.0.0.1:{port} http2;\n        listen 127.0.0.1:{http1_port};"),
+            "    keepalive_requests 1000000000;
+        sendfile off;
+        location = /reset {
+            return 444;
+        }
+    ",
+        ),
+    };
     let config = write(
         dir,
         "nginx.conf",
@@ -360,12 +412,12 @@ http {{
     uwsgi_temp_path {d}/tmp/uwsgi;
     scgi_temp_path {d}/tmp/scgi;
     server {{
-        listen 127.0.0.1:{port};
+        {listen}
         root {d}/www;
         location = / {{
             try_files /index.txt =404;
         }}
-    }}
+    {h2c}}}
 }}
 "
         ),
@@ -849,7 +901,7 @@ pub fn wrk_path(
 }
 
 /// A wrk time: a number and a unit (us, ms, s, m, h).
-fn parse_time(text: &str) -> anyhow::Result<Duration> {
+pub(crate) fn parse_time(text: &str) -> anyhow::Result<Duration> {
     let split = text
         .find(|c: char| c.is_ascii_alphabetic())
         .with_context(|| format!("no unit in {text:?}"))?;

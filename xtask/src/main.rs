@@ -52,6 +52,12 @@ const TEST_PACKAGES: &[&str] = &[
     "gcc",
     "libcurl4-openssl-dev",
     "default-jdk-headless",
+    // tests/tests/http2.rs: h2load drives nginx over cleartext HTTP/2 and counts what
+    // succeeded; the gRPC server and client (grpcio) and the raw HTTP/2 clients that
+    // reset, cut up or garble frames (h2) run under Debian's /usr/bin/python3.
+    "nghttp2-client",
+    "python3-grpcio",
+    "python3-h2",
 ];
 
 fn main() -> anyhow::Result<()> {

@@ -170,7 +170,7 @@ impl WatchTable for Kernel {
                 phase: phase as u32,
                 owner_since_ns: match self.backend {
                     Backend::Syscall => since_ns,
-                    Backend::Socket => 0,
+                    Backend::Socket => Conn::ADOPTED,
                 },
                 arrive_ns: now_ns,
                 start_ns: 0,

@@ -56,6 +56,7 @@ const HTTP2_UNPARSABLE: &str = "http2_unparsable";
 const HTTP2_UNREADABLE: &str = "http2_unreadable";
 const HTTP2_FRAME_BOUND: &str = "http2_frame_bound";
 const HTTP2_STREAM_SLOTS: &str = "http2_stream_slots";
+const HTTP2_ADOPTED: &str = "http2_adopted";
 
 /// Every loss path's current count, from the kernel and user space.
 #[derive(Clone, Copy, Debug, Default)]
@@ -109,6 +110,7 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
             (LossKind::Events(HTTP2_UNREADABLE), 0),
             (LossKind::Events(HTTP2_FRAME_BOUND), 0),
             (LossKind::Events(HTTP2_STREAM_SLOTS), 0),
+            (LossKind::Events(HTTP2_ADOPTED), 0),
             (LossKind::SeriesDropped, inputs.series_dropped),
             (LossKind::ServicesRefused, inputs.services_refused),
             (LossKind::ProcessesUnreadable, inputs.processes_unreadable),
@@ -174,6 +176,7 @@ impl LossKind {
             LossSource::Http2FrameBound => Self::Events(HTTP2_FRAME_BOUND),
             LossSource::Http2StreamSlots => Self::Events(HTTP2_STREAM_SLOTS),
             LossSource::Http2ConnsInsert => map(maps::H2_CONNS),
+            LossSource::Http2Adopted => Self::Events(HTTP2_ADOPTED),
         }
     }
 
@@ -260,6 +263,10 @@ impl LossKind {
                 .to_owned(),
             Self::Events(HTTP2_STREAM_SLOTS) => "an HTTP/2 stream opened while the stream 256 \
                  ids before it on its connection was still open: that stream is not counted"
+                .to_owned(),
+            Self::Events(HTTP2_ADOPTED) => "a connection open before its service was watched \
+                 (a restart, a reload) carries HTTP/2 mid-stream: it counts no requests; new \
+                 connections do"
                 .to_owned(),
             Self::Events(source) => format!("events lost from {source}"),
             Self::SeriesDropped => {

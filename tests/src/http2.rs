@@ -1,0 +1,566 @@
+//! Cleartext HTTP/2 (h2c, prior knowledge) for tests/tests/http2.rs, each side with
+//! its own count of what it did, the truth the tests compare poolscope's with:
+//! - [`h2load`] (nghttp2-client) and its report ([`H2Load`]): requests that succeeded,
+//!   failed (a stream reset), its mean time per request;
+//! - [`GrpcServer`] and [`GrpcClient`]: tests/http2/grpc_server.py and grpc_client.py
+//!   (grpcio, no generated code), a thread pool of W workers and a closed loop of C
+//!   calls in flight on one channel, which reports its calls and their latencies;
+//! - [`h2raw`] and [`OldConnection`]: tests/http2/h2raw.py, the `h2` library's bytes
+//!   on a raw socket (resets, closes under open streams, hostile input, a connection
+//!   older than poolscope), which reports the streams the server answered.
+//!
+//! The Python scripts run under Debian's `/usr/bin/python3`, the interpreter that
+//! python3-grpcio and python3-h2 install for (a `python3` earlier on PATH, pyenv's,
+//! has neither).
+use std::{
+    net::TcpStream,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::{Program, servers::parse_time, wait_until};
+
+/// Debian's interpreter, which has python3-grpcio and python3-h2.
+pub const PYTHON: &str = "/usr/bin/python3";
+
+fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("http2")
+        .join(name)
+}
+
+/// What h2load reported.
+#[derive(Clone, Debug, PartialEq)]
+pub struct H2Load {
+    /// `Application protocol:` (`h2c`, or `http/1.1` with `--h1`).
+    pub protocol: String,
+    pub total: u64,
+    pub done: u64,
+    /// Requests answered in full (the response's END_STREAM).
+    pub succeeded: u64,
+    /// Requests that did not succeed: `errored` (a stream reset, a connection lost)
+    /// plus `timeout`.
+    pub failed: u64,
+    pub errored: u64,
+    pub timeout: u64,
+    /// Responses with a 2xx status.
+    pub status_2xx: u64,
+    /// `time for request` mean: from the request's HEADERS sent to its last byte.
+    pub mean_request: Duration,
+    /// `finished in`.
+    pub seconds: f64,
+}
+
+/// Runs `h2load -n requests -c clients -m streams` (cleartext HTTP/2 with prior
+/// knowledge: h2load's default for `http://`) against 127.0.0.1:`port` + `path`,
+/// pinned to the last CPU as `servers::wrk` is.
+pub fn h2load(
+    port: u16,
+    path: &str,
+    requests: u64,
+    clients: u32,
+    streams: u32,
+) -> anyhow::Result<H2Load> {
+    run_h2load(&[
+        format!("-n{requests}"),
+        format!("-c{clients}"),
+        format!("-m{streams}"),
+        format!("http://127.0.0.1:{port}{path}"),
+    ])
+}
+
+/// [`h2load`] over HTTP/1.1 (`--h1`: one request at a time per connection).
+pub fn h2load_h1(port: u16, path: &str, requests: u64, clients: u32) -> anyhow::Result<H2Load> {
+    run_h2load(&[
+        "--h1".to_owned(),
+        format!("-n{requests}"),
+        format!("-c{clients}"),
+        format!("http://127.0.0.1:{port}{path}"),
+    ])
+}
+
+fn run_h2load(args: &[String]) -> anyhow::Result<H2Load> {
+    let last_cpu = std::thread::available_parallelism().map_or(0, |n| n.get() - 1);
+    let output = Command::new("taskset")
+        .arg("-c")
+        .arg(last_cpu.to_string())
+        .arg("h2load")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .context("running h2load (Debian package nghttp2-client)")?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!(
+            "h2load {} failed ({}):\n{stdout}{}",
+            args.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    parse_h2load(&stdout).with_context(|| format!("parsing h2load's output:\n{stdout}"))
+}
+
+/// Whether an h2c server on 127.0.0.1:`port` answers one `GET /` with a 2xx (the
+/// readiness check of `servers::Kind::NginxH2c`).
+pub fn h2c_answers(port: u16) -> anyhow::Result<()> {
+    let result = h2load(port, "/", 1, 1, 1)?;
+    anyhow::ensure!(
+        result.protocol == "h2c" && result.succeeded == 1 && result.status_2xx == 1,
+        "GET / over h2c: {result:?}"
+    );
+    Ok(())
+}
+
+/// The number before `word` in `text` (`4000 succeeded`).
+fn count_before(text: &str, word: &str) -> anyhow::Result<u64> {
+    let words: Vec<&str> = text.split([' ', ',']).filter(|w| !w.is_empty()).collect();
+    let index = words
+        .iter()
+        .position(|w| *w == word)
+        .with_context(|| format!("no {word:?} in {text:?}"))?;
+    let number = index
+        .checked_sub(1)
+        .and_then(|i| words.get(i))
+        .with_context(|| format!("nothing before {word:?} in {text:?}"))?;
+    number
+        .parse()
+        .with_context(|| format!("{number:?} before {word:?} in {text:?}"))
+}
+
+/// Parses h2load's report.
+pub fn parse_h2load(output: &str) -> anyhow::Result<H2Load> {
+    let mut protocol = None;
+    let mut requests = None;
+    let mut status_2xx = None;
+    let mut mean_request = None;
+    let mut seconds = None;
+    for line in output.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("Application protocol:") {
+            protocol = Some(rest.trim().to_owned());
+        } else if let Some(rest) = line.strip_prefix("requests:") {
+            requests = Some((
+                count_before(rest, "total")?,
+                count_before(rest, "done")?,
+                count_before(rest, "succeeded")?,
+                count_before(rest, "failed")?,
+                count_before(rest, "errored")?,
+                count_before(rest, "timeout")?,
+            ));
+        } else if let Some(rest) = line.strip_prefix("status codes:") {
+            status_2xx = Some(count_before(rest, "2xx")?);
+        } else if let Some(rest) = line.strip_prefix("time for request:") {
+            // min max mean sd +/-sd
+            let mean = rest
+                .split_whitespace()
+                .nth(2)
+                .with_context(|| format!("no mean in {line:?}"))?;
+            mean_request = Some(parse_time(mean)?);
+        } else if let Some(rest) = line.strip_prefix("finished in") {
+            let time = rest
+                .split(',')
+                .next()
+                .with_context(|| format!("no time in {line:?}"))?;
+            seconds = Some(parse_time(time.trim())?.as_secs_f64());
+        }
+    }
+    let (total, done, succeeded, failed, errored, timeout) =
+        requests.context("no \"requests:\" line")?;
+    Ok(H2Load {
+        protocol: protocol.context("no \"Application protocol:\" line")?,
+        total,
+        done,
+        succeeded,
+        failed,
+        errored,
+        timeout,
+        status_2xx: status_2xx.context("no \"status codes:\" line")?,
+        mean_request: mean_request.context("no \"time for request:\" line")?,
+        seconds: seconds.context("no \"finished in\" line")?,
+    })
+}
+
+/// The gRPC server of tests/http2/grpc_server.py: a ThreadPoolExecutor of `workers`
+/// on 127.0.0.1; killed when dropped.
+pub struct GrpcServer {
+    program: Program,
+    pub port: u16,
+}
+
+/// The calls each method of [`GrpcServer`] ran to their end (the handler returned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrpcServed {
+    pub sleep: u64,
+    pub stream: u64,
+    pub abort: u64,
+}
+
+impl GrpcServer {
+    /// Starts it and waits until its port accepts connections.
+    pub fn start(workers: u32) -> anyhow::Result<Self> {
+        let script = script("grpc_server.py");
+        let mut program = Program::start_path(
+            Path::new(PYTHON),
+            &[script.display().to_string(), workers.to_string()],
+        )
+        .context("starting the gRPC server (Debian package python3-grpcio)")?;
+        let port: u16 = program
+            .line("port")
+            .context("the gRPC server did not start (is python3-grpcio installed?)")?
+            .parse()
+            .context("the gRPC server's port")?;
+        let accepting = wait_until(Duration::from_secs(10), || {
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        anyhow::ensure!(accepting, "the gRPC server does not accept on port {port}");
+        Ok(Self { program, port })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.program.pid()
+    }
+
+    /// Stops it (closes its stdin: it stops with a grace period) and returns its
+    /// counts.
+    pub fn finish(mut self) -> anyhow::Result<GrpcServed> {
+        let line = self.program.finish("served")?;
+        let numbers: Vec<u64> = line
+            .split_whitespace()
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .with_context(|| format!("the gRPC server said \"served {line}\""))?;
+        let [sleep, stream, abort] = numbers[..] else {
+            bail!("the gRPC server said \"served {line}\"");
+        };
+        Ok(GrpcServed {
+            sleep,
+            stream,
+            abort,
+        })
+    }
+}
+
+/// How long a [`GrpcClient`] runs.
+#[derive(Clone, Copy, Debug)]
+pub enum Amount {
+    /// New calls start for this long; those in flight then finish.
+    Seconds(u64),
+    /// Exactly this many calls.
+    Calls(u64),
+}
+
+/// What grpc_client.py reported.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GrpcResult {
+    /// Calls the server ended with a status (OK, or Abort's INVALID_ARGUMENT): each
+    /// one stream the server ended with END_STREAM.
+    pub completed: u64,
+    /// Of those, the ones with OK.
+    pub ok: u64,
+    /// Calls that ended otherwise (client-side errors).
+    pub failed: u64,
+    /// Response messages received.
+    pub messages: u64,
+    /// The sum of the completed calls' latencies, seconds.
+    pub latency_sum: f64,
+    /// From the first call's start to the last one's end, seconds.
+    pub elapsed: f64,
+    /// The first few failures' status codes.
+    pub errors: Vec<String>,
+}
+
+impl GrpcResult {
+    /// The mean number of calls in flight, by Little's law from the client's own
+    /// timings.
+    pub fn mean_in_flight(&self) -> f64 {
+        self.latency_sum / self.elapsed
+    }
+
+    fn parse(json: &str) -> anyhow::Result<Self> {
+        let value: serde_json::Value =
+            serde_json::from_str(json).with_context(|| format!("not JSON: {json}"))?;
+        let count = |key: &str| {
+            value[key]
+                .as_u64()
+                .with_context(|| format!("no count {key:?} in {json}"))
+        };
+        let seconds = |key: &str| {
+            value[key]
+                .as_f64()
+                .with_context(|| format!("no number {key:?} in {json}"))
+        };
+        Ok(Self {
+            completed: count("completed")?,
+            ok: count("ok")?,
+            failed: count("failed")?,
+            messages: count("messages")?,
+            latency_sum: seconds("latency_sum")?,
+            elapsed: seconds("elapsed")?,
+            errors: value["errors"]
+                .as_array()
+                .map(|errors| errors.iter().map(ToString::to_string).collect())
+                .unwrap_or_default(),
+        })
+    }
+}
+
+/// A running grpc_client.py: `concurrency` calls of `method` in flight on one
+/// channel (one HTTP/2 connection); killed when dropped.
+pub struct GrpcClient {
+    program: Program,
+}
+
+impl GrpcClient {
+    /// Starts it and waits until its channel is connected (before its first call).
+    pub fn start(
+        port: u16,
+        method: &str,
+        argument: u64,
+        concurrency: u32,
+        amount: Amount,
+    ) -> anyhow::Result<Self> {
+        let (mode, amount) = match amount {
+            Amount::Seconds(seconds) => ("--seconds", seconds),
+            Amount::Calls(calls) => ("--calls", calls),
+        };
+        let args = [
+            script("grpc_client.py").display().to_string(),
+            port.to_string(),
+            method.to_owned(),
+            argument.to_string(),
+            concurrency.to_string(),
+            mode.to_owned(),
+            amount.to_string(),
+        ];
+        let mut program = Program::start_path(Path::new(PYTHON), &args)
+            .context("starting the gRPC client (Debian package python3-grpcio)")?;
+        program
+            .line("running")
+            .with_context(|| format!("the gRPC client did not connect to port {port}"))?;
+        Ok(Self { program })
+    }
+
+    /// Waits for its end and returns its report.
+    pub fn finish(mut self) -> anyhow::Result<GrpcResult> {
+        GrpcResult::parse(&self.program.line("result")?)
+    }
+
+    /// Starts it and waits for its report.
+    pub fn run(
+        port: u16,
+        method: &str,
+        argument: u64,
+        concurrency: u32,
+        amount: Amount,
+    ) -> anyhow::Result<GrpcResult> {
+        Self::start(port, method, argument, concurrency, amount)?.finish()
+    }
+}
+
+/// What h2raw.py reported of one connection.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RawResult {
+    /// Streams the server ended (END_STREAM): the requests it answered.
+    pub answered: u64,
+    /// Streams the server reset (RST_STREAM).
+    pub reset_by_server: u64,
+    /// Streams the client reset (RST_STREAM) before the server answered them.
+    pub reset_by_us: u64,
+    /// Streams still open when the client closed the connection.
+    pub abandoned: u64,
+    /// Whether the server closed the connection (else the client did).
+    pub server_closed: bool,
+    /// The error code of the server's GOAWAY, if it sent one.
+    pub goaway: Option<u64>,
+}
+
+impl RawResult {
+    fn parse(json: &str) -> anyhow::Result<Self> {
+        let value: serde_json::Value =
+            serde_json::from_str(json).with_context(|| format!("not JSON: {json}"))?;
+        let count = |key: &str| value[key].as_u64().unwrap_or(0);
+        Ok(Self {
+            answered: value["answered"]
+                .as_u64()
+                .with_context(|| format!("no \"answered\" in {json}"))?,
+            reset_by_server: count("reset_by_server"),
+            reset_by_us: count("reset_by_us"),
+            abandoned: count("abandoned"),
+            server_closed: value["server_closed"].as_bool().unwrap_or(false),
+            goaway: value["goaway"].as_u64(),
+        })
+    }
+}
+
+/// Runs `h2raw.py MODE PORT ARGS…` to its end (see the script for the modes) and
+/// returns its report.
+pub fn h2raw(mode: &str, port: u16, args: &[String]) -> anyhow::Result<RawResult> {
+    let output = Command::new(PYTHON)
+        .arg(script("h2raw.py"))
+        .arg(mode)
+        .arg(port.to_string())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .context("running h2raw.py (Debian package python3-h2)")?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!(
+            "h2raw.py {mode} {port} {} failed ({}):\n{stdout}{}",
+            args.join(" "),
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let json = stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("result "))
+        .with_context(|| format!("h2raw.py {mode} printed no result:\n{stdout}"))?;
+    RawResult::parse(json)
+}
+
+/// An h2c connection to 127.0.0.1:`port` that made one request when opened
+/// (h2raw.py's `old` mode) and makes more on demand; closed when dropped.
+pub struct OldConnection {
+    program: Program,
+}
+
+impl OldConnection {
+    /// Connects, makes one request and waits for its answer.
+    pub fn open(port: u16) -> anyhow::Result<Self> {
+        let args = [
+            script("h2raw.py").display().to_string(),
+            "old".to_owned(),
+            port.to_string(),
+        ];
+        let mut program = Program::start_path(Path::new(PYTHON), &args)
+            .context("starting h2raw.py (Debian package python3-h2)")?;
+        program
+            .line("ready")
+            .context("h2raw.py old: no first answer")?;
+        Ok(Self { program })
+    }
+
+    /// `count` more requests, one after the other, each answered before the next.
+    pub fn requests(&mut self, count: u64) -> anyhow::Result<RawResult> {
+        self.program.send(&format!("go {count}"))?;
+        let line = self.program.line("result")?;
+        let value: serde_json::Value = serde_json::from_str(&line)?;
+        let mut result = RawResult::parse(&line)?;
+        // This round's answers, not the connection's.
+        result.answered = value["answered_now"]
+            .as_u64()
+            .with_context(|| format!("no \"answered_now\" in {line}"))?;
+        Ok(result)
+    }
+
+    /// Closes the connection and waits until the script has.
+    pub fn close(mut self) -> anyhow::Result<()> {
+        self.program.finish("closed")?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `h2load -n 4000 -c 4 -m 10` against `Kind::NginxH2c`.
+    const NGINX: &str = "starting benchmark...
+spawning thread #0: 4 total client(s). 4000 total requests
+Application protocol: h2c
+progress: 10% done
+progress: 100% done
+
+finished in 96.92ms, 41273.28 req/s, 5.28MB/s
+requests: 4000 total, 4000 started, 4000 done, 4000 succeeded, 0 failed, 0 errored, 0 timeout
+status codes: 4000 2xx, 0 3xx, 0 4xx, 0 5xx
+traffic: 523.63KB (536196) total, 410.16KB (420000) headers (space savings 40.00%), 42.97KB (44000) data
+                     min         max         mean         sd        +/- sd
+time for request:       42us      7.44ms       861us      1.33ms    88.50%
+time for connect:      101us       556us       256us       204us    75.00%
+time to 1st byte:     4.00ms      7.64ms      5.85ms      2.01ms   100.00%
+req/s           :   10854.99    10929.66    10896.03       31.05    50.00%
+";
+
+    /// `h2load -n 100 -c 1 -m 10` against its `/reset` (`return 444`).
+    const RESETS: &str = "starting benchmark...
+spawning thread #0: 1 total client(s). 100 total requests
+Application protocol: h2c
+progress: 100% done
+
+finished in 4.77ms, 0.00 req/s, 276.01KB/s
+requests: 100 total, 100 started, 100 done, 0 succeeded, 100 failed, 100 errored, 0 timeout
+status codes: 0 2xx, 0 3xx, 0 4xx, 0 5xx
+traffic: 1.32KB (1349) total, 0B (0) headers (space savings 0.00%), 0B (0) data
+                     min         max         mean         sd        +/- sd
+time for request:        0us         0us         0us         0us     0.00%
+time for connect:      347us       347us       347us         0us   100.00%
+time to 1st byte:        0us         0us         0us         0us     0.00%
+req/s           :       0.00        0.00        0.00        0.00   100.00%
+";
+
+    #[test]
+    fn parses_real_h2load_output() {
+        assert_eq!(
+            parse_h2load(NGINX).unwrap(),
+            H2Load {
+                protocol: "h2c".to_owned(),
+                total: 4000,
+                done: 4000,
+                succeeded: 4000,
+                failed: 0,
+                errored: 0,
+                timeout: 0,
+                status_2xx: 4000,
+                mean_request: Duration::from_micros(861),
+                seconds: 0.09692,
+            }
+        );
+        let resets = parse_h2load(RESETS).unwrap();
+        assert_eq!(
+            (resets.succeeded, resets.failed, resets.errored),
+            (0, 100, 100)
+        );
+        assert_eq!(resets.mean_request, Duration::ZERO);
+    }
+
+    #[test]
+    fn incomplete_h2load_output_is_an_error() {
+        assert!(parse_h2load("").is_err());
+        for line in [
+            "Application protocol: h2c\n",
+            "requests: 4000 total, 4000 started, 4000 done, 4000 succeeded, 0 failed, 0 errored, 0 timeout\n",
+            "status codes: 4000 2xx, 0 3xx, 0 4xx, 0 5xx\n",
+        ] {
+            assert!(parse_h2load(&NGINX.replace(line, "")).is_err(), "{line}");
+        }
+    }
+
+    #[test]
+    fn parses_the_scripts_reports() {
+        let grpc = GrpcResult::parse(
+            r#"{"completed": 580, "ok": 580, "failed": 0, "messages": 580, "latency_sum": 48.48, "elapsed": 3.08, "errors": []}"#,
+        )
+        .unwrap();
+        assert_eq!(grpc.completed, 580);
+        assert!((grpc.mean_in_flight() - 15.74).abs() < 0.01);
+        let raw = RawResult::parse(
+            r#"{"answered": 1, "reset_by_server": 0, "reset_by_us": 8, "server_closed": false, "goaway": null, "answered_before_reset": 0}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            raw,
+            RawResult {
+                answered: 1,
+                reset_by_us: 8,
+                ..RawResult::default()
+            }
+        );
+        assert!(RawResult::parse(r#"{"goaway": 1}"#).is_err());
+    }
+}
