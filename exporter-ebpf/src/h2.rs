@@ -20,7 +20,7 @@ use core::{ffi::c_void, ptr};
 use aya_ebpf::{
     bindings::BPF_SK_STORAGE_GET_F_CREATE,
     helpers::{
-        bpf_get_current_task_btf,
+        bpf_get_current_task_btf, bpf_probe_read_kernel,
         generated::{bpf_loop, bpf_probe_read_user, bpf_sk_storage_get},
     },
 };
@@ -30,7 +30,7 @@ use poolscope_shared::{
 };
 
 use crate::{
-    abi::SavedRegisters,
+    abi::{SECOND_ARG_OFFSET, SavedRegisters, THIRD_ARG_OFFSET},
     maps::{H2_CONNS, SYSCALL_SLOTS, count_loss, update_service},
     requests,
 };
@@ -90,28 +90,46 @@ impl Source {
         let regs = SavedRegisters::of(task.cast())?;
         let number = u32::try_from(regs.number()).ok()?;
         let slot = SyscallSlot::from_u32(SYSCALL_SLOTS.get(number).copied()?);
+        Self::of_call(slot, regs.second_arg(), regs.third_arg())
+    }
+
+    /// The source of syscall `slot` called with these second and third arguments.
+    #[inline(always)]
+    fn of_call(slot: SyscallSlot, second: u64, third: u64) -> Option<Self> {
         match slot {
             SyscallSlot::Read
             | SyscallSlot::Recvfrom
             | SyscallSlot::Write
             | SyscallSlot::Sendto => Some(Self {
-                base: regs.second_arg(),
+                base: second,
                 iovecs: 0,
             }),
             SyscallSlot::Readv | SyscallSlot::Writev => Some(Self {
-                base: regs.second_arg(),
-                iovecs: regs.third_arg(),
+                base: second,
+                iovecs: third,
             }),
             SyscallSlot::Recvmsg | SyscallSlot::Sendmsg => {
                 // struct msghdr: msg_iov at 16, msg_iovlen at 24 (64-bit).
-                let header = regs.second_arg();
-                let base: u64 = read_user(header + 16)?;
-                let iovecs: u64 = read_user(header + 24)?;
+                let base: u64 = read_user(second + 16)?;
+                let iovecs: u64 = read_user(second + 24)?;
                 Some(Self { base, iovecs })
             }
             // sendfile, splice, io_uring: no user buffer holds the bytes.
             _ => None,
         }
+    }
+
+    /// Whether the first `len` bytes the call moved begin the client preface (as
+    /// many of them as its first buffer holds, up to the preface's length).
+    #[inline(always)]
+    fn begins_with_preface(self, len: i64) -> bool {
+        let Some((base, size)) = self.buffer(0) else {
+            return false;
+        };
+        let mut bytes = [0u8; 32];
+        let len = len.clamp(0, 24) as u32;
+        let len = len.min(size.min(24) as u32);
+        len != 0 && copy_user(&mut bytes, len, base) && preface_prefix(&bytes, len)
     }
 
     /// Buffer `index` of the source: its address and length.
@@ -190,15 +208,7 @@ fn stored(sk: *const u8) -> Option<&'static mut H2Conn> {
 /// and `true` tells the caller to follow the read here.
 #[inline(never)]
 pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
-    let Some(source) = Source::of_current_call() else {
-        return false;
-    };
-    let Some((base, size)) = source.buffer(0) else {
-        return false;
-    };
-    let mut bytes = [0u8; 32];
-    let len = (len as u32).min(24).min(size.min(24) as u32);
-    if len == 0 || !copy_user(&mut bytes, len, base) || !preface_prefix(&bytes, len) {
+    if !Source::of_current_call().is_some_and(|source| source.begins_with_preface(len.into())) {
         return false;
     }
     // Bytes the server sent before this read: a greeting (gRPC sends its SETTINGS at
@@ -254,6 +264,30 @@ pub fn adopted_mid_stream(conn: &mut Conn, len: i32) -> bool {
         return false;
     }
     count_loss(LossSource::Http2Adopted, LossErrno::None);
+    true
+}
+
+/// Syscall backend: the first read of connection `conn` (`Unserved`), syscall `slot`
+/// whose saved registers are at kernel address `regs` (a `sys_exit` argument),
+/// returned `len` bytes. If they begin the client preface, the connection is HTTP/2,
+/// whose streams this backend does not follow: it becomes `Multiplexed` and counts
+/// nothing, rather than read/write turns that are not requests
+/// (`Http2SyscallBackend`). `true` if so.
+#[inline(never)]
+pub fn unfollowed(regs: *const u8, slot: SyscallSlot, conn: &mut Conn, len: i64) -> bool {
+    let arg = |at: usize| {
+        // SAFETY: the helper checks the read of the kernel's saved registers.
+        unsafe { bpf_probe_read_kernel(regs.wrapping_add(at).cast::<u64>()) }.ok()
+    };
+    let (Some(second), Some(third)) = (arg(SECOND_ARG_OFFSET), arg(THIRD_ARG_OFFSET)) else {
+        return false;
+    };
+    if !Source::of_call(slot, second, third).is_some_and(|source| source.begins_with_preface(len))
+        || !requests::multiplexed(conn)
+    {
+        return false;
+    }
+    count_loss(LossSource::Http2SyscallBackend, LossErrno::None);
     true
 }
 

@@ -16,13 +16,14 @@ use aya_ebpf::{
     programs::RawTracePointContext,
 };
 use poolscope_shared::{
-    LossErrno, LossSource, PendingCall, SyscallSlot, fd_conn_key, maps::CountedMap,
+    LossErrno, LossSource, PendingCall, Phase, SyscallSlot, fd_conn_key, maps::CountedMap,
     syscall_counter_index,
 };
 
 use crate::{
     abi::{FIRST_ARG_OFFSET, NUMBER_OFFSET},
     clock::now_ns,
+    h2,
     maps::{
         CONNS, PENDING_CALLS, SYSCALL_SLOTS, add_to_counter, count_loss, insert_counted,
         remove_counted, watched,
@@ -133,6 +134,10 @@ pub fn sys_exit(ctx: RawTracePointContext) -> i32 {
     // fd are tolerated (README).
     let conn = unsafe { &mut *conn };
     if slot.is_read() {
+        // A connection's first bytes tell HTTP/2 (the client preface), not followed here.
+        if conn.phase == Phase::Unserved as u32 && h2::unfollowed(regs, slot, conn, ret) {
+            return 0;
+        }
         requests::read(conn, now_ns(), Arrivals::Unseen);
     } else if slot.is_write() {
         requests::wrote(conn, now_ns(), ret as u32);

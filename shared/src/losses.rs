@@ -71,11 +71,14 @@ pub enum LossSource {
     /// carry HTTP/2 mid-stream: where its frames begin and which streams are open is
     /// unknown, so it counts no requests.
     Http2Adopted,
+    /// An HTTP/2 connection under the syscall backend, which does not follow streams:
+    /// it counts no requests.
+    Http2SyscallBackend,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 21;
-    pub const ALL: [LossSource; 21] = [
+    pub const COUNT: u32 = 22;
+    pub const ALL: [LossSource; 22] = [
         Self::ConnsInsert,
         Self::SockConnsInsert,
         Self::PendingCallsInsert,
@@ -97,6 +100,7 @@ impl LossSource {
         Self::Http2StreamSlots,
         Self::Http2ConnsInsert,
         Self::Http2Adopted,
+        Self::Http2SyscallBackend,
     ];
 }
 
