@@ -256,8 +256,13 @@ fn record(pool: Option<u32>, primitive: LockPrimitive, waited: u64) {
 #[uprobe]
 pub fn mutex_lock_enter(_ctx: ProbeContext) -> u32 {
     let tid = bpf_get_current_pid_tgid() as u32;
-    if thread(tid).is_some_and(|thread| threads::serving(thread) != Serving::Nothing)
-        && let Err(code) = insert_counted(&MUTEX_CALLS, CountedMap::MutexCalls, &tid, &now_ns())
+    // A stream worker's futex waits are its pool's queue as much as locks: not timed.
+    if thread(tid).is_some_and(|thread| {
+        matches!(
+            threads::serving(thread),
+            Serving::OneAtATime | Serving::Multiplexing
+        )
+    }) && let Err(code) = insert_counted(&MUTEX_CALLS, CountedMap::MutexCalls, &tid, &now_ns())
     {
         count_loss(LossSource::MutexCallsInsert, LossErrno::of(code.into()));
     }

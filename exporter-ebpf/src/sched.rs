@@ -198,7 +198,11 @@ fn current_syscall(task: *const u8) -> Option<(SavedRegisters, WaitClass, u64)> 
 #[inline(always)]
 fn polled_fds(call: Option<(SavedRegisters, WaitClass, u64)>, serving: Serving) -> u64 {
     match call {
-        Some((regs, WaitClass::Poll, _)) if serving == Serving::OneAtATime => regs.second_arg(),
+        Some((regs, WaitClass::Poll, _))
+            if matches!(serving, Serving::OneAtATime | Serving::Streams) =>
+        {
+            regs.second_arg()
+        }
         _ => 0,
     }
 }

@@ -19,8 +19,8 @@ use poolscope_shared::{
 use crate::{
     downstream, locks,
     maps::{
-        E2BIG, EEXIST, POOL_EPOCH, POOL_RUNQUEUE, POOL_STATS, THREAD_ENTRIES, THREAD_OWNERS,
-        THREAD_POOLS, THREADS, atomic_add, compare_and_swap,
+        E2BIG, EEXIST, POOL_EPOCH, POOL_RUNQUEUE, POOL_STATS, STREAM_WORKERS, THREAD_ENTRIES,
+        THREAD_OWNERS, THREAD_POOLS, THREADS, atomic_add, compare_and_swap,
     },
 };
 
@@ -326,7 +326,13 @@ pub fn request_ended(server_tid: u32, now: u64, end: End) {
 #[inline(always)]
 pub fn serving(thread: &Thread) -> Serving {
     if thread.serving == 0 || thread.hands_off != 0 {
-        Serving::Nothing
+        // A worker of a thread-per-stream HTTP/2 service holds streams that another
+        // thread read.
+        if STREAM_WORKERS.get(thread.service).copied().unwrap_or(0) != 0 {
+            Serving::Streams
+        } else {
+            Serving::Nothing
+        }
     } else if thread.multiplexes != 0 {
         Serving::Multiplexing
     } else {

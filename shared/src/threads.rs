@@ -125,10 +125,14 @@ impl Activity {
         }
         match (wait, serving) {
             (WaitClass::Idle, _) | (_, Serving::Nothing) => Self::OffIdle,
-            (WaitClass::Poll, Serving::OneAtATime) if polled_fds <= MAX_DOWNSTREAM_FDS => {
+            // A worker handed streams waits for the next one on its pool's queue.
+            (WaitClass::Futex, Serving::Streams) => Self::OffIdle,
+            (WaitClass::Poll, Serving::OneAtATime | Serving::Streams)
+                if polled_fds <= MAX_DOWNSTREAM_FDS =>
+            {
                 Self::OffNetwork
             }
-            (WaitClass::Select, Serving::OneAtATime) => Self::OffNetwork,
+            (WaitClass::Select, Serving::OneAtATime | Serving::Streams) => Self::OffNetwork,
             (WaitClass::Poll | WaitClass::Select, _) => Self::OffIdle,
             (WaitClass::Futex, _) => Self::OffLock,
             (WaitClass::Network, _) => Self::OffNetwork,
@@ -154,6 +158,11 @@ pub enum Serving {
     /// A request, and it once held two at once: an event loop, whose poll waits for
     /// whichever of its connections is ready.
     Multiplexing,
+    /// No request of its own, in a service that hands each HTTP/2 stream to a worker
+    /// thread ([`crate::maps::STREAM_WORKERS`]): the thread may be serving a stream
+    /// another thread read, so its waits are busy unless they wait for work (epoll
+    /// and the like, or a futex wait: its pool's queue, or a lock).
+    Streams,
 }
 
 /// What a thread waits for in a syscall, by syscall number ([`maps::WAIT_CLASSES`]).
@@ -420,6 +429,13 @@ mod tests {
         assert_eq!(blocked(WaitClass::Network, Nothing), OffIdle);
         assert_eq!(blocked(WaitClass::Sleep, OneAtATime), OffSleep);
         assert_eq!(blocked(WaitClass::Other, OneAtATime), OffOther);
+        // A worker of a service that hands it HTTP/2 streams: busy unless it waits
+        // for work (its pool's queue is a futex).
+        assert_eq!(blocked(WaitClass::Futex, Streams), OffIdle);
+        assert_eq!(blocked(WaitClass::Idle, Streams), OffIdle);
+        assert_eq!(blocked(WaitClass::Sleep, Streams), OffSleep);
+        assert_eq!(blocked(WaitClass::Network, Streams), OffNetwork);
+        assert_eq!(blocked(WaitClass::Other, Streams), OffOther);
         // Uninterruptible sleep is disk whether serving or not.
         assert_eq!(
             Activity::blocked(WaitClass::Idle, Nothing, 0, true),

@@ -171,7 +171,18 @@ impl Delta {
 
 /// Starts poolscope on `backend` watching `pids` as `service`, and waits until it does.
 fn watch(backend: &str, service: &str, pids: &[u32]) -> anyhow::Result<Poolscope> {
-    let poolscope = Poolscope::start(&backend_config(backend, service, pids))?;
+    watch_with(backend, service, pids, "")
+}
+
+/// [`watch`] with more keys for the service's `[[targets]]` entry.
+fn watch_with(
+    backend: &str,
+    service: &str,
+    pids: &[u32],
+    target_keys: &str,
+) -> anyhow::Result<Poolscope> {
+    let config = format!("{}{target_keys}", backend_config(backend, service, pids));
+    let poolscope = Poolscope::start(&config)?;
     scrape_until(&poolscope, |m| {
         m.value("poolscope_targets", &[("service", service)]) == Some(pids.len() as f64)
             && m.has_label("backend", backend)
@@ -352,6 +363,15 @@ const GRPC_RUNS: &[GrpcRun] = &[
     },
 ];
 
+/// Calls waiting for a worker, as sampled, against the closed form: a sample can see
+/// one of grpcio's own threads (its poller, its executor) running for a moment, which
+/// counts as a busy thread, and a worker between two calls.
+const WAITING_TOLERANCE: f64 = 1.0;
+
+fn mean(samples: &[f64]) -> f64 {
+    samples.iter().sum::<f64>() / samples.len() as f64
+}
+
 /// The client's calls have all started by then (its first burst takes a few ms).
 const RAMP_UP: Duration = Duration::from_millis(300);
 const IN_FLIGHT_SAMPLES: u32 = 15;
@@ -386,12 +406,22 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
          poolscope (samples) | error |"
             .to_owned(),
     ];
+    let mut waiting_table = vec![
+        "| backend | run | W | C | waiting: closed form | requests_waiting | queue_depth |"
+            .to_owned(),
+    ];
     for backend in http2_backends() {
         for run in GRPC_RUNS {
             let what = format!("{backend}, {}", run.name);
             let server = GrpcServer::start(run.workers)?;
             let service = format!("grpc-{backend}");
-            let poolscope = watch(backend, &service, &[server.pid()])?;
+            // grpcio hands each stream to a worker of its ThreadPoolExecutor.
+            let poolscope = watch_with(
+                backend,
+                &service,
+                &[server.pid()],
+                "http2_worker_threads = true\n",
+            )?;
             let before = Counts::scrape(&poolscope, &service)?;
             let client = GrpcClient::start(
                 server.port,
@@ -403,9 +433,15 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
             // Pacing the samples inside the run, not waiting for a condition.
             std::thread::sleep(RAMP_UP);
             let mut samples = Vec::new();
+            let mut waiting = Vec::new();
+            let mut depths = Vec::new();
             for _ in 0..IN_FLIGHT_SAMPLES {
                 let started = Instant::now();
-                samples.push(Counts::scrape(&poolscope, &service)?.in_flight);
+                let metrics = poolscope.scrape()?;
+                let gauge = |name| metrics.value(name, &[("service", &service)]);
+                samples.push(Counts::of(&metrics, &service).in_flight);
+                waiting.push(gauge("poolscope_requests_waiting").unwrap_or(f64::NAN));
+                depths.push(gauge("poolscope_queue_depth").unwrap_or(f64::NAN));
                 std::thread::sleep(SAMPLE_EVERY.saturating_sub(started.elapsed()));
             }
             let result = client.finish()?;
@@ -414,8 +450,26 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
                 "{what}: the gRPC client's calls failed: {result:?}"
             );
             let delta = settle_on(&poolscope, &service, &before, result.completed, 0)?;
-            let sampled = samples.iter().sum::<f64>() / samples.len() as f64;
+            let sampled = mean(&samples);
             let little = result.mean_in_flight();
+            // Closed form: the pool serves min(in flight, W) calls; the rest wait.
+            let truth_waiting = (little - f64::from(run.workers)).max(0.0);
+            let (waiting, depth) = (mean(&waiting), mean(&depths));
+            waiting_table.push(format!(
+                "| {backend} | {} | {} | {} | {truth_waiting:.2} | {waiting:.2} | {depth:.2} |",
+                run.name, run.workers, run.concurrency
+            ));
+            if (waiting - truth_waiting).abs().is_nan()
+                || (waiting - truth_waiting).abs() > WAITING_TOLERANCE
+                || (depth - waiting).abs() > WAITING_TOLERANCE
+            {
+                failures.push(format!(
+                    "{what}: requests_waiting {waiting:.2}, queue_depth {depth:.2} (sampled) vs \
+                     {truth_waiting:.2} calls waiting for one of {} workers (closed form on the \
+                     client's in flight), beyond ±{WAITING_TOLERANCE}",
+                    run.workers
+                ));
+            }
             let error = (sampled - little) / little;
             table.push(format!(
                 "| {backend} | {} | {} | {} | {} | {} | {little:.2} | {sampled:.2} {samples:?} | \
@@ -452,6 +506,7 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
         }
     }
     eprintln!("{}", table.join("\n"));
+    eprintln!("{}", waiting_table.join("\n"));
     ensure_none("gRPC unary calls", &failures)
 }
 

@@ -137,6 +137,7 @@ mod tests {
             id: 2,
             name: "api".into(),
             processes: 1,
+            stream_workers: false,
             corrections: Corrections::default(),
         }];
         let pools = [PoolRow {
@@ -281,6 +282,7 @@ mod tests {
             id: 2,
             name: "api".into(),
             processes: 1,
+            stream_workers: false,
             corrections: Corrections::default(),
         }];
         let listeners = [services::ServiceListener {

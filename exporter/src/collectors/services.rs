@@ -35,6 +35,8 @@ pub struct ServiceInput<'a> {
     pub window: Option<&'a WindowDelta>,
     /// Request time by what the serving thread did, ns per [`COMPONENTS`] entry.
     pub components: [u64; COMPONENTS.len()],
+    /// The service's threads busy now (every pool's `pool_threads_busy`).
+    pub threads_busy: u64,
 }
 
 /// The three request gauges of a service; see DESIGN §3.
@@ -47,7 +49,35 @@ pub struct Gauges {
     pub in_flight: u64,
 }
 
-pub fn gauges(counters: &ServiceCounters, corrections: &Corrections) -> Gauges {
+/// The gauges of a service; one that hands each HTTP/2 stream to a worker thread
+/// (`stream_workers`) also waits for its `threads_busy`, see [`waiting_streams`].
+pub fn gauges(
+    counters: &ServiceCounters,
+    corrections: &Corrections,
+    stream_workers: Option<u64>,
+) -> Gauges {
+    let mut gauges = socket_gauges(counters, corrections);
+    if let Some(threads_busy) = stream_workers {
+        gauges.waiting += waiting_streams(counters, gauges.in_flight, threads_busy);
+    }
+    gauges
+}
+
+/// Open HTTP/2 streams that no thread serves, in a service that hands each stream to
+/// a worker thread of a pool (DESIGN §3): its HTTP/2 library reads every frame at
+/// once, so a stream read is not a stream served. Each busy thread serves one
+/// request, so the streams beyond the busy threads wait for one (a pool whose
+/// workers are all busy: in flight less the pool; one with idle workers: none). 0
+/// for a service with no HTTP/2 connection.
+pub fn waiting_streams(counters: &ServiceCounters, in_flight: u64, threads_busy: u64) -> u64 {
+    if counters.multiplexed == 0 {
+        return 0;
+    }
+    in_flight.saturating_sub(threads_busy)
+}
+
+/// The gauges as the kernel's connection phases count them.
+fn socket_gauges(counters: &ServiceCounters, corrections: &Corrections) -> Gauges {
     let open =
         |entered: u64, left: u64, purged: u64| entered.saturating_sub(left).saturating_sub(purged);
     Gauges {
@@ -102,7 +132,9 @@ pub fn queue_depths(
         .iter()
         .map(|(view, counters)| {
             let backlog = backlog_of.get(view.name.as_str()).copied().unwrap_or(0);
-            let (_, depth) = queue_depth(backend, &gauges(counters, &view.corrections), backlog);
+            // Without the pools' threads: streams that wait for a worker are not in it.
+            let (_, depth) =
+                queue_depth(backend, &gauges(counters, &view.corrections, None), backlog);
             (view.name.clone(), depth)
         })
         .collect()
@@ -187,11 +219,13 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
     let no_counters = ServiceCounters::default();
     let no_times = RequestTimes::default();
     let mut components: BTreeMap<u32, [u64; COMPONENTS.len()]> = BTreeMap::new();
+    let mut threads_busy: BTreeMap<u32, u64> = BTreeMap::new();
     for row in reading.pools {
         let sums = components.entry(row.view.service).or_default();
         for (sum, (_, activities)) in sums.iter_mut().zip(COMPONENTS) {
             *sum += sum_of(&row.totals.request_ns, activities);
         }
+        *threads_busy.entry(row.view.service).or_default() += row.totals.threads_busy;
     }
     let kernel = reading.kernel;
     let inputs: Vec<ServiceInput<'_>> = reading
@@ -207,6 +241,7 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
                 .unwrap_or(&no_times),
             window: reading.windows.get(&view.id),
             components: components.get(&view.id).copied().unwrap_or_default(),
+            threads_busy: threads_busy.get(&view.id).copied().unwrap_or_default(),
         })
         .collect();
     let no_syscalls = BTreeMap::new();
@@ -281,7 +316,11 @@ pub fn service_families(
         targets.push(&labels, service.processes as f64);
         let counters = input.counters;
         accepted.push(&labels, counters.accepted as f64);
-        let gauges = gauges(counters, &service.corrections);
+        let gauges = gauges(
+            counters,
+            &service.corrections,
+            service.stream_workers.then_some(input.threads_busy),
+        );
         let backlog = backlog_of.get(service.name.as_str()).copied().unwrap_or(0);
         let (unserved_now, depth_now) = queue_depth(backend, &gauges, backlog);
         unserved.push(&labels, unserved_now as f64);
@@ -455,6 +494,7 @@ mod tests {
             id,
             name: name.into(),
             processes: 2,
+            stream_workers: false,
             corrections,
         }
     }
@@ -481,7 +521,7 @@ mod tests {
             serving: 2,
             adopted_unserved: 0,
         };
-        let open = gauges(&counters(), &purged);
+        let open = gauges(&counters(), &purged, None);
         assert_eq!(
             open,
             Gauges {
@@ -495,13 +535,35 @@ mod tests {
             adopted_unserved: 2,
             ..purged
         };
-        assert_eq!(gauges(&counters(), &adopted).unserved, 5);
+        assert_eq!(gauges(&counters(), &adopted, None).unserved, 5);
         // Syscall backend: the backlog is not in the kernel's count.
         assert_eq!(queue_depth(Backend::Syscall, &open, 4), (3, 10));
         // Socket backend: it is (the count starts at the handshake).
         assert_eq!(queue_depth(Backend::Socket, &open, 2), (1, 6));
         // A backlog read a moment later than the kernel's counters never goes negative.
         assert_eq!(queue_depth(Backend::Socket, &open, 5), (0, 8));
+    }
+
+    #[test]
+    fn streams_beyond_the_busy_threads_wait_in_a_stream_worker_service() {
+        let h2 = ServiceCounters {
+            multiplexed: 1,
+            serving_entered: 16,
+            ..ServiceCounters::default()
+        };
+        let corrections = Corrections::default();
+        // 16 open streams, a pool of 4 all busy: 12 wait for a worker.
+        assert_eq!(gauges(&h2, &corrections, Some(4)).waiting, 12);
+        // Fewer open streams than busy threads (a thread between two): none waits.
+        assert_eq!(gauges(&h2, &corrections, Some(20)).waiting, 0);
+        // Not flagged: only what the socket shows.
+        assert_eq!(gauges(&h2, &corrections, None).waiting, 0);
+        // No HTTP/2 connection: thread-per-request HTTP/1 has its own waiting.
+        let h1 = ServiceCounters {
+            serving_entered: 16,
+            ..ServiceCounters::default()
+        };
+        assert_eq!(gauges(&h1, &corrections, Some(4)).waiting, 0);
     }
 
     #[test]
@@ -526,6 +588,7 @@ mod tests {
             times: &times,
             window: None,
             components: [0; COMPONENTS.len()],
+            threads_busy: 0,
         };
         let families = service_families(
             Backend::Socket,
@@ -567,6 +630,7 @@ mod tests {
             times: &times,
             window: window.as_ref(),
             components: [0; COMPONENTS.len()],
+            threads_busy: 0,
         }];
         let mut syscalls = BTreeMap::new();
         syscalls.insert((3, "read"), 7);

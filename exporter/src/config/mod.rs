@@ -157,6 +157,8 @@ pub struct TargetRule {
     pub exe: Option<Regex>,
     pub ports: Vec<u16>,
     pub cgroup: Option<String>,
+    /// See [`raw::RawTarget::http2_worker_threads`].
+    pub http2_worker_threads: bool,
 }
 
 impl Settings {

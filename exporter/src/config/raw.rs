@@ -324,6 +324,9 @@ pub struct RawTarget {
     pub exe: Option<String>,
     pub port: Ports,
     pub cgroup: Option<String>,
+    /// The service hands each HTTP/2 stream to a thread of a pool until its response
+    /// (a thread-per-stream server): its open streams no thread serves are waiting.
+    pub http2_worker_threads: bool,
 }
 
 /// `port = 8080` or `port = [8080, 8443]`.

@@ -320,6 +320,7 @@ fn validate_target(
         exe: regex("exe", &target.exe)?,
         ports: target.port.to_vec(),
         cgroup: target.cgroup.clone(),
+        http2_worker_threads: target.http2_worker_threads,
     };
     if let Some(service) = &rule.service
         && (service.is_empty() || service.len() > 128)

@@ -34,6 +34,9 @@ pub struct ServiceView {
     pub id: u32,
     pub name: String,
     pub processes: u64,
+    /// It hands each HTTP/2 stream to a worker thread (`[[targets]]
+    /// http2_worker_threads`): its open streams no thread serves are waiting.
+    pub stream_workers: bool,
     /// What user space moved in or out of the gauges without a kernel event.
     pub corrections: Corrections,
 }
@@ -74,6 +77,8 @@ pub struct Targets {
     changes: Vec<WatchChange>,
     processes: HashMap<u32, Tracked>,
     corrections: HashMap<u32, Corrections>,
+    /// Services flagged in the kernel's `STREAM_WORKERS`.
+    stream_workers: HashSet<u32>,
     /// Connections in the kernel's `ADOPT` map: socket inode → (pid, service).
     adoptions: HashMap<u64, (u32, u32)>,
     /// Listening socket inode → service name, from the last scan.
@@ -107,6 +112,7 @@ impl Targets {
             changes: Vec::new(),
             processes: HashMap::new(),
             corrections: HashMap::new(),
+            stream_workers: HashSet::new(),
             adoptions: HashMap::new(),
             listeners: HashMap::new(),
             known_listen_sockets: HashSet::new(),
@@ -298,7 +304,12 @@ impl Targets {
     /// Watches one assigned process, not yet its connections; `None` if it was
     /// watched already or cannot be.
     fn watch(&mut self, kernel: &mut dyn WatchTable, assignment: &Assignment) -> Option<NewWatch> {
-        if self.processes.contains_key(&assignment.pid) {
+        if let Some(tracked) = self.processes.get(&assignment.pid) {
+            // A reload may have changed its rule's key.
+            let service = tracked.service;
+            if self.ids.get(&assignment.service) == Some(service) {
+                self.flag_stream_workers(kernel, service, assignment.http2_worker_threads);
+            }
             return None;
         }
         let Some((service, _)) = self.ids.get_or_allocate(&assignment.service) else {
@@ -307,6 +318,7 @@ impl Targets {
             tracing::debug!(service = %assignment.service, "limits.max_services reached; not watched");
             return None;
         };
+        self.flag_stream_workers(kernel, service, assignment.http2_worker_threads);
         let pid = assignment.pid;
         // A fork may have put it there already: keep that entry and its `since`.
         let since_ns = match kernel.watched(pid) {
@@ -460,6 +472,26 @@ impl Targets {
         }
     }
 
+    /// Tells the kernel whether `service` hands HTTP/2 streams to worker threads, when
+    /// that changed (its rule's key, at a reload).
+    fn flag_stream_workers(&mut self, kernel: &mut dyn WatchTable, service: u32, on: bool) {
+        if self.stream_workers.contains(&service) == on {
+            return;
+        }
+        match kernel.set_stream_workers(service, on) {
+            Ok(()) if on => {
+                self.stream_workers.insert(service);
+            }
+            Ok(()) => {
+                self.stream_workers.remove(&service);
+            }
+            Err(error) => {
+                self.map_errors.count(maps::STREAM_WORKERS, &error);
+                tracing::warn!(service, %error, "cannot flag a service's HTTP/2 worker threads");
+            }
+        }
+    }
+
     /// Frees the ids of services with no process left, zeroing their kernel counters
     /// and dropping their connections.
     fn free_idle_services(&mut self, kernel: &mut dyn WatchTable, in_kernel: &[(u32, Watched)]) {
@@ -481,6 +513,7 @@ impl Targets {
                 Ok(()) => {
                     self.ids.free(id);
                     self.corrections.remove(&id);
+                    self.stream_workers.remove(&id);
                 }
                 Err(error) => tracing::warn!(id, %error, "cannot reset counters of a service"),
             }
@@ -569,6 +602,7 @@ impl Targets {
                     id,
                     name: self.ids.key(id)?.clone(),
                     processes,
+                    stream_workers: self.stream_workers.contains(&id),
                     corrections: self.corrections.get(&id).copied().unwrap_or_default(),
                 })
             })
@@ -637,6 +671,7 @@ mod tests {
             pid,
             start_time,
             service: service.to_owned(),
+            http2_worker_threads: false,
         }
     }
 
@@ -663,6 +698,38 @@ mod tests {
             .iter()
             .map(|view| (view.name.as_str(), view.processes))
             .collect()
+    }
+
+    #[test]
+    fn a_rule_flags_its_service_stream_workers_until_a_reload_unflags_it() -> io::Result<()> {
+        let root = procfs(&[(100, 5), (200, 7)])?;
+        let mut targets = Targets::new(root.path().to_owned(), 8);
+        let mut tables = FakeTables::default();
+        let grpc = Assignment {
+            http2_worker_threads: true,
+            ..assigned(100, 5, "grpc")
+        };
+        scan(
+            &mut targets,
+            &mut tables,
+            &[grpc.clone(), assigned(200, 7, "web")],
+        );
+        let (Some(id), Some(web)) = (targets.service_id("grpc"), targets.service_id("web")) else {
+            panic!("both services get ids");
+        };
+        assert_eq!(tables.stream_workers, BTreeSet::from([id]));
+        let views = targets.services(&watched(&tables));
+        let flags: Vec<(u32, bool)> = views.iter().map(|v| (v.id, v.stream_workers)).collect();
+        assert_eq!(flags, [(id, true), (web, false)]);
+        // A reload drops the key: the running process's service is unflagged.
+        let plain = Assignment {
+            http2_worker_threads: false,
+            ..grpc
+        };
+        scan(&mut targets, &mut tables, &[plain, assigned(200, 7, "web")]);
+        assert!(tables.stream_workers.is_empty());
+        assert!(!targets.services(&watched(&tables))[0].stream_workers);
+        Ok(())
     }
 
     #[test]

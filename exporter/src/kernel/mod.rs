@@ -123,6 +123,8 @@ pub struct Kernel {
     watched: HashMap<MapData, u32, Watched>,
     conns: HashMap<MapData, u64, Conn>,
     service_epochs: Array<MapData, u32>,
+    /// Services that hand HTTP/2 streams to worker threads (`WatchTable::set_stream_workers`).
+    stream_workers: Array<MapData, u32>,
     listen_ports: HashMap<MapData, ListenKey, u32>,
     socket_namespaces: bool,
     watched_ports: Array<MapData, u64>,
@@ -426,6 +428,7 @@ impl Kernel {
             watched: take(&mut ebpf, maps::WATCHED)?,
             conns: take(&mut ebpf, maps::CONNS)?,
             service_epochs: take(&mut ebpf, maps::SERVICE_EPOCHS)?,
+            stream_workers: take(&mut ebpf, maps::STREAM_WORKERS)?,
             listen_ports: take(&mut ebpf, maps::LISTEN_PORTS)?,
             socket_namespaces: socket_namespace.is_some(),
             watched_ports: take(&mut ebpf, maps::WATCHED_PORTS)?,

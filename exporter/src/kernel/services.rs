@@ -247,6 +247,10 @@ impl WatchTable for Kernel {
         purged
     }
 
+    fn set_stream_workers(&mut self, service: u32, on: bool) -> Result<(), MapError> {
+        self.stream_workers.set(service, u32::from(on), 0)
+    }
+
     fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
         // Its connections may outlive its watch (a reload unwatched a process that
         // still serves them): left here, their events would count under whichever
@@ -259,6 +263,7 @@ impl WatchTable for Kernel {
         self.count_own_entries(CountedMap::Adopt, -dropped);
         let epoch = self.service_epochs.get(&service, 0)?;
         self.service_epochs.set(service, epoch.wrapping_add(1), 0)?;
+        self.stream_workers.set(service, 0, 0)?;
         // The times before their count: a record landing in between then leaves
         // times ahead of the count (read again when it moves), never behind it.
         self.request_times.reset(service);

@@ -91,6 +91,10 @@ pub trait WatchTable {
     /// Zeroes the counters of a service id, and drops its connections, before the id
     /// is reused for another service.
     fn reset_service(&mut self, service: u32) -> Result<(), MapError>;
+
+    /// Tells the scheduler programs whether `service` hands each HTTP/2 stream to a
+    /// worker thread (`STREAM_WORKERS`).
+    fn set_stream_workers(&mut self, service: u32, on: bool) -> Result<(), MapError>;
 }
 
 /// The kernel's per-thread and per-pool tables, as the thread pools see them.
@@ -137,6 +141,8 @@ pub mod fake {
         /// Connections (pid, fd) with their service and phase (syscall backend).
         pub connections: BTreeMap<(u32, u32), (u32, Phase)>,
         pub services_reset: Vec<u32>,
+        /// Services flagged in `STREAM_WORKERS`.
+        pub stream_workers: BTreeSet<u32>,
         pub threads: BTreeMap<u32, Thread>,
         pub thread_pools: BTreeMap<u32, u32>,
         pub pools_reset: BTreeSet<u32>,
@@ -152,6 +158,7 @@ pub mod fake {
                 listen_ports: BTreeMap::new(),
                 connections: BTreeMap::new(),
                 services_reset: Vec::new(),
+                stream_workers: BTreeSet::new(),
                 threads: BTreeMap::new(),
                 thread_pools: BTreeMap::new(),
                 pools_reset: BTreeSet::new(),
@@ -253,6 +260,16 @@ pub mod fake {
         fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
             self.services_reset.push(service);
             self.connections.retain(|_, (owner, _)| *owner != service);
+            self.stream_workers.remove(&service);
+            Ok(())
+        }
+
+        fn set_stream_workers(&mut self, service: u32, on: bool) -> Result<(), MapError> {
+            if on {
+                self.stream_workers.insert(service);
+            } else {
+                self.stream_workers.remove(&service);
+            }
             Ok(())
         }
     }
