@@ -203,21 +203,25 @@ fn stored(sk: *const u8) -> Option<&'static mut H2Conn> {
     (!h2.is_null()).then(|| unsafe { &mut *h2.cast::<H2Conn>() })
 }
 
-/// The first read of connection `sk` (`Unserved`) returned `len` bytes: if they begin
-/// the client preface, the connection becomes `Multiplexed` and its state is made,
-/// and `true` tells the caller to follow the read here.
+/// A read of `len` bytes began the first request of connection `sk` (`Unserved`), or
+/// its second (after an HTTP/1.1 `Upgrade: h2c` request, answered `101` and then in
+/// HTTP/2 by the server): if they begin the client preface, the connection becomes
+/// `Multiplexed` and its state is made, and `true` tells the caller to follow the
+/// read here.
 #[inline(never)]
 pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
     if !Source::of_current_call().is_some_and(|source| source.begins_with_preface(len.into())) {
         return false;
     }
-    // Bytes the server sent before this read: a greeting (gRPC sends its SETTINGS at
-    // accept). They went by before the walk begins, so the server's next frame need
-    // not be SETTINGS.
-    let greeting = conn.end_ns;
-    if !requests::multiplexed(conn) {
+    // What the server sent before this read went by before the walk begins, so its
+    // next frame need not be SETTINGS: a greeting (gRPC sends its SETTINGS at
+    // accept; `end_ns` counts its bytes while `Unserved`), or after an upgrade the
+    // 101 and the server's SETTINGS (`end_ns` is the upgrade response's last write).
+    let sent_before = conn.end_ns;
+    let Some(left) = requests::multiplexed(conn) else {
         return false;
-    }
+    };
+    requests::upgraded(conn, left);
     // SAFETY: as in `stored`; a NULL value makes the entry zeroed.
     let h2 = unsafe {
         bpf_sk_storage_get(
@@ -235,7 +239,7 @@ pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
     // SAFETY: as in `stored`.
     let h2 = unsafe { &mut *h2.cast::<H2Conn>() };
     h2.recv.preface_left = H2_PREFACE.len() as u32;
-    h2.send.frames = u32::from(greeting != 0);
+    h2.send.frames = u32::from(sent_before != 0);
     true
 }
 
@@ -260,7 +264,7 @@ pub fn adopted_mid_stream(conn: &mut Conn, len: i32) -> bool {
     let mut bytes = [0u8; 32];
     bytes[..9].copy_from_slice(&header);
     let preface = preface_prefix(&bytes, H2_FRAME_HEADER);
-    if !(frame_like || preface) || !requests::multiplexed(conn) {
+    if !(frame_like || preface) || requests::multiplexed(conn).is_none() {
         return false;
     }
     count_loss(LossSource::Http2Adopted, LossErrno::None);
@@ -283,7 +287,7 @@ pub fn unfollowed(regs: *const u8, slot: SyscallSlot, conn: &mut Conn, len: i64)
         return false;
     };
     if !Source::of_call(slot, second, third).is_some_and(|source| source.begins_with_preface(len))
-        || !requests::multiplexed(conn)
+        || requests::multiplexed(conn).is_none()
     {
         return false;
     }

@@ -187,17 +187,17 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
 
 /// Connection `conn` carries HTTP/2: it leaves this machine, and `h2.rs` follows its
 /// streams (or, adopted mid-stream, counts none). It leaves the gauge it is in: a new
-/// connection's first bytes are the preface (`Unserved`); an adopted one may be
-/// waiting or between requests. `false` if it is in no phase that can carry HTTP/2's
-/// first bytes, or another CPU moved it meanwhile.
+/// connection's first bytes are the preface (`Unserved`); an upgraded or adopted one
+/// may be waiting or between requests. The phase it left; `None` if it is in no phase
+/// that can carry HTTP/2's first bytes, or another CPU moved it meanwhile.
 #[inline(always)]
-pub fn multiplexed(conn: &mut Conn) -> bool {
-    let mut moved = false;
+pub fn multiplexed(conn: &mut Conn) -> Option<Phase> {
+    let mut left = None;
     apply(conn, |conn, phase| {
         match phase {
             Phase::Unserved | Phase::Waiting | Phase::Responded => {
                 advance(conn, phase, Phase::Multiplexed)?;
-                moved = true;
+                left = Some(phase);
                 update_service(conn.service, |c| {
                     match phase {
                         Phase::Unserved => c.unserved_left += 1,
@@ -211,7 +211,17 @@ pub fn multiplexed(conn: &mut Conn) -> bool {
         }
         Ok(())
     });
-    moved
+    left
+}
+
+/// Connection `conn` was upgraded to HTTP/2 (`Upgrade: h2c`) and left `phase` for
+/// [`multiplexed`]: the HTTP/1.1 request that asked for the upgrade is done (a waiting
+/// connection's was finished when the preface arrived).
+#[inline(always)]
+pub fn upgraded(conn: &Conn, left: Phase) {
+    if left == Phase::Responded {
+        finish(conn);
+    }
 }
 
 /// The fields of a request that starts being served at `now`, once its phase is

@@ -358,6 +358,16 @@ pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
                 h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
             }
             _ if conn.owner_since_ns == Conn::ADOPTED && h2::adopted_mid_stream(conn, ret) => {}
+            // A connection's second request may begin with the preface (after an
+            // `Upgrade: h2c`): checked once, so that the requests after cost nothing.
+            Phase::Responded | Phase::Waiting if conn.owner_since_ns == 0 && conn.start_ns != 0 => {
+                conn.owner_since_ns = Conn::UPGRADE_CHECKED;
+                if h2::opens(sk, conn, ret) {
+                    h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
+                } else {
+                    requests::read(conn, now_ns(), Arrivals::Seen);
+                }
+            }
             _ => requests::read(conn, now_ns(), Arrivals::Seen),
         }
     }

@@ -78,7 +78,9 @@ pub struct Conn {
     /// Syscall backend: [`Watched::since_ns`] of the owning process when the entry was
     /// made; an entry whose owner no longer matches is stale. Socket backend:
     /// [`Conn::ADOPTED`] for a connection adopted open, until its first read or write
-    /// tells whether it carries HTTP/2 mid-stream; else 0.
+    /// tells whether it carries HTTP/2 mid-stream; [`Conn::UPGRADE_CHECKED`] once its
+    /// second request began (the only one whose first bytes may be an HTTP/2 preface,
+    /// after an `Upgrade: h2c`); else 0.
     pub owner_since_ns: u64,
     /// When the current request arrived (handshake, bytes queued, or first read when
     /// the arrival is not seen).
@@ -102,6 +104,9 @@ pub struct Conn {
 impl Conn {
     /// [`Conn::owner_since_ns`] of a connection adopted open (socket backend).
     pub const ADOPTED: u64 = u64::MAX;
+    /// [`Conn::owner_since_ns`] of a connection whose second request began (socket
+    /// backend).
+    pub const UPGRADE_CHECKED: u64 = 1;
 }
 
 /// Value of [`maps::PENDING_CALLS`].

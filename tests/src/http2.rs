@@ -244,6 +244,82 @@ impl GrpcServer {
     }
 }
 
+/// The server of tests/http2/h2c_upgrade_server.py: HTTP/2 reached by the HTTP/1.1
+/// `Upgrade: h2c` request (which nginx does not take); killed when dropped.
+pub struct UpgradeServer {
+    program: Program,
+    pub port: u16,
+}
+
+impl UpgradeServer {
+    /// Starts it and waits until its port accepts connections.
+    pub fn start() -> anyhow::Result<Self> {
+        let script = script("h2c_upgrade_server.py");
+        let mut program = Program::start_path(Path::new(PYTHON), &[script.display().to_string()])
+            .context("starting the h2c upgrade server (Debian package python3-h2)")?;
+        let port: u16 = program
+            .line("port")
+            .context("the h2c upgrade server did not start (is python3-h2 installed?)")?
+            .parse()
+            .context("the h2c upgrade server's port")?;
+        let accepting = wait_until(Duration::from_secs(10), || {
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        anyhow::ensure!(
+            accepting,
+            "the h2c upgrade server does not accept on port {port}"
+        );
+        Ok(Self { program, port })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.program.pid()
+    }
+
+    /// Stops it and returns how many streams it answered.
+    pub fn finish(mut self) -> anyhow::Result<u64> {
+        let line = self.program.finish("served")?;
+        line.trim()
+            .parse()
+            .with_context(|| format!("the h2c upgrade server said \"served {line}\""))
+    }
+}
+
+/// `requests` GETs by one curl on one connection to `port`, the first an HTTP/1.1
+/// `Upgrade: h2c` request (`--http2` over cleartext), the rest streams on the upgraded
+/// connection. Returns the HTTP version of each answer and the connections curl made.
+pub fn curl_upgrade(port: u16, requests: u32) -> anyhow::Result<(Vec<String>, u64)> {
+    let mut args = vec![
+        "--silent".to_owned(),
+        "--http2".to_owned(),
+        "--write-out".to_owned(),
+        "%{http_version} %{http_code} %{num_connects}\\n".to_owned(),
+    ];
+    for request in 0..requests {
+        args.push("--output".to_owned());
+        args.push("/dev/null".to_owned());
+        args.push(format!("http://127.0.0.1:{port}/{request}"));
+    }
+    let output = std::process::Command::new("curl")
+        .args(&args)
+        .output()
+        .context("running curl")?;
+    anyhow::ensure!(output.status.success(), "curl failed: {output:?}");
+    let text = String::from_utf8_lossy(&output.stdout);
+    let mut versions = Vec::new();
+    let mut connections = 0;
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [version, code, connects] = fields[..] else {
+            bail!("curl wrote {line:?}");
+        };
+        anyhow::ensure!(code == "200", "curl got {code}: {text}");
+        versions.push(version.to_owned());
+        connections += connects.parse::<u64>().context("curl's num_connects")?;
+    }
+    Ok((versions, connections))
+}
+
 /// How long a [`GrpcClient`] runs.
 #[derive(Clone, Copy, Debug)]
 pub enum Amount {

@@ -32,7 +32,10 @@ use std::{
 use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, Poolscope, backend_config, backends, free_port,
-    http2::{Amount, GrpcClient, GrpcServer, OldConnection, h2load, h2load_h1, h2raw},
+    http2::{
+        Amount, GrpcClient, GrpcServer, OldConnection, UpgradeServer, curl_upgrade, h2load,
+        h2load_h1, h2raw,
+    },
     one_at_a_time, privileged, scrape_until,
     servers::{Kind, RealServer, pin_to_first_cpu},
 };
@@ -1021,4 +1024,51 @@ fn syscall_backend_counts_no_http2_request() -> anyhow::Result<()> {
         delta.lost_sources()
     );
     Ok(())
+}
+
+/// The HTTP/1.1 `Upgrade: h2c` path: the upgrade request is one HTTP/1.1 request
+/// (answered `101`, then on stream 1), and every further request on the connection
+/// is a stream, counted exactly. Truth: curl's own answers on one connection.
+#[test]
+fn h2c_upgrade_counts_the_upgrade_and_every_stream() -> anyhow::Result<()> {
+    if !privileged("h2c_upgrade_counts_the_upgrade_and_every_stream") {
+        return Ok(());
+    }
+    const REQUESTS: u32 = 20;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    for backend in http2_backends() {
+        let server = UpgradeServer::start()?;
+        let service = format!("h2c-upgrade-{backend}");
+        let poolscope = watch(backend, &service, &[server.pid()])?;
+        let before = Counts::scrape(&poolscope, &service)?;
+        let (versions, connections) = curl_upgrade(server.port, REQUESTS)?;
+        anyhow::ensure!(
+            connections == 1 && versions.iter().all(|v| v == "2"),
+            "curl did not upgrade one connection: versions {versions:?}, {connections} \
+             connections"
+        );
+        let delta = settle_on(&poolscope, &service, &before, u64::from(REQUESTS), 0)?;
+        eprintln!(
+            "{backend}: {REQUESTS} requests on one upgraded connection: requests_total +{}, \
+             HTTP/2 connections +{}, resets +{}, lost {}",
+            delta.requests,
+            delta.connections,
+            delta.resets,
+            delta.lost_sources()
+        );
+        Expect {
+            what: &format!("{backend}, h2c upgrade"),
+            requests: u64::from(REQUESTS),
+            resets: 0,
+            connections: Some(1),
+        }
+        .check(&delta, &mut failures);
+        let served = server.finish()?;
+        anyhow::ensure!(
+            served == u64::from(REQUESTS),
+            "the server answered {served} streams, curl {REQUESTS}"
+        );
+    }
+    ensure_none("h2c upgrade", &failures)
 }
