@@ -203,14 +203,33 @@ impl GrpcServer {
     /// Starts it and waits until its port accepts connections.
     pub fn start(workers: u32) -> anyhow::Result<Self> {
         let script = script("grpc_server.py");
-        let mut program = Program::start_path(
+        let program = Program::start_path(
             Path::new(PYTHON),
             &[script.display().to_string(), workers.to_string()],
         )
         .context("starting the gRPC server (Debian package python3-grpcio)")?;
+        Self::serving(program)
+    }
+
+    /// The Go server of tests/http2/grpc_server.go (grpc-go, a goroutine per call; its
+    /// `Sleep` only), built from Debian's golang-google-grpc-dev.
+    pub fn start_go() -> anyhow::Result<Self> {
+        let binary = crate::servers::build_go(
+            include_str!("../http2/grpc_server.go"),
+            Some(Path::new("/usr/share/gocode")),
+        )
+        .context(
+            "building the Go gRPC server (Debian packages golang-go, golang-google-grpc-dev)",
+        )?;
+        let program = Program::start_path(&binary, &[]).context("starting the Go gRPC server")?;
+        Self::serving(program)
+    }
+
+    /// Waits until `program`, started, says its port and accepts connections on it.
+    fn serving(mut program: Program) -> anyhow::Result<Self> {
         let port: u16 = program
             .line("port")
-            .context("the gRPC server did not start (is python3-grpcio installed?)")?
+            .context("the gRPC server did not start")?
             .parse()
             .context("the gRPC server's port")?;
         let accepting = wait_until(Duration::from_secs(10), || {

@@ -775,11 +775,17 @@ func main() {{
     )
 }
 
-/// The Go server, built once per source text under target/<profile>/real-servers/go
-/// (std only: no network). Concurrent builds each build in their own dir and rename.
+/// The Go server, built once per source text (std only: no network).
 fn go_binary(work: bool) -> anyhow::Result<PathBuf> {
+    build_go(&go_source(work), None)
+}
+
+/// A Go program, built once per source text under target/<profile>/real-servers/go;
+/// with `packages`, in GOPATH mode against that tree of Go sources (Debian's
+/// /usr/share/gocode, where its golang-*-dev packages put them), else with the
+/// standard library only. Concurrent builds each build in their own dir and rename.
+pub fn build_go(source: &str, packages: Option<&Path>) -> anyhow::Result<PathBuf> {
     use std::hash::{DefaultHasher, Hash as _, Hasher as _};
-    let source = go_source(work);
     let mut hasher = DefaultHasher::new();
     source.hash(&mut hasher);
     let cache = bin_dir()?.join("real-servers/go");
@@ -790,7 +796,11 @@ fn go_binary(work: bool) -> anyhow::Result<PathBuf> {
     }
     fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
     let build = tempfile::tempdir_in(&cache)?;
-    let main = write(build.path(), "main.go", &source)?;
+    let main = write(build.path(), "main.go", source)?;
+    let (gopath, modules) = match packages {
+        Some(tree) => (tree.to_owned(), "off"),
+        None => (cache.join("gopath"), ""),
+    };
     let output = Command::new("go")
         .arg("build")
         .arg("-o")
@@ -798,10 +808,10 @@ fn go_binary(work: bool) -> anyhow::Result<PathBuf> {
         .arg(&main)
         .current_dir(build.path())
         .env("HOME", &cache)
-        .env("GOPATH", cache.join("gopath"))
+        .env("GOPATH", gopath)
         .env("GOCACHE", cache.join("gocache"))
         .env("GOFLAGS", "")
-        .env("GO111MODULE", "")
+        .env("GO111MODULE", modules)
         .env("CGO_ENABLED", "0")
         .output()
         .context("running go build (is golang-go installed?)")?;

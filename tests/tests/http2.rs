@@ -343,6 +343,7 @@ fn nginx_h2load_counts_every_stream() -> anyhow::Result<()> {
 /// A closed loop of gRPC calls against a pool.
 struct GrpcRun {
     name: &'static str,
+    /// The Python server's pool of workers; 0: the Go server, a goroutine per call.
     workers: u32,
     concurrency: u32,
     sleep_ms: u64,
@@ -360,6 +361,13 @@ const GRPC_RUNS: &[GrpcRun] = &[
     GrpcRun {
         name: "past saturation",
         workers: 4,
+        concurrency: 16,
+        sleep_ms: 20,
+        seconds: 4,
+    },
+    GrpcRun {
+        name: "Go, a goroutine per call",
+        workers: 0,
         concurrency: 16,
         sleep_ms: 20,
         seconds: 4,
@@ -416,15 +424,14 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
     for backend in http2_backends() {
         for run in GRPC_RUNS {
             let what = format!("{backend}, {}", run.name);
-            let server = GrpcServer::start(run.workers)?;
+            // grpcio hands each stream to a worker of its ThreadPoolExecutor; grpc-go
+            // serves every stream at once, on goroutines.
+            let (server, keys) = match run.workers {
+                0 => (GrpcServer::start_go()?, ""),
+                workers => (GrpcServer::start(workers)?, "http2_worker_threads = true\n"),
+            };
             let service = format!("grpc-{backend}");
-            // grpcio hands each stream to a worker of its ThreadPoolExecutor.
-            let poolscope = watch_with(
-                backend,
-                &service,
-                &[server.pid()],
-                "http2_worker_threads = true\n",
-            )?;
+            let poolscope = watch_with(backend, &service, &[server.pid()], keys)?;
             let before = Counts::scrape(&poolscope, &service)?;
             let client = GrpcClient::start(
                 server.port,
@@ -455,8 +462,12 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
             let delta = settle_on(&poolscope, &service, &before, result.completed, 0)?;
             let sampled = mean(&samples);
             let little = result.mean_in_flight();
-            // Closed form: the pool serves min(in flight, W) calls; the rest wait.
-            let truth_waiting = (little - f64::from(run.workers)).max(0.0);
+            // Closed form: the pool serves min(in flight, W) calls; the rest wait. Go
+            // serves them all.
+            let truth_waiting = match run.workers {
+                0 => 0.0,
+                workers => (little - f64::from(workers)).max(0.0),
+            };
             let (waiting, depth) = (mean(&waiting), mean(&depths));
             waiting_table.push(format!(
                 "| {backend} | {} | {} | {} | {truth_waiting:.2} | {waiting:.2} | {depth:.2} |",

@@ -53,11 +53,15 @@ const TEST_PACKAGES: &[&str] = &[
     "libcurl4-openssl-dev",
     "default-jdk-headless",
     // tests/tests/http2.rs: h2load drives nginx over cleartext HTTP/2 and counts what
-    // succeeded; the gRPC server and client (grpcio) and the raw HTTP/2 clients that
-    // reset, cut up or garble frames (h2) run under Debian's /usr/bin/python3.
+    // succeeded; the gRPC server and client (grpcio), the raw HTTP/2 clients that
+    // reset, cut up or garble frames and the Upgrade: h2c server (h2) run under
+    // Debian's /usr/bin/python3; curl takes the Upgrade: h2c path; a second gRPC
+    // server is Go's (grpc-go, built in GOPATH mode from Debian's sources).
     "nghttp2-client",
     "python3-grpcio",
     "python3-h2",
+    "curl",
+    "golang-google-grpc-dev",
 ];
 
 fn main() -> anyhow::Result<()> {

@@ -1,0 +1,61 @@
+// A gRPC server in Go for tests/tests/http2.rs, without generated code: grpc-go
+// (Debian's golang-google-grpc-dev, built in GOPATH mode) with a codec that passes
+// bytes through, one unary method `poolscope.Test/Sleep` that sleeps the request's
+// ASCII number of ms and answers "ok". Each call runs on its own goroutine: nothing
+// waits for a worker. Prints `port N` once it listens on 127.0.0.1; serves until
+// stdin closes, then prints `served N 0 0` (as grpc_server.py: Sleep, Stream, Abort).
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+)
+
+type rawCodec struct{}
+
+func (rawCodec) Marshal(v interface{}) ([]byte, error) { return v.([]byte), nil }
+func (rawCodec) Unmarshal(data []byte, v interface{}) error {
+	*(v.(*[]byte)) = append([]byte(nil), data...)
+	return nil
+}
+func (rawCodec) Name() string   { return "raw" }
+func (rawCodec) String() string { return "raw" }
+
+var served int64
+
+func sleep(_ interface{}, ctx context.Context, dec func(interface{}) error, _ grpc.UnaryServerInterceptor) (interface{}, error) {
+	var in []byte
+	if err := dec(&in); err != nil {
+		return nil, err
+	}
+	ms, _ := strconv.Atoi(string(in))
+	time.Sleep(time.Duration(ms) * time.Millisecond)
+	atomic.AddInt64(&served, 1)
+	return []byte("ok"), nil
+}
+
+func main() {
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	server := grpc.NewServer(grpc.CustomCodec(rawCodec{}))
+	server.RegisterService(&grpc.ServiceDesc{
+		ServiceName: "poolscope.Test",
+		HandlerType: (*interface{})(nil),
+		Methods:     []grpc.MethodDesc{{MethodName: "Sleep", Handler: sleep}},
+	}, struct{}{})
+	fmt.Printf("port %d\n", listener.Addr().(*net.TCPAddr).Port)
+	go server.Serve(listener)
+	bufio.NewReader(os.Stdin).ReadString('\n')
+	server.GracefulStop()
+	fmt.Printf("served %d 0 0\n", atomic.LoadInt64(&served))
+}
