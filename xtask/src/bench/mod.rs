@@ -10,6 +10,9 @@
 //! another poolscope or other busy processes skewed is marked, and measured again once
 //! the machine is quiet.
 //!
+//! Then what following HTTP/2 streams costs (`BENCH_ONLY=h2`, see `h2.rs`): nginx over
+//! cleartext HTTP/2 under h2load, poolscope off and on, and the kernel time per stream.
+//!
 //! Then what the scheduler programs (raw tracepoints `sched_switch`, `sched_wakeup`,
 //! which run on every context switch and wakeup of the host) cost: `pingpong`
 //! (tests/src/bin/pingpong.rs: two threads pinned to CPU 1 bouncing a byte over pipes,
@@ -54,7 +57,7 @@
 //!
 //! `BENCH_ROUNDS` (default 3 rounds of all modes) and `BENCH_SECONDS` (default 5) tune
 //! the first four; `BENCH_LOCK_HOLD_US` (default 200) the lock's hold time.
-//! `BENCH_ONLY=nginx`, `sched`, `locks`, `stacks`, `scale` or `fill` runs one of them;
+//! `BENCH_ONLY=nginx`, `h2`, `sched`, `locks`, `stacks`, `scale` or `fill` runs one of them;
 //! `BENCH_POOLSCOPE=<path>` measures another poolscope binary (an older commit's).
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -71,6 +74,7 @@ use anyhow::{Context as _, bail};
 
 mod bpf;
 mod fill;
+mod h2;
 mod locks;
 mod nginx;
 mod scale;
@@ -78,13 +82,14 @@ mod sched;
 mod stacks;
 
 use fill::run_fill;
+use h2::run_h2;
 use locks::run_locks;
 use nginx::run_nginx;
 use scale::run_scale;
 use sched::run_sched;
 use stacks::run_stacks;
 
-pub const PACKAGES: &[&str] = &["nginx", "wrk"];
+pub const PACKAGES: &[&str] = &["nginx", "wrk", "nghttp2-client"];
 
 /// Kills and reaps a child when dropped.
 struct Guard(Child);
@@ -123,8 +128,9 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
     let seconds = env_number("BENCH_SECONDS", 5).max(1);
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     type Part = fn(&Path, PathBuf, usize, u64) -> anyhow::Result<()>;
-    let parts: [(&str, Part); 6] = [
+    let parts: [(&str, Part); 7] = [
         ("nginx", run_nginx),
+        ("h2", run_h2),
         ("sched", run_sched),
         ("locks", run_locks),
         ("stacks", run_stacks),
@@ -132,7 +138,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
         ("fill", run_fill),
     ];
     if !only.is_empty() && !parts.iter().any(|(name, _)| *name == only) {
-        bail!("BENCH_ONLY={only}: nginx, sched, locks, stacks, scale or fill");
+        bail!("BENCH_ONLY={only}: nginx, h2, sched, locks, stacks, scale or fill");
     }
     let dir = root.join("target/bench");
     let _ = fs::remove_dir_all(&dir);

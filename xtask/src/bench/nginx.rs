@@ -58,7 +58,7 @@ impl Mode {
 #[derive(Default)]
 pub(super) struct Counters {
     /// `poolscope_requests_total` of nginx.
-    requests: f64,
+    pub(super) requests: f64,
     /// `poolscope_connections_accepted_total` of nginx.
     connections: f64,
     /// program → (runs, run ns)
