@@ -102,17 +102,22 @@ pub(super) fn run_h2(root: &Path, dir: PathBuf, rounds: usize, seconds: u64) -> 
         on_median / off_median
     );
     println!(
-        "  request programs' kernel time: {:.0} ns per stream ({} streams counted of {} \
-         h2load finished, with kernel.bpf_stats_enabled)",
+        "  request programs' kernel time: {:.0} ns per stream ({} streams counted, {} \
+         finished by h2load, which stops with up to 40 open; with kernel.bpf_stats_enabled)",
         ns / counted.requests,
         counted.requests,
         stats.streams
     );
-    if counted.requests != stats.streams {
+    // h2load stops at its duration with up to connections × streams open; the server
+    // may finish those (poolscope counts them) after h2load stopped counting.
+    let open_at_stop: f64 = CONNECTIONS.parse::<f64>()? * STREAMS.parse::<f64>()?;
+    if (counted.requests - stats.streams).abs() > open_at_stop {
         bail!(
-            "poolscope counted {} streams, h2load finished {}",
+            "poolscope counted {} streams, h2load finished {} (more apart than the {} \
+             h2load may leave open)",
             counted.requests,
-            stats.streams
+            stats.streams,
+            open_at_stop
         );
     }
     Ok(())
