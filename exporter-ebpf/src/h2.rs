@@ -26,7 +26,7 @@ use aya_ebpf::{
 };
 use poolscope_shared::{
     CallWalk, Conn, FrameCursor, H2_FRAME_HEADER, H2_PREFACE, H2_STREAM_SLOTS, H2Conn, LossErrno,
-    LossSource, SyscallSlot, h2_stream_slot,
+    LossSource, Phase, SyscallSlot, h2_stream_slot,
 };
 
 use crate::{
@@ -218,6 +218,11 @@ pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
     // accept; `end_ns` counts its bytes while `Unserved`), or after an upgrade the
     // 101 and the server's SETTINGS (`end_ns` is the upgrade response's last write).
     let sent_before = conn.end_ns;
+    // The stream limit of a greeting (`greeting`), while the connection is new.
+    let greeted_limit = match requests::phase(conn) {
+        Phase::Unserved => conn.next_arrive_ns,
+        _ => 0,
+    };
     let Some(left) = requests::multiplexed(conn) else {
         return false;
     };
@@ -240,6 +245,9 @@ pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
     let h2 = unsafe { &mut *h2.cast::<H2Conn>() };
     h2.recv.preface_left = H2_PREFACE.len() as u32;
     h2.send.frames = u32::from(sent_before != 0);
+    if greeted_limit != 0 {
+        limit_streams(h2, (greeted_limit - 1) as u32, conn.service);
+    }
     true
 }
 
@@ -753,25 +761,71 @@ fn goaway(h2: &mut H2Conn, at: u64, service: u32) {
 /// its stream limit.
 #[inline(never)]
 fn settings(h2: &mut H2Conn, at: u64, length: u32, service: u32) {
+    if let Some(limit) = announced_limit(at, length) {
+        limit_streams(h2, limit, service);
+    }
+}
+
+/// `SETTINGS_MAX_CONCURRENT_STREAMS` in a SETTINGS payload of `length` bytes at user
+/// address `at`, if it is there.
+#[inline(always)]
+fn announced_limit(at: u64, length: u32) -> Option<u32> {
+    let mut limit = None;
     let mut entry = 0;
     while entry < MAX_SETTINGS && entry * 6 < length {
-        let Some(setting) = read_user::<[u8; 6]>(at + u64::from(entry) * 6) else {
-            return;
-        };
+        let setting = read_user::<[u8; 6]>(at + u64::from(entry) * 6)?;
         if u16::from_be_bytes([setting[0], setting[1]]) == SETTINGS_MAX_CONCURRENT_STREAMS {
-            let limit = u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]]);
-            let was_at_limit = at_limit(h2);
-            h2.max_streams = limit;
-            let is_at_limit = at_limit(h2);
-            update_service(service, |c| {
-                c.max_streams = c.max_streams.max(u64::from(limit));
-                match (was_at_limit, is_at_limit) {
-                    (false, true) => c.at_limit_entered += 1,
-                    (true, false) => c.at_limit_left += 1,
-                    _ => {}
-                }
-            });
+            limit = Some(u32::from_be_bytes([
+                setting[2], setting[3], setting[4], setting[5],
+            ]));
         }
         entry += 1;
+    }
+    limit
+}
+
+/// The server allows `limit` open streams on the connection from now on.
+#[inline(always)]
+fn limit_streams(h2: &mut H2Conn, limit: u32, service: u32) {
+    let was_at_limit = at_limit(h2);
+    h2.max_streams = limit;
+    let is_at_limit = at_limit(h2);
+    update_service(service, |c| {
+        c.max_streams = c.max_streams.max(u64::from(limit));
+        match (was_at_limit, is_at_limit) {
+            (false, true) => c.at_limit_entered += 1,
+            (true, false) => c.at_limit_left += 1,
+            _ => {}
+        }
+    });
+}
+
+/// A write of `len` bytes before connection `conn` read anything (`Unserved`): an
+/// HTTP/2 server may send its SETTINGS at once (gRPC does), before the client's
+/// preface tells that the connection is HTTP/2. Its stream limit is kept in
+/// `next_arrive_ns` (unused until a request starts; 1 + the limit) for [`opens`].
+#[inline(never)]
+pub fn greeting(conn: &mut Conn, len: i32) {
+    if len < H2_FRAME_HEADER as i32 || conn.next_arrive_ns != 0 {
+        return;
+    }
+    let Some((base, _)) = Source::of_current_call().and_then(|source| source.buffer(0)) else {
+        return;
+    };
+    let Some(header) = read_user::<[u8; H2_FRAME_HEADER as usize]>(base) else {
+        return;
+    };
+    let mut bytes = [0u8; 32];
+    bytes[..9].copy_from_slice(&header);
+    let frame = Frame::of(&bytes);
+    if frame.kind != SETTINGS
+        || frame.flags & ACK != 0
+        || !frame.well_formed(true)
+        || frame.length > len as u32 - H2_FRAME_HEADER
+    {
+        return;
+    }
+    if let Some(limit) = announced_limit(base + u64::from(H2_FRAME_HEADER), frame.length) {
+        conn.next_arrive_ns = u64::from(limit) + 1;
     }
 }

@@ -27,6 +27,13 @@ pub enum Arrivals {
     Unseen,
 }
 
+/// The phase of `conn` as it is now (other CPUs change it).
+#[inline(always)]
+pub fn phase(conn: &Conn) -> Phase {
+    // SAFETY: a live entry; volatile, since other CPUs change it.
+    Phase::from_u32(unsafe { core::ptr::read_volatile(&conn.phase) })
+}
+
 /// A new connection of `service` entered the queue at `now` (handshake done or
 /// accepted): its entry, to store where the backend keeps them, then [`accepted`].
 #[inline(always)]

@@ -321,20 +321,13 @@ pub fn sock_data_ready(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn(sk) {
         // SAFETY: a live entry, changed by compare-and-swap.
         let conn = unsafe { &mut *conn };
-        if phase(conn) == Phase::Multiplexed {
+        if requests::phase(conn) == Phase::Multiplexed {
             h2::arrived(sk, now_ns());
         } else {
             requests::data_arrived(conn, now_ns());
         }
     }
     0
-}
-
-/// The phase of `conn` as it is now (other CPUs change it).
-#[inline(always)]
-fn phase(conn: &Conn) -> Phase {
-    // SAFETY: a live entry; volatile, since other CPUs change it.
-    Phase::from_u32(unsafe { ptr::read_volatile(&conn.phase) })
 }
 
 /// sock_recv_length(struct sock *sk, int ret, int flags)
@@ -349,7 +342,7 @@ pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn(sk) {
         // SAFETY: as above.
         let conn = unsafe { &mut *conn };
-        match phase(conn) {
+        match requests::phase(conn) {
             Phase::Multiplexed => {
                 h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
             }
@@ -385,10 +378,18 @@ pub fn sock_send(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn(sk) {
         // SAFETY: as above.
         let conn = unsafe { &mut *conn };
-        if phase(conn) == Phase::Multiplexed {
-            h2::transferred(sk, conn.service, Direction::Sent, ret, now_ns());
-        } else if conn.owner_since_ns != Conn::ADOPTED || !h2::adopted_mid_stream(conn, ret) {
-            requests::wrote(conn, now_ns(), ret as u32);
+        match requests::phase(conn) {
+            Phase::Multiplexed => {
+                h2::transferred(sk, conn.service, Direction::Sent, ret, now_ns());
+            }
+            _ if conn.owner_since_ns == Conn::ADOPTED && h2::adopted_mid_stream(conn, ret) => {}
+            phase => {
+                // A server that writes first may be an HTTP/2 one announcing its limits.
+                if phase == Phase::Unserved {
+                    h2::greeting(conn, ret);
+                }
+                requests::wrote(conn, now_ns(), ret as u32);
+            }
         }
     }
     0

@@ -91,7 +91,8 @@ pub struct Conn {
     pub end_ns: u64,
     /// Socket backend: when bytes arrived while the request was being served and
     /// were not read yet (0 if none): on loopback the next request can arrive before
-    /// the tracepoint of the write that answered this one has run.
+    /// the tracepoint of the write that answered this one has run. While `Unserved`:
+    /// 1 + the stream limit an HTTP/2 server announced in a greeting (0: none).
     pub next_arrive_ns: u64,
     /// The watched thread whose read started the current request (0 if none): it is
     /// serving until the response begins (see [`Thread::serving`]).

@@ -1,7 +1,7 @@
 """A gRPC server for tests/tests/http2.rs, without generated code: grpcio's generic
 handlers with identity (bytes) serializers, on a ThreadPoolExecutor of W workers.
 
-    /usr/bin/python3 grpc_server.py WORKERS
+    /usr/bin/python3 grpc_server.py WORKERS [MAX_CONCURRENT_STREAMS]
 
 Methods of service `poolscope.Test` (requests are ASCII decimal numbers):
 - `Sleep` (unary): sleeps that many ms, answers b"ok";
@@ -49,6 +49,8 @@ def abort(request, context):
 
 def main():
     workers = int(sys.argv[1])
+    # Announced in the server's SETTINGS: a client queues calls beyond it on its side.
+    options = [("grpc.max_concurrent_streams", int(sys.argv[2]))] if len(sys.argv) > 2 else []
     handler = grpc.method_handlers_generic_handler(
         "poolscope.Test",
         {
@@ -58,7 +60,9 @@ def main():
             "Abort": grpc.unary_unary_rpc_method_handler(abort),
         },
     )
-    server = grpc.server(ThreadPoolExecutor(max_workers=workers), handlers=[handler])
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=workers), handlers=[handler], options=options
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     if port == 0:
         sys.exit("could not bind 127.0.0.1:0")

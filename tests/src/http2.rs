@@ -202,12 +202,20 @@ pub struct GrpcServed {
 impl GrpcServer {
     /// Starts it and waits until its port accepts connections.
     pub fn start(workers: u32) -> anyhow::Result<Self> {
+        Self::start_with(&[workers.to_string()])
+    }
+
+    /// Starts it announcing `SETTINGS_MAX_CONCURRENT_STREAMS` = `max_streams`.
+    pub fn start_with_stream_limit(workers: u32, max_streams: u32) -> anyhow::Result<Self> {
+        Self::start_with(&[workers.to_string(), max_streams.to_string()])
+    }
+
+    fn start_with(args: &[String]) -> anyhow::Result<Self> {
         let script = script("grpc_server.py");
-        let program = Program::start_path(
-            Path::new(PYTHON),
-            &[script.display().to_string(), workers.to_string()],
-        )
-        .context("starting the gRPC server (Debian package python3-grpcio)")?;
+        let mut argv = vec![script.display().to_string()];
+        argv.extend_from_slice(args);
+        let program = Program::start_path(Path::new(PYTHON), &argv)
+            .context("starting the gRPC server (Debian package python3-grpcio)")?;
         Self::serving(program)
     }
 

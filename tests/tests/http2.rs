@@ -1083,3 +1083,66 @@ fn h2c_upgrade_counts_the_upgrade_and_every_stream() -> anyhow::Result<()> {
     }
     ensure_none("h2c upgrade", &failures)
 }
+
+/// The server's `SETTINGS_MAX_CONCURRENT_STREAMS` against a client's open streams: a
+/// gRPC client that keeps 8 calls open on one channel to a server that allows 8 holds
+/// its connection at the limit (further calls would queue in the client, where no
+/// server-side number sees them); one that keeps 4 open stays under it. Truth: the
+/// limit the server was given, and the client's own concurrency (its calls sleep 50
+/// ms on 16 workers, so all it keeps open are open at the server).
+#[test]
+fn streams_against_the_servers_limit() -> anyhow::Result<()> {
+    if !privileged("streams_against_the_servers_limit") {
+        return Ok(());
+    }
+    const LIMIT: u32 = 8;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    for backend in http2_backends() {
+        for (concurrency, at_limit) in [(LIMIT, 1.0), (LIMIT / 2, 0.0)] {
+            let server = GrpcServer::start_with_stream_limit(16, LIMIT)?;
+            let service = format!("grpc-limit-{backend}");
+            let poolscope = watch(backend, &service, &[server.pid()])?;
+            let client =
+                GrpcClient::start(server.port, "Sleep", 50, concurrency, Amount::Seconds(3))?;
+            std::thread::sleep(RAMP_UP);
+            let mut samples = Vec::new();
+            let mut announced = f64::NAN;
+            for _ in 0..IN_FLIGHT_SAMPLES {
+                let started = Instant::now();
+                let metrics = poolscope.scrape()?;
+                let gauge = |name| metrics.value(name, &[("service", &service)]);
+                samples
+                    .push(gauge("poolscope_http2_connections_at_stream_limit").unwrap_or(f64::NAN));
+                announced = gauge("poolscope_http2_max_concurrent_streams").unwrap_or(f64::NAN);
+                std::thread::sleep(SAMPLE_EVERY.saturating_sub(started.elapsed()));
+            }
+            let result = client.finish()?;
+            anyhow::ensure!(
+                result.failed == 0,
+                "the gRPC client's calls failed: {result:?}"
+            );
+            let share = mean(&samples);
+            eprintln!(
+                "{backend}: {concurrency} calls open against a limit of {LIMIT}: \
+                 max_concurrent_streams {announced}, connections at the limit {share:.2} \
+                 (samples {samples:?})"
+            );
+            if announced != f64::from(LIMIT) {
+                failures.push(format!(
+                    "{backend}: http2_max_concurrent_streams {announced}, the server announced \
+                     {LIMIT}"
+                ));
+            }
+            // A sample may fall between a call's end and the client's next: below the
+            // limit for that instant.
+            if (share - at_limit).abs() > 0.2 {
+                failures.push(format!(
+                    "{backend}, {concurrency} open: http2_connections_at_stream_limit {share:.2} \
+                     on average, expected {at_limit}"
+                ));
+            }
+        }
+    }
+    ensure_none("streams against the server's limit", &failures)
+}
