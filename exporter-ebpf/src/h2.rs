@@ -294,12 +294,33 @@ pub fn unfollowed(regs: *const u8, slot: SyscallSlot, conn: &mut Conn, len: i64)
     let (Some(second), Some(third)) = (arg(SECOND_ARG_OFFSET), arg(THIRD_ARG_OFFSET)) else {
         return false;
     };
-    if !Source::of_call(slot, second, third).is_some_and(|source| source.begins_with_preface(len))
-        || requests::multiplexed(conn).is_none()
-    {
+    Source::of_call(slot, second, third).is_some_and(|source| source.begins_with_preface(len))
+        && refused(conn, LossSource::Http2SyscallBackend)
+}
+
+/// Tcp backend: the first read of connection `conn` (`Unserved`), seen from inside the
+/// call that copies its bytes. Its hook gives no length: the preface is compared
+/// with as much of it as the call's first buffer holds (a client writes the whole
+/// preface at once; fewer bytes read than the preface's first 18 could not have
+/// matched an HTTP/1 request anyway). As the syscall backend, this backend sees no
+/// write's buffer and does not follow streams: the connection counts nothing
+/// (`Http2TcpBackend`). `true` if so.
+#[inline(never)]
+pub fn unfollowed_here(conn: &mut Conn) -> bool {
+    Source::of_current_call()
+        .is_some_and(|source| source.begins_with_preface(H2_PREFACE.len() as i64))
+        && refused(conn, LossSource::Http2TcpBackend)
+}
+
+/// An HTTP/2 connection a backend does not follow becomes `Multiplexed`, counts
+/// nothing, and the refusal is counted as `source`; `false` if another CPU moved it
+/// meanwhile.
+#[inline(always)]
+fn refused(conn: &mut Conn, source: LossSource) -> bool {
+    if requests::multiplexed(conn).is_none() {
         return false;
     }
-    count_loss(LossSource::Http2SyscallBackend, LossErrno::None);
+    count_loss(source, LossErrno::None);
     true
 }
 

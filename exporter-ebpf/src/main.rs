@@ -7,12 +7,12 @@
 //! - `downstream` (the peer of a socket a thread waits on), under `threads`, the thread
 //!   state machine; `stackmaps` (capture and count stacks) and `locks` (lock waits)
 //!   on top of it;
-//! - `requests`, the request state machine that the two request backends (`sock`,
-//!   `syscalls`) share, and `h2`, which follows HTTP/2 connections' streams instead
-//!   (socket backend);
+//! - `requests`, the request state machine that the three request backends (`sock`,
+//!   `tcp`, `syscalls`) share, and `h2`, which follows HTTP/2 connections' streams
+//!   instead (socket backend);
 //! - the programs of each subsystem: `sched` (switches and wakeups drive threads,
 //!   stacks and locks), `stacks` and `sessions` (samples and off-CPU blocks),
-//!   `process` (lifecycle), `sock` and `syscalls`.
+//!   `process` (lifecycle), `sock`, `tcp` (which uses `sock`'s storage) and `syscalls`.
 #![no_std]
 #![no_main]
 // The BPF target has no `AtomicU64`; the intrinsic compiles to BPF's atomic add.
@@ -33,6 +33,7 @@ mod sock;
 mod stackmaps;
 mod stacks;
 mod syscalls;
+mod tcp;
 mod threads;
 
 #[cfg(not(test))]

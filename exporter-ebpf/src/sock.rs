@@ -50,7 +50,10 @@ static SOCK_PORT_OFFSET: u32 = 0;
 /// port): `sk_protocol`, `__sk_common.skc_family`, and the local address as IPv4
 /// (`skc_rcv_saddr`) and IPv6 (`skc_v6_rcv_saddr`).
 #[unsafe(no_mangle)]
-static SOCK_PROTOCOL_OFFSET: u32 = 0;
+pub(crate) static SOCK_PROTOCOL_OFFSET: u32 = 0;
+/// Offset of the TCP state in `struct sock` (`__sk_common.skc_state`), as the port.
+#[unsafe(no_mangle)]
+pub(crate) static SOCK_STATE_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static SOCK_FAMILY_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
@@ -67,7 +70,7 @@ static SOCKET_INODE_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static INODE_INO_OFFSET: u32 = 0;
 
-const IPPROTO_TCP: u16 = 6;
+pub(crate) const IPPROTO_TCP: u16 = 6;
 const AF_INET6: u16 = 10;
 const TCP_ESTABLISHED: i32 = 1;
 const TCP_SYN_RECV: i32 = 3;
@@ -77,14 +80,14 @@ const TCP_LISTEN: i32 = 10;
 
 /// A load-time constant, read volatile so that the compiler does not fold it.
 #[inline(always)]
-fn offset(global: &u32) -> usize {
+pub(crate) fn offset(global: &u32) -> usize {
     // SAFETY: a static of this program.
     unsafe { ptr::read_volatile(global) as usize }
 }
 
 /// Reads a `T` at `at` in kernel object `base`; the helper checks the read.
 #[inline(always)]
-fn read_kernel<T>(base: *const u8, at: usize) -> Result<T, i64> {
+pub(crate) fn read_kernel<T>(base: *const u8, at: usize) -> Result<T, i64> {
     // SAFETY: the helper faults nothing; an offset from BTF names the field.
     unsafe { bpf_probe_read_kernel(base.wrapping_add(at).cast::<T>()) }.map_err(i64::from)
 }
@@ -198,7 +201,7 @@ fn port(sk: *const u8) -> u16 {
 /// BTF tracepoints' `struct sock *` may be read directly (the verifier checks the
 /// offset against the type; probe reads cost ~50 ns each).
 #[inline(always)]
-fn field<T>(sk: *const u8, global: &u32) -> T {
+pub(crate) fn field<T>(sk: *const u8, global: &u32) -> T {
     // SAFETY: `sk` is the tracepoint's socket, the offset a field of `struct sock`.
     unsafe { ptr::read_volatile(sk.add(offset(global)).cast::<T>()) }
 }
@@ -218,11 +221,24 @@ fn claim(sk: *const u8, service: u32) {
 /// one load and one array read; the others cost a read of the socket's own storage,
 /// plus an array read while user space has connections to adopt.
 #[inline(always)]
-fn conn(sk: *const u8) -> Option<*mut Conn> {
-    let (word, bit) = watched_port_bit(port(sk));
-    if WATCHED_PORTS.get(word).copied().unwrap_or(0) & bit == 0 {
+pub(crate) fn conn(sk: *const u8) -> Option<*mut Conn> {
+    if !on_watched_port(sk) {
         return None;
     }
+    conn_on_watched_port(sk)
+}
+
+/// Whether socket `sk`'s local port is one a watched service listens on: one load and
+/// one array read, all that a socket of no watched service costs.
+#[inline(always)]
+pub(crate) fn on_watched_port(sk: *const u8) -> bool {
+    let (word, bit) = watched_port_bit(port(sk));
+    WATCHED_PORTS.get(word).copied().unwrap_or(0) & bit != 0
+}
+
+/// [`conn`] of a socket that [`on_watched_port`] let through.
+#[inline(always)]
+pub(crate) fn conn_on_watched_port(sk: *const u8) -> Option<*mut Conn> {
     if let Some(conn) = current(sk) {
         return Some(conn);
     }

@@ -27,7 +27,7 @@ use crate::{
     config::{Overrides, Settings},
     discovery::procfs,
     exporter::Exporter,
-    kernel::{Kernel, ProbeState, ProcessEvents, Sampling, caps},
+    kernel::{Kernel, ProbeState, ProcessEvents, Sampling, WatchTable as _, caps},
     logging::LogHandle,
     metrics::pools,
     stacks::{heap, snapshots::Trigger},
@@ -47,28 +47,52 @@ const MAX_STACK_DRAIN_INTERVAL: Duration = Duration::from_secs(10);
 /// After an exec-triggered rescan, wait at least this long before the next one.
 const MIN_TRIGGERED_RESCAN_GAP: Duration = Duration::from_secs(1);
 
-/// The request backend: the socket one where this kernel has its tracepoints, unless
-/// the config forces one. A forced backend the kernel lacks is refused rather than
-/// replaced: its numbers would mean something else than the operator asked for.
-fn choose_backend(wanted: config::Backend) -> anyhow::Result<kernel::Backend> {
-    let missing = kernel::Backend::Socket.missing_tracepoints();
-    match wanted {
-        config::Backend::Auto if missing.is_empty() => Ok(kernel::Backend::Socket),
-        config::Backend::Auto => {
-            tracing::info!(
-                missing = %missing.join(", "),
-                "this kernel lacks the socket backend's tracepoints (kernel >= 6.3): syscall backend"
-            );
-            Ok(kernel::Backend::Syscall)
-        }
-        config::Backend::Syscall => Ok(kernel::Backend::Syscall),
-        config::Backend::Socket if missing.is_empty() => Ok(kernel::Backend::Socket),
-        config::Backend::Socket => anyhow::bail!(
-            "probes.backend = \"socket\" needs the sock:sock_recv_length, sock_send_length, \
-             sk_data_ready and inet_sock_set_state tracepoints (kernel >= 6.3); this kernel \
-             lacks {}: use \"auto\" or \"syscall\"",
-            missing.join(", ")
+/// The request backends to try, in order: with `auto`, the socket one where this
+/// kernel has its tracepoints (6.3), else the tcp one (older kernels with BTF), else
+/// the syscall one, each passed over with the reason in the log; the first that
+/// attaches whole is used (`Kernel::load`). A forced backend the kernel lacks is
+/// refused rather than replaced: its numbers would mean something else than the
+/// operator asked for.
+fn backend_candidates(wanted: config::Backend) -> anyhow::Result<Vec<kernel::Backend>> {
+    use kernel::Backend::{Socket, Syscall, Tcp};
+    let lacks = |backend: kernel::Backend| {
+        let missing = backend.missing_tracepoints();
+        (!missing.is_empty()).then(|| missing.join(", "))
+    };
+    let forced = |backend: kernel::Backend, needs: &str| match lacks(backend) {
+        None => Ok(vec![backend]),
+        Some(missing) => anyhow::bail!(
+            "probes.backend = \"{}\" needs {needs}; this kernel lacks {missing}: use \"auto\"",
+            backend.name()
         ),
+    };
+    match wanted {
+        config::Backend::Auto => {
+            let mut candidates = Vec::new();
+            for (backend, kernels) in [(Socket, "6.3"), (Tcp, "5.11 with BTF")] {
+                match lacks(backend) {
+                    None => candidates.push(backend),
+                    Some(missing) => tracing::info!(
+                        %missing,
+                        "this kernel lacks the {} backend's tracepoints (kernel >= {kernels})",
+                        backend.name()
+                    ),
+                }
+            }
+            candidates.push(Syscall);
+            Ok(candidates)
+        }
+        config::Backend::Socket => forced(
+            Socket,
+            "the sock:sock_recv_length, sock_send_length, sk_data_ready and \
+             inet_sock_set_state tracepoints (kernel >= 6.3)",
+        ),
+        config::Backend::Tcp => forced(
+            Tcp,
+            "the tcp:tcp_probe, tcp_rcv_space_adjust, net:net_dev_queue and \
+             sock:inet_sock_set_state tracepoints in the kernel's BTF (kernel >= 5.11)",
+        ),
+        config::Backend::Syscall => Ok(vec![Syscall]),
     }
 }
 
@@ -99,8 +123,19 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         offcpu_full_rate: settings.snapshots.offcpu_full_rate,
         offcpu_sample_one_in: settings.snapshots.offcpu_sample_one_in,
     };
-    let backend = choose_backend(settings.backend)?;
-    let (kernel, events) = Kernel::load(settings.limits, backend, sampling, settings.bpf_stats)?;
+    let candidates = backend_candidates(settings.backend)?;
+    let (kernel, events) =
+        Kernel::load(settings.limits, &candidates, sampling, settings.bpf_stats)?;
+    let backend = kernel.backend();
+    if backend == kernel::Backend::Syscall {
+        tracing::warn!(
+            "syscall backend: every system call of every process on this node runs one \
+             of poolscope's programs (~100-150 ns each; a syscall-bound process slows \
+             down), and keep-alive requests show no queue time; the socket backend \
+             (kernel >= 6.3) and the tcp backend (kernel >= 5.11 with BTF) cost per socket \
+             event instead"
+        );
+    }
     let probes = kernel.probes();
     let count =
         |wanted: fn(&ProbeState) -> bool| probes.iter().filter(|p| wanted(&p.state)).count();

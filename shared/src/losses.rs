@@ -74,11 +74,14 @@ pub enum LossSource {
     /// An HTTP/2 connection under the syscall backend, which does not follow streams:
     /// it counts no requests.
     Http2SyscallBackend,
+    /// An HTTP/2 connection under the tcp backend, which sees no write buffers and so
+    /// does not follow streams: it counts no requests.
+    Http2TcpBackend,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 22;
-    pub const ALL: [LossSource; 22] = [
+    pub const COUNT: u32 = 23;
+    pub const ALL: [LossSource; 23] = [
         Self::ConnsInsert,
         Self::SockConnsInsert,
         Self::PendingCallsInsert,
@@ -101,6 +104,7 @@ impl LossSource {
         Self::Http2ConnsInsert,
         Self::Http2Adopted,
         Self::Http2SyscallBackend,
+        Self::Http2TcpBackend,
     ];
 }
 

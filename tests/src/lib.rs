@@ -24,17 +24,24 @@ pub mod prometheus;
 pub mod servers;
 
 /// The request backends this kernel has, as `[probes] backend` names them: the
-/// socket backend's tracepoints came with Linux 6.3 (README, kernel requirements);
-/// the syscall backend runs everywhere. Known from the release rather than from the
-/// tracepoints, so that a kernel that has the version but not the tracepoints fails
-/// the socket tests instead of skipping them.
+/// socket backend's tracepoints came with Linux 6.3, the tcp backend's socket storage
+/// in tracing programs with 5.11 (README, kernel requirements); the syscall backend
+/// runs everywhere. Known from the release rather than from the tracepoints, so that
+/// a kernel that has the version but not the tracepoints fails the tests instead of
+/// skipping them.
 pub fn backends() -> Vec<&'static str> {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     if release_at_least(&release, (6, 3)) {
-        vec!["socket", "syscall"]
+        vec!["socket", "tcp", "syscall"]
+    } else if release_at_least(&release, (5, 11)) {
+        eprintln!(
+            "kernel {}: before 6.3, no socket backend; testing the tcp and syscall backends",
+            release.trim()
+        );
+        vec!["tcp", "syscall"]
     } else {
         eprintln!(
-            "kernel {}: before 6.3, no socket backend; testing the syscall backend",
+            "kernel {}: before 5.11, no socket or tcp backend; testing the syscall backend",
             release.trim()
         );
         vec!["syscall"]

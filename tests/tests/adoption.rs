@@ -333,7 +333,7 @@ fn old_connections_beyond_the_map_size_are_counted() -> anyhow::Result<()> {
             backend_config(backend, service, &[server.pid()])
         );
         let poolscope = Poolscope::start(&config)?;
-        let map = if backend == "socket" {
+        let map = if backend != "syscall" {
             "ADOPT"
         } else {
             "CONNS"

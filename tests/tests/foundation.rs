@@ -70,9 +70,9 @@ fn listen_queue_depth_on(backend: &str) -> anyhow::Result<()> {
         Some(0.0),
         "{backend}: not accepted yet"
     );
-    // The socket backend counts a connection when the kernel completes its handshake
-    // (it sees no accept call); the syscall backend when accept returns it.
-    let accepted = if backend == "socket" { CLIENTS } else { 0 };
+    // The socket and tcp backends count a connection when the kernel completes its
+    // handshake (they see no accept call); the syscall backend when accept returns it.
+    let accepted = if backend == "syscall" { 0 } else { CLIENTS };
     assert_eq!(
         metrics.value("poolscope_connections_accepted_total", &service),
         Some(accepted as f64),

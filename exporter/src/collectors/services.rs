@@ -103,7 +103,7 @@ fn socket_gauges(counters: &ServiceCounters, corrections: &Corrections) -> Gauge
 pub fn queue_depth(backend: Backend, gauges: &Gauges, backlog: u64) -> (u64, u64) {
     match backend {
         // The kernel's count starts at the handshake, so it holds the backlog too.
-        Backend::Socket => {
+        Backend::Socket | Backend::Tcp => {
             let connected = gauges.unserved.max(backlog);
             (connected - backlog, connected + gauges.waiting)
         }

@@ -184,6 +184,7 @@ pub enum Backend {
     #[default]
     Auto,
     Socket,
+    Tcp,
     Syscall,
 }
 

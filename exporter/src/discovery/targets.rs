@@ -406,7 +406,7 @@ impl Targets {
         };
         let map = match kernel.backend() {
             Backend::Syscall => maps::CONNS,
-            Backend::Socket => maps::ADOPT,
+            Backend::Socket | Backend::Tcp => maps::ADOPT,
         };
         match kernel.adopt_connections(service, since_ns, pid, &connections, monotonic_ns()) {
             Ok(adopted) => {

@@ -114,6 +114,15 @@ pub(super) const SOCKET_ATTACHMENTS: [Attachment; 4] = [
     btf_tracepoint("sock_send", "sock", "sock_send_length"),
 ];
 
+/// The tcp backend (`tcp.rs`): the socket backend's handshakes and closes, and
+/// arrivals, reads and transmits from hooks older kernels have.
+pub(super) const TCP_ATTACHMENTS: [Attachment; 4] = [
+    btf_tracepoint("sock_state", "sock", "inet_sock_set_state"),
+    btf_tracepoint("tcp_segment_received", "tcp", "tcp_probe"),
+    btf_tracepoint("tcp_read", "tcp", "tcp_rcv_space_adjust"),
+    btf_tracepoint("tcp_transmit", "net", "net_dev_queue"),
+];
+
 pub(super) const SYSCALL_ATTACHMENTS: [Attachment; 2] = [
     raw_tracepoint("sys_enter", "raw_syscalls", "sys_enter"),
     raw_tracepoint("sys_exit", "raw_syscalls", "sys_exit"),
@@ -131,6 +140,7 @@ pub(super) const MUTEX_SYMBOL: &str = "pthread_mutex_lock";
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     Socket,
+    Tcp,
     Syscall,
 }
 
@@ -138,6 +148,7 @@ impl Backend {
     pub fn name(self) -> &'static str {
         match self {
             Self::Socket => "socket",
+            Self::Tcp => "tcp",
             Self::Syscall => "syscall",
         }
     }
@@ -145,7 +156,17 @@ impl Backend {
     pub(super) fn attachments(self) -> &'static [Attachment] {
         match self {
             Self::Socket => &SOCKET_ATTACHMENTS,
+            Self::Tcp => &TCP_ATTACHMENTS,
             Self::Syscall => &SYSCALL_ATTACHMENTS,
+        }
+    }
+
+    /// Whether a connection's state lives in its socket (`SOCK_CONNS`), as the socket
+    /// and tcp backends keep it, rather than under (tgid, fd) in `CONNS`.
+    pub fn keeps_state_in_sockets(self) -> bool {
+        match self {
+            Self::Socket | Self::Tcp => true,
+            Self::Syscall => false,
         }
     }
 
@@ -175,6 +196,9 @@ pub enum Skip {
     LoadRefused,
     /// The program loaded but the kernel refused to attach it.
     AttachRefused,
+    /// Its own program attached, but another of its request backend's could not: a
+    /// backend counts with all of its probes or not at all.
+    BackendIncomplete,
 }
 
 impl Skip {
@@ -185,6 +209,7 @@ impl Skip {
             Self::NoBtf => "no_btf",
             Self::LoadRefused => "load_refused",
             Self::AttachRefused => "attach_refused",
+            Self::BackendIncomplete => "backend_incomplete",
         }
     }
 }
@@ -411,6 +436,88 @@ pub(super) fn attach_tracepoint(
             Probe::skipped(name, program_name, Skip::AttachRefused, &error)
         }
     })
+}
+
+/// Attaches the first request backend of `candidates` (in order of preference) whose
+/// probes all attach, and says which. A backend counts with all of its probes or not
+/// at all: where one of them cannot attach, or `unusable` says why the backend cannot
+/// run here (offsets its programs read that the kernel's BTF lacks), those that did
+/// are detached again, every one of its probes is kept in `probes` as skipped with the
+/// reason in the log, and the next candidate is tried. `None` if none attached.
+pub(super) fn attach_backend(
+    ebpf: &mut Ebpf,
+    candidates: &[Backend],
+    unusable: impl Fn(Backend) -> Option<&'static str>,
+    task_offsets: bool,
+    btf: Option<&Btf>,
+    vmlinux: Option<&[u8]>,
+    probes: &mut Vec<Probe>,
+) -> Result<Option<Backend>, KernelError> {
+    for &backend in candidates {
+        let attachments = backend.attachments();
+        if let Some(reason) = unusable(backend) {
+            for attachment in attachments {
+                let name = attachment.probe_name();
+                probes.push(Probe::skipped(
+                    name,
+                    attachment.program,
+                    Skip::NoBtf,
+                    &reason,
+                ));
+            }
+            continue;
+        }
+        let mut attached = Vec::with_capacity(attachments.len());
+        for attachment in attachments {
+            attached.push(attach_tracepoint(
+                ebpf,
+                attachment,
+                task_offsets,
+                btf,
+                vmlinux,
+            )?);
+        }
+        if attached
+            .iter()
+            .all(|probe| probe.state == ProbeState::Attached)
+        {
+            probes.extend(attached);
+            return Ok(Some(backend));
+        }
+        tracing::warn!(
+            backend = backend.name(),
+            "the {} request backend could not attach all of its probes: not used",
+            backend.name()
+        );
+        for (attachment, probe) in attachments.iter().zip(attached) {
+            if probe.state != ProbeState::Attached {
+                probes.push(probe);
+                continue;
+            }
+            unload(ebpf, attachment)?;
+            let detail = format!(
+                "another probe of the {} backend was skipped",
+                backend.name()
+            );
+            probes.push(Probe::skipped(
+                probe.name,
+                attachment.program,
+                Skip::BackendIncomplete,
+                &detail,
+            ));
+        }
+    }
+    Ok(None)
+}
+
+/// Detaches and unloads the program of `attachment`.
+fn unload(ebpf: &mut Ebpf, attachment: &Attachment) -> Result<(), KernelError> {
+    let program = attachment.program;
+    let unloaded = match attachment.kind {
+        TracepointKind::Raw => typed_program::<RawTracePoint>(ebpf, program)?.unload(),
+        TracepointKind::Btf => typed_program::<BtfTracePoint>(ebpf, program)?.unload(),
+    };
+    unloaded.map_err(|source| KernelError::Program { program, source })
 }
 
 /// Loads programs that are attached later (per process, per profiling session) as

@@ -38,13 +38,13 @@ use poolscope_shared::{
 pub use self::attach::{Backend, Probe, ProbeState, Skip};
 use self::attach::{
     MUTEX_PROBES, PROCESS_ATTACHMENTS, SESSION_SAMPLERS, THREAD_ATTACHMENTS, WAKEUP_PROGRAM,
-    attach_sampler, attach_tracepoint, load_on_demand,
+    attach_backend, attach_sampler, attach_tracepoint, load_on_demand,
 };
 use self::batch::BatchMap;
 use self::mapping::{Counters, SharedValues};
 use self::offsets::{
     BTF_VMLINUX, downstream_offsets, exit_has_group_dead, run_delay_offsets, socket_inode_offsets,
-    socket_namespace_offsets, socket_offsets, task_pid_offset, vmlinux_btf,
+    socket_namespace_offsets, socket_offsets, task_pid_offset, tcp_offsets, vmlinux_btf,
 };
 use self::reread::Reread;
 use self::slots::{Claim, ThreadSlots};
@@ -92,6 +92,8 @@ pub enum KernelError {
         map: &'static str,
         source: std::io::Error,
     },
+    #[error("no request backend could attach all of its probes (tried {0}; the log says why)")]
+    NoBackend(String),
     #[error("map {map}: mapping it into memory: {source}")]
     Mmap {
         map: &'static str,
@@ -255,10 +257,11 @@ pub fn release() -> String {
 }
 
 impl Kernel {
-    /// Loads the programs, fills the syscall table and attaches every probe.
+    /// Loads the programs, fills the syscall table and attaches every probe, with the
+    /// first request backend of `backends` that attaches whole.
     pub fn load(
         limits: Limits,
-        backend: Backend,
+        backends: &[Backend],
         sampling: Sampling,
         bpf_stats: bool,
     ) -> Result<(Self, ProcessEvents), KernelError> {
@@ -268,6 +271,7 @@ impl Kernel {
         let socket_namespace = vmlinux.as_deref().and_then(socket_namespace_offsets);
         let socket_inode = vmlinux.as_deref().and_then(socket_inode_offsets);
         let socket = vmlinux.as_deref().and_then(socket_offsets);
+        let tcp = vmlinux.as_deref().and_then(tcp_offsets);
         let downstream = vmlinux.as_deref().and_then(downstream_offsets);
         let run_delay = vmlinux.as_deref().and_then(run_delay_offsets);
         // The BTF tracepoints read the socket's fields at their offsets: they load
@@ -296,7 +300,9 @@ impl Kernel {
         let lock_wait_slots = limits.max_pools * LockPrimitive::COUNT;
         // Left at 0 where BTF does not have them all: no peer is looked for, and the
         // socket programs are skipped.
-        let globals = downstream.iter().flatten().chain(socket.iter().flatten());
+        let globals = (downstream.iter().flatten())
+            .chain(socket.iter().flatten())
+            .chain(tcp.iter().flatten());
         for (name, offset) in globals.chain(run_delay.iter().flatten()) {
             loader.override_global(name, offset, true);
         }
@@ -384,11 +390,7 @@ impl Kernel {
         };
 
         let mut probes = Vec::new();
-        let attachments = PROCESS_ATTACHMENTS
-            .iter()
-            .chain(&THREAD_ATTACHMENTS)
-            .chain(backend.attachments());
-        for attachment in attachments {
+        for attachment in PROCESS_ATTACHMENTS.iter().chain(&THREAD_ATTACHMENTS) {
             if attachment.program == WAKEUP_PROGRAM && run_delay.is_some() {
                 tracing::info!(
                     "sched_wakeup not attached: run-queue waits come from the kernel's \
@@ -404,6 +406,22 @@ impl Kernel {
                 vmlinux.as_deref(),
             )?);
         }
+        let backend = attach_backend(
+            &mut ebpf,
+            backends,
+            |backend| {
+                (backend == Backend::Tcp && tcp.is_none())
+                    .then_some("the kernel's BTF lacks what the tcp backend reads (logged)")
+            },
+            task_pid_offset.is_some(),
+            btf.as_ref(),
+            vmlinux.as_deref(),
+            &mut probes,
+        )?
+        .ok_or_else(|| {
+            let names: Vec<_> = backends.iter().map(|backend| backend.name()).collect();
+            KernelError::NoBackend(names.join(", "))
+        })?;
         drop(vmlinux);
         probes.push(attach_sampler(&mut ebpf, sampling.hz)?);
         for (program, probe) in MUTEX_PROBES {

@@ -42,8 +42,9 @@ fn found<T>(find: impl FnOnce() -> Result<T, btf::BtfError>, what: &str, lost: &
 /// Where the socket programs read a socket's fields in `struct sock`, as their
 /// globals name them: the local port (`__sk_common.skc_num`), read on every event,
 /// and what a handshake's claim reads (protocol, family, local address as IPv4 and
-/// IPv6; the last 0 on a kernel without IPv6, whose sockets are never `AF_INET6`).
-pub(super) fn socket_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 5]> {
+/// IPv6; the last 0 on a kernel without IPv6, whose sockets are never `AF_INET6`),
+/// and the TCP state (`skc_state`, which the tcp backend's transmits check).
+pub(super) fn socket_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 6]> {
     found(
         || {
             let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
@@ -54,6 +55,10 @@ pub(super) fn socket_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 5]>
                     common + member("sock_common", "skc_num")?,
                 ),
                 ("SOCK_PROTOCOL_OFFSET", member("sock", "sk_protocol")?),
+                (
+                    "SOCK_STATE_OFFSET",
+                    common + member("sock_common", "skc_state")?,
+                ),
                 (
                     "SOCK_FAMILY_OFFSET",
                     common + member("sock_common", "skc_family")?,
@@ -70,6 +75,30 @@ pub(super) fn socket_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 5]>
         },
         "a socket's port, protocol or address",
         "the socket backend's probes are skipped",
+    )
+}
+
+/// Where the tcp backend's programs read (`tcp.rs`, as its globals name them): a
+/// packet's socket and TCP's control block in it (`sk_buff.sk`, `sk_buff.cb`, and
+/// `seq`, `end_seq`, `tcp_flags` of `struct tcp_skb_cb`), and a TCP socket's next
+/// sequence number to send and the one after its last byte written (`tcp_sock`'s
+/// `snd_nxt`, `write_seq`).
+pub(super) fn tcp_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 7]> {
+    found(
+        || {
+            let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
+            Ok::<_, btf::BtfError>([
+                ("SKB_SOCK_OFFSET", member("sk_buff", "sk")?),
+                ("SKB_CB_OFFSET", member("sk_buff", "cb")?),
+                ("TCP_CB_SEQ_OFFSET", member("tcp_skb_cb", "seq")?),
+                ("TCP_CB_END_SEQ_OFFSET", member("tcp_skb_cb", "end_seq")?),
+                ("TCP_CB_FLAGS_OFFSET", member("tcp_skb_cb", "tcp_flags")?),
+                ("TCP_SND_NXT_OFFSET", member("tcp_sock", "snd_nxt")?),
+                ("TCP_WRITE_SEQ_OFFSET", member("tcp_sock", "write_seq")?),
+            ])
+        },
+        "a packet's socket or TCP's sequence numbers",
+        "the tcp backend's probes are skipped",
     )
 }
 

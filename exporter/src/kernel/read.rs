@@ -171,7 +171,7 @@ impl Kernel {
             fill(maps::WATCHED, readout.watched.len() as u64),
             count(match self.backend {
                 Backend::Syscall => CountedMap::Conns,
-                Backend::Socket => CountedMap::SockConns,
+                Backend::Socket | Backend::Tcp => CountedMap::SockConns,
             }),
             count(CountedMap::PendingCalls),
             fill(

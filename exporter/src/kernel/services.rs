@@ -153,9 +153,10 @@ impl WatchTable for Kernel {
     ) -> Result<Adopted, MapError> {
         let mut adopted = Adopted::default();
         // The socket programs check it (see `reset_service`).
-        let epoch = match self.backend {
-            Backend::Socket => self.service_epochs.get(&service, 0)?,
-            Backend::Syscall => 0,
+        let epoch = if self.backend.keeps_state_in_sockets() {
+            self.service_epochs.get(&service, 0)?
+        } else {
+            0
         };
         // Every connection is tried: one that does not fit is counted and the rest,
         // already made, must still be accounted for.
@@ -168,9 +169,10 @@ impl WatchTable for Kernel {
             let conn = Conn {
                 service,
                 phase: phase as u32,
-                owner_since_ns: match self.backend {
-                    Backend::Syscall => since_ns,
-                    Backend::Socket => Conn::ADOPTED,
+                owner_since_ns: if self.backend.keeps_state_in_sockets() {
+                    Conn::ADOPTED
+                } else {
+                    since_ns
                 },
                 arrive_ns: now_ns,
                 start_ns: 0,
@@ -186,16 +188,16 @@ impl WatchTable for Kernel {
                     self.conns
                         .insert(fd_conn_key(pid, connection.fd), conn, BPF_NOEXIST),
                 ),
-                Backend::Socket if self.socket_inodes => (
+                Backend::Socket | Backend::Tcp if self.socket_inodes => (
                     CountedMap::Adopt,
                     self.adopt.insert(connection.inode, conn, BPF_NOEXIST),
                 ),
-                Backend::Socket => continue,
+                Backend::Socket | Backend::Tcp => continue,
             };
             match inserted {
                 Ok(()) => {
                     self.count_own_entries(map, 1);
-                    if self.backend == Backend::Socket {
+                    if self.backend.keeps_state_in_sockets() {
                         adopted.pending.push(connection.inode);
                     }
                     if phase == Phase::Unserved {

@@ -58,6 +58,7 @@ const HTTP2_FRAME_BOUND: &str = "http2_frame_bound";
 const HTTP2_STREAM_SLOTS: &str = "http2_stream_slots";
 const HTTP2_ADOPTED: &str = "http2_adopted";
 const HTTP2_SYSCALL_BACKEND: &str = "http2_syscall_backend";
+const HTTP2_TCP_BACKEND: &str = "http2_tcp_backend";
 
 /// Every loss path's current count, from the kernel and user space.
 #[derive(Clone, Copy, Debug, Default)]
@@ -113,6 +114,7 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
             (LossKind::Events(HTTP2_STREAM_SLOTS), 0),
             (LossKind::Events(HTTP2_ADOPTED), 0),
             (LossKind::Events(HTTP2_SYSCALL_BACKEND), 0),
+            (LossKind::Events(HTTP2_TCP_BACKEND), 0),
             (LossKind::SeriesDropped, inputs.series_dropped),
             (LossKind::ServicesRefused, inputs.services_refused),
             (LossKind::ProcessesUnreadable, inputs.processes_unreadable),
@@ -180,6 +182,7 @@ impl LossKind {
             LossSource::Http2ConnsInsert => map(maps::H2_CONNS),
             LossSource::Http2Adopted => Self::Events(HTTP2_ADOPTED),
             LossSource::Http2SyscallBackend => Self::Events(HTTP2_SYSCALL_BACKEND),
+            LossSource::Http2TcpBackend => Self::Events(HTTP2_TCP_BACKEND),
         }
     }
 
@@ -274,6 +277,10 @@ impl LossKind {
             Self::Events(HTTP2_SYSCALL_BACKEND) => "an HTTP/2 connection under the syscall \
                  backend, which does not follow streams: it counts no requests (the socket \
                  backend does, kernel 6.3 or later)"
+                .to_owned(),
+            Self::Events(HTTP2_TCP_BACKEND) => "an HTTP/2 connection under the tcp backend, \
+                 which does not follow streams: it counts no requests (the socket backend \
+                 does, kernel 6.3 or later)"
                 .to_owned(),
             Self::Events(source) => format!("events lost from {source}"),
             Self::SeriesDropped => {

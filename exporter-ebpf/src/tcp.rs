@@ -1,0 +1,153 @@
+//! Tcp backend (kernels before 6.3 that have BTF): the socket backend's state machine
+//! and storage (`SOCK_CONNS`), fed by hooks older kernels have, each fired per socket
+//! event, never per syscall:
+//! - `sock:inet_sock_set_state`: the socket backend's own program (`sock.rs`);
+//! - `tcp:tcp_probe`, each segment an established socket receives: request bytes
+//!   arrive when one carries data;
+//! - `tcp:tcp_rcv_space_adjust`, run by a read (any syscall, io_uring, splice) each
+//!   time it copies received data, in the reading thread: a read;
+//! - `net:net_dev_queue`, each packet handed to a device, with its sending socket:
+//!   a write, once data the application queued goes out. A response is therefore
+//!   seen when it is transmitted rather than when it is written (the same instant
+//!   unless the peer's window or congestion holds it back).
+//!
+//! The socket's own sequence numbers tell data from bare acknowledgements: a
+//! received segment carries data when its sequence range exceeds its SYN and FIN;
+//! a transmit is a write's when the socket holds data written and not yet sent
+//! (`write_seq` ahead of `snd_nxt`, which moves only after the packet is handed on),
+//! so that acknowledgements and retransmissions are not responses.
+use core::ptr;
+
+use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
+use poolscope_shared::Phase;
+
+use crate::{
+    clock::now_ns,
+    h2,
+    requests::{self, Arrivals},
+    sock::{
+        IPPROTO_TCP, SOCK_PROTOCOL_OFFSET, SOCK_STATE_OFFSET, conn, conn_on_watched_port, field,
+        offset, on_watched_port, read_kernel,
+    },
+};
+
+/// Offsets from the kernel's BTF: `sk_buff.sk` and `sk_buff.cb`; in the control block
+/// TCP keeps there (`struct tcp_skb_cb`), `seq`, `end_seq` and `tcp_flags`; in
+/// `struct tcp_sock`, `snd_nxt` and `write_seq`. The loader refuses this backend
+/// without them.
+#[unsafe(no_mangle)]
+static SKB_SOCK_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static SKB_CB_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TCP_CB_SEQ_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TCP_CB_END_SEQ_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TCP_CB_FLAGS_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TCP_SND_NXT_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TCP_WRITE_SEQ_OFFSET: u32 = 0;
+
+const TCP_TIME_WAIT: u8 = 6;
+const TCP_NEW_SYN_RECV: u8 = 12;
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+
+/// A plain load at `at` in kernel object `base` (a BTF-typed pointer: the verifier
+/// checks the offset against the type).
+#[inline(always)]
+fn load<T>(base: *const u8, at: usize) -> T {
+    // SAFETY: `base` is typed by the kernel's BTF; the offset names one of its fields.
+    unsafe { ptr::read_volatile(base.add(at).cast::<T>()) }
+}
+
+/// tcp_probe(struct sock *sk, struct sk_buff *skb)
+#[btf_tracepoint(function = "tcp_probe")]
+pub fn tcp_segment_received(ctx: BtfTracePointContext) -> i32 {
+    let sk: *const u8 = ctx.arg(0);
+    if !on_watched_port(sk) {
+        return 0;
+    }
+    let skb: *const u8 = ctx.arg(1);
+    if !carries_data(skb) {
+        return 0;
+    }
+    if let Some(conn) = conn_on_watched_port(sk) {
+        // SAFETY: a live entry, changed by compare-and-swap.
+        let conn = unsafe { &mut *conn };
+        // An HTTP/2 connection is not followed by this backend (`h2::unfollowed_here`).
+        if requests::phase(conn) != Phase::Multiplexed {
+            requests::data_arrived(conn, now_ns());
+        }
+    }
+    0
+}
+
+/// Whether received segment `skb` carries data: its sequence range is longer than
+/// its SYN and FIN, which take one number each.
+#[inline(always)]
+fn carries_data(skb: *const u8) -> bool {
+    let cb = offset(&SKB_CB_OFFSET);
+    let seq: u32 = load(skb, cb + offset(&TCP_CB_SEQ_OFFSET));
+    let end_seq: u32 = load(skb, cb + offset(&TCP_CB_END_SEQ_OFFSET));
+    let flags: u8 = load(skb, cb + offset(&TCP_CB_FLAGS_OFFSET));
+    let control = u32::from(flags & TCP_FIN != 0) + u32::from(flags & TCP_SYN != 0);
+    end_seq.wrapping_sub(seq) > control
+}
+
+/// tcp_rcv_space_adjust(struct sock *sk)
+#[btf_tracepoint(function = "tcp_rcv_space_adjust")]
+pub fn tcp_read(ctx: BtfTracePointContext) -> i32 {
+    let sk = ctx.arg(0);
+    if let Some(conn) = conn(sk) {
+        // SAFETY: as above.
+        let conn = unsafe { &mut *conn };
+        // A connection's first bytes tell HTTP/2 (the client preface), not followed here.
+        if requests::phase(conn) == Phase::Unserved && h2::unfollowed_here(conn) {
+            return 0;
+        }
+        requests::read(conn, now_ns(), Arrivals::Seen);
+    }
+    0
+}
+
+/// net_dev_queue(struct sk_buff *skb)
+#[btf_tracepoint(function = "net_dev_queue")]
+pub fn tcp_transmit(ctx: BtfTracePointContext) -> i32 {
+    let skb: *const u8 = ctx.arg(0);
+    let sk: *const u8 = load(skb, offset(&SKB_SOCK_OFFSET));
+    if sk.is_null() || !on_watched_port(sk) {
+        return 0;
+    }
+    let Some(unsent) = unsent_bytes(sk) else {
+        return 0;
+    };
+    if let Some(conn) = conn_on_watched_port(sk) {
+        // SAFETY: as above.
+        requests::wrote(unsafe { &mut *conn }, now_ns(), unsent);
+    }
+    0
+}
+
+/// The bytes socket `sk` holds written and not yet sent, if it is a full TCP socket
+/// (not a handshake's or a closed connection's mini socket) that holds any.
+#[inline(always)]
+fn unsent_bytes(sk: *const u8) -> Option<u32> {
+    if field::<u16>(sk, &SOCK_PROTOCOL_OFFSET) != IPPROTO_TCP
+        || matches!(
+            field::<u8>(sk, &SOCK_STATE_OFFSET),
+            TCP_TIME_WAIT | TCP_NEW_SYN_RECV
+        )
+    {
+        return None;
+    }
+    // Read through the helper: a packet's socket is not a pointer that
+    // `bpf_skc_to_tcp_sock` takes on every kernel (an RCU one on 6.18).
+    let snd_nxt: u32 = read_kernel(sk, offset(&TCP_SND_NXT_OFFSET)).ok()?;
+    let write_seq: u32 = read_kernel(sk, offset(&TCP_WRITE_SEQ_OFFSET)).ok()?;
+    let unsent = write_seq.wrapping_sub(snd_nxt);
+    // Sequence numbers wrap: "ahead" is less than half the space ahead.
+    (unsent != 0 && unsent < 1 << 31).then_some(unsent)
+}
