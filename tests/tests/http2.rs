@@ -998,42 +998,49 @@ fn h2c_connection_older_than_poolscope() -> anyhow::Result<()> {
     ensure_none("an h2c connection older than poolscope", &failures)
 }
 
-/// The syscall backend does not follow HTTP/2 streams: an h2c connection must count
-/// no request at all (its frames are not read/write turns), show as an HTTP/2
-/// connection, and be counted as a loss (`http2_syscall_backend`), once per
+/// The syscall and tcp backends do not follow HTTP/2 streams: an h2c connection must
+/// count no request at all (its frames are not read/write turns), show as an HTTP/2
+/// connection, and be counted as a loss (`http2_<backend>_backend`), once per
 /// connection; nothing stays in flight.
 #[test]
-fn syscall_backend_counts_no_http2_request() -> anyhow::Result<()> {
-    if !privileged("syscall_backend_counts_no_http2_request") {
+fn backends_without_streams_count_no_http2_request() -> anyhow::Result<()> {
+    if !privileged("backends_without_streams_count_no_http2_request") {
         return Ok(());
     }
     const REQUESTS: u64 = 2000;
     let _serial = one_at_a_time();
-    let server = RealServer::start(Kind::NginxH2c, free_port()?)?;
-    let service = "nginx-h2c-syscall";
-    let poolscope = watch("syscall", service, &server.pids())?;
-    let before = Counts::scrape(&poolscope, service)?;
-    let load = h2load(server.port(), "/", REQUESTS, H2LOAD_CLIENTS, 10)?;
-    anyhow::ensure!(load.succeeded == REQUESTS, "h2load: {load:?}");
-    let clients = f64::from(H2LOAD_CLIENTS);
-    let delta = settle(&poolscope, service, &before, |delta| {
-        delta.losses.get("http2_syscall_backend").copied() == Some(clients)
-    })?;
-    eprintln!(
-        "syscall: {REQUESTS} h2c requests on {clients} connections: requests_total +{}, \
-         HTTP/2 connections +{}, lost {}",
-        delta.requests,
-        delta.connections,
-        delta.lost_sources()
-    );
-    anyhow::ensure!(
-        delta.requests == 0.0 && delta.connections == clients && delta.losses.len() == 1,
-        "syscall backend under h2c: requests_total +{} (expected 0), http2_connections_total \
-         +{} (expected {clients}), losses {} (expected http2_syscall_backend +{clients} only)",
-        delta.requests,
-        delta.connections,
-        delta.lost_sources()
-    );
+    for backend in backends()
+        .into_iter()
+        .filter(|backend| !HTTP2_BACKENDS.contains(backend))
+    {
+        let server = RealServer::start(Kind::NginxH2c, free_port()?)?;
+        let service = format!("nginx-h2c-{backend}");
+        let poolscope = watch(backend, &service, &server.pids())?;
+        let before = Counts::scrape(&poolscope, &service)?;
+        let load = h2load(server.port(), "/", REQUESTS, H2LOAD_CLIENTS, 10)?;
+        anyhow::ensure!(load.succeeded == REQUESTS, "h2load: {load:?}");
+        let clients = f64::from(H2LOAD_CLIENTS);
+        let source = format!("http2_{backend}_backend");
+        let delta = settle(&poolscope, &service, &before, |delta| {
+            delta.losses.get(source.as_str()).copied() == Some(clients)
+        })?;
+        eprintln!(
+            "{backend}: {REQUESTS} h2c requests on {clients} connections: requests_total +{}, \
+             HTTP/2 connections +{}, lost {}",
+            delta.requests,
+            delta.connections,
+            delta.lost_sources()
+        );
+        anyhow::ensure!(
+            delta.requests == 0.0 && delta.connections == clients && delta.losses.len() == 1,
+            "{backend} backend under h2c: requests_total +{} (expected 0), \
+             http2_connections_total +{} (expected {clients}), losses {} (expected {source} \
+             +{clients} only)",
+            delta.requests,
+            delta.connections,
+            delta.lost_sources()
+        );
+    }
     Ok(())
 }
 

@@ -84,25 +84,52 @@ fn workload(port: u16) -> anyhow::Result<usize> {
     Ok(CONNECTIONS * REQUESTS_PER_CONNECTION)
 }
 
+/// Tcp backend: runs per keep-alive request on loopback, per program. Each side
+/// sends one segment carrying data (the acknowledgements ride on them), receives one
+/// and reads once, so each hook runs twice, once per side.
+const TCP_BUDGET: [(&str, f64); 4] = [
+    ("tcp_segment_received", 2.0),
+    ("tcp_read", 2.0),
+    ("tcp_transmit", 2.0),
+    ("sock_state", 0.0),
+];
+
 #[test]
 fn socket_backend_runs_per_request_stay_within_budget() -> anyhow::Result<()> {
-    if !privileged("socket_backend_runs_per_request_stay_within_budget") {
+    let test = "socket_backend_runs_per_request_stay_within_budget";
+    if !privileged(test) {
         return Ok(());
     }
     if !poolscope_tests::backends().contains(&"socket") {
-        poolscope_tests::skip(
-            "socket_backend_runs_per_request_stay_within_budget",
-            "the socket backend needs Linux 6.3",
-        );
+        poolscope_tests::skip(test, "the socket backend needs Linux 6.3");
         return Ok(());
     }
+    runs_per_request_within("socket", &SOCKET_BUDGET)
+}
+
+#[test]
+fn tcp_backend_runs_per_request_stay_within_budget() -> anyhow::Result<()> {
+    let test = "tcp_backend_runs_per_request_stay_within_budget";
+    if !privileged(test) {
+        return Ok(());
+    }
+    if !poolscope_tests::backends().contains(&"tcp") {
+        poolscope_tests::skip(test, "the tcp backend needs Linux 5.11");
+        return Ok(());
+    }
+    runs_per_request_within("tcp", &TCP_BUDGET)
+}
+
+/// The scripted workload's runs per request of each program of `backend`, against
+/// `budget`.
+fn runs_per_request_within(backend: &str, budget: &[(&str, f64)]) -> anyhow::Result<()> {
     let _serial = one_at_a_time();
     let server = PoolServer::start(2, Duration::ZERO)?;
     let service = "gate";
     // No periodic rescans during the workload: only the scrapes and the requests run
     // the programs.
     let config = format!(
-        "[probes]\nbackend = \"socket\"\nbpf_stats = true\n[discovery]\nrescan_interval = \"1h\"\n\
+        "[probes]\nbackend = \"{backend}\"\nbpf_stats = true\n[discovery]\nrescan_interval = \"1h\"\n\
          [[targets]]\nservice = \"{service}\"\npids = [{}]\n",
         server.pid()
     );
@@ -123,16 +150,16 @@ fn socket_backend_runs_per_request_stay_within_budget() -> anyhow::Result<()> {
     })?;
     let measured = delta(&delta(&runs(&after), &runs(&before)), &idle);
     let mut over = Vec::new();
-    for (program, budget) in SOCKET_BUDGET {
+    for &(program, budget) in budget {
         let per_request = measured.get(program).copied().unwrap_or(0.0) / requests;
-        eprintln!("{program}: {per_request:.3} runs/request (budget {budget})");
+        eprintln!("{backend} {program}: {per_request:.3} runs/request (budget {budget})");
         if (per_request - budget).abs() > TOLERANCE {
             over.push(format!("{program} {per_request:.3} (budget {budget})"));
         }
     }
     assert!(
         over.is_empty(),
-        "runs per request off budget: {}",
+        "{backend}: runs per request off budget: {}",
         over.join(", ")
     );
     Ok(())

@@ -111,7 +111,7 @@ fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()
 
     // Service time: the server's own measure is the truth (S plus sleep overshoot).
     let service_time = served.mean.as_secs_f64();
-    assert_within(
+    assert_duration_within(
         "mean duration",
         steady.duration_sum / steady.requests,
         service_time,
@@ -123,7 +123,7 @@ fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()
             &[("service", &service), ("quantile", "0.5")],
         )
         .unwrap_or(f64::NAN);
-    assert_within("duration p50", p50, served.p50.as_secs_f64(), 0.05);
+    assert_duration_within("duration p50", p50, served.p50.as_secs_f64(), 0.05);
     assert_within("mean in flight", steady.in_flight, f64::from(WORKERS), 0.05);
     // Little's law on our own numbers: in flight = completion rate × mean duration.
     assert_within(

@@ -1,10 +1,10 @@
 //! `cargo xtask bench`: what poolscope costs a real server, with each request backend.
 //! nginx (one worker, pinned to CPU 0) serves a small static file over keep-alive
 //! connections to wrk (pinned to CPU 1) at saturation, in rounds interleaved between
-//! poolscope off, on with the socket backend and on with the syscall backend. Prints the
+//! poolscope off and on with each request backend (socket, tcp, syscall). Prints the
 //! per-round numbers, the min/median of each mode and their ratios to off: throughput,
 //! nginx's and poolscope's CPU per request and the cost of one syscall of a process
-//! poolscope does not watch. One more round per backend, with kernel.bpf_stats_enabled,
+//! poolscope does not watch (with its goal: that process's time on ≥ 0.98 of off). One more round per backend, with kernel.bpf_stats_enabled,
 //! gives the kernel time of its request programs per request poolscope counted (its
 //! count is checked against wrk's). Results are printed beside their goals. A round that
 //! another poolscope or other busy processes skewed is marked, and measured again once

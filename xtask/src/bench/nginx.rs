@@ -22,23 +22,32 @@ use super::{
 const GOAL_BPF_NS_PER_REQUEST: f64 = 300.0;
 /// Goal: throughput at saturation with poolscope on, as a share of off (≤ 3% loss).
 const GOAL_THROUGHPUT_RATIO: f64 = 0.97;
+/// Goal of the socket and tcp backends: a process poolscope does not watch, making
+/// syscalls and nothing else (dd bs=1), takes at most 1/0.98 of its time with
+/// poolscope off: its syscalls are not taxed.
+const GOAL_BYSTANDER_RATIO: f64 = 0.98;
+/// Goal of the tcp backend: its BPF time per request at most this many times the
+/// socket backend's.
+const GOAL_TCP_OVER_SOCKET: f64 = 1.5;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Mode {
     Off,
     Socket,
+    Tcp,
     Syscall,
 }
 
 impl Mode {
-    const ALL: [Self; 3] = [Self::Off, Self::Socket, Self::Syscall];
-    const BACKENDS: [Self; 2] = [Self::Socket, Self::Syscall];
+    const ALL: [Self; 4] = [Self::Off, Self::Socket, Self::Tcp, Self::Syscall];
+    const BACKENDS: [Self; 3] = [Self::Socket, Self::Tcp, Self::Syscall];
 
     /// Also the value of poolscope's `[probes] backend`.
     fn name(self) -> &'static str {
         match self {
             Self::Off => "off",
             Self::Socket => "socket",
+            Self::Tcp => "tcp",
             Self::Syscall => "syscall",
         }
     }
@@ -49,6 +58,12 @@ impl Mode {
         match self {
             Self::Off => &[],
             Self::Socket => &["sock_state", "sock_data_ready", "sock_recv", "sock_send"],
+            Self::Tcp => &[
+                "sock_state",
+                "tcp_segment_received",
+                "tcp_read",
+                "tcp_transmit",
+            ],
             Self::Syscall => &["sys_enter", "sys_exit"],
         }
     }
@@ -193,10 +208,13 @@ pub(super) fn run_nginx(
 /// The hooks of the request programs, as raw tracepoints: an empty program on each
 /// gives what a run costs before the program does anything (the dispatch, and
 /// bpf_stats' own clock reads).
-const REQUEST_HOOKS: [(&str, &str); 5] = [
+const REQUEST_HOOKS: [(&str, &str); 8] = [
     ("sock_data_ready", "sk_data_ready"),
     ("sock_recv", "sock_recv_length"),
     ("sock_send", "sock_send_length"),
+    ("tcp_segment_received", "tcp_probe"),
+    ("tcp_read", "tcp_rcv_space_adjust"),
+    ("tcp_transmit", "net_dev_queue"),
     ("sys_enter", "sys_enter"),
     ("sys_exit", "sys_exit"),
 ];
@@ -562,6 +580,36 @@ fn report(rounds: &[Round], stats_rounds: &[Round], calibration: &Calibration) {
          at saturation (median of rounds).",
         (1.0 - GOAL_THROUGHPUT_RATIO) * 100.0
     );
+    let bpf_gross = |mode| {
+        stats_rounds
+            .iter()
+            .find(|round| round.mode == mode)
+            .map_or(f64::NAN, |round| round.counted.bpf_ns_per_request(mode))
+    };
+    let tcp_over_socket = bpf_gross(Mode::Tcp) / bpf_gross(Mode::Socket);
+    println!(
+        "tcp      BPF ns/request {tcp_over_socket:.2}x the socket backend's (gross, one round \
+         each; goal ≤ {GOAL_TCP_OVER_SOCKET}x): {}",
+        met(tcp_over_socket <= GOAL_TCP_OVER_SOCKET)
+    );
+    for mode in Mode::BACKENDS {
+        let (syscall_min, syscall_median) = syscall(mode);
+        let (off_min, _) = syscall(Mode::Off);
+        let ratio = syscall_off / syscall_median;
+        let goal = if mode == Mode::Syscall {
+            "for comparison".to_owned()
+        } else {
+            format!(
+                "goal ≥ {GOAL_BYSTANDER_RATIO}: {}",
+                met(ratio >= GOAL_BYSTANDER_RATIO)
+            )
+        };
+        println!(
+            "{:<7}  unwatched process (dd bs=1): off/on time {ratio:.3} (min {:.3}), {goal}",
+            mode.name(),
+            off_min / syscall_min,
+        );
+    }
     for round in stats_rounds {
         let mode = round.mode;
         let bpf_ns = calibration.net_ns_per_request(&round.counted, mode);
