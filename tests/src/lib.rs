@@ -29,7 +29,18 @@ pub mod servers;
 /// runs everywhere. Known from the release rather than from the tracepoints, so that
 /// a kernel that has the version but not the tracepoints fails the tests instead of
 /// skipping them.
+///
+/// `POOLSCOPE_TEST_BACKENDS` (a comma-separated list; `cargo xtask vm-test` sets it
+/// per guest) narrows them to those it names.
 pub fn backends() -> Vec<&'static str> {
+    let mut backends = kernel_backends();
+    if let Ok(wanted) = std::env::var("POOLSCOPE_TEST_BACKENDS") {
+        backends.retain(|backend| wanted.split(',').any(|name| name.trim() == *backend));
+    }
+    backends
+}
+
+fn kernel_backends() -> Vec<&'static str> {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     if release_at_least(&release, (6, 3)) {
         vec!["socket", "tcp", "syscall"]
