@@ -25,7 +25,7 @@ pub mod servers;
 
 /// The request backends this kernel has, as `[probes] backend` names them: the
 /// socket backend's tracepoints came with Linux 6.3, the tcp backend's socket storage
-/// in tracing programs with 5.11 (README, kernel requirements); the syscall backend
+/// in tracing programs with 5.11 (docs/install.md, kernel requirements); the syscall backend
 /// runs everywhere. Known from the release rather than from the tracepoints, so that
 /// a kernel that has the version but not the tracepoints fails the tests instead of
 /// skipping them.

@@ -27,7 +27,7 @@ use poolscope_tests::{
 use serde_json::Value;
 
 /// The exposure `systemd-analyze security` may rate the unit at most: what it rates
-/// the unit today (the goal was at most 2.0; the README's systemd section lists what is left
+/// the unit today (the goal was at most 2.0; docs/install.md's systemd section lists what is left
 /// and why; node_exporter's example unit scores 9.2).
 const MAX_EXPOSURE: f64 = 1.9;
 

@@ -1,10 +1,13 @@
-//! Keeps README.md honest, without root: every configuration key of
-//! `exporter/src/config/raw.rs` has a row in the README's configuration reference, every
-//! metric family poolscope exports (`Family::new("name", Kind::…)` anywhere in
-//! `exporter/src/`, unit tests left out) has a row naming its exposed name and type
-//! in the metrics reference, every command-line flag is documented, and neither
-//! reference documents a key or metric that no longer exists. Nothing the repository
-//! tracks points outside it (its design is in docs/DESIGN.md).
+//! Keeps the docs honest, without root: every configuration key of
+//! `exporter/src/config/raw.rs` has a row in the configuration reference
+//! (`docs/configuration.md`), every metric family poolscope exports
+//! (`Family::new("name", Kind::…)` anywhere in `exporter/src/`, unit tests left out)
+//! has a row naming its exposed name and type in the metrics reference
+//! (`docs/metrics.md`), every command-line flag is documented, and neither reference
+//! documents a key or metric that no longer exists. Every relative link of README.md
+//! and docs/ resolves (its file, and its `#anchor` in a Markdown file), every path
+//! `docs/ARCHITECTURE.md` names exists, and nothing the repository tracks points
+//! outside it (its design is in docs/DESIGN.md).
 //!
 //! The sources are read at test time, so a key, metric or flag added without docs
 //! fails here with a message naming it.
@@ -16,8 +19,8 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 
-const METRICS_REFERENCE: &str = "Metrics reference";
-const CONFIG_REFERENCE: &str = "Configuration reference";
+const METRICS_REFERENCE: &str = "docs/metrics.md";
+const CONFIG_REFERENCE: &str = "docs/configuration.md";
 /// The exposed name of every family (`encode/mod.rs`: `PREFIX`).
 const PREFIX: &str = "poolscope_";
 
@@ -46,27 +49,11 @@ fn prose_lines(markdown: &str) -> Vec<(usize, &str)> {
     lines
 }
 
-/// The body of the `## {title}` section: up to the next `## ` heading.
-fn section(markdown: &str, title: &str) -> anyhow::Result<String> {
-    let all: Vec<&str> = markdown.lines().collect();
-    let prose = prose_lines(markdown);
-    let start = prose
-        .iter()
-        .find(|(_, line)| line.strip_prefix("## ").map(str::trim) == Some(title))
-        .map(|(index, _)| index + 1)
-        .with_context(|| format!("README.md has no `## {title}` section"))?;
-    let end = prose
-        .iter()
-        .find(|(index, line)| *index >= start && line.starts_with("## "))
-        .map_or(all.len(), |(index, _)| *index);
-    Ok(all[start..end].join("\n"))
-}
-
-/// The `### ` subsections of a section: (heading, body).
-fn subsections(section: &str) -> Vec<(String, String)> {
+/// The `## ` sections of a page: (heading, body).
+fn subsections(page: &str) -> Vec<(String, String)> {
     let mut parts: Vec<(String, String)> = Vec::new();
-    for (_, line) in prose_lines(section) {
-        if let Some(heading) = line.strip_prefix("### ") {
+    for (_, line) in prose_lines(page) {
+        if let Some(heading) = line.strip_prefix("## ") {
             parts.push((heading.trim().to_owned(), String::new()));
         } else if let Some((_, body)) = parts.last_mut() {
             body.push_str(line);
@@ -211,7 +198,7 @@ fn declared_families() -> anyhow::Result<Vec<Declared>> {
             let Some(rest) = rest.strip_prefix('"') else {
                 bail!(
                     "{}: {call} without a string literal name; tests/tests/docs.rs \
-                     can only check literal names against the README",
+                     can only check literal names against docs/metrics.md",
                     context()
                 );
             };
@@ -290,8 +277,7 @@ fn readme_keeps_its_first_lines() -> anyhow::Result<()> {
 
 #[test]
 fn every_config_key_is_in_the_configuration_reference() -> anyhow::Result<()> {
-    let readme = read("README.md")?;
-    let reference = section(&readme, CONFIG_REFERENCE)?;
+    let reference = read(CONFIG_REFERENCE)?;
     let parts = subsections(&reference);
     let keys = config_keys()?;
     let sections: BTreeSet<&str> = keys.iter().map(|(section, _)| section.as_str()).collect();
@@ -302,9 +288,7 @@ fn every_config_key_is_in_the_configuration_reference() -> anyhow::Result<()> {
     for section in &sections {
         let tag = format!("[{section}]");
         let Some((_, body)) = parts.iter().find(|(heading, _)| heading.contains(&tag)) else {
-            problems.push(format!(
-                "no `### {tag}` heading in the README's {CONFIG_REFERENCE}"
-            ));
+            problems.push(format!("no `## {tag}` heading in {CONFIG_REFERENCE}"));
             continue;
         };
         for row in table_rows(body) {
@@ -317,15 +301,15 @@ fn every_config_key_is_in_the_configuration_reference() -> anyhow::Result<()> {
         let dotted = format!("`{section}.{key}`");
         if !documented.contains(&(section.clone(), key.clone())) && !reference.contains(&dotted) {
             problems.push(format!(
-                "config key `{section}.{key}` (exporter/src/config/raw.rs) has no row in the \
-                 README's {CONFIG_REFERENCE} under its `[{section}]` heading"
+                "config key `{section}.{key}` (exporter/src/config/raw.rs) has no row in \
+                 {CONFIG_REFERENCE} under its `[{section}]` heading"
             ));
         }
     }
     let known: BTreeSet<(String, String)> = keys.iter().cloned().collect();
     for (section, key) in documented.difference(&known) {
         problems.push(format!(
-            "the README's {CONFIG_REFERENCE} documents `{section}.{key}`, which \
+            "{CONFIG_REFERENCE} documents `{section}.{key}`, which \
              exporter/src/config/raw.rs does not have"
         ));
     }
@@ -333,7 +317,7 @@ fn every_config_key_is_in_the_configuration_reference() -> anyhow::Result<()> {
     for flag in flags()? {
         if !reference.contains(&format!("`{flag}")) {
             problems.push(format!(
-                "flag `{flag}` (exporter/src/main.rs) is not in the README's {CONFIG_REFERENCE}"
+                "flag `{flag}` (exporter/src/main.rs) is not in {CONFIG_REFERENCE}"
             ));
         }
     }
@@ -343,8 +327,7 @@ fn every_config_key_is_in_the_configuration_reference() -> anyhow::Result<()> {
 
 #[test]
 fn every_metric_family_is_in_the_metrics_reference() -> anyhow::Result<()> {
-    let readme = read("README.md")?;
-    let reference = section(&readme, METRICS_REFERENCE)?;
+    let reference = read(METRICS_REFERENCE)?;
     // (exposed name, type) of every row whose first cell is one metric.
     let rows: Vec<(String, String)> = table_rows(&reference)
         .into_iter()
@@ -367,12 +350,12 @@ fn every_metric_family_is_in_the_metrics_reference() -> anyhow::Result<()> {
         exposed.insert(name.clone());
         match rows.iter().find(|(row, _)| *row == name) {
             None => problems.push(format!(
-                "metric `{name}` ({}, declared in {}) has no row in the README's \
+                "metric `{name}` ({}, declared in {}) has no row in \
                  {METRICS_REFERENCE} (first cell `{name}`, second cell its type)",
                 family.kind, family.file
             )),
             Some((_, kind)) if *kind != family.kind => problems.push(format!(
-                "metric `{name}` is a {} ({}) but the README's {METRICS_REFERENCE} says `{kind}`",
+                "metric `{name}` is a {} ({}) but {METRICS_REFERENCE} says `{kind}`",
                 family.kind, family.file
             )),
             Some(_) => {}
@@ -381,7 +364,7 @@ fn every_metric_family_is_in_the_metrics_reference() -> anyhow::Result<()> {
     for (row, _) in &rows {
         if !exposed.contains(row) {
             problems.push(format!(
-                "the README's {METRICS_REFERENCE} documents `{row}`, which no \
+                "{METRICS_REFERENCE} documents `{row}`, which no \
                  Family::new in exporter/src exports (counters are named with `_total`)"
             ));
         }
@@ -394,12 +377,9 @@ fn every_metric_family_is_in_the_metrics_reference() -> anyhow::Result<()> {
 /// the docs and not the parsing.
 #[test]
 fn parsers_read_what_they_should() -> anyhow::Result<()> {
-    let markdown = "# t\n## A\ntext\n```toml\n## not a heading\n| `no` | x |\n```\n\
-                    ### `[web]`\n| key | type |\n|---|---|\n| `listen_address` | string |\n\
-                    ## B\n| `b` | gauge |\n";
-    let a = section(markdown, "A")?;
-    ensure!(a.contains("`[web]`") && !a.contains("`b`"), "{a}");
-    let parts = subsections(&a);
+    let a = "# t\ntext\n```toml\n## not a heading\n| `no` | x |\n```\n\
+             ## `[web]`\n| key | type |\n|---|---|\n| `listen_address` | string |\n";
+    let parts = subsections(a);
     ensure!(parts.len() == 1 && parts[0].0 == "`[web]`", "{parts:?}");
     let cells: Vec<Vec<String>> = table_rows(&parts[0].1);
     ensure!(
@@ -407,10 +387,17 @@ fn parsers_read_what_they_should() -> anyhow::Result<()> {
         "{cells:?}"
     );
     ensure!(
-        !table_rows(&a).iter().any(|row| row[0] == "`no`"),
+        !table_rows(a).iter().any(|row| row[0] == "`no`"),
         "rows inside code blocks must not count"
     );
     ensure!(code_cell("`x`") == Some("x") && code_cell("x").is_none());
+    ensure!(anchor_of("`[probes]` and *HTTP/2*: x_y") == "probes-and-http2-x_y");
+    ensure!(
+        links("[a](b.md#c) `[x](no)` [d](https://e) [f](#g)\n```\n[h](i)\n```\n")
+            == [(1, "b.md#c".to_owned()), (1, "#g".to_owned())],
+        "{:?}",
+        links("[a](b.md#c) `[x](no)` [d](https://e) [f](#g)")
+    );
 
     let source = "pub struct RawX {\n    /// doc: not a field\n    #[serde(default)]\n    \
                   pub a: Duration,\n    pub b: Vec<String>,\n}\n";
@@ -460,4 +447,168 @@ fn nothing_points_outside_the_repository() -> anyhow::Result<()> {
             String::from_utf8_lossy(&output.stdout)
         ),
     }
+}
+
+/// The anchor a Markdown renderer gives a heading: lower case, spaces as hyphens,
+/// punctuation but `-` and `_` dropped.
+fn anchor_of(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | ' '))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The anchors of a Markdown file's headings.
+fn anchors(markdown: &str) -> BTreeSet<String> {
+    prose_lines(markdown)
+        .into_iter()
+        .filter_map(|(_, line)| {
+            let text = line.trim_start_matches('#');
+            (text.len() < line.len() && text.starts_with(' ')).then(|| anchor_of(text))
+        })
+        .collect()
+}
+
+/// The relative link targets of a Markdown file, with their line numbers (from 1):
+/// outside code blocks and code spans; web and mail addresses left out.
+fn links(markdown: &str) -> Vec<(usize, String)> {
+    let mut found = Vec::new();
+    for (index, line) in prose_lines(markdown) {
+        // Code spans (`[x](y)` in a span is no link): every other piece between backticks.
+        for (piece, text) in line.split('`').enumerate() {
+            if piece % 2 == 1 {
+                continue;
+            }
+            for (_, after) in text
+                .match_indices("](")
+                .map(|(at, _)| text.split_at(at + 2))
+            {
+                let Some(target) = after.split(')').next() else {
+                    continue;
+                };
+                if !target.is_empty()
+                    && !target.contains(char::is_whitespace)
+                    && !target.starts_with("http://")
+                    && !target.starts_with("https://")
+                    && !target.starts_with("mailto:")
+                {
+                    found.push((index + 1, target.to_owned()));
+                }
+            }
+        }
+    }
+    found
+}
+
+/// README.md and every Markdown page of docs/.
+fn pages() -> anyhow::Result<Vec<PathBuf>> {
+    let mut pages = vec![workspace().join("README.md")];
+    for entry in fs::read_dir(workspace().join("docs"))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|ext| ext == "md") {
+            pages.push(path);
+        }
+    }
+    Ok(pages)
+}
+
+#[test]
+fn every_relative_link_resolves() -> anyhow::Result<()> {
+    let mut problems = Vec::new();
+    for page in pages()? {
+        let markdown = fs::read_to_string(&page)?;
+        let dir = page.parent().context("a page has a directory")?;
+        for (line, target) in links(&markdown) {
+            let (path, anchor) = target.split_once('#').unwrap_or((&target, ""));
+            let file = if path.is_empty() {
+                page.clone()
+            } else {
+                dir.join(path)
+            };
+            let shown = format!("{}:{line}: `{target}`", page.display());
+            if !file.exists() {
+                problems.push(format!("{shown}: no such file"));
+            } else if !anchor.is_empty()
+                && file.extension().is_some_and(|ext| ext == "md")
+                && !anchors(&fs::read_to_string(&file)?).contains(anchor)
+            {
+                problems.push(format!("{shown}: no heading with that anchor"));
+            }
+        }
+    }
+    ensure!(problems.is_empty(), "{}", problems.join("\n"));
+    Ok(())
+}
+
+/// Every path `docs/ARCHITECTURE.md` names in a code span (a span with a `/` or a
+/// file extension, no spaces) exists: from the repository's root, or from one of the
+/// crates' source folders the page's tables are written relative to.
+#[test]
+fn every_path_in_the_architecture_exists() -> anyhow::Result<()> {
+    const BASES: [&str; 6] = [
+        "",
+        "exporter/src",
+        "exporter-ebpf/src",
+        "xtask/src",
+        "shared/src",
+        "tests/src",
+    ];
+    // A bare file or folder name (the folder tables name them within their folder's
+    // row: `mod.rs`, `procfs/`) is found anywhere in the sources.
+    let mut sources = Vec::new();
+    for base in &BASES[1..] {
+        rust_files(&workspace().join(base), &mut sources)?;
+    }
+    let mut names = BTreeSet::new();
+    for path in &sources {
+        if let Some(name) = path.file_name() {
+            names.insert(name.to_string_lossy().into_owned());
+        }
+        if let Some(folder) = path.parent().and_then(Path::file_name) {
+            names.insert(format!("{}/", folder.to_string_lossy()));
+        }
+    }
+    let architecture = read("docs/ARCHITECTURE.md")?;
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for (_, line) in prose_lines(&architecture) {
+        for span in line.split('`').skip(1).step_by(2) {
+            // Absolute paths and URL paths (`/sys/…`, `/debug/…`) are the host's.
+            let path_like = !span.contains(char::is_whitespace)
+                && !span.contains("::")
+                && !span.starts_with('/')
+                && (span.contains('/')
+                    || [".rs", ".md", ".toml", ".yml", ".service"]
+                        .iter()
+                        .any(|ext| span.ends_with(ext)));
+            if !path_like {
+                continue;
+            }
+            checked += 1;
+            let found = names.contains(span)
+                || BASES.iter().any(|base| {
+                    workspace()
+                        .join(base)
+                        .join(span.trim_end_matches('/'))
+                        .exists()
+                });
+            if !found {
+                problems.push(format!("`{span}`"));
+            }
+        }
+    }
+    ensure!(
+        checked > 20,
+        "only {checked} paths found in docs/ARCHITECTURE.md"
+    );
+    ensure!(
+        problems.is_empty(),
+        "docs/ARCHITECTURE.md names paths that do not exist (from the root or a crate's \
+         source folder): {}",
+        problems.join(", ")
+    );
+    Ok(())
 }

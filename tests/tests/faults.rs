@@ -624,7 +624,7 @@ fn soak(plan: &SoakPlan) -> anyhow::Result<()> {
     assert!(left.is_empty(), "entries left behind: {left:?}");
     // Losses that degrade poolscope (a full map, lost events) must not happen; a stack
     // that collides in its hash bucket is counted, kept less its innermost frame or
-    // without its stack, and does not degrade (README, Limits).
+    // without its stack, and does not degrade (docs/limits.md).
     let losses: Vec<String> = after
         .samples
         .iter()

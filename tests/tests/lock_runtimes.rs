@@ -469,7 +469,7 @@ fn tomcat_monitor_waits_are_lock_waits_and_sleeps_are_timed_ones() -> anyhow::Re
         counted.timed_waits
     );
     // The thread state does not tell them apart: both are waits on another thread's
-    // futex (see the README's thread states).
+    // futex (see docs/metrics.md, thread states).
     assert!(
         sleep_pool.blocked_lock >= 0.9 * sleep_pool.timed_wait_seconds,
         "{exec}: blocked_lock {:.2} s under /sleep, futex_timed waits {:.2} s",

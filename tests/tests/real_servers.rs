@@ -3,7 +3,7 @@
 //! not exceed wrk's by more than 5 % (wrk adds the client side on top of ours). The
 //! socket backend sees arrivals, so its median must also be at least 0.3 of wrk's
 //! (0.44–0.91 measured; without arrivals it would be ~0.05–0.09, the syscall case);
-//! the syscall backend cannot see a keep-alive request wait (README), so its latency
+//! the syscall backend cannot see a keep-alive request wait (docs/limits.md), so its latency
 //! is its service time. The goal "within 25 % below wrk" is reported, not asserted:
 //! on two shared vCPUs wrk's own tail is mostly client-side (see the issue note).
 //! Each server runs on both backends; the table goes to stderr (`--nocapture`).

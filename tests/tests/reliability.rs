@@ -133,7 +133,7 @@ fn a_hundred_concurrent_scrapers_are_answered_or_refused_cleanly() -> anyhow::Re
     assert_eq!(counted("concurrency"), answers.refused_concurrency as f64);
     assert_eq!(counted("timeout"), answers.refused_timeout as f64);
     // Within 256 MiB over the storm: RSS climbs while the allocator warms up to the
-    // storm's high-water mark, then stays flat (README, Limits); the curve is printed
+    // storm's high-water mark, then stays flat (docs/limits.md); the curve is printed
     // above.
     assert!(
         rss_max < 256 * 1024,

@@ -244,7 +244,7 @@ fn scenario(backend: &str, style: &str, connections: Connections) -> anyhow::Res
     let seen = clients.stop()?;
     // syscall backend, `early`: a read after a write starts a new request (it cannot
     // tell bytes that arrived before the write from a next request), so each request
-    // counts twice. Documented in the README.
+    // counts twice. Documented in docs/limits.md.
     let per_request = if backend == "syscall" && style == "early" {
         2
     } else {

@@ -469,7 +469,7 @@ fn two_spinners_on_one_cpu_wait_half_the_time() -> anyhow::Result<()> {
         );
         assert!((ours - kernel).abs() <= 0.05 * kernel, "against schedstat");
     }
-    // A pool's wait series appear with its first finished wait (README, Series per
+    // A pool's wait series appear with its first finished wait (docs/performance.md, Series per
     // service): before it, a known pool has waited 0 s.
     let waits = |m: &Metrics| {
         let pool = [("service", "spinners"), ("pool", "spin")];

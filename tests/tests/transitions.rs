@@ -112,7 +112,7 @@ fn pipelined_requests_racing_on_two_cpus_leave_no_gauge_behind() -> anyhow::Resu
             &[("source", "phase_retries")],
         );
         values.push(("phase_retries", retries));
-        // Pipelined requests count one per read burst (README, Limits): fewer than sent.
+        // Pipelined requests count one per read burst (docs/limits.md): fewer than sent.
         eprintln!("{backend}: {sent} pipelined requests sent; {values:?}");
         anyhow::ensure!(
             settled.is_ok() && retries == Some(0.0),

@@ -15,9 +15,10 @@ use anyhow::{Context as _, bail};
 /// contains "poolscope".
 pub const DEFAULT_JOB_SELECTOR: &str = r#"job=~".*poolscope.*""#;
 
-/// Where the alerts' `runbook_url`s point as shipped: the README, whose `Runbooks`
-/// section has one heading per alert (the anchor is the alert's name in lower case).
-pub const DEFAULT_RUNBOOK_BASE: &str = "https://github.com/poolscope/poolscope/blob/main/README.md";
+/// Where the alerts' `runbook_url`s point as shipped: `docs/runbooks.md`, which has one
+/// heading per alert (the anchor is the alert's name in lower case).
+pub const DEFAULT_RUNBOOK_BASE: &str =
+    "https://github.com/poolscope/poolscope/blob/main/docs/runbooks.md";
 
 /// What a site changes in the generated rules.
 pub struct Options<'a> {
@@ -163,7 +164,7 @@ fn dashboard_config_maps(dashboards: &[(String, String)]) -> anyhow::Result<Stri
 }
 
 const USAGE: &str = "usage: cargo xtask manifests [--job-selector 'job=\"poolscope\"'] \
-                     [--runbook-base https://wiki.example/poolscope/README.md]";
+                     [--runbook-base https://wiki.example/poolscope/runbooks.md]";
 
 /// `cargo xtask manifests [--job-selector SELECTOR] [--runbook-base URL]`: writes the
 /// files.
@@ -250,20 +251,16 @@ mod tests {
         Ok(())
     }
 
-    /// Each alert links the README section of its runbook, and each runbook there
-    /// belongs to an alert.
+    /// Each alert links the section of its runbook in `docs/runbooks.md`, and each
+    /// runbook there belongs to an alert.
     #[test]
     fn every_alert_links_its_runbook_and_every_runbook_has_an_alert() -> anyhow::Result<()> {
         let root = root();
         let rules = Sources::read(&root)?.rules;
-        let readme = fs::read_to_string(root.join("README.md"))?;
-        let section = readme
-            .split_once("\n## Runbooks\n")
-            .and_then(|(_, rest)| rest.split("\n## ").next())
-            .context("the README has no Runbooks section")?;
-        let runbooks: Vec<&str> = section
+        let page = fs::read_to_string(root.join("docs/runbooks.md"))?;
+        let runbooks: Vec<&str> = page
             .lines()
-            .filter_map(|line| line.strip_prefix("### "))
+            .filter_map(|line| line.strip_prefix("## "))
             .collect();
         let mut alerts = Vec::new();
         let mut current: Option<&str> = None;
@@ -291,7 +288,7 @@ mod tests {
         sorted_alerts.sort_unstable();
         let mut sorted_runbooks = runbooks.clone();
         sorted_runbooks.sort_unstable();
-        assert_eq!(sorted_alerts, sorted_runbooks, "alerts vs README runbooks");
+        assert_eq!(sorted_alerts, sorted_runbooks, "alerts vs docs/runbooks.md");
         Ok(())
     }
 }

@@ -26,7 +26,7 @@ const PACKAGED_BINARY: &str = "/usr/bin/poolscope";
 const UNIT_PATH: &str = "lib/systemd/system/poolscope.service";
 const CONFIG_PATH: &str = "etc/poolscope/poolscope.toml";
 
-const CONFIG: &str = "# poolscope's configuration (README, \"Configuration reference\").\n\
+const CONFIG: &str = "# poolscope's configuration (docs/configuration.md).\n\
 # Empty: the built-in defaults, auto-discovery of every listening service and\n\
 # /metrics on 127.0.0.1:9435. `systemctl reload poolscope` applies a change.\n";
 
@@ -184,9 +184,24 @@ pub fn build(root: &Path) -> anyhow::Result<PathBuf> {
         "poolscope\nLicense: MIT OR Apache-2.0 (the crate's license field)\n",
         0o644,
     )?;
-    let readme = fs::read_to_string(root.join("README.md")).context("reading README.md")?;
-    write(&docs.join("README.md"), &readme, 0o644)?;
-    let installed_kib = (installed_size + unit.len() as u64 + readme.len() as u64) / 1024 + 1;
+    // The README and the pages it links, so that its links work where it is installed.
+    let mut doc_bytes = 0;
+    let mut pages = vec![PathBuf::from("README.md")];
+    for entry in fs::read_dir(root.join("docs")).context("reading docs/")? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|ext| ext == "md")
+            && let Some(name) = path.file_name()
+        {
+            pages.push(Path::new("docs").join(name));
+        }
+    }
+    for page in pages {
+        let text = fs::read_to_string(root.join(&page))
+            .with_context(|| format!("reading {}", page.display()))?;
+        write(&docs.join(&page), &text, 0o644)?;
+        doc_bytes += text.len() as u64;
+    }
+    let installed_kib = (installed_size + unit.len() as u64 + doc_bytes) / 1024 + 1;
     let debian = stage.join("DEBIAN");
     write(
         &debian.join("control"),

@@ -198,7 +198,7 @@ pub struct RawProbes {
     pub bpf_stats: bool,
     /// Services (by name; `"*"` for all) whose processes get uprobes on
     /// `pthread_mutex_lock`. Off by default: each call then traps into the kernel,
-    /// contended or not (README, "Lock waits").
+    /// contended or not (docs/metrics.md, "Lock waits").
     pub lock_uprobes: Vec<String>,
     /// On-CPU stack samples per second on each CPU (1 to 1000; 0: none). An odd
     /// rate keeps clear of periodic work in step with the sampler.

@@ -224,7 +224,7 @@ impl LossKind {
                     Some(key) => format!("kernel map {map} is full{size}: raise {key}"),
                     None => format!(
                         "kernel map {map} is full{size}; its size is fixed: too many at once \
-                         (see the README's Limits)"
+                         (see docs/limits.md)"
                     ),
                 },
                 LossErrno::Enomem if *map == maps::SOCK_CONNS || *map == maps::H2_CONNS => format!(
@@ -304,8 +304,8 @@ impl LossKind {
                  log says why"
             ),
             Self::Unsymbolized(space) => format!(
-                "{space} stack frames without a function name (see the README's Stack \
-                 snapshots)"
+                "{space} stack frames without a function name (see docs/endpoints.md, \
+                 Stack snapshots)"
             ),
         }
     }
@@ -582,7 +582,7 @@ mod tests {
         assert_eq!(
             fixed.advice(Some(8)),
             "kernel map PROFILE_SESSIONS is full (capacity 8); its size is fixed: too many \
-             at once (see the README's Limits)"
+             at once (see docs/limits.md)"
         );
         let calls = LossKind::of_kernel(LossSource::MutexCallsInsert, LossErrno::E2big);
         assert_eq!(

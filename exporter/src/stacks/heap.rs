@@ -10,7 +10,7 @@
 /// grow them to 30+ MB, and the small allocations that outlive a drain, spread
 /// across those arenas, keep their pages resident. Side by side for 28 minutes, the
 /// lowest RSS of each minute after warm-up was 31.1-35.0 MB and creeping with the
-/// default, 23.0-25.0 MB and flat with this fixed threshold (README, Limits).
+/// default, 23.0-25.0 MB and flat with this fixed threshold (docs/limits.md).
 const MMAP_THRESHOLD_BYTES: i32 = 128 * 1024;
 
 /// One arena for every thread. glibc gives threads arenas of their own (up to 8 per
@@ -19,7 +19,7 @@ const MMAP_THRESHOLD_BYTES: i32 = 128 * 1024;
 /// minutes: the 4-minute soak climbed from 14.3 to 16.7 MB (a 0.8 MB step at 1:45)
 /// with peaks of 26 MB, and with one arena stayed within 13.9-14.2 MB (±1.1 %), peaks
 /// 15.4 MB. poolscope allocates little outside a scrape or a drain, so the arena's
-/// lock costs little (README, Limits).
+/// lock costs little (docs/limits.md).
 const ARENAS: i32 = 1;
 
 /// Sets the heap up for poolscope's pattern of use (see [`MMAP_THRESHOLD_BYTES`] and
