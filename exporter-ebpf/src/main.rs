@@ -6,7 +6,8 @@
 //!   ABI of each architecture);
 //! - `downstream` (the peer of a socket a thread waits on), under `threads`, the thread
 //!   state machine; `stackmaps` (capture and count stacks) and `locks` (lock waits)
-//!   on top of it;
+//!   on top of it; `serving` (a thread starts or stops serving a request) above
+//!   `threads` and `locks`;
 //! - `requests`, the request state machine that the three request backends (`sock`,
 //!   `tcp`, `syscalls`) share, and `h2`, which follows HTTP/2 connections' streams
 //!   instead (socket backend);
@@ -28,6 +29,7 @@ mod maps;
 mod process;
 mod requests;
 mod sched;
+mod serving;
 mod sessions;
 mod sock;
 mod stackmaps;

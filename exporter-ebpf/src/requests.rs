@@ -17,7 +17,7 @@ use crate::{
         CONNS, REQUEST_TIMES, add_to_shared_histogram, atomic_add, compare_and_swap, count_loss,
         insert_counted, remove_counted, update_service,
     },
-    threads::{self, End},
+    serving::{self, End},
 };
 
 /// Whether the backend sees request bytes arrive (`sock:sk_data_ready`).
@@ -172,7 +172,7 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
                     // before it, so the same request goes on (a server that answers
                     // before reading all).
                     Arrivals::Seen => {
-                        conn.server_tid = threads::request_started(now);
+                        conn.server_tid = serving::request_started(now);
                         update_service(conn.service, |c| c.serving_entered += 1);
                     }
                     // The next request; its arrival is not seen, so it did not wait.
@@ -237,7 +237,7 @@ pub fn upgraded(conn: &Conn, left: Phase) {
 fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
     conn.start_ns = now;
     conn.next_arrive_ns = 0;
-    conn.server_tid = threads::request_started(now);
+    conn.server_tid = serving::request_started(now);
     update_service(conn.service, |c| {
         leave(c);
         c.serving_entered += 1;
@@ -256,7 +256,7 @@ pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
             Phase::Serving => {
                 advance(conn, phase, Phase::Responded)?;
                 conn.end_ns = now;
-                threads::request_ended(conn.server_tid, now, End::Response);
+                serving::request_ended(conn.server_tid, now, End::Response);
                 conn.server_tid = 0;
                 update_service(conn.service, |c| c.serving_left += 1);
             }
@@ -342,7 +342,7 @@ impl Gone {
             Phase::Waiting => update_service(conn.service, |c| c.waiting_left += 1),
             Phase::Serving => {
                 update_service(conn.service, |c| c.serving_left += 1);
-                threads::request_ended(conn.server_tid, now, End::Close);
+                serving::request_ended(conn.server_tid, now, End::Close);
                 conn.end_ns = now;
                 finish(conn);
             }

@@ -1,5 +1,5 @@
 //! The thread state machine of DESIGN §3, fed by `sched.rs` (switches and wakeups)
-//! and by the request state machine (a thread starts or stops serving). Each watched
+//! and by `serving.rs` (a thread starts or stops serving a request). Each watched
 //! thread's entry (its slot of `THREAD_ENTRIES`, or `THREADS` if another thread owns
 //! the slot) holds its [`Activity`] since when; leaving an activity closes the
 //! interval into the per-CPU stats of the thread's pool (a run-queue wait also into
@@ -7,17 +7,14 @@
 //! components too.
 use core::ptr::{read_volatile, write_volatile};
 
-use aya_ebpf::{
-    bindings::{BPF_EXIST, BPF_NOEXIST},
-    helpers::bpf_get_current_pid_tgid,
-};
+use aya_ebpf::bindings::{BPF_EXIST, BPF_NOEXIST};
 use poolscope_shared::{
     Activity, NO_POOL, Peer, SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Serving, THREAD_SLOTS, Thread,
     histogram_bucket, slot_claimant, slot_claiming, slot_overflow, slot_owner,
 };
 
 use crate::{
-    downstream, locks,
+    downstream,
     maps::{
         E2BIG, EEXIST, POOL_EPOCH, POOL_RUNQUEUE, POOL_STATS, STREAM_WORKERS, THREAD_ENTRIES,
         THREAD_OWNERS, THREAD_POOLS, THREADS, atomic_add, compare_and_swap,
@@ -26,7 +23,7 @@ use crate::{
 
 /// A thread holding more requests than this is miscounted (a lost end); the cap
 /// keeps one such thread from multiplying its time without bound.
-const MAX_SERVING: u32 = 4096;
+pub const MAX_SERVING: u32 = 4096;
 
 /// `limits.thread_slots` − 1 (a power of two less one), set at load time.
 #[unsafe(no_mangle)]
@@ -259,65 +256,6 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
                 write_volatile(&mut stats.runqueue_waits, stats.runqueue_waits + 1);
             }
         }
-    }
-}
-
-/// The current thread read the first bytes of a request: it serves it until the
-/// response begins. Returns its tid if it is watched, else 0.
-#[inline(always)]
-pub fn request_started(now: u64) -> u32 {
-    let tid = bpf_get_current_pid_tgid() as u32;
-    let Some(thread) = thread(tid) else {
-        return 0;
-    };
-    let activity = Activity::from_u32(thread.activity);
-    // Cut the interval so that only its part from now on is the request's.
-    change(tid, thread, activity, now);
-    locks::request_boundary(tid, thread);
-    if thread.serving > 0 {
-        thread.multiplexes = 1;
-    }
-    if thread.serving < MAX_SERVING {
-        thread.serving += 1;
-    }
-    tid
-}
-
-/// How a request stopped being served.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum End {
-    /// The current thread wrote the first bytes of the response.
-    Response,
-    /// The connection closed (possibly in softirq, on any CPU).
-    Close,
-}
-
-/// The request that `server_tid` started stopped being served.
-#[inline(always)]
-pub fn request_ended(server_tid: u32, now: u64, end: End) {
-    if server_tid == 0 {
-        return;
-    }
-    let Some(thread) = thread(server_tid) else {
-        return;
-    };
-    let handed_off = end == End::Response && bpf_get_current_pid_tgid() as u32 != server_tid;
-    let activity = Activity::from_u32(thread.activity);
-    // Answered by another thread: a wait the server thread is in no longer waits for
-    // this request but for work (a Go M parked in futexsleep, for seconds, while the
-    // goroutine that it read the request for answered on another M).
-    let next = if handed_off && activity.is_off_cpu() && activity != Activity::OffDisk {
-        Activity::OffIdle
-    } else {
-        activity
-    };
-    change(server_tid, thread, next, now);
-    thread.serving = thread.serving.saturating_sub(1);
-    if handed_off {
-        thread.hands_off = 1;
-        locks::handed_off(server_tid, thread, now);
-    } else if end == End::Response {
-        locks::request_boundary(server_tid, thread);
     }
 }
 

@@ -13,6 +13,7 @@ pub mod idmap;
 pub mod kernel;
 pub mod logging;
 pub mod metrics;
+pub mod revision;
 pub mod signals;
 pub mod stacks;
 pub mod web;
@@ -33,9 +34,6 @@ use crate::{
     stacks::{heap, snapshots::Trigger},
     web::{listener, server, webconfig},
 };
-
-/// The git commit this binary was built from (`unknown` outside a git checkout).
-pub const REVISION: &str = env!("POOLSCOPE_REVISION");
 
 /// How often to look for process events that did not wake us (execs).
 const EVENT_POLL_INTERVAL: Duration = Duration::from_millis(200);

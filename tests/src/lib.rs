@@ -122,6 +122,20 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// A free port below 10000 on all interfaces, for servers whose port must fit a short
+/// field (see [`servers::Options`]'s `any_address`).
+pub fn free_short_port() -> anyhow::Result<u16> {
+    // Spread over the range so that concurrent runs rarely try the same ports.
+    let start = 2000 + (std::process::id() % 7000) as u16;
+    (start..10_000)
+        .chain(2000..start)
+        .find(|port| {
+            TcpListener::bind(("0.0.0.0", *port)).is_ok()
+                && TcpListener::bind(("127.0.0.1", *port)).is_ok()
+        })
+        .context("no free port below 10000")
+}
+
 /// Polls `check` every 50 ms until it is true or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;

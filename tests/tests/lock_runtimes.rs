@@ -20,14 +20,13 @@
 //! The numbers go to stderr (`--nocapture`).
 use std::{
     collections::BTreeMap,
-    net::TcpListener,
     thread::sleep,
     time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, one_at_a_time, pids_config, privileged,
+    Metrics, Poolscope, free_short_port, one_at_a_time, pids_config, privileged,
     servers::{Kind, Options, RealServer, WrkResult, get, wrk_path},
     thread_names, watch_with,
 };
@@ -44,19 +43,6 @@ const SETTLE: Duration = Duration::from_millis(1500);
 /// Starts poolscope on `pids` and waits until it watches all of them.
 fn watch(service: &str, pids: &[u32]) -> anyhow::Result<Poolscope> {
     watch_with(&pids_config(service, pids), service, pids)
-}
-
-/// A free port below 10000 on all interfaces (see [`Options::any_address`]).
-fn free_short_port() -> anyhow::Result<u16> {
-    // Spread over the range so that concurrent runs rarely try the same ports.
-    let start = 2000 + (std::process::id() % 7000) as u16;
-    (start..10_000)
-        .chain(2000..start)
-        .find(|port| {
-            TcpListener::bind(("0.0.0.0", *port)).is_ok()
-                && TcpListener::bind(("127.0.0.1", *port)).is_ok()
-        })
-        .context("no free port below 10000")
 }
 
 /// One pool's lock numbers in a scrape. A series not there yet counts as 0: the

@@ -33,7 +33,7 @@
 use std::{
     collections::BTreeMap,
     io::{BufRead as _, BufReader, Read as _, Write as _},
-    net::{TcpListener, TcpStream},
+    net::TcpStream,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -44,8 +44,8 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, PoolServer, Poolscope, cpu_steal_seconds, one_at_a_time, parse_debug_threads,
-    pids_config, privileged, scrape_until,
+    Metrics, PoolServer, Poolscope, cpu_steal_seconds, free_short_port, one_at_a_time,
+    parse_debug_threads, pids_config, privileged, scrape_until,
     servers::{Kind, Options, RealServer, WrkResult, get, pin_to_first_cpu, wrk_path},
     thread_names, watch_with,
 };
@@ -161,19 +161,6 @@ fn pool_of<'a>(pools: &'a BTreeMap<String, Pool>, name: &str) -> anyhow::Result<
     pools
         .get(name)
         .with_context(|| format!("no pool {name:?}; pools: {:?}", pools.keys()))
-}
-
-/// A free port below 10000 on all interfaces (see [`Options::any_address`]).
-fn free_short_port() -> anyhow::Result<u16> {
-    // Spread over the range so that concurrent runs rarely try the same ports.
-    let start = 2000 + (std::process::id() % 7000) as u16;
-    (start..10_000)
-        .chain(2000..start)
-        .find(|port| {
-            TcpListener::bind(("0.0.0.0", *port)).is_ok()
-                && TcpListener::bind(("127.0.0.1", *port)).is_ok()
-        })
-        .context("no free port below 10000")
 }
 
 /// `wrk` on `path` in the background.

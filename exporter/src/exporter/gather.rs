@@ -284,7 +284,7 @@ impl Exporter {
         });
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
-            revision: crate::REVISION,
+            revision: crate::revision::REVISION,
             backend: locked.backend.name(),
             losses,
             degraded,

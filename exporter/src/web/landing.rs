@@ -58,7 +58,7 @@ pub fn landing_page(telemetry_path: &str, debug: DebugAccess) -> String {
          timing of every network service on this host, from eBPF. Version {} (commit {}).\
          </p>\n<ul>\n{items}</ul>\n{debug_note}</body></html>\n",
         env!("CARGO_PKG_VERSION"),
-        crate::REVISION,
+        crate::revision::REVISION,
     )
 }
 
@@ -74,7 +74,7 @@ mod tests {
         assert!(page.contains("<a href=\"/healthz\">"));
         assert!(page.contains("<a href=\"/debug/pprof/profile\">"));
         assert!(page.contains(env!("CARGO_PKG_VERSION")));
-        assert!(page.contains(crate::REVISION));
+        assert!(page.contains(crate::revision::REVISION));
         let off = landing_page("/metrics", DebugAccess::Off);
         assert!(!off.contains("href=\"/debug/"));
         assert!(off.contains("/debug/* is off"));
