@@ -174,7 +174,7 @@ fn request_in_progress_when_poolscope_starts_is_counted() -> anyhow::Result<()> 
         return Ok(());
     }
     // The request must outlast poolscope's start: from its launch to serving /metrics,
-    // 2.7–3.7 s with the socket backend (the kernel verifies its HTTP/2 frame walk),
+    // 2.7–3.7 s with the socket backend (its larger programs: not profiled),
     // 0.8–0.9 s with the others, measured on this 2-vCPU VM; 3 s was too short
     // under a CI run's load (3.48 s to watch).
     const SERVICE: Duration = Duration::from_secs(8);
