@@ -89,9 +89,9 @@ exec /poolscope/work/run
 /// connection's accept; CPU samples split between two functions by
 /// the program's CPU clock: the count exact, 988 of 988, but the share 66.6 % against
 /// 74.7 % in 1 of 3 runs on 6.12, the emulated timer's samples not uniform in time).
-/// The keep-alive controlled pool (the tcp backend's queue time on 6.1) holds its
-/// durations, means and p50 alike, to the emulation allowance: its 20 ms p50 was
-/// 7 % off in 1 of 3 runs without it, the extra 0.4 ms across a histogram bucket's edge.
+/// The keep-alive controlled pool (queue time and in-flight against a pool kept full)
+/// stays out too: under emulation a worker is between requests long enough to read
+/// 3.8 in flight for 4 (6.12, tcp backend) and Little's law 4.4 % off on 6.1.
 const GUEST_TESTS: &[(&str, &[&str])] = &[
     (
         "foundation",
@@ -111,7 +111,6 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
         &[
             "partial_reads_and_writes",
             "server_writes_before_reading_everything",
-            "controlled_pool_keep_alive_tcp_backend",
             "a_full_connection_map_is_counted_and_spares_the_tracked_connections",
         ],
     ),
