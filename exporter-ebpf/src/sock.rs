@@ -202,8 +202,16 @@ fn port(sk: *const u8) -> u16 {
 /// offset against the type; probe reads cost ~50 ns each).
 #[inline(always)]
 pub(crate) fn field<T>(sk: *const u8, global: &u32) -> T {
-    // SAFETY: `sk` is the tracepoint's socket, the offset a field of `struct sock`.
-    unsafe { ptr::read_volatile(sk.add(offset(global)).cast::<T>()) }
+    load(sk, offset(global))
+}
+
+/// A plain load at `at` in kernel object `base`, a BTF-typed pointer (a BTF
+/// tracepoint's argument, or a field loaded from one): the verifier checks the
+/// offset against the type.
+#[inline(always)]
+pub(crate) fn load<T>(base: *const u8, at: usize) -> T {
+    // SAFETY: `base` is typed by the kernel's BTF; the offset names one of its fields.
+    unsafe { ptr::read_volatile(base.add(at).cast::<T>()) }
 }
 
 /// A new connection of `service` enters its queue.

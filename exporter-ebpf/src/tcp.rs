@@ -16,8 +16,6 @@
 //! a transmit is a write's when the socket holds data written and not yet sent
 //! (`write_seq` ahead of `snd_nxt`, which moves only after the packet is handed on),
 //! so that acknowledgements and retransmissions are not responses.
-use core::ptr;
-
 use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
 use poolscope_shared::Phase;
 
@@ -27,7 +25,7 @@ use crate::{
     requests::{self, Arrivals},
     sock::{
         IPPROTO_TCP, SOCK_PROTOCOL_OFFSET, SOCK_STATE_OFFSET, conn, conn_on_watched_port, field,
-        offset, on_watched_port, read_kernel,
+        load, offset, on_watched_port, read_kernel,
     },
 };
 
@@ -54,14 +52,6 @@ const TCP_TIME_WAIT: u8 = 6;
 const TCP_NEW_SYN_RECV: u8 = 12;
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
-
-/// A plain load at `at` in kernel object `base` (a BTF-typed pointer: the verifier
-/// checks the offset against the type).
-#[inline(always)]
-fn load<T>(base: *const u8, at: usize) -> T {
-    // SAFETY: `base` is typed by the kernel's BTF; the offset names one of its fields.
-    unsafe { ptr::read_volatile(base.add(at).cast::<T>()) }
-}
 
 /// tcp_probe(struct sock *sk, struct sk_buff *skb)
 #[btf_tracepoint(function = "tcp_probe")]

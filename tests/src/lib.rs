@@ -122,6 +122,19 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+/// Every `.rs` file under `dir`, recursively, appended to `files`.
+pub fn rust_files(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry?.path();
+        if path.is_dir() {
+            rust_files(&path, files)?;
+        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            files.push(path);
+        }
+    }
+    Ok(())
+}
+
 /// A free port below 10000 on all interfaces, for servers whose port must fit a short
 /// field (see [`servers::Options`]'s `any_address`).
 pub fn free_short_port() -> anyhow::Result<u16> {

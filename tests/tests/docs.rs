@@ -18,6 +18,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
+use poolscope_tests::rust_files;
 
 const METRICS_REFERENCE: &str = "docs/metrics.md";
 const CONFIG_REFERENCE: &str = "docs/configuration.md";
@@ -151,18 +152,6 @@ impl Declared {
         let suffix = if self.kind == "counter" { "_total" } else { "" };
         format!("{}{}{suffix}", self.prefix, self.name)
     }
-}
-
-fn rust_files(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
-    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-        let path = entry?.path();
-        if path.is_dir() {
-            rust_files(&path, files)?;
-        } else if path.extension().is_some_and(|ext| ext == "rs") {
-            files.push(path);
-        }
-    }
-    Ok(())
 }
 
 /// The metric families declared in `exporter/src/` outside unit-test modules.

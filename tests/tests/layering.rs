@@ -9,7 +9,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context as _, ensure};
+use anyhow::ensure;
+use poolscope_tests::rust_files;
 
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -70,18 +71,6 @@ fn first_segment(path: &str) -> Option<String> {
         .take_while(|c| c.is_alphanumeric() || *c == '_')
         .collect();
     (!name.is_empty()).then_some(name)
-}
-
-fn rust_files(dir: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
-    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-        let path = entry?.path();
-        if path.is_dir() {
-            rust_files(&path, files)?;
-        } else if path.extension().is_some_and(|ext| ext == "rs") {
-            files.push(path);
-        }
-    }
-    Ok(())
 }
 
 /// The top-level modules of the crate whose sources are in `src`, each with the
