@@ -260,8 +260,9 @@ async fn serve(
     Ok(())
 }
 
-/// Samples pool totals for the utilization window, queue depths for the saturation
-/// snapshots, and the loss counters for the health.
+/// Samples pool totals and finished requests for the utilization and capacity window,
+/// the services' CPU limits when due, queue depths for the saturation snapshots, and
+/// the loss counters for the health.
 async fn pool_sample_loop(exporter: Arc<Exporter>) {
     let mut ticks = tokio::time::interval(pools::SAMPLE_INTERVAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -270,6 +271,7 @@ async fn pool_sample_loop(exporter: Arc<Exporter>) {
         let worker = exporter.clone();
         let sampled = tokio::task::spawn_blocking(move || {
             worker.sample_pools();
+            worker.refresh_cpu_limits();
             worker.check_saturation();
             worker.check_health();
         });

@@ -16,17 +16,20 @@ use crate::{
     discovery::targets::ServiceView,
     encode::Family,
     kernel::{Backend, Readout},
+    metrics::capacity::Capacity,
     metrics::pools::{PoolTotals, PoolView},
     metrics::window::WindowDelta,
 };
 
-/// One pool at scrape time: its totals and its busy share over the utilization
-/// window (`None` before there is a window).
+/// One pool at scrape time: its totals, its busy share over the utilization window
+/// (`None` before there is a window) and its capacity (`None` while the window says
+/// too little).
 #[derive(Clone, Debug)]
 pub struct PoolRow {
     pub view: PoolView,
     pub totals: PoolTotals,
     pub utilization: Option<f64>,
+    pub capacity: Option<Capacity>,
 }
 
 /// What one scrape read.
@@ -148,6 +151,7 @@ mod tests {
             },
             totals: PoolTotals::default(),
             utilization: Some(0.25),
+            capacity: None,
         }];
         let mut readout = Readout::default();
         readout.services.insert(
@@ -264,6 +268,7 @@ mod tests {
                 },
                 totals: totals.clone(),
                 utilization: Some(0.5),
+                capacity: None,
             })
             .collect();
         // The first reading of a service: its window is all it has finished.

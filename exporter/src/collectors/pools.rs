@@ -1,11 +1,14 @@
-//! The per-pool families: threads by state, busy share, where the pool's request
-//! time went, and lock waits per primitive.
+//! The per-pool families: threads by state, busy share, capacity (and the service's:
+//! its pool that saturates first), and lock waits per primitive.
+use std::collections::BTreeMap;
+
 use poolscope_shared::{Histogram, LockPrimitive};
 
 use super::{Collected, Reading};
 use crate::{
     config::MetricsSettings,
     encode::{Family, Kind, Value},
+    metrics::capacity::Capacity,
     metrics::pools::{PoolTotals, REASONS, STATES, sum_of},
     metrics::window::ClassicBuckets,
 };
@@ -17,6 +20,8 @@ pub struct PoolInput<'a> {
     pub totals: &'a PoolTotals,
     /// Busy share over the utilization window; `None` before there is a window.
     pub utilization: Option<f64>,
+    /// `None` while the window says too little.
+    pub capacity: Option<Capacity>,
 }
 
 /// The per-pool families of a reading; whole if the kernel was read.
@@ -32,6 +37,7 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
                 pool,
                 totals: &row.totals,
                 utilization: row.utilization,
+                capacity: row.capacity,
             })
         })
         .collect();
@@ -66,6 +72,22 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
          (pools.utilization_window). For a one-thread event loop: the share of time not \
          waiting in epoll.",
     );
+    let mut pool_capacity = Family::new(
+        "pool_capacity_requests_per_second",
+        Kind::Gauge,
+        "The service's request rate at which this pool would be saturated, from the \
+         utilization window: the service's finished requests per second over the pool's \
+         utilization, or the CPUs the service may use over its on-CPU seconds per request, \
+         whichever is less (limit: threads, cpu_quota, cpuset, host_cpus). Absent while \
+         the window holds too few finished requests.",
+    );
+    let mut service_capacity = Family::new(
+        "service_capacity_requests_per_second",
+        Kind::Gauge,
+        "The least capacity of the service's pools: the request rate at which its first \
+         pool saturates.",
+    );
+    let mut least: BTreeMap<&str, f64> = BTreeMap::new();
     let mut state_seconds = Family::new(
         "thread_seconds",
         Kind::Counter,
@@ -105,6 +127,20 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
         busy.push(&labels, totals.threads_busy as f64);
         if let Some(ratio) = input.utilization {
             utilization.push(&labels, ratio);
+        }
+        if let Some(capacity) = input.capacity {
+            pool_capacity.push(
+                &[
+                    ("service", input.service),
+                    ("pool", input.pool),
+                    ("limit", capacity.limit.label()),
+                ],
+                capacity.requests_per_second,
+            );
+            least
+                .entry(input.service)
+                .and_modify(|least| *least = least.min(capacity.requests_per_second))
+                .or_insert(capacity.requests_per_second);
         }
         for (state, activities) in STATES {
             state_seconds.push(
@@ -164,10 +200,15 @@ pub fn pool_families(pools: &[PoolInput<'_>], layout: MetricsSettings) -> Vec<Fa
         runqueue.kind = Kind::Summary;
         lock_waits.kind = Kind::Summary;
     }
+    for (service, capacity) in least {
+        service_capacity.push(&[("service", service)], capacity);
+    }
     vec![
         threads,
         busy,
         utilization,
+        pool_capacity,
+        service_capacity,
         state_seconds,
         offcpu,
         runqueue,
@@ -200,6 +241,7 @@ mod tests {
             pool: "worker",
             totals,
             utilization: None,
+            capacity: None,
         };
         let text = |totals, pool_histogram_buckets| {
             let layout = MetricsSettings {
@@ -244,6 +286,7 @@ mod tests {
             pool: "worker",
             totals: &totals,
             utilization: None,
+            capacity: None,
         };
         let text = render(
             &pool_families(&[input], MetricsSettings::default()),

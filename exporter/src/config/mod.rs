@@ -70,6 +70,9 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub rescan_interval: Duration,
     pub procfs_root: PathBuf,
+    /// The cgroup v2 hierarchy the paths in procfs's `cgroup` files are under (CPU
+    /// quotas, for capacity).
+    pub cgroupfs_root: PathBuf,
     pub backend: Backend,
     pub bpf_stats: bool,
     pub lock_uprobes: Vec<String>,

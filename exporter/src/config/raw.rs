@@ -39,6 +39,7 @@ impl Default for RawConfig {
             discovery: RawDiscovery {
                 rescan_interval: Duration::from_secs(5),
                 procfs_root: PathBuf::from("/proc"),
+                cgroupfs_root: PathBuf::from("/sys/fs/cgroup"),
             },
             probes: RawProbes {
                 backend: Backend::Auto,
@@ -161,6 +162,7 @@ pub struct RawDiscovery {
     #[serde(with = "humantime_serde")]
     pub rescan_interval: Duration,
     pub procfs_root: PathBuf,
+    pub cgroupfs_root: PathBuf,
 }
 
 /// Who may use `/debug/*` (`[web] debug_endpoints`): stacks, thread and lock

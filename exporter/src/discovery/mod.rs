@@ -1,8 +1,10 @@
 //! Which processes are services, and what they listen on: procfs parsers over a
 //! configurable root (`procfs`), the listen queues of poolscope's own network
 //! namespace (`sockdiag`) and of listeners other processes hold (`held`), the target
-//! rules (`rules`), the watched set and its listening ports (`targets`), and the
+//! rules (`rules`), the watched set and its listening ports (`targets`), the CPUs a
+//! service may use (`cpus`), and the
 //! dense ids the kernel's arrays are indexed by (`ids`).
+pub mod cpus;
 pub mod held;
 pub mod ids;
 pub mod procfs;

@@ -581,6 +581,15 @@ impl Targets {
     }
 
     /// Ids of every service that has an id now (some may have no live process).
+    /// The watched processes of each service.
+    pub fn processes_by_service(&self) -> BTreeMap<u32, Vec<u32>> {
+        let mut by_service: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        for (&pid, tracked) in &self.processes {
+            by_service.entry(tracked.service).or_default().push(pid);
+        }
+        by_service
+    }
+
     pub fn service_ids(&self) -> Vec<u32> {
         self.ids.iter().map(|(id, _)| id).collect()
     }

@@ -1,6 +1,6 @@
 //! The state a rescan, a process event and a scrape all touch, behind the exporter's
-//! one core lock: the kernel, the watched set, the thread pools, the quantile windows
-//! and the lock probes. They change together (a watch change follows into the pools
+//! one core lock: the kernel, the watched set, the thread pools, the services'
+//! finished requests over the pools' window, the quantile windows and the lock probes. They change together (a watch change follows into the pools
 //! and lock probes at once), so they share the lock.
 use std::{collections::HashMap, path::Path};
 
@@ -9,6 +9,7 @@ use poolscope_shared::{LossErrno, LossSource};
 use crate::{
     discovery::targets::{Targets, WatchChange},
     kernel::{Kernel, Probe, WatchTable},
+    metrics::capacity::Throughput,
     metrics::health::{self, Loss, LossInputs},
     metrics::locks::LockProbes,
     metrics::pools::Pools,
@@ -21,6 +22,8 @@ pub(super) struct Core {
     pub kernel: Kernel,
     pub targets: Targets,
     pub pools: Pools,
+    /// The services' finished requests over the pools' window, for capacity.
+    pub throughput: Throughput,
     pub windows: Windows,
     pub lock_probes: LockProbes,
 }

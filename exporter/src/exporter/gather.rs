@@ -29,6 +29,7 @@ use crate::{
     encode::{Exposition, Family, cap_series},
     idmap::IdMap,
     kernel::{Backend, PoolWaits, Readout, WatchTable},
+    metrics::capacity,
     metrics::health::{Loss, LossKind},
     metrics::pools::{self, PoolView},
     metrics::window::WindowDelta,
@@ -102,18 +103,43 @@ impl Exporter {
             .collect();
         // Consumed in order: each total is kilobytes, which removing keys one by one
         // would shift around the tree's nodes.
-        let pools = pool_totals
+        let mut windows_of_pools = Vec::with_capacity(pool_totals.len());
+        let mut pools: Vec<PoolRow> = pool_totals
             .into_iter()
             .filter_map(|(id, totals)| {
                 let view = views.remove(&id)?;
-                let utilization = core.pools.utilization(id, &totals);
+                let window = core.pools.window(id, &totals, now);
+                if let Some(window) = window {
+                    windows_of_pools.push(capacity::PoolInput {
+                        pool: id,
+                        service: view.service,
+                        window,
+                    });
+                }
                 Some(PoolRow {
                     view,
                     totals,
-                    utilization,
+                    utilization: window.and_then(|window| window.utilization()),
+                    capacity: None,
                 })
             })
             .collect();
+        let finished: BTreeMap<u32, capacity::Finished> = kernel
+            .iter()
+            .flat_map(|readout| &readout.services)
+            .filter_map(|(&service, counters)| {
+                let finished = core.throughput.finished(service, counters.finished, now)?;
+                Some((service, finished))
+            })
+            .collect();
+        let cpu_limits = lock_or_recover(&self.cpu_limits);
+        let capacities = capacity::capacities(&windows_of_pools, &finished, |service| {
+            cpu_limits.get(service)
+        });
+        drop(cpu_limits);
+        for row in &mut pools {
+            row.capacity = capacities.get(&row.view.id).copied();
+        }
         // Series dropped by this scrape are added once capped.
         let losses = self
             .health

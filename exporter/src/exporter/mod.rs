@@ -37,12 +37,14 @@ use crate::{
     clock::monotonic_ns,
     collectors::own::ReloadStatus,
     config::Settings,
+    discovery::cpus::{self, CpuLimits},
     discovery::procfs,
     discovery::rules,
     discovery::sockdiag,
     discovery::targets::Targets,
     encode::{Exposition, Family},
     kernel::{Kernel, PoolWaits, Readout},
+    metrics::capacity::Throughput,
     metrics::health::{self as health_model, HealthTracker},
     metrics::locks::LockProbes,
     metrics::pools::{self, Pools},
@@ -89,6 +91,8 @@ pub struct Exporter {
     namespace_tables_read: std::sync::atomic::AtomicU64,
     /// Processes whose open files rescans read.
     process_fds_read: std::sync::atomic::AtomicU64,
+    /// The CPUs each service may use, read every few seconds outside the core lock.
+    cpu_limits: Mutex<CpuLimits>,
 }
 
 /// Listeners by network namespace (inode number) and by process, and the kernel's
@@ -133,6 +137,7 @@ impl Exporter {
                 settings.limits.max_pools,
                 settings.utilization_window,
             ),
+            throughput: Throughput::new(settings.utilization_window),
             windows: Windows::new(QUANTILE_WINDOW),
             lock_probes: LockProbes::new(&settings.lock_uprobes),
             kernel,
@@ -152,6 +157,7 @@ impl Exporter {
             listeners_found: Mutex::new(ListenersFound::default()),
             namespace_tables_read: std::sync::atomic::AtomicU64::new(0),
             process_fds_read: std::sync::atomic::AtomicU64::new(0),
+            cpu_limits: Mutex::new(CpuLimits::default()),
         }
     }
 
@@ -181,6 +187,7 @@ impl Exporter {
         {
             let mut core = lock_or_recover(&self.core);
             core.pools.set_window(settings.utilization_window);
+            core.throughput.set_window(settings.utilization_window);
             // Processes watched from now on; those probed already keep their probes.
             core.lock_probes.set_services(&settings.lock_uprobes);
         }
@@ -291,24 +298,67 @@ impl Exporter {
         self.health.check(&lock_or_recover(&self.core));
     }
 
-    /// Samples every pool's totals for the utilization window, and names threads the
-    /// kernel started following since the last sample.
+    /// Samples every pool's totals and every service's finished requests for the
+    /// utilization and capacity window, and names threads the kernel started
+    /// following since the last sample.
     pub fn sample_pools(&self) {
         let mut core = lock_or_recover(&self.core);
         let Core {
             kernel,
             targets,
             pools,
+            throughput,
             ..
         } = &mut *core;
+        let services = targets.service_ids();
         let mut readout = Readout::default();
-        match kernel.read_pools(&pools.ids(), PoolWaits::Skipped, &mut readout) {
-            Ok(()) => {
-                pools.sample(std::time::Instant::now(), &pools::totals(&readout));
-                pools.sync(kernel, &targets.service_ids(), &readout.threads);
+        let read = kernel.read_services(&services).and_then(|counters| {
+            kernel.read_pools(&pools.ids(), PoolWaits::Skipped, &mut readout)?;
+            Ok(counters)
+        });
+        match read {
+            Ok(counters) => {
+                let at = std::time::Instant::now();
+                pools.sample(at, &pools::totals(&readout));
+                let finished = counters
+                    .iter()
+                    .map(|(&service, counters)| (service, counters.finished))
+                    .collect();
+                throughput.sample(at, &finished);
+                pools.sync(kernel, &services, &readout.threads);
                 kernel.give_back_threads(readout.threads);
             }
             Err(error) => tracing::warn!(%error, "reading pool stats failed"),
+        }
+    }
+
+    /// Reads again the CPU limits of the services whose reading is [`cpus::REFRESH`]
+    /// old (files of procfs and cgroupfs, read outside the core lock).
+    pub fn refresh_cpu_limits(&self) {
+        let now = std::time::Instant::now();
+        let processes = lock_or_recover(&self.core).targets.processes_by_service();
+        let due: Vec<(u32, Vec<u32>)> = {
+            let mut limits = lock_or_recover(&self.cpu_limits);
+            limits.retain(&processes.keys().copied().collect::<Vec<_>>());
+            processes
+                .into_iter()
+                .filter(|(service, _)| limits.due(*service, now))
+                .collect()
+        };
+        if due.is_empty() {
+            return;
+        }
+        let cgroupfs_root = self.settings().cgroupfs_root.clone();
+        let read: Vec<(u32, Option<cpus::CpuLimit>)> = due
+            .into_iter()
+            .map(|(service, pids)| {
+                let limit = cpus::service_cpus(&self.procfs_root, &cgroupfs_root, &pids);
+                (service, limit)
+            })
+            .collect();
+        let mut limits = lock_or_recover(&self.cpu_limits);
+        for (service, limit) in read {
+            limits.store(service, now, limit);
         }
     }
 

@@ -6,7 +6,7 @@
 //! names them (when first seen and when renamed) and follows the threads a process
 //! already had when it started being watched.
 use std::{
-    collections::{BTreeMap, VecDeque},
+    collections::BTreeMap,
     path::PathBuf,
     sync::Arc,
     time::{Duration, Instant},
@@ -20,6 +20,7 @@ use crate::{
     discovery::procfs,
     idmap::{IdMap, IdSet},
     kernel::{LockWaits, MapErrors, Readout, ThreadTable},
+    metrics::history::History,
 };
 
 /// `thread_seconds_total{state}`: the thread states of DESIGN §3 as sums of activities.
@@ -202,11 +203,45 @@ pub fn thread_times(thread: &Thread, now_ns: u64) -> (u64, u64) {
     }
 }
 
+/// A pool's cumulative times at one sampling tick.
 #[derive(Clone, Copy, Debug)]
 struct Sample {
-    at: Instant,
     busy_ns: u64,
     total_ns: u64,
+    running_ns: u64,
+    serving_ns: u64,
+}
+
+impl Sample {
+    fn of(totals: &PoolTotals) -> Self {
+        Self {
+            busy_ns: totals.busy_ns(),
+            total_ns: totals.total_ns(),
+            running_ns: totals.time_ns[Activity::Running as usize],
+            serving_ns: totals.request_ns.iter().sum(),
+        }
+    }
+}
+
+/// What a pool did over its utilization window (or since its first sample, when
+/// younger).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PoolWindow {
+    pub seconds: f64,
+    /// Thread time, all of it and busy (every state but `idle`).
+    pub total_ns: u64,
+    pub busy_ns: u64,
+    /// Thread time on a CPU.
+    pub running_ns: u64,
+    /// Thread time serving requests (times the requests each thread held).
+    pub serving_ns: u64,
+}
+
+impl PoolWindow {
+    /// Busy share of the pool's thread time; `None` without thread time.
+    pub fn utilization(&self) -> Option<f64> {
+        (self.total_ns > 0).then(|| self.busy_ns as f64 / self.total_ns as f64)
+    }
 }
 
 #[derive(Debug)]
@@ -214,8 +249,7 @@ pub struct Pools {
     ids: DenseIds<PoolKey>,
     /// tid → the pool we put it in; threads not here are named at the next sync.
     named: IdMap<u32, u32>,
-    history: IdMap<u32, VecDeque<Sample>>,
-    window: Duration,
+    history: History<Sample>,
     procfs_root: PathBuf,
     /// Threads left in their creator's pool because `limits.max_pools` was reached.
     pub pools_refused: u64,
@@ -232,8 +266,7 @@ impl Pools {
         Self {
             ids: DenseIds::new(max_pools),
             named: IdMap::default(),
-            history: IdMap::default(),
-            window,
+            history: History::new(window),
             procfs_root,
             pools_refused: 0,
             map_errors: MapErrors::default(),
@@ -241,7 +274,7 @@ impl Pools {
     }
 
     pub fn set_window(&mut self, window: Duration) {
-        self.window = window;
+        self.history.set_window(window);
     }
 
     fn get_or_allocate(&mut self, kernel: &mut dyn ThreadTable, key: &PoolKey) -> Option<u32> {
@@ -384,7 +417,8 @@ impl Pools {
             kernel.release_pools(&gone);
             self.ids.retain(|key| live.contains(&key.service));
         }
-        self.history.retain(|&id, _| self.ids.key(id).is_some());
+        let ids = &self.ids;
+        self.history.retain(|id| ids.key(id).is_some());
     }
 
     /// Ids of every pool.
@@ -403,32 +437,32 @@ impl Pools {
             .collect()
     }
 
-    /// Records the pools' busy and total thread time at `at`.
+    /// Records the pools' thread times at `at`.
     pub fn sample(&mut self, at: Instant, totals: &BTreeMap<u32, PoolTotals>) {
         for (pool, totals) in totals {
-            let history = self.history.entry(*pool).or_default();
-            history.push_back(Sample {
-                at,
-                busy_ns: totals.busy_ns(),
-                total_ns: totals.total_ns(),
-            });
-            // Keep one sample at least a window old: the base of the ratio.
-            while history
-                .get(1)
-                .is_some_and(|next| at.duration_since(next.at) >= self.window)
-            {
-                history.pop_front();
-            }
+            self.history.push(*pool, at, Sample::of(totals));
         }
+    }
+
+    /// What the pool did over the last window (or since its first sample, when
+    /// younger), given its totals `now`; `None` before its first sample or if the
+    /// kernel's totals went back (a pool id reused).
+    pub fn window(&self, pool: u32, now: &PoolTotals, at: Instant) -> Option<PoolWindow> {
+        let (base_at, base) = self.history.base(pool)?;
+        let now = Sample::of(now);
+        Some(PoolWindow {
+            seconds: at.saturating_duration_since(*base_at).as_secs_f64(),
+            total_ns: now.total_ns.checked_sub(base.total_ns)?,
+            busy_ns: now.busy_ns.saturating_sub(base.busy_ns),
+            running_ns: now.running_ns.saturating_sub(base.running_ns),
+            serving_ns: now.serving_ns.saturating_sub(base.serving_ns),
+        })
     }
 
     /// Busy share of the pool's thread time over the last window (or since the first
     /// sample, when younger), given its totals now.
     pub fn utilization(&self, pool: u32, now: &PoolTotals) -> Option<f64> {
-        let base = self.history.get(&pool)?.front()?;
-        let total = now.total_ns().checked_sub(base.total_ns)?;
-        let busy = now.busy_ns().saturating_sub(base.busy_ns);
-        (total > 0).then(|| busy as f64 / total as f64)
+        self.window(pool, now, Instant::now())?.utilization()
     }
 }
 

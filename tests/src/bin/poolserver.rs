@@ -20,7 +20,9 @@
 //! - `handoff-park`: as `handoff`, but the reading thread, blocked in a futex since it
 //!   handed the request over, stays there [`PARK`] after the answer, as a Go M parks
 //!   while the goroutine it read a request for answers on another M;
-//! - `server-close`: the server closes the connection after each response.
+//! - `server-close`: the server closes the connection after each response;
+//! - `spin`: the service time is spent on a CPU (the thread's own CPU time), not
+//!   asleep: a CPU-bound pool, slower in wall time when it waits for a CPU.
 use std::{
     io::{Read as _, Write as _},
     mem::ManuallyDrop,
@@ -82,6 +84,7 @@ enum Style {
     Handoff,
     HandoffPark,
     ServerClose,
+    Spin,
 }
 
 impl Style {
@@ -94,6 +97,7 @@ impl Style {
             "handoff" => Self::Handoff,
             "handoff-park" => Self::HandoffPark,
             "server-close" => Self::ServerClose,
+            "spin" => Self::Spin,
             _ => return None,
         })
     }
@@ -154,7 +158,12 @@ fn serve_one(
             }
         }
     }
-    std::thread::sleep(service.saturating_sub(started.elapsed()));
+    if style == Style::Spin {
+        let cpu_started = thread_cpu_time();
+        while thread_cpu_time().saturating_sub(cpu_started) < service {}
+    } else {
+        std::thread::sleep(service.saturating_sub(started.elapsed()));
+    }
     let took = match (style, responder) {
         (Style::Handoff | Style::HandoffPark, Some(responder)) => {
             responder.answer(stream, started)?
@@ -175,6 +184,17 @@ fn serve_one(
         }
     };
     Ok(Some(took))
+}
+
+/// The calling thread's CPU time.
+fn thread_cpu_time() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec to write; this clock exists on every Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 /// How long the reading thread of `handoff-park` stays blocked after the answer.
@@ -261,7 +281,7 @@ fn main() -> std::io::Result<()> {
         (workers, service_us, style, port, address)
     else {
         eprintln!(
-            "usage: poolserver <workers> <service_us> [plain|split|early|nonblocking|handoff|handoff-park|server-close] [port] [address]"
+            "usage: poolserver <workers> <service_us> [plain|split|early|nonblocking|handoff|handoff-park|server-close|spin] [port] [address]"
         );
         std::process::exit(2);
     };

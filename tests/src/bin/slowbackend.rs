@@ -2,7 +2,8 @@
 //! answers each request after a fixed delay, as a database or a backend service would.
 //!
 //! Usage: `slowbackend <delay_ms> [close]`. Prints `port <n>`, then serves until stdin
-//! closes. Each connection carries one request: a line `req\n`, answered `ok\n`, or
+//! closes; a line `delay <ms>` on stdin sets the delay of the requests that arrive
+//! from then on (a backend that slows down). Each connection carries one request: a line `req\n`, answered `ok\n`, or
 //! an HTTP request (first line `GET …`, headers to the blank line), answered with an
 //! HTTP/1.0 200 whose body is `ok\n`; then the connection closes. With `close`, the
 //! connection closes after the delay without an answer: a downstream that fails
@@ -10,10 +11,12 @@
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::{TcpListener, TcpStream},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
-
-use poolscope_tests::wait_for_stdin_close;
 
 const HTTP_RESPONSE: &[u8] = b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nok\n";
 
@@ -46,14 +49,22 @@ fn main() -> anyhow::Result<()> {
         [_, delay_ms, close] if close == "close" => (delay_ms, true),
         _ => anyhow::bail!("usage: slowbackend <delay_ms> [close]"),
     };
-    let delay = Duration::from_millis(delay_ms.parse()?);
+    let delay_ms = Arc::new(AtomicU64::new(delay_ms.parse()?));
     let listener = TcpListener::bind("127.0.0.1:0")?;
     println!("port {}", listener.local_addr()?.port());
+    let current = delay_ms.clone();
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
+            let delay = Duration::from_millis(current.load(Ordering::Relaxed));
             std::thread::spawn(move || answer(stream, delay, close));
         }
     });
-    wait_for_stdin_close()?;
+    for line in std::io::stdin().lines() {
+        let line = line?;
+        match line.strip_prefix("delay ").map(str::parse) {
+            Some(Ok(ms)) => delay_ms.store(ms, Ordering::Relaxed),
+            _ => anyhow::bail!("slowbackend: unknown command {line:?}"),
+        }
+    }
     Ok(())
 }

@@ -123,7 +123,7 @@ impl Stat {
 
 /// A procfs text file that may hold a process or thread name: any bytes but NUL, so
 /// invalid UTF-8 is replaced (U+FFFD) rather than hiding the process or thread.
-fn read_lossy(path: &Path) -> Option<String> {
+pub fn read_lossy(path: &Path) -> Option<String> {
     fs::read(path)
         .ok()
         .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
