@@ -26,6 +26,7 @@ pub fn request_started(now: u64) -> u32 {
     if thread.serving > 0 {
         thread.multiplexes = 1;
     }
+    thread.served = 1;
     if thread.serving < MAX_SERVING {
         thread.serving += 1;
     }

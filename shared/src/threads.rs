@@ -218,6 +218,11 @@ pub struct Thread {
     /// 1 once this thread held two requests at once: it multiplexes connections (an
     /// event loop), so its poll or select waits for any of them, not a downstream.
     pub multiplexes: u32,
+    /// 1 once this thread read a request: one of its pool's threads that serve
+    /// (capacity counts these; a master process or an arbiter named like its workers
+    /// is in their pool but never serves).
+    pub served: u32,
+    pub _pad: u32,
     /// The thread's pool as the kernel last read it from [`maps::THREAD_POOLS`]
     /// ([`crate::NO_POOL`]: none), valid while `pool_epoch` is the epoch in
     /// [`maps::POOL_EPOCH`] plus one (0: never read). User space raises the epoch
@@ -280,6 +285,8 @@ impl Thread {
             serving: 0,
             hands_off: 0,
             multiplexes: 0,
+            served: 0,
+            _pad: 0,
             pool: crate::NO_POOL,
             downstream: Peer::NONE,
             pool_epoch: 0,
@@ -378,7 +385,7 @@ impl PoolStats {
 
 const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
 const _: () = assert!(THREAD_SLOTS.is_power_of_two());
-const _: () = assert!(core::mem::size_of::<Thread>() == 152);
+const _: () = assert!(core::mem::size_of::<Thread>() == 160);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
 const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);

@@ -114,6 +114,7 @@ impl Exporter {
                         pool: id,
                         service: view.service,
                         window,
+                        threads_served: totals.threads_served,
                     });
                 }
                 Some(PoolRow {

@@ -1,9 +1,11 @@
 //! Capacity (DESIGN §4): the request rate at which each pool would be saturated,
-//! from what it does now, before any queue forms. By Little's law a pool of threads
-//! busy `b` thread-seconds per request saturates at threads ÷ b requests per second,
-//! which over a window is the service's finished requests per second divided by the
-//! pool's utilization. The CPUs the service may use bound it too: CPUs ÷ the
-//! service's on-CPU seconds per request. The services' finished counts are kept over
+//! from what it does now, before any queue forms. By Little's law a pool of `n`
+//! threads that serve, busy `b` thread-seconds per request, saturates at `n ÷ b`
+//! requests per second. Busy here leaves out waits for a CPU: those are the CPU
+//! bound's (a CPU short for the service), and at light load they are mostly an idle
+//! CPU waking up (nginx under one client: 71 µs a request runnable, 31 µs running),
+//! which a saturated pool never pays. The CPUs the service may use bound it too:
+//! CPUs ÷ the service's on-CPU seconds per request. The services' finished counts are kept over
 //! the pools' utilization window, read at the same ticks.
 use std::{collections::BTreeMap, time::Instant};
 
@@ -92,6 +94,8 @@ pub struct PoolInput {
     pub pool: u32,
     pub service: u32,
     pub window: PoolWindow,
+    /// Its live threads that have served a request.
+    pub threads_served: u64,
 }
 
 /// The capacity of each pool that served requests in its window, where its service
@@ -121,9 +125,15 @@ pub fn capacities(
                 return None;
             }
             let rate = finished.requests as f64 / finished.seconds;
-            let utilization = input.window.utilization().filter(|u| *u > 0.0)?;
+            let window = &input.window;
+            // Threads busy on the pool's requests at once, on average.
+            let occupied =
+                window.busy_ns.saturating_sub(window.runnable_ns) as f64 / 1e9 / window.seconds;
+            if input.threads_served == 0 || occupied <= 0.0 {
+                return None;
+            }
             let mut capacity = Capacity {
-                requests_per_second: rate / utilization,
+                requests_per_second: rate * input.threads_served as f64 / occupied,
                 limit: Limit::Threads,
             };
             let on_cpu = on_cpu.get(&input.service).copied().unwrap_or(0.0);
@@ -158,7 +168,18 @@ mod tests {
             total_ns: threads * 10 * S,
             busy_ns: (busy * 1e9) as u64,
             running_ns: (running * 1e9) as u64,
+            runnable_ns: 0,
             serving_ns: (busy * 1e9) as u64,
+        }
+    }
+
+    /// A pool all of whose `threads` serve.
+    fn input(pool: u32, service: u32, threads: u64, busy: f64, running: f64) -> PoolInput {
+        PoolInput {
+            pool,
+            service,
+            window: window(threads, busy, running),
+            threads_served: threads,
         }
     }
 
@@ -175,11 +196,7 @@ mod tests {
     #[test]
     fn a_pool_saturates_at_threads_over_busy_seconds_per_request() {
         // 4 workers, 20 ms busy per request (1 ms on a CPU), 50 requests/s: 200/s.
-        let pools = [PoolInput {
-            pool: 7,
-            service: 1,
-            window: window(4, 500.0 * 0.020, 500.0 * 0.001),
-        }];
+        let pools = [input(7, 1, 4, 500.0 * 0.020, 500.0 * 0.001)];
         let host = |_| {
             Some(CpuLimit {
                 cpus: 2.0,
@@ -190,11 +207,7 @@ mod tests {
         assert!((capacity.requests_per_second - 200.0).abs() < 1e-6);
         assert_eq!(capacity.limit, Limit::Threads);
         // The same work on a CPU 10 ms per request, under a quota of half a CPU: 50/s.
-        let pools = [PoolInput {
-            pool: 7,
-            service: 1,
-            window: window(4, 500.0 * 0.020, 500.0 * 0.010),
-        }];
+        let pools = [input(7, 1, 4, 500.0 * 0.020, 500.0 * 0.010)];
         let quota = |_| {
             Some(CpuLimit {
                 cpus: 0.5,
@@ -207,19 +220,27 @@ mod tests {
     }
 
     #[test]
+    fn threads_that_never_served_and_waits_for_a_cpu_are_not_capacity() {
+        // nginx: a master and one worker in one pool; the worker 31 µs on a CPU and
+        // 71 µs runnable per request at 6,000 requests/s: 1 ÷ 31 µs.
+        let mut window = window(2, 60_000.0 * 102e-6, 60_000.0 * 31e-6);
+        window.runnable_ns = (60_000.0 * 71e-6 * 1e9) as u64;
+        let pools = [PoolInput {
+            pool: 1,
+            service: 1,
+            window,
+            threads_served: 1,
+        }];
+        let capacity = capacities(&pools, &finished(60_000), |_| None)[&1];
+        assert!((capacity.requests_per_second - 1.0 / 31e-6).abs() < 1.0);
+    }
+
+    #[test]
     fn every_pool_of_the_service_counts_towards_its_cpu_bound() {
         // Two pools each 5 ms on a CPU per request: 10 ms per request on 1 CPU.
         let pools = [
-            PoolInput {
-                pool: 1,
-                service: 1,
-                window: window(8, 500.0 * 0.006, 500.0 * 0.005),
-            },
-            PoolInput {
-                pool: 2,
-                service: 1,
-                window: window(8, 500.0 * 0.006, 500.0 * 0.005),
-            },
+            input(1, 1, 8, 500.0 * 0.006, 500.0 * 0.005),
+            input(2, 1, 8, 500.0 * 0.006, 500.0 * 0.005),
         ];
         let one_cpu = |_| {
             Some(CpuLimit {
@@ -236,11 +257,7 @@ mod tests {
 
     #[test]
     fn too_few_requests_or_a_pool_that_served_none_say_nothing() {
-        let serving = PoolInput {
-            pool: 1,
-            service: 1,
-            window: window(4, 1.0, 0.1),
-        };
+        let serving = input(1, 1, 4, 1.0, 0.1);
         let none = |_| None;
         assert!(capacities(&[serving], &finished(MIN_REQUESTS - 1), none).is_empty());
         let background = PoolInput {
@@ -250,32 +267,14 @@ mod tests {
                 serving_ns: 0,
                 ..window(1, 5.0, 5.0)
             },
+            threads_served: 1,
         };
-        let idle = PoolInput {
-            pool: 3,
-            service: 1,
-            window: window(1, 0.0, 0.0),
-        };
-        let serving = PoolInput {
-            pool: 1,
-            service: 1,
-            window: window(4, 1.0, 0.1),
-        };
+        let idle = input(3, 1, 1, 0.0, 0.0);
+        let serving = input(1, 1, 4, 1.0, 0.1);
         let found = capacities(&[serving, background, idle], &finished(MIN_REQUESTS), none);
         assert_eq!(found.keys().copied().collect::<Vec<_>>(), [1]);
         // Other services' counts say nothing of this one.
-        assert!(
-            capacities(
-                &[PoolInput {
-                    pool: 1,
-                    service: 2,
-                    window: window(4, 1.0, 0.1)
-                }],
-                &finished(500),
-                none
-            )
-            .is_empty()
-        );
+        assert!(capacities(&[input(1, 2, 4, 1.0, 0.1)], &finished(500), none).is_empty());
     }
 
     #[test]

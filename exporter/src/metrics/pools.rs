@@ -144,6 +144,8 @@ pub struct PoolTotals {
     pub lock_waits: LockWaits,
     pub threads: u64,
     pub threads_busy: u64,
+    /// Live threads that have read a request (`Thread::served`).
+    pub threads_served: u64,
 }
 
 impl PoolTotals {
@@ -172,6 +174,7 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
                 lock_waits: readout.lock_waits.get(pool).cloned().unwrap_or_default(),
                 threads: 0,
                 threads_busy: 0,
+                threads_served: 0,
             };
             (*pool, totals)
         })
@@ -185,6 +188,7 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
         pool_totals.time_ns[activity as usize] += open;
         pool_totals.request_ns[activity as usize] += open * u64::from(thread.serving);
         pool_totals.threads += 1;
+        pool_totals.threads_served += u64::from(thread.served != 0);
         if activity.is_busy() {
             pool_totals.threads_busy += 1;
         }
@@ -209,6 +213,7 @@ struct Sample {
     busy_ns: u64,
     total_ns: u64,
     running_ns: u64,
+    runnable_ns: u64,
     serving_ns: u64,
 }
 
@@ -218,6 +223,7 @@ impl Sample {
             busy_ns: totals.busy_ns(),
             total_ns: totals.total_ns(),
             running_ns: totals.time_ns[Activity::Running as usize],
+            runnable_ns: totals.time_ns[Activity::Runnable as usize],
             serving_ns: totals.request_ns.iter().sum(),
         }
     }
@@ -231,8 +237,9 @@ pub struct PoolWindow {
     /// Thread time, all of it and busy (every state but `idle`).
     pub total_ns: u64,
     pub busy_ns: u64,
-    /// Thread time on a CPU.
+    /// Thread time on a CPU, and waiting for one.
     pub running_ns: u64,
+    pub runnable_ns: u64,
     /// Thread time serving requests (times the requests each thread held).
     pub serving_ns: u64,
 }
@@ -455,6 +462,7 @@ impl Pools {
             total_ns: now.total_ns.checked_sub(base.total_ns)?,
             busy_ns: now.busy_ns.saturating_sub(base.busy_ns),
             running_ns: now.running_ns.saturating_sub(base.running_ns),
+            runnable_ns: now.runnable_ns.saturating_sub(base.runnable_ns),
             serving_ns: now.serving_ns.saturating_sub(base.serving_ns),
         })
     }
