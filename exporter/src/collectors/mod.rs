@@ -229,7 +229,8 @@ mod tests {
 
     /// A service of the named pools, listening on one socket, as the series budget
     /// counts it: idle (nothing ever served, every thread waiting for work), or busy
-    /// (requests in the window, every kind of wait, futex lock waits in each pool).
+    /// (requests in the window, every kind of wait, futex lock waits in each pool, a
+    /// capacity for each pool).
     fn service_of_pools(
         names: &[&str],
         busy: bool,
@@ -268,7 +269,10 @@ mod tests {
                 },
                 totals: totals.clone(),
                 utilization: Some(0.5),
-                capacity: None,
+                capacity: busy.then_some(crate::metrics::capacity::Capacity {
+                    requests_per_second: 200.0,
+                    limit: crate::metrics::capacity::Limit::Threads,
+                }),
             })
             .collect();
         // The first reading of a service: its window is all it has finished.
