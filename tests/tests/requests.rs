@@ -3,6 +3,7 @@
 //! closed-loop clients. Then, in steady state, N requests are in flight, C − N wait,
 //! each waits C·S/N − S, and Little's law holds; the server and the clients count
 //! and time every request themselves.
+use anyhow::Context as _;
 use std::time::{Duration, Instant};
 
 use poolscope_tests::{
@@ -254,7 +255,8 @@ fn scenario(backend: &str, style: &str, connections: Connections) -> anyhow::Res
     let metrics = scrape_until(&poolscope, |m| {
         value(m, "poolscope_requests_total", &service) == expected
             && m.connection_entries() == Some(0.0)
-    })?;
+    })
+    .with_context(|| format!("{service}: {expected} requests made"))?;
     let served = server.finish()?;
     assert_eq!(served.count, seen.completed);
     for gauge in [
