@@ -270,9 +270,11 @@ async fn pool_sample_loop(exporter: Arc<Exporter>) {
         ticks.tick().await;
         let worker = exporter.clone();
         let sampled = tokio::task::spawn_blocking(move || {
-            worker.sample_pools();
+            let counters = worker.sample_pools();
             worker.refresh_cpu_limits();
-            worker.check_saturation();
+            if let Some(counters) = counters {
+                worker.check_saturation(&counters);
+            }
             worker.check_health();
         });
         if let Err(error) = sampled.await {

@@ -153,8 +153,14 @@ pub fn cgroup_quota(cgroupfs_root: &Path, cgroup: &CpuCgroup) -> Option<f64> {
 
 /// The CPUs the processes `pids` of one service may use: the sum of their distinct
 /// cgroups' quotas (none if any of them has none), the CPUs any of them may run on,
-/// the host's; whichever is least. `None` if no process could be read.
-pub fn service_cpus(procfs_root: &Path, cgroupfs_root: &Path, pids: &[u32]) -> Option<CpuLimit> {
+/// the host's (`host`, [`host_cpus`]); whichever is least. `None` if no process could
+/// be read.
+pub fn service_cpus(
+    procfs_root: &Path,
+    cgroupfs_root: &Path,
+    host: u32,
+    pids: &[u32],
+) -> Option<CpuLimit> {
     // One process per cgroup: a service's workers share their master's.
     let mut cgroups: BTreeMap<CpuCgroup, u32> = BTreeMap::new();
     for &pid in pids {
@@ -167,9 +173,8 @@ pub fn service_cpus(procfs_root: &Path, cgroupfs_root: &Path, pids: &[u32]) -> O
     if cgroups.is_empty() {
         return None;
     }
-    let host = f64::from(host_cpus(procfs_root)?);
     let mut limit = CpuLimit {
-        cpus: host,
+        cpus: f64::from(host),
         bound: CpuBound::Host,
     };
     let mut allowed = BTreeSet::new();
@@ -220,9 +225,9 @@ impl CpuLimits {
         self.read.insert(service, (now, limit));
     }
 
-    /// Forgets the services `live` does not hold.
-    pub fn retain(&mut self, live: &[u32]) {
-        self.read.retain(|service, _| live.contains(service));
+    /// Forgets the services `live` refuses.
+    pub fn retain(&mut self, live: impl Fn(u32) -> bool) {
+        self.read.retain(|&service, _| live(service));
     }
 }
 
@@ -281,7 +286,8 @@ mod tests {
         let limit = |cpus, processes: &[(u32, &str, &str)], quotas: &[(&str, &str)]| {
             let (proc, cgroup) = fixture(cpus, processes, quotas)?;
             let pids: Vec<u32> = processes.iter().map(|(pid, ..)| *pid).collect();
-            std::io::Result::Ok(service_cpus(proc.path(), cgroup.path(), &pids))
+            let host = host_cpus(proc.path()).unwrap_or(0);
+            std::io::Result::Ok(service_cpus(proc.path(), cgroup.path(), host, &pids))
         };
         let host = |cpus| CpuLimit {
             cpus,
@@ -350,7 +356,7 @@ mod tests {
         fs::write(dir.join("cpu.cfs_quota_us"), "150000\n")?;
         fs::write(dir.join("cpu.cfs_period_us"), "100000\n")?;
         assert_eq!(
-            service_cpus(proc.path(), cgroup.path(), &[10]),
+            service_cpus(proc.path(), cgroup.path(), 4, &[10]),
             Some(CpuLimit {
                 cpus: 1.5,
                 bound: CpuBound::Quota
@@ -358,7 +364,7 @@ mod tests {
         );
         fs::write(dir.join("cpu.cfs_quota_us"), "-1\n")?;
         assert_eq!(
-            service_cpus(proc.path(), cgroup.path(), &[10]),
+            service_cpus(proc.path(), cgroup.path(), 4, &[10]),
             Some(CpuLimit {
                 cpus: 4.0,
                 bound: CpuBound::Host
@@ -377,7 +383,7 @@ mod tests {
         limits.store(3, now, None);
         assert!(!limits.due(3, now + Duration::from_secs(1)));
         assert!(limits.due(3, now + REFRESH));
-        limits.retain(&[]);
+        limits.retain(|_| false);
         assert!(limits.due(3, now));
     }
 }

@@ -13,6 +13,8 @@ use std::{
     time::Instant,
 };
 
+use poolscope_shared::ServiceCounters;
+
 use super::{Exporter, lock_or_recover};
 use crate::{
     collectors::{
@@ -333,22 +335,15 @@ impl Exporter {
     }
 
     /// Takes a saturation snapshot when a service's queue depth has stayed above
-    /// the threshold long enough (checked every second).
-    pub fn check_saturation(&self) {
+    /// the threshold long enough (checked every second, on the services' `counters`
+    /// the pools' sample read).
+    pub fn check_saturation(&self, counters: &BTreeMap<u32, ServiceCounters>) {
         let settings = self.settings();
         let Some((threshold, duration)) = settings.snapshots.saturation else {
             return;
         };
-        let (backend, counters, views, owners, namespaces) = {
+        let (backend, views, owners, namespaces) = {
             let core = lock_or_recover(&self.core);
-            let ids = core.targets.service_ids();
-            let counters = match core.kernel.read_services(&ids) {
-                Ok(counters) => counters,
-                Err(error) => {
-                    tracing::warn!(%error, "reading service counters failed");
-                    return;
-                }
-            };
             let watched = core
                 .kernel
                 .watched_pids()
@@ -357,7 +352,6 @@ impl Exporter {
                 .collect();
             (
                 core.kernel.backend(),
-                counters,
                 core.targets.services(&watched),
                 core.targets.listener_owners().clone(),
                 core.targets.listener_namespaces().clone(),

@@ -18,13 +18,13 @@ mod profiles;
 mod stacks;
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
     sync::{Arc, Mutex, MutexGuard, RwLock},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use poolscope_shared::{ProcessEvent, ProcessEventKind};
+use poolscope_shared::{ProcessEvent, ProcessEventKind, ServiceCounters};
 use tokio::sync::Notify;
 
 use self::{
@@ -300,8 +300,9 @@ impl Exporter {
 
     /// Samples every pool's totals and every service's finished requests for the
     /// utilization and capacity window, and names threads the kernel started
-    /// following since the last sample.
-    pub fn sample_pools(&self) {
+    /// following since the last sample. Returns the services' counters it read (the
+    /// saturation check's too); `None` if the kernel could not be read.
+    pub fn sample_pools(&self) -> Option<BTreeMap<u32, ServiceCounters>> {
         let mut core = lock_or_recover(&self.core);
         let Core {
             kernel,
@@ -327,8 +328,12 @@ impl Exporter {
                 throughput.sample(at, &finished);
                 pools.sync(kernel, &services, &readout.threads);
                 kernel.give_back_threads(readout.threads);
+                Some(counters)
             }
-            Err(error) => tracing::warn!(%error, "reading pool stats failed"),
+            Err(error) => {
+                tracing::warn!(%error, "reading pool stats failed");
+                None
+            }
         }
     }
 
@@ -339,7 +344,7 @@ impl Exporter {
         let processes = lock_or_recover(&self.core).targets.processes_by_service();
         let due: Vec<(u32, Vec<u32>)> = {
             let mut limits = lock_or_recover(&self.cpu_limits);
-            limits.retain(&processes.keys().copied().collect::<Vec<_>>());
+            limits.retain(|service| processes.contains_key(&service));
             processes
                 .into_iter()
                 .filter(|(service, _)| limits.due(*service, now))
@@ -348,11 +353,15 @@ impl Exporter {
         if due.is_empty() {
             return;
         }
+        // Once per pass: procfs's `stat` is a line per CPU, generated at each read.
+        let Some(host) = cpus::host_cpus(&self.procfs_root) else {
+            return;
+        };
         let cgroupfs_root = self.settings().cgroupfs_root.clone();
         let read: Vec<(u32, Option<cpus::CpuLimit>)> = due
             .into_iter()
             .map(|(service, pids)| {
-                let limit = cpus::service_cpus(&self.procfs_root, &cgroupfs_root, &pids);
+                let limit = cpus::service_cpus(&self.procfs_root, &cgroupfs_root, host, &pids);
                 (service, limit)
             })
             .collect();

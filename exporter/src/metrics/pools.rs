@@ -466,12 +466,6 @@ impl Pools {
             serving_ns: now.serving_ns.saturating_sub(base.serving_ns),
         })
     }
-
-    /// Busy share of the pool's thread time over the last window (or since the first
-    /// sample, when younger), given its totals now.
-    pub fn utilization(&self, pool: u32, now: &PoolTotals) -> Option<f64> {
-        self.window(pool, now, Instant::now())?.utilization()
-    }
 }
 
 #[cfg(test)]
@@ -630,6 +624,9 @@ mod tests {
 
     #[test]
     fn utilization_over_the_window_only() {
+        let utilization = |pools: &Pools, pool, now: &PoolTotals| {
+            pools.window(pool, now, Instant::now())?.utilization()
+        };
         let mut pools = Pools::new(PathBuf::from("/proc"), 4, Duration::from_secs(10));
         let start = Instant::now();
         // One thread: busy for 20 s, then idle, sampled every second.
@@ -645,7 +642,7 @@ mod tests {
                 &BTreeMap::from([(0, at_second(second))]),
             );
         }
-        assert_eq!(pools.utilization(0, &at_second(15)), Some(1.0));
+        assert_eq!(utilization(&pools, 0, &at_second(15)), Some(1.0));
         for second in 16..=25 {
             pools.sample(
                 start + Duration::from_secs(second),
@@ -653,14 +650,14 @@ mod tests {
             );
         }
         // The window is 15..25 s: 5 s busy, 5 s idle.
-        assert_eq!(pools.utilization(0, &at_second(25)), Some(0.5));
+        assert_eq!(utilization(&pools, 0, &at_second(25)), Some(0.5));
         for second in 26..=30 {
             pools.sample(
                 start + Duration::from_secs(second),
                 &BTreeMap::from([(0, at_second(second))]),
             );
         }
-        assert_eq!(pools.utilization(0, &at_second(30)), Some(0.0));
-        assert_eq!(pools.utilization(1, &at_second(30)), None);
+        assert_eq!(utilization(&pools, 0, &at_second(30)), Some(0.0));
+        assert_eq!(utilization(&pools, 1, &at_second(30)), None);
     }
 }
