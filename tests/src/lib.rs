@@ -100,12 +100,43 @@ pub fn privileged(test: &str) -> bool {
 }
 
 /// Says why `test` skips; under CI=true, where a skip is a failure, panics instead.
+/// The skip is also recorded in the file `POOLSCOPE_SKIP_LOG` names, from which
+/// `cargo xtask test` ends with one line per skipped group.
 pub fn skip(test: &str, reason: &str) {
     assert!(
         std::env::var("CI").as_deref() != Ok("true"),
         "{test} cannot run here ({reason}) and CI=true forbids skipping"
     );
     eprintln!("SKIP {test}: {reason}");
+    record_skip(test, reason);
+}
+
+/// Appends `<test binary>\t<test>\t<reason>` to the skip log, where there is one.
+fn record_skip(test: &str, reason: &str) {
+    let Some(log) = std::env::var_os("POOLSCOPE_SKIP_LOG") else {
+        return;
+    };
+    // target/<profile>/deps/<binary>-<hash>
+    let binary = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.file_stem()?.to_string_lossy().into_owned()))
+        .map(|stem| match stem.rsplit_once('-') {
+            Some((name, _hash)) => name.to_owned(),
+            None => stem,
+        })
+        .unwrap_or_default();
+    let line = format!("{binary}\t{test}\t{reason}\n");
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .and_then(|mut file| file.write_all(line.as_bytes()));
+    if let Err(error) = written {
+        eprintln!(
+            "could not record the skip in {}: {error}",
+            log.to_string_lossy()
+        );
+    }
 }
 
 /// Directory of the built binaries (target/<profile>), from the test executable's path.

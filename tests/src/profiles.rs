@@ -431,7 +431,10 @@ mod tests {
     #[test]
     fn chromium_screenshot_of_an_svg_counts_its_colors() -> anyhow::Result<()> {
         if chromium().is_none() {
-            eprintln!("SKIP chromium_screenshot_of_an_svg_counts_its_colors: no Chromium");
+            crate::skip(
+                "chromium_screenshot_of_an_svg_counts_its_colors",
+                "no Chromium on PATH (apt-get install chromium)",
+            );
             return Ok(());
         }
         let dir = tempfile::tempdir()?;

@@ -6,6 +6,7 @@ mod image;
 mod manifests;
 mod package;
 mod setup;
+mod skips;
 mod vm;
 
 use std::{
@@ -51,6 +52,7 @@ const TEST_PACKAGES: &[&str] = &[
     // from source by the JDK's launcher (the JRE that Tomcat pulls in has no javac).
     "gcc",
     "libcurl4-openssl-dev",
+    "liburing-dev", // tests/tests/iouring.rs: its io_uring HTTP server, tests/iouring/
     "default-jdk-headless",
     // tests/tests/http2.rs: h2load drives nginx over cleartext HTTP/2 and counts what
     // succeeded; the gRPC server and client (grpcio), the raw HTTP/2 clients that
@@ -84,48 +86,15 @@ fn main() -> anyhow::Result<()> {
             run_privileged(&binary, &flags)
         }
         Some("test") => {
-            setup::ensure(
-                &[
-                    TEST_PACKAGES,
-                    package::PACKAGES,
-                    image::PACKAGES,
-                    vm::PACKAGES,
-                ]
-                .concat(),
-            )?;
-            setup::ensure_kubernetes_validate(&root)?;
-            cargo(&root, &["fmt", "--all", "--check"])?;
-            setup::cargo_deny(&root)?;
-            cargo(
-                &root,
-                &["clippy", "--quiet", "--all-targets", "--", "-D", "warnings"],
-            )?;
-            setup::clippy_ebpf(&root)?;
-            // Unit tests, with debug assertions. The kernel crate builds only for the
-            // BPF target (linted above, built by the exporter's build script).
-            cargo(
-                &root,
-                &[
-                    "test",
-                    "--package",
-                    "poolscope",
-                    "--package",
-                    "poolscope-shared",
-                    "--package",
-                    "xtask",
-                ],
-            )?;
-            // The privileged tests measure the binaries as shipped (release), which
-            // they start; vm-test then reuses the same build.
-            cargo(&root, &["build", "--quiet", "--release", "--bins"])?;
-            // The package and image tests (privileges.rs, deploy.rs) use these.
-            let deb = package::build(&root)?;
-            image::build(&root, &deb)?;
-            cargo(
-                &root,
-                &["test", "--release", "--package", "poolscope-tests"],
-            )?;
-            vm::run(&root)
+            let log = root.join("target/test-skips.log");
+            skips::reset(&log)?;
+            // SAFETY: xtask is single-threaded; the tests it starts inherit the variable.
+            unsafe { std::env::set_var(skips::ENV, &log) };
+            let result = test(&root);
+            for line in skips::summary(&log)? {
+                eprintln!("xtask: {line}");
+            }
+            result
         }
         Some("vm-test") => {
             setup::ensure(vm::PACKAGES)?;
@@ -166,6 +135,50 @@ fn main() -> anyhow::Result<()> {
         }
         _ => bail!("{USAGE}"),
     }
+}
+
+/// `cargo xtask test`: installs what is missing, then lint, unit and privileged tests,
+/// then vm-test.
+fn test(root: &Path) -> anyhow::Result<()> {
+    setup::ensure(
+        &[
+            TEST_PACKAGES,
+            package::PACKAGES,
+            image::PACKAGES,
+            vm::PACKAGES,
+        ]
+        .concat(),
+    )?;
+    setup::ensure_kubernetes_validate(root)?;
+    cargo(root, &["fmt", "--all", "--check"])?;
+    setup::cargo_deny(root)?;
+    cargo(
+        root,
+        &["clippy", "--quiet", "--all-targets", "--", "-D", "warnings"],
+    )?;
+    setup::clippy_ebpf(root)?;
+    // Unit tests, with debug assertions. The kernel crate builds only for the
+    // BPF target (linted above, built by the exporter's build script).
+    cargo(
+        root,
+        &[
+            "test",
+            "--package",
+            "poolscope",
+            "--package",
+            "poolscope-shared",
+            "--package",
+            "xtask",
+        ],
+    )?;
+    // The privileged tests measure the binaries as shipped (release), which
+    // they start; vm-test then reuses the same build.
+    cargo(root, &["build", "--quiet", "--release", "--bins"])?;
+    // The package and image tests (privileges.rs, deploy.rs) use these.
+    let deb = package::build(root)?;
+    image::build(root, &deb)?;
+    cargo(root, &["test", "--release", "--package", "poolscope-tests"])?;
+    vm::run(root)
 }
 
 fn workspace_root() -> anyhow::Result<PathBuf> {

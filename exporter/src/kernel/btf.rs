@@ -321,11 +321,11 @@ mod tests {
         // not in CI, whose machines have it.
         let vmlinux = match std::fs::read("/sys/kernel/btf/vmlinux") {
             Ok(vmlinux) => vmlinux,
-            Err(error) if std::env::var("CI").as_deref() == Ok("true") => {
-                panic!("CI=true and /sys/kernel/btf/vmlinux is not readable: {error}")
-            }
             Err(error) => {
-                eprintln!("skipped: /sys/kernel/btf/vmlinux not readable: {error}");
+                poolscope_tests::skip(
+                    "this_kernels_task_struct_when_readable",
+                    &format!("/sys/kernel/btf/vmlinux not readable: {error}"),
+                );
                 return;
             }
         };
