@@ -311,7 +311,26 @@ fn basic_auth_guards_every_endpoint_and_a_sighup_rotates_the_password() -> anyho
     // A bad file at reload keeps the running one.
     std::fs::write(&web_config, "basic_auth_users:\n  prometheus: rotated\n")?;
     poolscope.signal(libc::SIGHUP);
-    std::thread::sleep(Duration::from_secs(1));
+    // The reload is over once its refusal is exported (the first one succeeded).
+    let mut seen = String::from("no answer");
+    let refused = wait_until(Duration::from_secs(10), || {
+        let reload =
+            curl(&["--user", "prometheus:rotated", &url(&poolscope, "/metrics")]).map(|a| {
+                let successful = (a.status == 200).then(|| {
+                    Metrics::parse(&a.body).value("poolscope_config_last_reload_successful", &[])
+                });
+                (a.status, successful.flatten())
+            });
+        seen = format!("{reload:?}");
+        reload
+            .as_ref()
+            .is_ok_and(|&(status, successful)| status == 200 && successful == Some(0.0))
+    });
+    ensure!(
+        refused,
+        "the bad reload not exported as refused (config_last_reload_successful 0) within \
+         10 s; last (status, value): {seen}"
+    );
     let kept = curl(&["--user", "prometheus:rotated", &url(&poolscope, "/healthz")])?;
     ensure!(kept.status == 200, "{kept:?}");
     let log = poolscope.stop_and_log();
