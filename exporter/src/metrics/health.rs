@@ -42,7 +42,8 @@ pub enum LossKind {
     Unsymbolized(&'static str),
 }
 
-/// Off-CPU blocks longer than two stack drains keep their time without stacks
+/// Off-CPU blocks that outlived their stack map (longer than a drain interval, or in
+/// progress at a snapshot, which drains twice) keep their time without stacks
 /// (`[stack lost]`): expected for long waits, nothing to change.
 const STACKS_EXPIRED: &str = "offcpu_stacks_expired";
 const PROCESS_EVENTS: &str = "process_events";
