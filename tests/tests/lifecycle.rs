@@ -3,6 +3,8 @@
 //! numbers against what the kernel says of its process.
 use std::{process::Command, time::Duration};
 
+use anyhow::Context as _;
+
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, TestServer, bin_dir,
     load::{ClosedLoop, Connections},
@@ -97,7 +99,11 @@ fn sighup_reloads_and_a_bad_reload_keeps_the_running_config() -> anyhow::Result<
 
     std::fs::write(&poolscope.config_path, "[[targets]]\ncomm = \"(\"\n")?;
     poolscope.signal(libc::SIGHUP);
-    std::thread::sleep(Duration::from_secs(2));
+    // The reload is over once its refusal is exported (the one before succeeded).
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_config_last_reload_successful", &[]) == Some(0.0)
+    })
+    .context("waiting for the bad reload's refusal: config_last_reload_successful 0")?;
     assert!(
         has(&poolscope, "after"),
         "a bad reload changed the running config"
@@ -141,6 +147,7 @@ fn reloads_under_load_lose_no_request_and_a_refused_one_is_exported() -> anyhow:
     assert_eq!(reload_ok(&started), Some(1.0));
     let loaded_at_start = loaded_at(&started).unwrap_or(0.0);
     assert!(loaded_at_start > 1.7e9, "{loaded_at_start}");
+    let mut loaded_before = loaded_at_start;
 
     // 8 clients on 4 workers: a queue all along.
     let clients = ClosedLoop::start(server.port, 8, Connections::KeepAlive);
@@ -148,8 +155,15 @@ fn reloads_under_load_lose_no_request_and_a_refused_one_is_exported() -> anyhow:
     for round in 1..=RELOADS {
         std::fs::write(&poolscope.config_path, config(300 + round))?;
         poolscope.signal(libc::SIGHUP);
-        std::thread::sleep(Duration::from_millis(200));
-        let during = poolscope.scrape()?;
+        // Each reload replaces the settings, with a newer load time: wait for it.
+        let during = scrape_until(&poolscope, |m| loaded_at(m) > Some(loaded_before))
+            .with_context(|| {
+                format!(
+                    "waiting for reload {round}: a load time after {loaded_before} in \
+                     config_last_reload_success_timestamp_seconds"
+                )
+            })?;
+        loaded_before = loaded_at(&during).unwrap_or(loaded_before);
         assert_eq!(
             during.value("poolscope_targets", &[("service", service)]),
             Some(1.0),
