@@ -209,7 +209,8 @@ fn series_of_an_exited_process_go_away_within_two_scrapes() -> anyhow::Result<()
         "series still there after exit:\n{}",
         first.text
     );
-    // And they stay gone.
+    // And they stay gone: a second (two rescans) for them to come back in, which they
+    // may not; a measurement window, not a wait.
     std::thread::sleep(Duration::from_secs(1));
     assert!(!poolscope.scrape()?.has_label("service", "ephemeral"));
     Ok(())
