@@ -2,13 +2,14 @@
 //!
 //! [`ClosedLoop`], for `poolserver`: each client sends a request, waits for the
 //! response, and sends the next at once, on one connection (keep-alive) or a new one
-//! per request. Counts what completed and how long each took, client side.
+//! per request. Counts what completed and how long each took, client side. With
+//! [`Protocol::Http`], the same clients speak HTTP/1.1 (for tests/iouring's server).
 //!
 //! [`OpenLoop`], for `threadpool`: requests arrive at a fixed rate whether or not the
 //! server keeps up, one connection each, so a slow pool builds a queue as it would in
 //! production instead of slowing its clients down.
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
+    io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{SocketAddr, TcpStream},
     sync::{
         Arc, Barrier, OnceLock,
@@ -23,6 +24,21 @@ pub enum Connections {
     KeepAlive,
     PerRequest,
 }
+
+/// What a client sends and expects back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// `req\n`, answered `ok\n` (this crate's test servers).
+    Line,
+    /// An HTTP/1.1 GET, answered exactly [`HTTP_RESPONSE`].
+    Http,
+}
+
+const HTTP_REQUEST: &[u8] = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+
+/// The one response an HTTP test server gives (tests/iouring/iouring_server.c).
+pub const HTTP_RESPONSE: &[u8] =
+    b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Type: text/plain\r\n\r\nok\n";
 
 /// What the clients saw.
 #[derive(Debug, Default)]
@@ -50,17 +66,36 @@ pub struct ClosedLoop {
     clients: Vec<JoinHandle<anyhow::Result<ClientStats>>>,
 }
 
-fn one_request(stream: &mut BufReader<TcpStream>, line: &mut String) -> anyhow::Result<()> {
-    stream.get_mut().write_all(b"req\n")?;
-    line.clear();
-    stream.read_line(line)?;
-    anyhow::ensure!(line == "ok\n", "unexpected response {line:?}");
+fn one_request(
+    stream: &mut BufReader<TcpStream>,
+    line: &mut String,
+    protocol: Protocol,
+) -> anyhow::Result<()> {
+    match protocol {
+        Protocol::Line => {
+            stream.get_mut().write_all(b"req\n")?;
+            line.clear();
+            stream.read_line(line)?;
+            anyhow::ensure!(line == "ok\n", "unexpected response {line:?}");
+        }
+        Protocol::Http => {
+            // One write, so that the request arrives whole (no Nagle wait between parts).
+            stream.get_mut().write_all(HTTP_REQUEST)?;
+            let mut response = [0; HTTP_RESPONSE.len()];
+            stream.read_exact(&mut response)?;
+            anyhow::ensure!(
+                response == HTTP_RESPONSE,
+                "unexpected response {:?}",
+                String::from_utf8_lossy(&response)
+            );
+        }
+    }
     Ok(())
 }
 
 fn client(
     server: SocketAddr,
-    connections: Connections,
+    (connections, protocol): (Connections, Protocol),
     stop: &AtomicBool,
 ) -> anyhow::Result<ClientStats> {
     let mut stats = ClientStats::default();
@@ -79,9 +114,9 @@ fn client(
                     Some(stream) => stream,
                     None => kept.insert(connect()?),
                 };
-                one_request(stream, &mut line)?;
+                one_request(stream, &mut line, protocol)?;
             }
-            Connections::PerRequest => one_request(&mut connect()?, &mut line)?,
+            Connections::PerRequest => one_request(&mut connect()?, &mut line, protocol)?,
         }
         stats.latencies.push(started.elapsed());
         stats.completed += 1;
@@ -100,11 +135,21 @@ impl ClosedLoop {
 
     /// Clients of a server at another address than 127.0.0.1.
     pub fn start_to(server: SocketAddr, clients: usize, connections: Connections) -> Self {
+        Self::spawn(server, clients, (connections, Protocol::Line))
+    }
+
+    /// HTTP/1.1 keep-alive clients of 127.0.0.1:`port`.
+    pub fn start_http(port: u16, clients: usize) -> Self {
+        let server = SocketAddr::from(([127, 0, 0, 1], port));
+        Self::spawn(server, clients, (Connections::KeepAlive, Protocol::Http))
+    }
+
+    fn spawn(server: SocketAddr, clients: usize, how: (Connections, Protocol)) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let clients = (0..clients)
             .map(|_| {
                 let stop = stop.clone();
-                std::thread::spawn(move || client(server, connections, &stop))
+                std::thread::spawn(move || client(server, how, &stop))
             })
             .collect();
         Self { stop, clients }
@@ -166,7 +211,11 @@ fn open_loop_request(port: u16) -> anyhow::Result<()> {
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(RESPONSE_TIMEOUT))?;
     stream.set_write_timeout(Some(RESPONSE_TIMEOUT))?;
-    one_request(&mut BufReader::new(stream), &mut String::new())
+    one_request(
+        &mut BufReader::new(stream),
+        &mut String::new(),
+        Protocol::Line,
+    )
 }
 
 fn sender(
