@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, Netns, PoolServer, Poolscope, TestServer, backends,
     load::{ClosedLoop, Connections},
-    one_at_a_time, privileged, scrape_until,
+    one_at_a_time, privileged, scrape_until, wait_until,
 };
 
 /// Both pods listen here, as two replicas of one deployment do.
@@ -59,6 +59,7 @@ fn counted_apart(
             && m.has_label("backend", backend)
     })?;
     let (load_a, load_b) = start_loads()?;
+    // The load's duration, not synchronization.
     std::thread::sleep(LOAD);
     let (sent_a, sent_b) = (load_a.stop()?.completed, load_b.stop()?.completed);
     assert!(
@@ -69,6 +70,7 @@ fn counted_apart(
         requests(m, name_a) == Some(sent_a as f64)
             && (!watch_both || requests(m, name_b) == Some(sent_b as f64))
     });
+    // A window for anything counted late to show (none may): a measurement, not a wait.
     std::thread::sleep(Duration::from_millis(300));
     let later = poolscope.scrape()?;
     eprintln!(
@@ -275,6 +277,7 @@ fn a_pod_that_listens_again_is_found() -> anyhow::Result<()> {
         let (mut quiet_tables, mut quiet_fds) = (f64::NAN, f64::NAN);
         for _ in 0..2 {
             let (tables, fds) = read(&poolscope.scrape()?);
+            // The measurement window: two rescans' worth of quiet.
             std::thread::sleep(Duration::from_millis(1200));
             let (tables_after, fds_after) = read(&poolscope.scrape()?);
             (quiet_tables, quiet_fds) = (tables_after - tables, fds_after - fds);
@@ -355,25 +358,46 @@ fn a_pod_that_vanishes_while_scraped() -> anyhow::Result<()> {
         })?;
         let load = pod_a.run(|| Ok(ClosedLoop::start(PORT, 2, Connections::PerRequest)))?;
         let done = std::sync::atomic::AtomicBool::new(false);
+        let scraped = std::sync::atomic::AtomicU32::new(0);
         let (scrapes, failures, sent) = std::thread::scope(|scope| {
             let scraper = scope.spawn(|| {
                 let (mut scrapes, mut failures) = (0, Vec::new());
                 while !done.load(std::sync::atomic::Ordering::Relaxed) {
                     scrapes += 1;
-                    if let Err(error) = poolscope.scrape() {
-                        failures.push(error.to_string());
+                    match poolscope.scrape() {
+                        Ok(_) => {
+                            scraped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Err(error) => failures.push(error.to_string()),
                     }
+                    // The scrapes' pace.
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 (scrapes, failures)
             });
-            std::thread::sleep(Duration::from_millis(500));
+            // B vanishes once A's load is counted and the scraper scrapes.
+            let mut seen = None;
+            let underway = wait_until(Duration::from_secs(10), || {
+                seen = poolscope.scrape().ok().and_then(|m| requests(&m, "stays"));
+                scraped.load(std::sync::atomic::Ordering::Relaxed) > 0
+                    && seen.is_some_and(|counted| counted > 0.0)
+            });
             drop(server_b);
             drop(pod_b);
+            // A serves on while B's series leave: the load's duration.
             std::thread::sleep(LOAD);
             let sent = load.stop().map(|seen| seen.completed);
             done.store(true, std::sync::atomic::Ordering::Relaxed);
             let (scrapes, failures) = scraper.join().unwrap_or_default();
+            let sent = sent.and_then(|sent| {
+                anyhow::ensure!(
+                    underway,
+                    "within 10 s, no scrape answered or A's requests not counted: \
+                     {} scrapes answered, A's requests_total {seen:?}",
+                    scraped.load(std::sync::atomic::Ordering::Relaxed)
+                );
+                Ok(sent)
+            });
             (scrapes, failures, sent)
         });
         let sent = sent?;
