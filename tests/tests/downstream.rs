@@ -26,7 +26,7 @@ use poolscope_tests::{
     Metrics, Poolscope, Program, backends,
     downstream::{self, Backend, Kind},
     load::OpenLoop,
-    one_at_a_time, parse_debug_threads, privileged, scrape_until,
+    one_at_a_time, parse_debug_threads, privileged, scrape_until, wait_until,
 };
 
 const WORKERS: u32 = 8;
@@ -66,6 +66,24 @@ fn stats(server: &mut Program) -> anyhow::Result<Stats> {
         wait_ns,
         errors,
     })
+}
+
+/// Waits (10 s at most) until `server`'s own counts (served and failed) take in the
+/// `sent` requests its clients made since `before`: its workers have finished the
+/// bookkeeping after each response's write.
+fn drained(server: &mut Program, before: &Stats, sent: u64) -> anyhow::Result<()> {
+    let mut last = Err(anyhow::anyhow!("not read"));
+    let done = wait_until(Duration::from_secs(10), || {
+        last = stats(server);
+        last.as_ref()
+            .is_ok_and(|now| (now.served - before.served) + (now.errors - before.errors) >= sent)
+    });
+    anyhow::ensure!(
+        done,
+        "the server's own counts did not take in the {sent} requests sent within 10 s: \
+         before {before:?}, last {last:?}"
+    );
+    Ok(())
 }
 
 fn pool_sum(metrics: &Metrics, name: &str, service: &str, label: (&str, &[&str])) -> f64 {
@@ -116,6 +134,7 @@ fn run_load(
     let before = poolscope.scrape()?;
     let started = Instant::now();
     let clients = OpenLoop::start(port, rate, SENDERS);
+    // The load's duration (the measurement window), in two halves.
     std::thread::sleep(RUN / 2);
     // Mid-run, a worker in a backend call shows the backend as what it waits on.
     let peer = format!("127.0.0.1:{backend_port}");
@@ -127,9 +146,9 @@ fn run_load(
         .count();
     std::thread::sleep(RUN / 2);
     let sent = clients.stop()?;
-    // The last responses were read by the clients; let their workers finish the
+    // The last responses were read by the clients; their workers finish the
     // bookkeeping after the write.
-    std::thread::sleep(Duration::from_millis(100));
+    drained(server, &before_stats, sent.sent)?;
     let after = poolscope.scrape()?;
     let wall = started.elapsed().as_secs_f64();
     let after_stats = stats(server)?;
@@ -430,9 +449,10 @@ fn a_full_downstream_map_is_counted_and_recovers() -> anyhow::Result<()> {
     };
     let (truth_before, before) = (stats(&mut second)?, poolscope.scrape()?);
     let second_load = OpenLoop::start(ports[1], rate, SENDERS);
+    // The load's duration: the measurement window.
     std::thread::sleep(RUN);
     let sent = second_load.stop()?;
-    std::thread::sleep(Duration::from_millis(100));
+    drained(&mut second, &truth_before, sent.sent)?;
     let (truth_after, during) = (stats(&mut second)?, poolscope.scrape()?);
     let health = poolscope.get("/healthz")?;
     let full = [("map", "DOWNSTREAM_WAITS"), ("errno", "E2BIG")];
