@@ -115,7 +115,8 @@ impl Stacks {
         }
     }
 
-    /// `stack_unwinds_total`, `unwind_tables_bytes` and `stack_unwind_seconds_total`.
+    /// `stack_unwinds_total`, `unwind_tables_bytes`, `unwind_tables_evicted_total` and
+    /// `stack_unwind_seconds_total`.
     pub fn families(&self) -> Vec<Family> {
         let stats = lock_or_recover(&self.unwind_stats).clone();
         let mut unwinds = Family::new(
@@ -135,13 +136,20 @@ impl Stacks {
              unwinding, within stacks.unwind_memory_bytes.",
         )
         .with(&[], stats.table_bytes as f64);
+        let evicted = Family::new(
+            "unwind_tables_evicted",
+            Kind::Counter,
+            "Modules' unwind tables evicted, least recently used first, to make room \
+             within stacks.unwind_memory_bytes (read again if needed again).",
+        )
+        .with(&[], stats.evicted as f64);
         let seconds = Family::new(
             "stack_unwind_seconds",
             Kind::Counter,
             "Time spent unwinding stack copies, reading the unwind tables included.",
         )
         .with(&[], stats.seconds);
-        vec![unwinds, tables, seconds]
+        vec![unwinds, tables, evicted, seconds]
     }
 
     /// Moves the stacks counted up to two epochs ago into the current windows

@@ -6,7 +6,9 @@
 //! its stack ([`StackCopy`]); here that copy is unwound by the modules' unwind
 //! tables (`.eh_frame`, `.debug_frame`) with framehop, and the frames it finds are
 //! spliced in front of the walk's. Tables are read once per file, section by
-//! section, and kept within a memory limit. Splicing is a pure function.
+//! section, and cached within a memory limit: the least recently used are evicted to
+//! make room for a module's, so a node whose binaries change (deploys, restarts)
+//! still unwinds its new ones. Splicing is a pure function.
 use std::{
     collections::{BTreeMap, HashMap},
     ops::Range,
@@ -55,7 +57,8 @@ pub enum UnwindResult {
     StackUnreadable,
     /// The process was gone before its copy was read.
     ProcessGone,
-    /// The module's tables would pass `stacks.unwind_memory_bytes`: the walk stays.
+    /// The module's tables alone pass `stacks.unwind_memory_bytes` (or, with the
+    /// tables the same unwind needs, leave no room): the walk stays.
     OverMemoryLimit,
 }
 
@@ -150,23 +153,34 @@ pub struct UnwindStats {
     pub seconds: f64,
     /// Bytes of tables held.
     pub table_bytes: u64,
+    /// Files' tables evicted to make room for others (or for a lowered limit).
+    pub evicted: u64,
 }
 
 /// What is known of one file's tables.
 enum Held {
-    /// Read: `None` if the file has no usable tables.
-    Tables(Option<Arc<Tables>>),
-    /// This many bytes, more than the memory limit had room for when they were read.
+    /// Read (`None` if the file has no usable tables), and last needed by the unwind
+    /// numbered `used`: the least recently used are evicted first.
+    Tables {
+        tables: Option<Arc<Tables>>,
+        used: u64,
+    },
+    /// This many bytes, more than the whole memory limit when they were read.
     TooLarge(u64),
 }
 
-/// Unwinds stack copies; keeps every file's tables it read (within the limit).
+/// Unwinds stack copies; caches the files' tables it read within the limit,
+/// evicting the least recently used.
 pub struct Unwinder {
     /// By the file's (device, inode): one path may name different files in two
     /// containers.
     tables: HashMap<(u64, u64), Held>,
     bytes: u64,
     memory_limit: u64,
+    /// Calls of [`Unwinder::unwind`] so far: the number of the current one stamps
+    /// the tables it needs, which are not evicted while it runs.
+    unwinds: u64,
+    evicted: u64,
     cache: CacheX86_64,
     results: BTreeMap<UnwindResult, u64>,
     seconds: f64,
@@ -178,14 +192,19 @@ impl Unwinder {
             tables: HashMap::new(),
             bytes: 0,
             memory_limit,
+            unwinds: 0,
+            evicted: 0,
             cache: CacheX86_64::new(),
             results: BTreeMap::new(),
             seconds: 0.0,
         }
     }
 
+    /// A lowered limit evicts the least recently used tables down to it at once (no
+    /// unwind is running: none is kept for one).
     pub fn set_memory_limit(&mut self, memory_limit: u64) {
         self.memory_limit = memory_limit;
+        self.make_room(0, u64::MAX);
     }
 
     pub fn stats(&self) -> UnwindStats {
@@ -193,33 +212,79 @@ impl Unwinder {
             results: self.results.clone(),
             seconds: self.seconds,
             table_bytes: self.bytes,
+            evicted: self.evicted,
         }
     }
 
-    /// The tables of the file at `path`; read on first use. `Err` if keeping them
-    /// would pass the memory limit (read again only once a raised limit has room).
+    /// The tables of the file at `path` for the current unwind; read on first use
+    /// (and again after an eviction), evicting the least recently used others to
+    /// make room. `Err` if they alone pass the memory limit (read again only once a
+    /// raised limit has room), or if the tables this unwind already holds leave none.
     fn tables(&mut self, path: &Path) -> Result<Option<Arc<Tables>>, UnwindResult> {
         let Ok(metadata) = std::fs::metadata(path) else {
             return Ok(None);
         };
         let file = (metadata.dev(), metadata.ino());
-        match self.tables.get(&file) {
-            Some(Held::Tables(tables)) => return Ok(tables.clone()),
-            Some(Held::TooLarge(bytes)) if self.bytes + bytes > self.memory_limit => {
+        match self.tables.get_mut(&file) {
+            Some(Held::Tables { tables, used }) => {
+                *used = self.unwinds;
+                return Ok(tables.clone());
+            }
+            Some(Held::TooLarge(bytes)) if *bytes > self.memory_limit => {
                 return Err(UnwindResult::OverMemoryLimit);
             }
             _ => {}
         }
         let tables = Tables::read(path).filter(Tables::has_tables);
         let bytes = tables.as_ref().map_or(0, Tables::bytes);
-        if self.bytes + bytes > self.memory_limit {
+        if bytes > self.memory_limit {
             self.tables.insert(file, Held::TooLarge(bytes));
+            return Err(UnwindResult::OverMemoryLimit);
+        }
+        if !self.make_room(bytes, self.unwinds) {
+            // Not remembered as too large: once this unwind's tables are no longer
+            // needed, they may make room.
+            self.tables.remove(&file);
             return Err(UnwindResult::OverMemoryLimit);
         }
         self.bytes += bytes;
         let tables = tables.map(Arc::new);
-        self.tables.insert(file, Held::Tables(tables.clone()));
+        let used = self.unwinds;
+        self.tables.insert(
+            file,
+            Held::Tables {
+                tables: tables.clone(),
+                used,
+            },
+        );
         Ok(tables)
+    }
+
+    /// Evicts the least recently used tables, none last used by unwind `keep_from`
+    /// or later, until `bytes` more fit within the limit; false if they cannot.
+    /// Only the [`Process`] of the running unwind shares the held tables besides
+    /// this cache, and it holds none of those evicted: their memory is freed here.
+    fn make_room(&mut self, bytes: u64, keep_from: u64) -> bool {
+        while self.bytes.saturating_add(bytes) > self.memory_limit {
+            let oldest = self
+                .tables
+                .iter()
+                .filter_map(|(file, held)| match held {
+                    Held::Tables {
+                        tables: Some(tables),
+                        used,
+                    } if *used < keep_from => Some((*used, *file, tables.bytes())),
+                    _ => None,
+                })
+                .min();
+            let Some((_, file, freed)) = oldest else {
+                return false;
+            };
+            self.tables.remove(&file);
+            self.bytes -= freed;
+            self.evicted += 1;
+        }
+        true
     }
 
     /// The frames (innermost first) that the modules' tables find in each of
@@ -233,6 +298,7 @@ impl Unwinder {
         open: &dyn Fn(&Mapping) -> PathBuf,
     ) -> Vec<Option<Vec<u64>>> {
         let started = Instant::now();
+        self.unwinds += 1;
         let process = (!mappings.is_empty()).then(|| self.process(mappings, open));
         let unwound: Vec<Option<Vec<u64>>> = copies
             .iter()
@@ -526,6 +592,174 @@ mod tests {
         assert_eq!(count(&unwinder, UnwindResult::ProcessGone), Some(1));
         assert_eq!(count(&unwinder, UnwindResult::NoUnwindTables), Some(2));
         assert_eq!(count(&tight, UnwindResult::OverMemoryLimit), Some(1));
+    }
+
+    /// The file mapped into this process with the smallest unwind tables (the test
+    /// binary's are far larger), and their size.
+    fn smallest_module() -> (PathBuf, u64) {
+        own_mappings()
+            .iter()
+            .filter_map(|m| {
+                let tables = Tables::read(&m.path).filter(Tables::has_tables)?;
+                Some((tables.bytes(), m.path.clone()))
+            })
+            .min()
+            .map(|(bytes, path)| (path, bytes))
+            .expect("no module of our own process has unwind tables")
+    }
+
+    /// `count` copies of the file at `path` in `dir` (distinct files, the same
+    /// tables), each mapped at an address range of its own.
+    fn copies(path: &Path, dir: &Path, count: u64) -> Vec<Mapping> {
+        (0..count)
+            .map(|index| {
+                let copy = dir.join(format!("module-{index}"));
+                std::fs::copy(path, &copy).expect("copying a module");
+                let start = (index + 1) << 32;
+                Mapping {
+                    start,
+                    end: start + (1 << 20),
+                    offset: 0,
+                    path: copy,
+                }
+            })
+            .collect()
+    }
+
+    /// What unwinding a copy whose innermost frame is in `mapping` found, alone.
+    fn unwind_in(unwinder: &mut Unwinder, mapping: &Mapping) -> UnwindResult {
+        let before = unwinder.stats().results;
+        unwinder.unwind(
+            &[&copy(mapping.start, 8)],
+            std::slice::from_ref(mapping),
+            &by_path,
+        );
+        let after = unwinder.stats().results;
+        UnwindResult::ALL
+            .into_iter()
+            .find(|result| after.get(result) != before.get(result))
+            .expect("the copy was not counted")
+    }
+
+    /// The cache's reference to the tables of the file of `mapping`, to see whether
+    /// an eviction freed them.
+    fn held(unwinder: &Unwinder, mapping: &Mapping) -> std::sync::Weak<Tables> {
+        let metadata = std::fs::metadata(&mapping.path).expect("a copied module");
+        match unwinder.tables.get(&(metadata.dev(), metadata.ino())) {
+            Some(Held::Tables {
+                tables: Some(tables),
+                ..
+            }) => Arc::downgrade(tables),
+            _ => panic!("{} has no tables held", mapping.path.display()),
+        }
+    }
+
+    #[test]
+    fn least_recently_used_tables_make_room_for_new_modules() {
+        let (path, bytes) = smallest_module();
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let modules = copies(&path, dir.path(), 4);
+        // Room for two modules' tables, not three.
+        let mut unwinder = Unwinder::new(2 * bytes + bytes / 2);
+        let unwound = UnwindResult::Unwound;
+        assert_eq!(unwind_in(&mut unwinder, &modules[0]), unwound);
+        assert_eq!(unwind_in(&mut unwinder, &modules[1]), unwound);
+        // Module 0 used again: module 1 is now the least recently used.
+        assert_eq!(unwind_in(&mut unwinder, &modules[0]), unwound);
+        assert_eq!(unwinder.stats().table_bytes, 2 * bytes);
+        let module_1 = held(&unwinder, &modules[1]);
+        // The limit is full: module 2, loaded after, is unwound; module 1 makes room,
+        // and its memory is freed (the cache held the only reference).
+        assert_eq!(unwind_in(&mut unwinder, &modules[2]), unwound);
+        assert_eq!(unwinder.stats().evicted, 1);
+        assert_eq!(unwinder.stats().table_bytes, 2 * bytes);
+        assert!(module_1.upgrade().is_none(), "evicted tables still held");
+        // Module 0 was kept: no read, no eviction.
+        assert_eq!(unwind_in(&mut unwinder, &modules[0]), unwound);
+        assert_eq!(unwinder.stats().evicted, 1);
+        // Module 1 is simply read again, evicting module 2 (used before module 0).
+        let module_0 = held(&unwinder, &modules[0]);
+        assert_eq!(unwind_in(&mut unwinder, &modules[1]), unwound);
+        assert_eq!(unwinder.stats().evicted, 2);
+        assert!(
+            module_0.upgrade().is_some(),
+            "the more recent tables were evicted"
+        );
+        // Then module 3 evicts module 0.
+        assert_eq!(unwind_in(&mut unwinder, &modules[3]), unwound);
+        assert_eq!(unwinder.stats().evicted, 3);
+        assert!(
+            module_0.upgrade().is_none(),
+            "module 0 was not the one evicted"
+        );
+        assert_eq!(unwinder.stats().table_bytes, 2 * bytes);
+        assert_eq!(unwinder.stats().results.get(&unwound), Some(&7));
+        assert_eq!(
+            unwinder.stats().results.get(&UnwindResult::OverMemoryLimit),
+            None
+        );
+        // A lowered limit evicts down to it at once.
+        unwinder.set_memory_limit(bytes);
+        assert_eq!(unwinder.stats().evicted, 4);
+        assert_eq!(unwinder.stats().table_bytes, bytes);
+    }
+
+    #[test]
+    fn a_module_larger_than_the_limit_alone_keeps_the_walk_and_evicts_nothing() {
+        let (path, bytes) = smallest_module();
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let modules = copies(&path, dir.path(), 2);
+        let limit = 2 * bytes + bytes / 2;
+        let exe = std::env::current_exe().expect("the test binary");
+        let exe_bytes = Tables::read(&exe).map_or(0, |tables| tables.bytes());
+        assert!(
+            exe_bytes > limit,
+            "the test binary's tables ({exe_bytes} bytes) fit {limit}"
+        );
+        let mut unwinder = Unwinder::new(limit);
+        assert_eq!(unwind_in(&mut unwinder, &modules[0]), UnwindResult::Unwound);
+        assert_eq!(unwind_in(&mut unwinder, &modules[1]), UnwindResult::Unwound);
+        let large = Mapping {
+            start: 1 << 40,
+            end: (1 << 40) + (1 << 20),
+            offset: 0,
+            path: exe,
+        };
+        assert_eq!(
+            unwind_in(&mut unwinder, &large),
+            UnwindResult::OverMemoryLimit
+        );
+        assert_eq!(unwinder.stats().evicted, 0);
+        assert_eq!(unwinder.stats().table_bytes, 2 * bytes);
+        // Remembered as too large: not read again.
+        assert_eq!(
+            unwind_in(&mut unwinder, &large),
+            UnwindResult::OverMemoryLimit
+        );
+        // Once the limit has room, it is read (evicting both small modules).
+        unwinder.set_memory_limit(exe_bytes);
+        assert_eq!(unwind_in(&mut unwinder, &large), UnwindResult::Unwound);
+        assert_eq!(unwinder.stats().table_bytes, exe_bytes);
+        assert_eq!(unwinder.stats().evicted, 2);
+    }
+
+    #[test]
+    fn the_tables_one_unwind_needs_are_not_evicted_for_each_other() {
+        let (path, bytes) = smallest_module();
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        // One process maps three modules; the limit holds two.
+        let modules = copies(&path, dir.path(), 3);
+        let mut unwinder = Unwinder::new(2 * bytes + bytes / 2);
+        let unwind = |unwinder: &mut Unwinder, ip: u64| {
+            unwinder.unwind(&[&copy(ip, 8)], &modules, &by_path);
+        };
+        unwind(&mut unwinder, modules[0].start);
+        unwind(&mut unwinder, modules[2].start);
+        let stats = unwinder.stats();
+        assert_eq!(stats.results.get(&UnwindResult::Unwound), Some(&1));
+        assert_eq!(stats.results.get(&UnwindResult::OverMemoryLimit), Some(&1));
+        assert_eq!(stats.evicted, 0);
+        assert_eq!(stats.table_bytes, 2 * bytes);
     }
 
     #[test]
