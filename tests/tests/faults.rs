@@ -248,6 +248,7 @@ fn a_full_thread_map_is_counted_and_spares_other_services() -> anyhow::Result<()
 
     // The other service's request numbers do not depend on the thread map.
     let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
+    // The load's duration, not synchronization.
     std::thread::sleep(Duration::from_secs(2));
     let made = clients.stop()?.completed;
     let other = scrape_until(&poolscope, |m| requests_settled(m, "other", made))?;
@@ -421,6 +422,7 @@ fn kill_minus_nine_leaves_nothing_and_a_restart_attaches_cleanly() -> anyhow::Re
     // exactly the requests made from then on.
     assert_eq!(requests(&restarted), 0.0);
     let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
+    // The load's duration, not synchronization.
     std::thread::sleep(Duration::from_secs(1));
     let made = clients.stop()?.completed;
     let later = scrape_until(&second, |m| requests_settled(m, service, made))?;
@@ -562,6 +564,7 @@ fn soak(plan: &SoakPlan) -> anyhow::Result<()> {
             (rss_low, rss_high) = (u64::MAX, 0);
             next_row += plan.row;
         }
+        // The soak's pace: a scrape and an RSS reading a second.
         std::thread::sleep(Duration::from_secs(1));
     }
     let seen = clients.stop()?;
@@ -626,15 +629,27 @@ fn soak(plan: &SoakPlan) -> anyhow::Result<()> {
             && m.value("poolscope_targets", &[("service", "churn")])
                 .is_none()
     })?;
-    // Exits are purged by their events; what a lost one left, the next rescan takes.
-    std::thread::sleep(Duration::from_secs(1));
-    let after = poolscope.scrape()?;
-    let left: Vec<(String, f64)> = map_entries(&after)
-        .into_iter()
-        .filter(|(map, count)| !DRAINED.contains(&map.as_str()) && *count > 0.0)
-        .collect();
-    eprintln!("left once every process is gone: {left:?}");
-    assert!(left.is_empty(), "entries left behind: {left:?}");
+    // Exits are purged by their events; what a lost one left, the next rescan (every
+    // 500 ms) takes: wait for the maps to empty, up to a deadline.
+    let left_in = |metrics: &Metrics| -> Vec<(String, f64)> {
+        map_entries(metrics)
+            .into_iter()
+            .filter(|(map, count)| !DRAINED.contains(&map.as_str()) && *count > 0.0)
+            .collect()
+    };
+    let mut last = Err(anyhow::anyhow!("not scraped"));
+    let emptied = wait_until(Duration::from_secs(10), || {
+        last = poolscope.scrape();
+        last.as_ref()
+            .is_ok_and(|metrics| left_in(metrics).is_empty())
+    });
+    let after = last?;
+    let left = left_in(&after);
+    eprintln!("left once every process is gone (emptied within 10 s: {emptied}): {left:?}");
+    assert!(
+        emptied && left.is_empty(),
+        "entries left behind 10 s after every process went: {left:?}"
+    );
     // Losses that degrade poolscope (a full map, lost events) must not happen; a stack
     // that collides in its hash bucket is counted, kept less its innermost frame or
     // without its stack, and does not degrade (docs/limits.md).
@@ -866,6 +881,7 @@ fn a_full_pending_call_map_is_counted_and_recovers() -> anyhow::Result<()> {
         m.value("poolscope_map_entries", &[("map", "PENDING_CALLS")]) == Some(held as f64)
     })?;
     let clients = ClosedLoop::start(other.port, 2, Connections::KeepAlive);
+    // The load's duration, not synchronization.
     std::thread::sleep(Duration::from_secs(1));
     let made = clients.stop()?.completed;
     let counted = settled_requests(&poolscope, "other", made)?;
@@ -928,6 +944,7 @@ fn a_full_listen_port_map_is_counted_and_recovers() -> anyhow::Result<()> {
     // at all (which one fits follows the order of the keys).
     let load = |server: &PoolServer| ClosedLoop::start(server.port, 2, Connections::KeepAlive);
     let (on_first, on_second) = (load(&first), load(&second));
+    // The load's duration, not synchronization.
     std::thread::sleep(Duration::from_secs(1));
     let made = [on_first.stop()?.completed, on_second.stop()?.completed];
     // Settled once the service that fits has them all (the other never will).
@@ -958,6 +975,7 @@ fn a_full_listen_port_map_is_counted_and_recovers() -> anyhow::Result<()> {
         m.value("poolscope_degraded", &[]) == Some(0.0)
     })?;
     let clients = load(&stays);
+    // The load's duration, not synchronization.
     std::thread::sleep(Duration::from_secs(1));
     let made_after = clients.stop()?.completed;
     let counted_after = settled_requests(&poolscope, stays_name, made_after)?;
