@@ -48,6 +48,8 @@ pub fn new_connection(service: u32, owner_since_ns: u64, epoch: u32, now: u64) -
         next_arrive_ns: 0,
         server_tid: 0,
         epoch,
+        seen_write_seq: 0,
+        _pad: 0,
     }
 }
 

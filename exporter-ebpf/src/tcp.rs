@@ -17,7 +17,7 @@
 //! (`write_seq` ahead of `snd_nxt`, which moves only after the packet is handed on),
 //! so that acknowledgements and retransmissions are not responses.
 use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
-use poolscope_shared::Phase;
+use poolscope_shared::{Conn, Phase};
 
 use crate::{
     clock::now_ns,
@@ -68,8 +68,16 @@ pub fn tcp_segment_received(ctx: BtfTracePointContext) -> i32 {
         // SAFETY: a live entry, changed by compare-and-swap.
         let conn = unsafe { &mut *conn };
         // An HTTP/2 connection is not followed by this backend (`h2::unfollowed_here`).
-        if requests::phase(conn) != Phase::Multiplexed {
-            requests::data_arrived(conn, now_ns());
+        match requests::phase(conn) {
+            Phase::Multiplexed => {}
+            Phase::Serving => {
+                let now = now_ns();
+                if let Some(bytes) = response_sent_unseen(sk, conn) {
+                    requests::wrote(conn, now, bytes);
+                }
+                requests::data_arrived(conn, now);
+            }
+            _ => requests::data_arrived(conn, now_ns()),
         }
     }
     0
@@ -111,20 +119,29 @@ pub fn tcp_transmit(ctx: BtfTracePointContext) -> i32 {
     if sk.is_null() || !on_watched_port(sk) {
         return 0;
     }
-    let Some(unsent) = unsent_bytes(sk) else {
+    let Some(Unsent { bytes, write_seq }) = unsent(sk) else {
         return 0;
     };
     if let Some(conn) = conn_on_watched_port(sk) {
         // SAFETY: as above.
-        requests::wrote(unsafe { &mut *conn }, now_ns(), unsent);
+        let conn = unsafe { &mut *conn };
+        requests::wrote(conn, now_ns(), bytes);
+        conn.seen_write_seq = write_seq;
     }
     0
 }
 
-/// The bytes socket `sk` holds written and not yet sent, if it is a full TCP socket
-/// (not a handshake's or a closed connection's mini socket) that holds any.
+/// Bytes a socket holds written and not yet sent, and the sequence number after the
+/// last of them.
+struct Unsent {
+    bytes: u32,
+    write_seq: u32,
+}
+
+/// What socket `sk` holds written and not yet sent, if it is a full TCP socket (not a
+/// handshake's or a closed connection's mini socket) that holds any.
 #[inline(always)]
-fn unsent_bytes(sk: *const u8) -> Option<u32> {
+fn unsent(sk: *const u8) -> Option<Unsent> {
     if field::<u16>(sk, &SOCK_PROTOCOL_OFFSET) != IPPROTO_TCP
         || matches!(
             field::<u8>(sk, &SOCK_STATE_OFFSET),
@@ -133,11 +150,44 @@ fn unsent_bytes(sk: *const u8) -> Option<u32> {
     {
         return None;
     }
-    // Read through the helper: a packet's socket is not a pointer that
-    // `bpf_skc_to_tcp_sock` takes on every kernel (an RCU one on 6.18).
+    let (snd_nxt, write_seq) = send_sequence(sk)?;
+    let bytes = write_seq.wrapping_sub(snd_nxt);
+    ahead(bytes).then_some(Unsent { bytes, write_seq })
+}
+
+/// `snd_nxt` (next to send) and `write_seq` (after the last written) of TCP socket
+/// `sk`, read through the helper: a packet's socket is not a pointer that
+/// `bpf_skc_to_tcp_sock` takes on every kernel (an RCU one on 6.18).
+#[inline(always)]
+fn send_sequence(sk: *const u8) -> Option<(u32, u32)> {
     let snd_nxt: u32 = read_kernel(sk, offset(&TCP_SND_NXT_OFFSET)).ok()?;
     let write_seq: u32 = read_kernel(sk, offset(&TCP_WRITE_SEQ_OFFSET)).ok()?;
-    let unsent = write_seq.wrapping_sub(snd_nxt);
-    // Sequence numbers wrap: "ahead" is less than half the space ahead.
-    (unsent != 0 && unsent < 1 << 31).then_some(unsent)
+    Some((snd_nxt, write_seq))
+}
+
+/// Whether a sequence-number distance is ahead: not 0, and less than half the space
+/// (sequence numbers wrap).
+#[inline(always)]
+fn ahead(distance: u32) -> bool {
+    distance != 0 && distance < 1 << 31
+}
+
+/// Request bytes arrive on `conn` (of socket `sk`) while its request is served: the
+/// bytes its server wrote since the last transmit seen as a write, if all of them
+/// went out (a response whose transmit `net_dev_queue` did not show: a second small
+/// write that Nagle held, released by the client's delayed acknowledgement, in about
+/// one request of a thousand on 6.18). Without this, the next request would count as
+/// more of this one. Nothing written since: more of this request, or a pipelined one.
+#[inline(always)]
+fn response_sent_unseen(sk: *const u8, conn: &mut Conn) -> Option<u32> {
+    if conn.seen_write_seq == 0 {
+        return None;
+    }
+    let (snd_nxt, write_seq) = send_sequence(sk)?;
+    let written = write_seq.wrapping_sub(conn.seen_write_seq);
+    if write_seq != snd_nxt || !ahead(written) {
+        return None;
+    }
+    conn.seen_write_seq = write_seq;
+    Some(written)
 }

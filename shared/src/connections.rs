@@ -100,6 +100,11 @@ pub struct Conn {
     /// Socket backend: the service's epoch ([`maps::SERVICE_EPOCHS`]) when the
     /// connection was claimed; 0 in the syscall backend.
     pub epoch: u32,
+    /// Tcp backend: the socket's `write_seq` at the last transmit seen as a write (0
+    /// before the first), so that a response that went out unseen is told from more
+    /// bytes of the same request when the next request arrives; 0 elsewhere.
+    pub seen_write_seq: u32,
+    pub _pad: u32,
 }
 
 impl Conn {
@@ -224,7 +229,7 @@ impl ListenKey {
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<ListenKey>() == 24);
-const _: () = assert!(core::mem::size_of::<Conn>() == 56);
+const _: () = assert!(core::mem::size_of::<Conn>() == 64);
 // The kernel swaps a connection's phase with the service id beside it, as one u64
 // (little-endian: the phase is the high half).
 const _: () = assert!(

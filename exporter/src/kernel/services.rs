@@ -180,6 +180,8 @@ impl WatchTable for Kernel {
                 next_arrive_ns: 0,
                 server_tid: 0,
                 epoch,
+                seen_write_seq: 0,
+                _pad: 0,
             };
             // BPF_NOEXIST: an entry the kernel made itself is newer than our look.
             let (map, inserted) = match self.backend {
