@@ -22,6 +22,7 @@ pub mod load;
 pub mod profiles;
 pub mod prometheus;
 pub mod servers;
+pub mod steady;
 
 /// The request backends this kernel has, as `[probes] backend` names them: the
 /// socket backend's tracepoints came with Linux 6.3, the tcp backend's socket storage

@@ -13,13 +13,16 @@
 //! `io_uring_enter`), so it must count nothing at all: docs/limits.md says so.
 use std::{
     path::{Path, PathBuf},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, Program, Served, backend_config, backends, downstream::compile_c,
-    load::ClosedLoop, one_at_a_time, privileged, requests_settled, scrape_until,
+    Metrics, Poolscope, Program, Served, backend_config, backends,
+    downstream::compile_c,
+    load::ClosedLoop,
+    one_at_a_time, privileged, requests_settled, scrape_until,
+    steady::{self, Steady, assert_within, value},
 };
 
 const SLOTS: u32 = 4;
@@ -80,61 +83,6 @@ impl UringServer {
     }
 }
 
-fn value(metrics: &Metrics, name: &str, service: &str) -> f64 {
-    metrics
-        .value(name, &[("service", service)])
-        .unwrap_or(f64::NAN)
-}
-
-/// `ours` within `tolerance` of `truth`, relative.
-fn assert_within(what: &str, ours: f64, truth: f64, tolerance: f64) {
-    let error = (ours - truth).abs() / truth;
-    eprintln!(
-        "{what}: ours {ours:.6}, truth {truth:.6}, error {:.1}%",
-        error * 100.0
-    );
-    assert!(
-        error <= tolerance,
-        "{what}: ours {ours}, truth {truth}: {:.1}% off, more than {:.0}%",
-        error * 100.0,
-        tolerance * 100.0
-    );
-}
-
-/// Steady-state means of the gauges and the deltas of the counters between two scrapes.
-struct Steady {
-    seconds: f64,
-    in_flight: f64,
-    queue_depth: f64,
-    requests: f64,
-    duration_sum: f64,
-    queue_sum: f64,
-}
-
-fn measure_steady_state(poolscope: &Poolscope, service: &str) -> anyhow::Result<Steady> {
-    let first = poolscope.scrape()?;
-    let started = Instant::now();
-    let (mut in_flight, mut depth, mut samples) = (0.0, 0.0, 0.0);
-    while started.elapsed() < STEADY {
-        let metrics = poolscope.scrape()?;
-        in_flight += value(&metrics, "poolscope_requests_in_flight", service);
-        depth += value(&metrics, "poolscope_queue_depth", service);
-        samples += 1.0;
-        std::thread::sleep(SAMPLE_EVERY);
-    }
-    let last = poolscope.scrape()?;
-    let seconds = started.elapsed().as_secs_f64();
-    let delta = |name| value(&last, name, service) - value(&first, name, service);
-    Ok(Steady {
-        seconds,
-        in_flight: in_flight / samples,
-        queue_depth: depth / samples,
-        requests: delta("poolscope_requests_total"),
-        duration_sum: delta("poolscope_request_duration_seconds_sum"),
-        queue_sum: delta("poolscope_request_queue_seconds_sum"),
-    })
-}
-
 /// Whether `backend` is one this run tests; says why not otherwise.
 fn wanted(test: &str, backend: &str) -> bool {
     if !privileged(test) {
@@ -162,7 +110,7 @@ fn saturate(backend: &str, ops: &str) -> anyhow::Result<(Steady, Metrics, u64, S
     })?;
     let clients = ClosedLoop::start_http(server.port, CLIENTS);
     std::thread::sleep(WARM_UP);
-    let steady = measure_steady_state(&poolscope, &service)?;
+    let steady = steady::measure(&poolscope, &service, STEADY, SAMPLE_EVERY)?;
     let completed = clients.stop()?.completed;
     // The syscall backend counts nothing, so its count cannot settle: one scrape after
     // the load, once every request has been answered, is its final word.

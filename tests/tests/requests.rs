@@ -4,12 +4,13 @@
 //! each waits C·S/N − S, and Little's law holds; the server and the clients count
 //! and time every request themselves.
 use anyhow::Context as _;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use poolscope_tests::{
     Metrics, Netns, PoolServer, Poolscope, backend_config, backends, emulation_allowance,
     load::{ClosedLoop, Connections},
     one_at_a_time, privileged, scrape_until,
+    steady::{self, assert_within, assert_within_plus, value},
 };
 
 const WORKERS: u32 = 4;
@@ -19,71 +20,11 @@ const WARM_UP: Duration = Duration::from_secs(1);
 const STEADY: Duration = Duration::from_secs(4);
 const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 
-fn value(metrics: &Metrics, name: &str, service: &str) -> f64 {
-    metrics
-        .value(name, &[("service", service)])
-        .unwrap_or(f64::NAN)
-}
-
-fn assert_within(what: &str, ours: f64, truth: f64, tolerance: f64) {
-    assert_within_plus(what, ours, truth, tolerance, 0.0);
-}
-
 /// [`assert_within`] for a mean duration against the server's own clock, plus what
 /// software emulation puts between the two ([`emulation_allowance`], none here).
 fn assert_duration_within(what: &str, ours: f64, truth: f64, tolerance: f64) {
     let allowance = emulation_allowance().as_secs_f64();
     assert_within_plus(what, ours, truth, tolerance, allowance);
-}
-
-/// `ours` within `tolerance` of `truth`, relative, plus `allowance`, absolute.
-fn assert_within_plus(what: &str, ours: f64, truth: f64, tolerance: f64, allowance: f64) {
-    let error = (ours - truth).abs() / truth;
-    eprintln!(
-        "{what}: ours {ours:.6}, truth {truth:.6}, error {:.1}%",
-        error * 100.0
-    );
-    assert!(
-        (ours - truth).abs() <= tolerance * truth + allowance,
-        "{what}: ours {ours}, truth {truth}: {:.1}% off, more than {:.0}% (+ {:.1} ms)",
-        error * 100.0,
-        tolerance * 100.0,
-        allowance * 1e3
-    );
-}
-
-/// Steady-state means of the gauges and the deltas of the counters between two scrapes.
-struct Steady {
-    seconds: f64,
-    in_flight: f64,
-    queue_depth: f64,
-    requests: f64,
-    duration_sum: f64,
-    queue_sum: f64,
-}
-
-fn measure_steady_state(poolscope: &Poolscope, service: &str) -> anyhow::Result<Steady> {
-    let first = poolscope.scrape()?;
-    let started = Instant::now();
-    let (mut in_flight, mut depth, mut samples) = (0.0, 0.0, 0.0);
-    while started.elapsed() < STEADY {
-        let metrics = poolscope.scrape()?;
-        in_flight += value(&metrics, "poolscope_requests_in_flight", service);
-        depth += value(&metrics, "poolscope_queue_depth", service);
-        samples += 1.0;
-        std::thread::sleep(SAMPLE_EVERY);
-    }
-    let last = poolscope.scrape()?;
-    let seconds = started.elapsed().as_secs_f64();
-    let delta = |name| value(&last, name, service) - value(&first, name, service);
-    Ok(Steady {
-        seconds,
-        in_flight: in_flight / samples,
-        queue_depth: depth / samples,
-        requests: delta("poolscope_requests_total"),
-        duration_sum: delta("poolscope_request_duration_seconds_sum"),
-        queue_sum: delta("poolscope_request_queue_seconds_sum"),
-    })
 }
 
 fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()> {
@@ -98,7 +39,7 @@ fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()
 
     let clients = ClosedLoop::start(server.port, CLIENTS, connections);
     std::thread::sleep(WARM_UP);
-    let steady = measure_steady_state(&poolscope, &service)?;
+    let steady = steady::measure(&poolscope, &service, STEADY, SAMPLE_EVERY)?;
     let seen = clients.stop()?;
     let metrics = scrape_until(&poolscope, |m| {
         value(m, "poolscope_requests_total", &service) == seen.completed as f64
