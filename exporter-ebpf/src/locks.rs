@@ -162,7 +162,7 @@ pub fn switched_out(
         BPF_F_USER_STACK,
         LossSource::LockStackCapture,
     );
-    copy_user_stack(STACK_COPY_LOCKS, stack);
+    copy_user_stack(STACK_COPY_LOCKS, stack, 0);
     thread.lock_since_ns = now;
     thread.lock_waited_ns = 0;
     thread.lock_address = futex.address;

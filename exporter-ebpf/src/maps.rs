@@ -10,10 +10,11 @@ use poolscope_shared::{
     Conn, DownstreamKey, DownstreamWait, H2Conn, Histogram, LOSSES_SIZE, ListenKey, LockKey,
     LockPrimitive, LossErrno, LossSource, MAX_DOWNSTREAMS, MAX_LISTEN_PORTS, MAX_LOCK_STACKS,
     MAX_LOCKS, MAX_MUTEX_CALLS_IN_FLIGHT, MAX_POOLS, MAX_PROFILE_SESSIONS, MAX_SERVICES,
-    MAX_STACK_COUNTS, MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS, OffcpuCaptures, PendingCall,
-    PoolStats, ProcessEvent, ProfileSession, RequestTimes, STACK_GENERATIONS, SYSCALL_COUNTS_SIZE,
-    SYSCALL_TABLE_SIZE, ServiceCounters, StackCount, StackKey, THREAD_SLOTS, Thread,
-    WATCHED_PORT_WORDS, Watched, loss_index, maps::CountedMap,
+    MAX_STACK_COUNTS, MAX_STACK_VARIANTS, MAX_STACKS, MAX_SYSCALLS_IN_FLIGHT, MAX_THREADS,
+    OffcpuCaptures, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
+    STACK_GENERATIONS, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, StackCount,
+    StackHint, StackKey, StackVariantKey, THREAD_SLOTS, Thread, WATCHED_PORT_WORDS, Watched,
+    loss_index, maps::CountedMap,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -117,6 +118,12 @@ pub static OFFCPU_CAPTURES: PerCpuArray<OffcpuCaptures> = PerCpuArray::with_max_
 #[map]
 pub static STACK_COPIED: Array<u64> =
     Array::with_max_entries((STACK_GENERATIONS + 1) * MAX_STACKS, 0);
+/// Sized by user space: the stack maps' size (ids index it).
+#[map]
+pub static STACK_HINTS: Array<StackHint> = Array::with_max_entries(MAX_STACKS, 0);
+#[map]
+pub static STACK_VARIANTS: HashMap<StackVariantKey, u32> =
+    HashMap::with_max_entries(MAX_STACK_VARIANTS, 0);
 #[map]
 pub static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 

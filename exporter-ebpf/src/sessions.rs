@@ -51,15 +51,16 @@ fn sample(ctx: &PerfEventContext, slot: u32) {
         session.first_sample_ns = unsafe { bpf_ktime_get_ns() };
     }
     let generation = current_epoch() % STACK_GENERATIONS;
-    let (user_stack, kernel_stack) = capture(ctx, generation);
+    let stacks = capture(ctx, generation);
     let key = StackKey {
         generation,
         activity: Activity::Running as u32,
         tgid: (pid_tgid >> 32) as u32,
         pool,
-        user_stack,
-        kernel_stack,
+        user_stack: stacks.user,
+        kernel_stack: stacks.kernel,
         session: session.id,
+        variant: stacks.variant,
     };
     add(&key, 1, 0);
 }

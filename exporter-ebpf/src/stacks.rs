@@ -65,15 +65,16 @@ pub fn cpu_sample(ctx: PerfEventContext) -> u32 {
         return 0;
     }
     let generation = current_epoch() % STACK_GENERATIONS;
-    let (user_stack, kernel_stack) = capture(&ctx, generation);
+    let stacks = capture(&ctx, generation);
     let key = StackKey {
         generation,
         activity: Activity::Running as u32,
         tgid: (pid_tgid >> 32) as u32,
         pool: pool_of(tid).unwrap_or(NO_POOL),
-        user_stack,
-        kernel_stack,
+        user_stack: stacks.user,
+        kernel_stack: stacks.kernel,
         session: 0,
+        variant: stacks.variant,
     };
     add(&key, 1, 0);
     0
@@ -95,9 +96,10 @@ pub fn blocked(ctx: &BtfTracePointContext, thread: &mut Thread, now: u64) {
         return;
     };
     let epoch = current_epoch();
-    let (user_stack, kernel_stack) = capture(ctx, epoch % STACK_GENERATIONS);
-    thread.offcpu_user_stack = user_stack;
-    thread.offcpu_kernel_stack = kernel_stack;
+    let stacks = capture(ctx, epoch % STACK_GENERATIONS);
+    thread.offcpu_user_stack = stacks.user;
+    thread.offcpu_kernel_stack = stacks.kernel;
+    thread.offcpu_variant = stacks.variant;
     thread.offcpu_epoch = epoch;
     thread.offcpu_tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     thread.offcpu_weight = weight;
@@ -155,18 +157,20 @@ pub fn unblocked(tid: u32, thread: &mut Thread, now: u64) {
     }
     let epoch = current_epoch();
     let captured = thread.offcpu_user_stack >= 0 || thread.offcpu_kernel_stack >= 0;
-    let (generation, user_stack, kernel_stack) = if epoch.wrapping_sub(thread.offcpu_epoch) <= 1 {
-        (
-            thread.offcpu_epoch % STACK_GENERATIONS,
-            thread.offcpu_user_stack,
-            thread.offcpu_kernel_stack,
-        )
-    } else {
-        if captured {
-            count_loss(LossSource::OffCpuStacksExpired, LossErrno::None);
-        }
-        (epoch % STACK_GENERATIONS, -1, -1)
-    };
+    let (generation, user_stack, kernel_stack, variant) =
+        if epoch.wrapping_sub(thread.offcpu_epoch) <= 1 {
+            (
+                thread.offcpu_epoch % STACK_GENERATIONS,
+                thread.offcpu_user_stack,
+                thread.offcpu_kernel_stack,
+                thread.offcpu_variant,
+            )
+        } else {
+            if captured {
+                count_loss(LossSource::OffCpuStacksExpired, LossErrno::None);
+            }
+            (epoch % STACK_GENERATIONS, -1, -1, 0)
+        };
     let key = StackKey {
         generation,
         activity: activity as u32,
@@ -175,6 +179,7 @@ pub fn unblocked(tid: u32, thread: &mut Thread, now: u64) {
         user_stack,
         kernel_stack,
         session: 0,
+        variant,
     };
     let weight = u64::from(thread.offcpu_weight.max(1));
     add(&key, weight, blocked_ns * weight);

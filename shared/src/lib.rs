@@ -45,6 +45,8 @@ mod pod {
     unsafe impl aya::Pod for super::Histogram {}
     unsafe impl aya::Pod for super::StackKey {}
     unsafe impl aya::Pod for super::StackCount {}
+    unsafe impl aya::Pod for super::StackHint {}
+    unsafe impl aya::Pod for super::StackVariantKey {}
     unsafe impl aya::Pod for super::OffcpuCaptures {}
     unsafe impl aya::Pod for super::ProfileSession {}
 }

@@ -18,6 +18,9 @@ pub const MAX_DOWNSTREAMS: u32 = 4096;
 pub const MAX_LOCK_STACKS: u32 = 2048;
 /// Default capacity of each [`maps::STACKS`] map.
 pub const MAX_STACKS: u32 = 4096;
+/// Capacity of [`maps::STACK_VARIANTS`]: caller paths copied, over the three
+/// generations.
+pub const MAX_STACK_VARIANTS: u32 = 2048;
 /// Default capacity of [`maps::STACK_COUNTS`].
 pub const MAX_STACK_COUNTS: u32 = 16384;
 /// Stack maps in rotation: the one being filled, the one whose off-CPU blocks may

@@ -50,6 +50,10 @@ pub enum LossSource {
     /// The stack-copy ring buffer ([`maps::STACK_COPIES`]) was full: a stack keeps
     /// its frame-pointer walk (a later block with the same stack tries again).
     StackCopies,
+    /// A caller path behind a shared frame-pointer stack was new and
+    /// [`maps::STACK_VARIANTS`] was full: its samples and blocks keep their own
+    /// count, with the frame-pointer walk for frames.
+    StackVariants,
     /// An HTTP/2 connection's bytes broke the protocol (a first frame that is not
     /// SETTINGS, a frame of the wrong size, a preface that stopped matching): it is
     /// no longer followed and counts no more requests.
@@ -80,8 +84,8 @@ pub enum LossSource {
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 23;
-    pub const ALL: [LossSource; 23] = [
+    pub const COUNT: u32 = 24;
+    pub const ALL: [LossSource; 24] = [
         Self::ConnsInsert,
         Self::SockConnsInsert,
         Self::PendingCallsInsert,
@@ -97,6 +101,7 @@ impl LossSource {
         Self::DownstreamInsert,
         Self::PhaseRetries,
         Self::StackCopies,
+        Self::StackVariants,
         Self::Http2Unparsable,
         Self::Http2Unreadable,
         Self::Http2FrameBound,

@@ -142,6 +142,12 @@ pub const STACK_COPIES: &str = "STACK_COPIES";
 /// that stack was copied; user space zeroes a generation's slots when it clears its
 /// stack map.
 pub const STACK_COPIED: &str = "STACK_COPIED";
+/// Array, index user stack id → [`crate::StackHint`]: where the callers behind one
+/// frame-pointer stack part, written by user space.
+pub const STACK_HINTS: &str = "STACK_HINTS";
+/// Hash of [`crate::StackVariantKey`] → u32 (1): the caller paths copied so far in
+/// each generation; user space removes a generation's when it clears its stack map.
+pub const STACK_VARIANTS: &str = "STACK_VARIANTS";
 /// Per-CPU array[1] of [`crate::OffcpuCaptures`]: how many off-CPU blocks each CPU
 /// captured in full, sampled or left out.
 pub const OFFCPU_CAPTURES: &str = "OFFCPU_CAPTURES";

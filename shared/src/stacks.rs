@@ -24,6 +24,10 @@ pub struct StackKey {
     /// 0 for the periodic snapshots; else the [`ProfileSession::id`] it was
     /// counted for.
     pub session: u32,
+    /// Which caller path behind one frame-pointer stack ([`StackHint`]): 0 for the
+    /// path of the stack's hint (or a stack without one), else a hash of the first
+    /// return address where this stack's path left the hint's.
+    pub variant: u32,
 }
 
 /// [`StackKey::pool`] of a thread whose pool is not known yet.
@@ -121,6 +125,9 @@ pub struct StackCopy {
     /// Bytes of `bytes` copied from `sp` up: [`STACK_COPY_BYTES`],
     /// [`STACK_COPY_SHORT_BYTES`], or 0 when the stack could not be read.
     pub len: u32,
+    /// [`StackKey::variant`] of the stack copied.
+    pub variant: u32,
+    pub _pad: u32,
     pub ip: u64,
     pub sp: u64,
     /// The frame pointer (x86_64's rbp, aarch64's x29).
@@ -128,8 +135,46 @@ pub struct StackCopy {
     pub bytes: [u8; STACK_COPY_BYTES],
 }
 
-const _: () = assert!(core::mem::size_of::<StackKey>() == 28);
-const _: () = assert!(core::mem::size_of::<StackCopy>() == 40 + STACK_COPY_BYTES);
+/// Return addresses a [`StackHint`] holds: enough for a frameless library's own
+/// frames (glibc's `usleep` takes three: `clock_nanosleep`, `nanosleep`, `usleep`),
+/// a frameless function that called it and that function's caller.
+pub const STACK_HINT_WORDS: usize = 6;
+
+/// Value of [`maps::STACK_HINTS`], index the user stack id (of any generation: a
+/// stack map puts one frame-pointer stack in the same bucket each time). User space
+/// writes it after unwinding a copy whose walk skipped frames: where (in words above
+/// `sp`) the unwinder found those frames' return addresses, and their values. Two
+/// callers behind one call site reach the same frame-pointer stack, with the same
+/// frames up to where their paths part, so the words agree up to a first one that
+/// differs: at a capture, that one names the other caller's path
+/// ([`StackKey::variant`]), which gets a copy of its own.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackHint {
+    /// The innermost instruction of the stack the hint was made from (another stack
+    /// in the same bucket has another one, most likely: the hint does not apply).
+    pub ip: u64,
+    pub words: [u64; STACK_HINT_WORDS],
+    /// Where each word is: 8-byte words above `sp`.
+    pub offsets: [u16; STACK_HINT_WORDS],
+    /// Words in use (0: no hint).
+    pub count: u32,
+}
+
+/// Key of [`maps::STACK_VARIANTS`]: a caller path ([`StackKey::variant`], not 0) of
+/// user stack `stack` in the stack map of `generation`, copied for unwinding.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct StackVariantKey {
+    pub generation: u32,
+    pub stack: i32,
+    pub variant: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<StackKey>() == 32);
+const _: () = assert!(core::mem::size_of::<StackCopy>() == 48 + STACK_COPY_BYTES);
+const _: () = assert!(core::mem::size_of::<StackHint>() == 72);
+const _: () = assert!(core::mem::size_of::<StackVariantKey>() == 12);
 const _: () = assert!(core::mem::size_of::<ProfileSession>() == 40);
 const _: () = assert!(core::mem::size_of::<StackCount>() == 16);
 const _: () = assert!(core::mem::size_of::<OffcpuCaptures>() == 40);

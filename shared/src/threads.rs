@@ -222,7 +222,9 @@ pub struct Thread {
     /// (capacity counts these; a master process or an arbiter named like its workers
     /// is in their pool but never serves).
     pub served: u32,
-    pub _pad: u32,
+    /// The caller path of `offcpu_user_stack` ([`crate::StackKey::variant`]; here,
+    /// where the struct had a hole).
+    pub offcpu_variant: u32,
     /// The thread's pool as the kernel last read it from [`maps::THREAD_POOLS`]
     /// ([`crate::NO_POOL`]: none), valid while `pool_epoch` is the epoch in
     /// [`maps::POOL_EPOCH`] plus one (0: never read). User space raises the epoch
@@ -286,7 +288,6 @@ impl Thread {
             hands_off: 0,
             multiplexes: 0,
             served: 0,
-            _pad: 0,
             pool: crate::NO_POOL,
             downstream: Peer::NONE,
             pool_epoch: 0,
@@ -305,6 +306,7 @@ impl Thread {
             offcpu_epoch: 0,
             offcpu_tgid: 0,
             offcpu_weight: 0,
+            offcpu_variant: 0,
             blocked_since_ns: 0,
             clock_offset_at_block: BLOCK_UNSEEN,
         }

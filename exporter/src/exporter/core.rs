@@ -119,6 +119,7 @@ impl Core {
             pools,
             processes,
             mappings: HashMap::new(),
+            caller_paths: HashMap::new(),
         }
     }
 }

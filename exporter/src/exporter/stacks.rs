@@ -14,11 +14,12 @@ use crate::{
     encode::{Family, Kind},
     metrics::locks::LockReport,
     stacks::{
+        repairs::StackRepairs,
         snapshots::{
             Drained, RecentNames, Saturation, SessionWindows, Snapshot, SnapshotSummary, Snapshots,
             StackWindows, Trigger, Window,
         },
-        unwind::{StackRepairs, UnwindResult, UnwindStats},
+        unwind::{UnwindResult, UnwindStats},
     },
 };
 
@@ -95,12 +96,27 @@ impl Stacks {
     }
 
     /// The generation no program can add to any more, drained, named and with the
-    /// frames its walks skipped put back.
+    /// frames its walks skipped put back; the kernel gets the hints that tell the
+    /// callers behind one walk apart.
     fn drain_one(&self, collector: &mut StackCollector, core: &Mutex<Core>) -> Drained {
         self.read_copies(core);
         let mut drained = lock_or_recover(core).drain_generation();
         collector.names.complete(&mut drained, &self.procfs_root);
-        lock_or_recover(&self.repairs).repair_generation(drained.generation, &mut drained.stacks);
+        let paths = drained
+            .counts
+            .iter()
+            .map(|(key, _)| (key.user_stack, key.variant));
+        let repaired = lock_or_recover(&self.repairs).repair_generation(
+            drained.generation,
+            &mut drained.stacks,
+            paths,
+        );
+        drained.caller_paths = repaired.caller_paths;
+        if !repaired.hints.is_empty() {
+            lock_or_recover(core)
+                .kernel
+                .set_stack_hints(&repaired.hints);
+        }
         drained
     }
 

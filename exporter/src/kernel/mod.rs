@@ -30,8 +30,8 @@ use aya::{
 use poolscope_shared::{
     Conn, DownstreamKey, DownstreamWait, Histogram, ListenKey, LockKey, LockPrimitive,
     MAX_PROFILE_SESSIONS, OffcpuCaptures, PendingCall, PoolStats, ProcessEvent, ProfileSession,
-    RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackKey, SyscallSlot, Thread,
-    Watched,
+    RequestTimes, STACK_GENERATIONS, ServiceCounters, StackCount, StackHint, StackKey,
+    StackVariantKey, SyscallSlot, Thread, Watched,
     maps::{self, CountedMap},
 };
 
@@ -175,6 +175,11 @@ pub struct Kernel {
     /// The user stacks' copies for unwinding, and which stacks were copied.
     stack_copies: RingBuf<MapData>,
     stack_copied: Array<MapData, u64>,
+    /// Where the callers behind one user stack id part, by id (see
+    /// `stacks/repairs.rs`), as last written; and the caller paths copied.
+    stack_hints: Array<MapData, StackHint>,
+    hints_written: std::collections::HashMap<u32, StackHint>,
+    stack_variants: HashMap<MapData, StackVariantKey, u32>,
     /// The epoch in `stack_epoch` (user space is its only writer).
     epoch: u32,
     profile_sessions: Array<MapData, ProfileSession>,
@@ -326,6 +331,7 @@ impl Kernel {
             .map_max_entries(maps::STACK_COUNTS, limits.stack_counts)
             .override_global("STACK_COPY_STRIDE", &copy_stride, true)
             .map_max_entries(maps::STACK_COPIED, (STACK_GENERATIONS + 1) * copy_stride)
+            .map_max_entries(maps::STACK_HINTS, limits.stacks)
             .map_max_entries(maps::WATCHED, limits.watched_processes)
             .map_max_entries(maps::CONNS, limits.connections)
             .map_max_entries(maps::SERVICE_COUNTERS, limits.max_services)
@@ -481,6 +487,9 @@ impl Kernel {
             stacks,
             stack_copies: take(&mut ebpf, maps::STACK_COPIES)?,
             stack_copied: take(&mut ebpf, maps::STACK_COPIED)?,
+            stack_hints: take(&mut ebpf, maps::STACK_HINTS)?,
+            hints_written: std::collections::HashMap::new(),
+            stack_variants: take(&mut ebpf, maps::STACK_VARIANTS)?,
             epoch: 0,
             profile_sessions: take(&mut ebpf, maps::PROFILE_SESSIONS)?,
             session_links: std::array::from_fn(|_| Vec::new()),

@@ -5,7 +5,8 @@ use aya::{
     programs::PerfEvent,
 };
 use poolscope_shared::{
-    ProfileSession, SHORTENED_STACK, STACK_GENERATIONS, StackCopy, StackCount, StackKey,
+    ProfileSession, SHORTENED_STACK, STACK_GENERATIONS, StackCopy, StackCount, StackHint, StackKey,
+    StackVariantKey,
     maps::{self, CountedMap},
 };
 
@@ -72,6 +73,13 @@ impl Kernel {
             .filter(|key| self.stack_counts.remove(key).is_ok())
             .count();
         self.count_own_entries(CountedMap::StackCounts, -(removed as i64));
+        let paths: Vec<StackVariantKey> = (self.stack_variants.keys())
+            .filter_map(Result::ok)
+            .filter(|key| key.generation == generation)
+            .collect();
+        for key in paths {
+            let _ = self.stack_variants.remove(&key);
+        }
         if let Some(map) = self.stacks.get_mut(generation as usize) {
             let ids: Vec<u32> = map.stack_ids().filter_map(Result::ok).collect();
             let stride = self.limits.stack_copy_stride();
@@ -79,6 +87,26 @@ impl Kernel {
                 let _ = map.remove(&id);
                 // The id may stand for another stack from now on: copy it again.
                 let _ = self.stack_copied.set(generation * stride + id, 0, 0);
+            }
+        }
+    }
+
+    /// Gives the kernel `hints` (user stack id → hint), writing only those that
+    /// changed. A failed write leaves that id's callers merged as before: logged.
+    pub fn set_stack_hints(&mut self, hints: &[(u32, StackHint)]) {
+        for (id, hint) in hints {
+            let written = self.hints_written.get(id).copied().unwrap_or_default();
+            if written == *hint {
+                continue;
+            }
+            match self.stack_hints.set(*id, *hint, 0) {
+                Ok(()) if hint.count == 0 => {
+                    self.hints_written.remove(id);
+                }
+                Ok(()) => {
+                    self.hints_written.insert(*id, *hint);
+                }
+                Err(error) => tracing::debug!(%error, id, "cannot write a stack hint"),
             }
         }
     }

@@ -176,6 +176,7 @@ impl LossKind {
             LossSource::OffCpuStacksExpired => Self::Events(STACKS_EXPIRED),
             LossSource::PhaseRetries => Self::Events(PHASE_RETRIES),
             LossSource::StackCopies => Self::Events(STACK_COPIES),
+            LossSource::StackVariants => map(maps::STACK_VARIANTS),
             LossSource::Http2Unparsable => Self::Events(HTTP2_UNPARSABLE),
             LossSource::Http2Unreadable => Self::Events(HTTP2_UNREADABLE),
             LossSource::Http2FrameBound => Self::Events(HTTP2_FRAME_BOUND),
@@ -212,6 +213,10 @@ impl LossKind {
                 | Self::MapUpdate {
                     map: maps::STACK_MAPS | maps::LOCK_STACKS,
                     errno: LossErrno::Eexist | LossErrno::Efault,
+                }
+                | Self::MapUpdate {
+                    map: maps::STACK_VARIANTS,
+                    ..
                 }
         )
     }

@@ -4,6 +4,7 @@
 //! gives the symbolizer's memory back (`heap`).
 pub mod heap;
 pub mod profile;
+pub mod repairs;
 pub mod sessions;
 pub mod snapshots;
 pub mod symbolize;

@@ -35,12 +35,26 @@ pub struct Drained {
     pub counts: Vec<(StackKey, StackCount)>,
     /// Stack id → addresses, innermost first.
     pub stacks: HashMap<i32, Vec<u64>>,
+    /// (user stack id, caller path other than 0) → addresses, innermost first: the
+    /// paths behind one frame-pointer stack that the kernel told apart.
+    pub caller_paths: HashMap<(i32, u32), Vec<u64>>,
     /// Pool id → (service, pool) names.
     pub pools: HashMap<u32, (String, String)>,
     /// tgid → service name, for threads without a pool.
     pub processes: HashMap<u32, String>,
     /// tgid → its mappings as last read, to symbolize a process that has exited.
     pub mappings: HashMap<u32, Vec<Mapping>>,
+}
+
+impl Drained {
+    /// The user stack of `key`: its caller path's own (never another path's).
+    fn user_stack(&self, key: &StackKey) -> Option<&Vec<u64>> {
+        if key.variant == 0 {
+            self.stacks.get(&key.user_stack)
+        } else {
+            self.caller_paths.get(&(key.user_stack, key.variant))
+        }
+    }
 }
 
 /// The names of pools and processes seen in the last few drains. A drained
@@ -136,7 +150,7 @@ fn symbolized_frames(drained: &Drained, symbols: &Symbols) -> Vec<Vec<Frame>> {
     let mut user: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
     let mut kernel: Vec<u64> = Vec::new();
     for (key, _) in &drained.counts {
-        if let Some(stack) = drained.stacks.get(&key.user_stack) {
+        if let Some(stack) = drained.user_stack(key) {
             user.entry(key.tgid)
                 .or_default()
                 .extend(lookup_addresses(stack));
@@ -180,7 +194,7 @@ fn symbolized_frames(drained: &Drained, symbols: &Symbols) -> Vec<Vec<Frame>> {
         .counts
         .iter()
         .map(|(key, _)| {
-            let mut frames = match drained.stacks.get(&key.user_stack) {
+            let mut frames = match drained.user_stack(key) {
                 Some(stack) => frames_of(stack, key.tgid, false),
                 None => vec![lost_frame()],
             };
@@ -601,6 +615,7 @@ mod tests {
             user_stack,
             kernel_stack,
             session: 0,
+            variant: 0,
         }
     }
 

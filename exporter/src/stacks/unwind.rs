@@ -10,6 +10,7 @@
 //! make room for a module's, so a node whose binaries change (deploys, restarts)
 //! still unwinds its new ones. Splicing is a pure function.
 use std::{
+    cell::RefCell,
     collections::{BTreeMap, HashMap},
     ops::Range,
     os::unix::fs::MetadataExt as _,
@@ -23,9 +24,9 @@ use framehop::{
     x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64},
 };
 use object::{Object as _, ObjectSection as _, ObjectSegment as _, ReadCache};
-use poolscope_shared::{STACK_COPY_LOCKS, StackCopy};
+use poolscope_shared::StackCopy;
 
-use crate::discovery::procfs::{self, Mapping};
+use crate::discovery::procfs::Mapping;
 
 /// Where poolscope opens the file of `mapping` of process `pid`: through
 /// `/proc/<pid>/map_files/` (the very file mapped, even if deleted or in another
@@ -289,18 +290,18 @@ impl Unwinder {
 
     /// The frames (innermost first) that the modules' tables find in each of
     /// `copies`, stacks of one process with `mappings` whose files are opened at
-    /// `open(mapping)`, to [`splice`] with the kernel's walk; `None` (counted) where
+    /// `open(mapping)`, to splice with the kernel's walk; `None` (counted) where
     /// they cannot. The process's modules are set up once for all its copies.
     pub fn unwind(
         &mut self,
         copies: &[&StackCopy],
         mappings: &[Mapping],
         open: &dyn Fn(&Mapping) -> PathBuf,
-    ) -> Vec<Option<Vec<u64>>> {
+    ) -> Vec<Option<Unwound>> {
         let started = Instant::now();
         self.unwinds += 1;
         let process = (!mappings.is_empty()).then(|| self.process(mappings, open));
-        let unwound: Vec<Option<Vec<u64>>> = copies
+        let unwound: Vec<Option<Unwound>> = copies
             .iter()
             .map(|copy| {
                 let unwound = self.unwound(copy, process.as_ref());
@@ -350,7 +351,7 @@ impl Unwinder {
         &mut self,
         copy: &StackCopy,
         process: Option<&Process>,
-    ) -> Result<Vec<u64>, UnwindResult> {
+    ) -> Result<Unwound, UnwindResult> {
         if copy.len == 0 {
             return Err(UnwindResult::StackUnreadable);
         }
@@ -363,28 +364,53 @@ impl Unwinder {
             .map_or(Err(UnwindResult::NoUnwindTables), |(_, held)| *held)?;
         let len = (copy.len as usize).min(copy.bytes.len());
         let stack = &copy.bytes[..len];
+        // Every word read, by its offset in the copy: where each return address was.
+        let reads = RefCell::new(Vec::new());
         let mut read_stack = |address: u64| -> Result<u64, ()> {
             let offset =
                 usize::try_from(address.checked_sub(copy.sp).ok_or(())?).map_err(|_| ())?;
             let word = stack.get(offset..offset + 8).ok_or(())?;
-            Ok(u64::from_le_bytes(word.try_into().map_err(|_| ())?))
+            let word = u64::from_le_bytes(word.try_into().map_err(|_| ())?);
+            reads.borrow_mut().push((offset, word));
+            Ok(word)
         };
         let regs = UnwindRegsX86_64::new(copy.ip, copy.sp, copy.bp);
-        let mut frames = Vec::new();
+        let mut unwound = Unwound::default();
         let mut iter =
             process
                 .unwinder
                 .iter_frames(copy.ip, regs, &mut self.cache, &mut read_stack);
-        while frames.len() < MAX_FRAMES {
-            match iter.next() {
-                Ok(Some(FrameAddress::InstructionPointer(address))) => frames.push(address),
-                Ok(Some(FrameAddress::ReturnAddress(address))) => frames.push(address.get()),
+        while unwound.frames.len() < MAX_FRAMES {
+            let (address, slot) = match iter.next() {
+                Ok(Some(FrameAddress::InstructionPointer(address))) => (address, None),
+                Ok(Some(FrameAddress::ReturnAddress(address))) => {
+                    let address = address.get();
+                    // The last word read that holds it, in 8-byte words above `sp`.
+                    let slot = reads
+                        .borrow()
+                        .iter()
+                        .rev()
+                        .find(|(offset, word)| *word == address && offset % 8 == 0)
+                        .and_then(|(offset, _)| u16::try_from(offset / 8).ok());
+                    (address, slot)
+                }
                 // The end of the stack, or of the copy.
                 Ok(None) | Err(_) => break,
-            }
+            };
+            unwound.frames.push(address);
+            unwound.slots.push(slot);
         }
-        Ok(frames)
+        Ok(unwound)
     }
+}
+
+/// The frames (innermost first) the modules' tables found in one copy, and where on
+/// the copied stack each return address was (8-byte words above `sp`; `None` for
+/// the innermost instruction, or a word the unwinder did not read whole).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Unwound {
+    pub frames: Vec<u64>,
+    pub slots: Vec<Option<u16>>,
 }
 
 /// One process's modules for unwinding its copies.
@@ -437,97 +463,6 @@ fn module(path: &Path, mappings: &[&Mapping], tables: &Tables) -> Option<Module<
     ))
 }
 
-/// What the unwinder found for the stacks copied so far, until they are used: a
-/// generation's stacks when it is drained (its stack map is cleared then, and its
-/// ids reused), a lock stack's for as long as `LOCK_STACKS` keeps it (it evicts
-/// nothing).
-pub struct StackRepairs {
-    pub unwinder: Unwinder,
-    /// (generation, user stack id) → frames unwound.
-    generations: HashMap<(u32, i32), Vec<u64>>,
-    /// Lock stack id → frames unwound.
-    locks: HashMap<i32, Vec<u64>>,
-}
-
-impl StackRepairs {
-    pub fn new(memory_limit: u64) -> Self {
-        Self {
-            unwinder: Unwinder::new(memory_limit),
-            generations: HashMap::new(),
-            locks: HashMap::new(),
-        }
-    }
-
-    /// Unwinds `copies` of processes whose files are under `procfs_root`.
-    pub fn add(&mut self, copies: &[Box<StackCopy>], procfs_root: &Path) {
-        let mut by_process: BTreeMap<u32, Vec<&StackCopy>> = BTreeMap::new();
-        for copy in copies {
-            by_process.entry(copy.tgid).or_default().push(copy);
-        }
-        for (tgid, copies) in by_process {
-            let mappings = procfs::maps(procfs_root, tgid);
-            let open = |mapping: &Mapping| mapped_file(procfs_root, tgid, mapping);
-            let unwound = self.unwinder.unwind(&copies, &mappings, &open);
-            for (copy, frames) in copies.into_iter().zip(unwound) {
-                let Some(frames) = frames else {
-                    continue;
-                };
-                if copy.map == STACK_COPY_LOCKS {
-                    self.locks.insert(copy.stack, frames);
-                } else {
-                    self.generations.insert((copy.map, copy.stack), frames);
-                }
-            }
-        }
-    }
-
-    /// Puts the skipped frames back into the user stacks of `generation` (`stacks`:
-    /// id → the kernel's walk), which is being drained: what was found for it is
-    /// used now or never.
-    pub fn repair_generation(&mut self, generation: u32, stacks: &mut HashMap<i32, Vec<u64>>) {
-        self.generations.retain(|&(unwound_in, id), unwound| {
-            if unwound_in != generation {
-                return true;
-            }
-            if let Some(walked) = stacks.get_mut(&id) {
-                *walked = splice(unwound, walked);
-            }
-            false
-        });
-    }
-
-    /// Lock stack `id` (the kernel's walk `walked`) with its skipped frames put back.
-    pub fn repair_lock(&self, id: i32, walked: Vec<u64>) -> Vec<u64> {
-        match self.locks.get(&id) {
-            Some(unwound) => splice(unwound, &walked),
-            None => walked,
-        }
-    }
-}
-
-/// `unwound` (by unwind tables, as far as the copy reached) joined with `walked`
-/// (by frame pointers, as far as the stack goes), both innermost first and from the
-/// same instruction: the unwound frames up to the first one the walk also has, then
-/// the walk from there. Without a frame in common, the longer of the two. From two
-/// instructions (an id that stands for another stack by now), the walk.
-pub fn splice(unwound: &[u64], walked: &[u64]) -> Vec<u64> {
-    if unwound.first() != walked.first() {
-        return walked.to_vec();
-    }
-    for (index, frame) in unwound.iter().enumerate().skip(1) {
-        if let Some(position) = walked.iter().skip(1).position(|walk| walk == frame) {
-            let mut frames = unwound[..=index].to_vec();
-            frames.extend_from_slice(&walked[position + 2..]);
-            return frames;
-        }
-    }
-    if unwound.len() > walked.len() {
-        unwound.to_vec()
-    } else {
-        walked.to_vec()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;
@@ -535,6 +470,7 @@ mod tests {
     use poolscope_shared::STACK_COPY_BYTES;
 
     use super::*;
+    use crate::discovery::procfs;
 
     fn copy(ip: u64, len: u32) -> Box<StackCopy> {
         Box::new(StackCopy {
@@ -542,6 +478,8 @@ mod tests {
             stack: 0,
             tgid: std::process::id(),
             len,
+            variant: 0,
+            _pad: 0,
             ip,
             sp: 0,
             bp: 0,
@@ -762,39 +700,5 @@ mod tests {
         assert_eq!(stats.results.get(&UnwindResult::OverMemoryLimit), Some(&1));
         assert_eq!(stats.evicted, 0);
         assert_eq!(stats.table_bytes, 2 * bytes);
-    }
-
-    #[test]
-    fn skipped_frames_are_put_back_in_front_of_the_walk() {
-        // The walk went from glibc's syscall (0x10) straight to the named function's
-        // caller (0x40): the library's frame (0x20) and the named function (0x30)
-        // were skipped.
-        let walked = [0x10, 0x40, 0x50, 0x60];
-        let unwound = [0x10, 0x20, 0x30, 0x40, 0x50];
-        assert_eq!(
-            splice(&unwound, &walked),
-            [0x10, 0x20, 0x30, 0x40, 0x50, 0x60]
-        );
-    }
-
-    #[test]
-    fn an_unwind_that_agrees_changes_nothing() {
-        let walked = [0x10, 0x40, 0x50];
-        assert_eq!(splice(&[0x10, 0x40], &walked), walked);
-        assert_eq!(splice(&[0x10], &walked), walked);
-    }
-
-    #[test]
-    fn an_unwind_of_another_stack_is_not_spliced() {
-        // The id was cleared and reused: the copy began at another instruction.
-        assert_eq!(splice(&[0x11, 0x20, 0x40], &[0x10, 0x40]), [0x10, 0x40]);
-    }
-
-    #[test]
-    fn without_a_frame_in_common_the_longer_stack_wins() {
-        // An interpreter without frame pointers: the walk has its innermost frame
-        // and garbage; the unwind the interpreter's frames.
-        assert_eq!(splice(&[1, 2, 3, 4], &[1, 99]), [1, 2, 3, 4]);
-        assert_eq!(splice(&[1, 2], &[1, 7, 8]), [1, 7, 8]);
     }
 }
