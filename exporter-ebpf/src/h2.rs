@@ -29,32 +29,26 @@ use poolscope_shared::{
     LossSource, Phase, SyscallSlot, h2_stream_slot,
 };
 
+use self::{
+    source::{Source, copy_user, preface_prefix, read_user},
+    streams::{
+        ACK, CONTINUATION, END_STREAM, Frame, GOAWAY, HEADERS, Moment, RST_STREAM, SETTINGS,
+        announced_limit, at_limit, end, goaway, limit_streams, received, sent, settings,
+    },
+};
 use crate::{
     abi::{SECOND_ARG_OFFSET, SavedRegisters, THIRD_ARG_OFFSET},
     maps::{H2_CONNS, SYSCALL_SLOTS, count_loss, update_service},
     requests,
 };
 
+mod source;
+mod streams;
+
 /// Steps one program run takes through a call's bytes: a frame header, a payload
 /// skipped, or a move to the next buffer each. A call that needs more loses the
 /// connection (`Http2FrameBound`): 100 streams answered in one write take ~400.
 const MAX_STEPS: u32 = 2048;
-/// Frame types (RFC 9113 §6).
-const DATA: u8 = 0;
-const HEADERS: u8 = 1;
-const PRIORITY: u8 = 2;
-const RST_STREAM: u8 = 3;
-const SETTINGS: u8 = 4;
-const PING: u8 = 6;
-const GOAWAY: u8 = 7;
-const WINDOW_UPDATE: u8 = 8;
-const CONTINUATION: u8 = 9;
-const END_STREAM: u8 = 0x1;
-const ACK: u8 = 0x1;
-const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
-/// SETTINGS entries read from one frame for `SETTINGS_MAX_CONCURRENT_STREAMS`.
-const MAX_SETTINGS: u32 = 8;
-
 /// Which way bytes go on the connection.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Direction {
@@ -62,129 +56,6 @@ pub enum Direction {
     Received,
     /// Server to client: writes by the server.
     Sent,
-}
-
-/// How a stream ended.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum End {
-    Finished,
-    Reset,
-}
-
-/// Where a call's bytes are in the caller's memory: one buffer, or an iovec array.
-#[derive(Clone, Copy)]
-struct Source {
-    /// The buffer, or the iovec array.
-    base: u64,
-    /// Buffers in the iovec array; 0 for one buffer.
-    iovecs: u64,
-}
-
-impl Source {
-    /// The source of the syscall the current thread is in, if it is one whose buffer
-    /// holds the socket's bytes.
-    #[inline(always)]
-    fn of_current_call() -> Option<Self> {
-        // SAFETY: the helper returns the current task, typed for the next helper.
-        let task = unsafe { bpf_get_current_task_btf() };
-        let regs = SavedRegisters::of(task.cast())?;
-        let number = u32::try_from(regs.number()).ok()?;
-        let slot = SyscallSlot::from_u32(SYSCALL_SLOTS.get(number).copied()?);
-        Self::of_call(slot, regs.second_arg(), regs.third_arg())
-    }
-
-    /// The source of syscall `slot` called with these second and third arguments.
-    #[inline(always)]
-    fn of_call(slot: SyscallSlot, second: u64, third: u64) -> Option<Self> {
-        match slot {
-            SyscallSlot::Read
-            | SyscallSlot::Recvfrom
-            | SyscallSlot::Write
-            | SyscallSlot::Sendto => Some(Self {
-                base: second,
-                iovecs: 0,
-            }),
-            SyscallSlot::Readv | SyscallSlot::Writev => Some(Self {
-                base: second,
-                iovecs: third,
-            }),
-            SyscallSlot::Recvmsg | SyscallSlot::Sendmsg => {
-                // struct msghdr: msg_iov at 16, msg_iovlen at 24 (64-bit).
-                let base: u64 = read_user(second + 16)?;
-                let iovecs: u64 = read_user(second + 24)?;
-                Some(Self { base, iovecs })
-            }
-            // sendfile, splice, io_uring: no user buffer holds the bytes.
-            _ => None,
-        }
-    }
-
-    /// Whether the first `len` bytes the call moved begin the client preface (as
-    /// many of them as its first buffer holds, up to the preface's length).
-    #[inline(always)]
-    fn begins_with_preface(self, len: i64) -> bool {
-        let Some((base, size)) = self.buffer(0) else {
-            return false;
-        };
-        let mut bytes = [0u8; 32];
-        let len = len.clamp(0, 24) as u32;
-        let len = len.min(size.min(24) as u32);
-        len != 0 && copy_user(&mut bytes, len, base) && preface_prefix(&bytes, len)
-    }
-
-    /// Buffer `index` of the source: its address and length.
-    #[inline(always)]
-    fn buffer(self, index: u64) -> Option<(u64, u64)> {
-        if self.iovecs == 0 {
-            return (index == 0).then_some((self.base, u64::MAX));
-        }
-        if index >= self.iovecs {
-            return None;
-        }
-        // struct iovec: base, length.
-        let iovec: [u64; 2] = read_user(self.base + index * 16)?;
-        Some((iovec[0], iovec[1]))
-    }
-}
-
-/// Reads a `T` from user address `at`.
-#[inline(always)]
-fn read_user<T>(at: u64) -> Option<T> {
-    // SAFETY: the helper checks the read and faults nothing.
-    unsafe { aya_ebpf::helpers::bpf_probe_read_user(at as *const T) }.ok()
-}
-
-/// Copies `len` (≤ 24) bytes from user address `from` to `to`.
-#[inline(always)]
-fn copy_user(to: &mut [u8; 32], len: u32, from: u64) -> bool {
-    // SAFETY: `to` has room for 31 bytes; the helper checks the user read.
-    unsafe { bpf_probe_read_user(to.as_mut_ptr().cast(), len & 31, from as *const c_void) == 0 }
-}
-
-/// Whether the first `len` bytes of `bytes` are the first `len` of the preface.
-#[inline(always)]
-fn preface_prefix(bytes: &[u8; 32], len: u32) -> bool {
-    let mut word = 0;
-    while word < 3 {
-        let at = word * 8;
-        let mut have = [0u8; 8];
-        have.copy_from_slice(&bytes[at..at + 8]);
-        let mut want = [0u8; 8];
-        want.copy_from_slice(&H2_PREFACE[at..at + 8]);
-        let from = at as u32;
-        let mask = if len >= from + 8 {
-            u64::MAX
-        } else if len <= from {
-            0
-        } else {
-            (1u64 << ((len - from) * 8)) - 1
-        };
-        if (u64::from_le_bytes(have) ^ u64::from_le_bytes(want)) & mask != 0 {
-            return false;
-        }
-        word += 1;
-    }
-    true
 }
 
 /// `H2_CONNS` as the helpers take it.
@@ -405,14 +276,6 @@ fn end_all(h2: &mut H2Conn, service: u32, reset: bool) {
     });
 }
 
-/// What every frame of one call shares.
-struct Moment {
-    service: u32,
-    now: u64,
-    /// When this read's bytes arrived.
-    arrive: u64,
-}
-
 /// The cursor of `direction`.
 #[inline(always)]
 fn cursor(h2: &mut H2Conn, direction: Direction) -> &mut FrameCursor {
@@ -616,209 +479,6 @@ impl Walk<'_> {
         }
         Ok(true)
     }
-}
-
-/// A frame header.
-struct Frame {
-    length: u32,
-    kind: u8,
-    flags: u8,
-    stream: u32,
-}
-
-impl Frame {
-    #[inline(always)]
-    fn of(bytes: &[u8; 32]) -> Self {
-        Self {
-            length: u32::from(bytes[0]) << 16 | u32::from(bytes[1]) << 8 | u32::from(bytes[2]),
-            kind: bytes[3],
-            flags: bytes[4],
-            stream: u32::from_be_bytes([bytes[5], bytes[6], bytes[7], bytes[8]]) & 0x7fff_ffff,
-        }
-    }
-
-    /// Whether the frame is one a peer may send (RFC 9113 §6): the first of each side
-    /// is SETTINGS, and each type has its stream and size rules. Bytes that break them
-    /// are not HTTP/2 (or no longer in step): the connection is not followed further.
-    #[inline(always)]
-    fn well_formed(&self, first: bool) -> bool {
-        if first && self.kind != SETTINGS {
-            return false;
-        }
-        match self.kind {
-            DATA | HEADERS => self.stream != 0,
-            PRIORITY => self.stream != 0 && self.length == 5,
-            RST_STREAM => self.stream != 0 && self.length == 4,
-            SETTINGS => self.stream == 0 && self.length.is_multiple_of(6),
-            PING => self.stream == 0 && self.length == 8,
-            GOAWAY => self.stream == 0 && self.length >= 8,
-            WINDOW_UPDATE => self.length == 4,
-            // PUSH_PROMISE, CONTINUATION, and extension types, which peers ignore.
-            _ => true,
-        }
-    }
-}
-
-/// A frame the client sent.
-#[inline(always)]
-fn received(h2: &mut H2Conn, frame: &Frame, moment: &Moment) {
-    match frame.kind {
-        // A HEADERS frame on a new (higher, odd) client stream id opens a stream; on
-        // an open one it carries trailers.
-        HEADERS if frame.stream & 1 == 1 && frame.stream > h2.last_stream => {
-            h2.last_stream = frame.stream;
-            // After the server's GOAWAY, streams above its last id are not processed.
-            if h2.goaway == 0 || frame.stream < h2.goaway {
-                open(h2, frame.stream, moment);
-            }
-        }
-        RST_STREAM => end(h2, frame.stream, End::Reset, moment),
-        _ => {}
-    }
-}
-
-/// A frame the server sent.
-#[inline(always)]
-fn sent(h2: &mut H2Conn, frame: &Frame, moment: &Moment) {
-    match frame.kind {
-        DATA | HEADERS if frame.flags & END_STREAM != 0 => {
-            end(h2, frame.stream, End::Finished, moment);
-        }
-        RST_STREAM => end(h2, frame.stream, End::Reset, moment),
-        _ => {}
-    }
-}
-
-/// Client stream `id` opens.
-#[inline(always)]
-fn open(h2: &mut H2Conn, id: u32, moment: &Moment) {
-    let Some(stream) = h2.streams.get_mut(h2_stream_slot(id)) else {
-        return;
-    };
-    if stream.id != 0 {
-        count_loss(LossSource::Http2StreamSlots, LossErrno::None);
-        return;
-    }
-    stream.id = id;
-    stream.arrive_ns = moment.arrive;
-    stream.start_ns = moment.now;
-    let was_at_limit = at_limit(h2);
-    h2.open += 1;
-    let reaches_limit = !was_at_limit && at_limit(h2);
-    update_service(moment.service, |c| {
-        c.serving_entered += 1;
-        if reaches_limit {
-            c.at_limit_entered += 1;
-        }
-    });
-}
-
-/// Stream `id` ends; nothing if it is not open (a server push, one not followed).
-#[inline(always)]
-fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) {
-    let Some(stream) = h2.streams.get_mut(h2_stream_slot(id)) else {
-        return;
-    };
-    if stream.id != id || id == 0 {
-        return;
-    }
-    stream.id = 0;
-    let (arrive, start) = (stream.arrive_ns, stream.start_ns);
-    let was_at_limit = at_limit(h2);
-    h2.open = h2.open.saturating_sub(1);
-    let leaves_limit = was_at_limit && !at_limit(h2);
-    update_service(moment.service, |c| {
-        c.serving_left += 1;
-        if leaves_limit {
-            c.at_limit_left += 1;
-        }
-        if how == End::Reset {
-            c.streams_reset += 1;
-        }
-    });
-    if how == End::Finished {
-        requests::record(moment.service, arrive, start, moment.now);
-    }
-}
-
-/// Whether the connection holds as many open streams as the server allows: its
-/// client queues any more on its own side.
-#[inline(always)]
-fn at_limit(h2: &H2Conn) -> bool {
-    h2.max_streams != 0 && h2.open >= h2.max_streams
-}
-
-/// The server's GOAWAY, its payload at user address `at`: the open streams above its
-/// last stream id will not be processed, and end (reset).
-#[inline(never)]
-fn goaway(h2: &mut H2Conn, at: u64, service: u32) {
-    let Some(last) = read_user::<[u8; 4]>(at) else {
-        return;
-    };
-    let last = u32::from_be_bytes(last) & 0x7fff_ffff;
-    h2.goaway = last.saturating_add(1);
-    let mut slot = 0;
-    while slot < H2_STREAM_SLOTS as usize {
-        if let Some(stream) = h2.streams.get_mut(slot)
-            && stream.id > last
-        {
-            stream.id = 0;
-            let was_at_limit = at_limit(h2);
-            h2.open = h2.open.saturating_sub(1);
-            let leaves_limit = was_at_limit && !at_limit(h2);
-            update_service(service, |c| {
-                c.serving_left += 1;
-                c.streams_reset += 1;
-                if leaves_limit {
-                    c.at_limit_left += 1;
-                }
-            });
-        }
-        slot += 1;
-    }
-}
-
-/// Reads the server's SETTINGS payload of `length` bytes at user address `at` for
-/// its stream limit.
-#[inline(never)]
-fn settings(h2: &mut H2Conn, at: u64, length: u32, service: u32) {
-    if let Some(limit) = announced_limit(at, length) {
-        limit_streams(h2, limit, service);
-    }
-}
-
-/// `SETTINGS_MAX_CONCURRENT_STREAMS` in a SETTINGS payload of `length` bytes at user
-/// address `at`, if it is there.
-#[inline(always)]
-fn announced_limit(at: u64, length: u32) -> Option<u32> {
-    let mut limit = None;
-    let mut entry = 0;
-    while entry < MAX_SETTINGS && entry * 6 < length {
-        let setting = read_user::<[u8; 6]>(at + u64::from(entry) * 6)?;
-        if u16::from_be_bytes([setting[0], setting[1]]) == SETTINGS_MAX_CONCURRENT_STREAMS {
-            limit = Some(u32::from_be_bytes([
-                setting[2], setting[3], setting[4], setting[5],
-            ]));
-        }
-        entry += 1;
-    }
-    limit
-}
-
-/// The server allows `limit` open streams on the connection from now on.
-#[inline(always)]
-fn limit_streams(h2: &mut H2Conn, limit: u32, service: u32) {
-    let was_at_limit = at_limit(h2);
-    h2.max_streams = limit;
-    let is_at_limit = at_limit(h2);
-    update_service(service, |c| {
-        c.max_streams = c.max_streams.max(u64::from(limit));
-        match (was_at_limit, is_at_limit) {
-            (false, true) => c.at_limit_entered += 1,
-            (true, false) => c.at_limit_left += 1,
-            _ => {}
-        }
-    });
 }
 
 /// A write of `len` bytes before connection `conn` read anything (`Unserved`): an

@@ -1,0 +1,125 @@
+//! Where an HTTP/2 call's bytes are in the caller's memory (its syscall's buffer, or
+//! iovec array, found through the thread's saved registers), and reading them: the
+//! frame headers `h2.rs` follows and the client preface that opens a connection.
+use core::ffi::c_void;
+
+use aya_ebpf::helpers::{bpf_get_current_task_btf, generated::bpf_probe_read_user};
+use poolscope_shared::{H2_PREFACE, SyscallSlot};
+
+use crate::{abi::SavedRegisters, maps::SYSCALL_SLOTS};
+
+/// Where a call's bytes are in the caller's memory: one buffer, or an iovec array.
+#[derive(Clone, Copy)]
+pub struct Source {
+    /// The buffer, or the iovec array.
+    base: u64,
+    /// Buffers in the iovec array; 0 for one buffer.
+    iovecs: u64,
+}
+
+impl Source {
+    /// The source of the syscall the current thread is in, if it is one whose buffer
+    /// holds the socket's bytes.
+    #[inline(always)]
+    pub fn of_current_call() -> Option<Self> {
+        // SAFETY: the helper returns the current task, typed for the next helper.
+        let task = unsafe { bpf_get_current_task_btf() };
+        let regs = SavedRegisters::of(task.cast())?;
+        let number = u32::try_from(regs.number()).ok()?;
+        let slot = SyscallSlot::from_u32(SYSCALL_SLOTS.get(number).copied()?);
+        Self::of_call(slot, regs.second_arg(), regs.third_arg())
+    }
+
+    /// The source of syscall `slot` called with these second and third arguments.
+    #[inline(always)]
+    pub fn of_call(slot: SyscallSlot, second: u64, third: u64) -> Option<Self> {
+        match slot {
+            SyscallSlot::Read
+            | SyscallSlot::Recvfrom
+            | SyscallSlot::Write
+            | SyscallSlot::Sendto => Some(Self {
+                base: second,
+                iovecs: 0,
+            }),
+            SyscallSlot::Readv | SyscallSlot::Writev => Some(Self {
+                base: second,
+                iovecs: third,
+            }),
+            SyscallSlot::Recvmsg | SyscallSlot::Sendmsg => {
+                // struct msghdr: msg_iov at 16, msg_iovlen at 24 (64-bit).
+                let base: u64 = read_user(second + 16)?;
+                let iovecs: u64 = read_user(second + 24)?;
+                Some(Self { base, iovecs })
+            }
+            // sendfile, splice, io_uring: no user buffer holds the bytes.
+            _ => None,
+        }
+    }
+
+    /// Whether the first `len` bytes the call moved begin the client preface (as
+    /// many of them as its first buffer holds, up to the preface's length).
+    #[inline(always)]
+    pub fn begins_with_preface(self, len: i64) -> bool {
+        let Some((base, size)) = self.buffer(0) else {
+            return false;
+        };
+        let mut bytes = [0u8; 32];
+        let len = len.clamp(0, 24) as u32;
+        let len = len.min(size.min(24) as u32);
+        len != 0 && copy_user(&mut bytes, len, base) && preface_prefix(&bytes, len)
+    }
+
+    /// Buffer `index` of the source: its address and length.
+    #[inline(always)]
+    pub fn buffer(self, index: u64) -> Option<(u64, u64)> {
+        if self.iovecs == 0 {
+            return (index == 0).then_some((self.base, u64::MAX));
+        }
+        if index >= self.iovecs {
+            return None;
+        }
+        // struct iovec: base, length.
+        let iovec: [u64; 2] = read_user(self.base + index * 16)?;
+        Some((iovec[0], iovec[1]))
+    }
+}
+
+/// Reads a `T` from user address `at`.
+#[inline(always)]
+pub fn read_user<T>(at: u64) -> Option<T> {
+    // SAFETY: the helper checks the read and faults nothing.
+    unsafe { aya_ebpf::helpers::bpf_probe_read_user(at as *const T) }.ok()
+}
+
+/// Copies `len` (≤ 24) bytes from user address `from` to `to`.
+#[inline(always)]
+pub fn copy_user(to: &mut [u8; 32], len: u32, from: u64) -> bool {
+    // SAFETY: `to` has room for 31 bytes; the helper checks the user read.
+    unsafe { bpf_probe_read_user(to.as_mut_ptr().cast(), len & 31, from as *const c_void) == 0 }
+}
+
+/// Whether the first `len` bytes of `bytes` are the first `len` of the preface.
+#[inline(always)]
+pub fn preface_prefix(bytes: &[u8; 32], len: u32) -> bool {
+    let mut word = 0;
+    while word < 3 {
+        let at = word * 8;
+        let mut have = [0u8; 8];
+        have.copy_from_slice(&bytes[at..at + 8]);
+        let mut want = [0u8; 8];
+        want.copy_from_slice(&H2_PREFACE[at..at + 8]);
+        let from = at as u32;
+        let mask = if len >= from + 8 {
+            u64::MAX
+        } else if len <= from {
+            0
+        } else {
+            (1u64 << ((len - from) * 8)) - 1
+        };
+        if (u64::from_le_bytes(have) ^ u64::from_le_bytes(want)) & mask != 0 {
+            return false;
+        }
+        word += 1;
+    }
+    true
+}
