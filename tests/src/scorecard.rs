@@ -10,7 +10,8 @@
 //! test (its thread's name, which libtest sets), the request backend (`-` where the
 //! quantity does not depend on one), what is measured, what the truth is, the
 //! tolerance as the check applies it, the two numbers and how far apart they are (in
-//! `%` of the truth, in `points` of a share, or `=` for an exact match).
+//! `%` of the truth, in `points` of a share, `=` for an exact match, or in the unit
+//! [`difference`] names).
 //!
 //! Each function's first argument is the quantity, a string literal: docs.rs reads it
 //! from the sources.
@@ -92,6 +93,26 @@ pub fn points(quantity: &str, truth_is: &str, backend: &str, ours: f64, truth: f
         &format!("±{points} points"),
         (ours, truth),
         ((ours - truth) * 100.0, "points"),
+    );
+}
+
+/// `ours` within `tolerance` `unit`s of `truth` (`1.0, "calls"`), checked by the
+/// caller just before.
+pub fn difference(
+    quantity: &str,
+    truth_is: &str,
+    backend: &str,
+    (ours, truth): (f64, f64),
+    tolerance: f64,
+    unit: &str,
+) {
+    write(
+        quantity,
+        truth_is,
+        backend,
+        &format!("±{tolerance} {unit}"),
+        (ours, truth),
+        (ours - truth, unit),
     );
 }
 

@@ -493,13 +493,13 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
                     run.workers
                 ));
             } else {
-                scorecard::bounded(
-                    "requests_waiting, gRPC calls waiting for a worker",
+                scorecard::difference(
+                    "requests_waiting, gRPC calls waiting for a worker (mean of 15 scrapes)",
                     "calls in flight by Little's law on the client's timings, less the W workers",
                     backend,
-                    waiting,
-                    truth_waiting,
-                    "± 1 call",
+                    (waiting, truth_waiting),
+                    WAITING_TOLERANCE,
+                    "calls",
                 );
             }
             let error = (sampled - little) / little;
