@@ -4,8 +4,10 @@
 //! from that log, one row per quantity (tests/src/scorecard.rs writes the lines:
 //! kernel, binary, test, backend, quantity, truth, tolerance, ours, truth's value,
 //! deviation, unit). `cargo xtask scorecard --from-log` renders the log a `cargo xtask
-//! test` left, without running anything. The page is generated only: tests/tests/docs.rs
-//! checks that it names exactly the quantities the tests record.
+//! test` left, without running anything. A quantity a test's source records but the
+//! log lacks (its test failed before the check, or did not run) is listed last as not
+//! measured. The page is generated only: tests/tests/docs.rs checks that it names
+//! exactly the quantities the tests record.
 use std::{fs, io::ErrorKind, path::Path};
 
 use anyhow::{Context as _, bail};
@@ -29,40 +31,79 @@ pub fn reset(path: &Path) -> anyhow::Result<()> {
     }
 }
 
-/// The test binaries (tests/tests/<name>.rs) whose sources record comparisons.
-pub fn recording_binaries(root: &Path) -> anyhow::Result<Vec<String>> {
+/// A quantity a test's source records: its binary, the quantity and the ground truth
+/// (the call's first two string literals).
+#[derive(Debug, Clone, PartialEq)]
+struct Recorded {
+    binary: String,
+    quantity: String,
+    truth_is: String,
+}
+
+/// What each test binary's source (tests/tests/<binary>.rs) records.
+fn recorded(root: &Path) -> anyhow::Result<Vec<Recorded>> {
     let dir = root.join("tests/tests");
-    let mut binaries = Vec::new();
+    let mut recorded = Vec::new();
     for entry in fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
         let path = entry?.path();
-        if path.extension().is_none_or(|ext| ext != "rs") {
+        let Some(binary) = path
+            .file_stem()
+            .filter(|_| path.extension().is_some_and(|ext| ext == "rs"))
+        else {
             continue;
-        }
+        };
         let source =
             fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-        if records(&source)
-            && let Some(stem) = path.file_stem()
-        {
-            binaries.push(stem.to_string_lossy().into_owned());
+        for (quantity, truth_is) in calls(&source) {
+            recorded.push(Recorded {
+                binary: binary.to_string_lossy().into_owned(),
+                quantity,
+                truth_is,
+            });
         }
     }
-    binaries.sort();
+    recorded.sort_by(|a, b| a.binary.cmp(&b.binary));
+    Ok(recorded)
+}
+
+/// The test binaries whose sources record comparisons, in name order.
+pub fn recording_binaries(root: &Path) -> anyhow::Result<Vec<String>> {
+    let mut binaries: Vec<String> = recorded(root)?
+        .into_iter()
+        .map(|recorded| recorded.binary)
+        .collect();
+    binaries.dedup();
     Ok(binaries)
 }
 
-/// Whether a test's source calls one of the recorder's functions (`scorecard::` then
-/// a lower-case name and `(`).
-fn records(source: &str) -> bool {
-    source.match_indices("scorecard::").any(|(at, call)| {
-        let rest = &source[at + call.len()..];
-        let name = rest
-            .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
-            .unwrap_or(rest.len());
-        name > 0 && rest[name..].starts_with('(')
-    })
+/// The (quantity, truth) string literals that open each call of one of the recorder's
+/// functions (`scorecard::` then a lower-case name and `(`) in a test's source; the
+/// truth is empty when the second argument is not a literal.
+fn calls(source: &str) -> Vec<(String, String)> {
+    fn literal(text: &str) -> Option<(&str, &str)> {
+        text.trim_start().strip_prefix('"')?.split_once('"')
+    }
+    source
+        .match_indices("scorecard::")
+        .filter_map(|(at, call)| {
+            let rest = &source[at + call.len()..];
+            let name = rest
+                .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                .unwrap_or(rest.len());
+            let arguments = rest[name..].strip_prefix('(').filter(|_| name > 0)?;
+            let (quantity, rest) = literal(arguments)?;
+            let truth_is = rest
+                .trim_start()
+                .strip_prefix(',')
+                .and_then(literal)
+                .map_or("", |(truth_is, _)| truth_is);
+            Some((quantity.to_owned(), truth_is.to_owned()))
+        })
+        .collect()
 }
 
-/// Writes the page from the log at `log`.
+/// Writes the page from the log at `log`: each quantity the sources record, measured
+/// or not.
 pub fn write_page(root: &Path, log: &Path) -> anyhow::Result<usize> {
     let text = match fs::read_to_string(log) {
         Ok(text) => text,
@@ -79,7 +120,8 @@ pub fn write_page(root: &Path, log: &Path) -> anyhow::Result<usize> {
         bail!("{} records no comparison", log.display());
     }
     let page = root.join(PAGE);
-    fs::write(&page, render(&rows)).with_context(|| format!("writing {}", page.display()))?;
+    fs::write(&page, render(&rows, &recorded(root)?))
+        .with_context(|| format!("writing {}", page.display()))?;
     Ok(rows.len())
 }
 
@@ -239,7 +281,7 @@ fn cell(text: &str) -> String {
 
 /// The page: a header saying what it covers, then one row per (test binary, quantity),
 /// the binaries in name order, each binary's quantities in the order first recorded.
-fn render(rows: &[Row]) -> String {
+fn render(rows: &[Row], recorded: &[Recorded]) -> String {
     let mut groups: Vec<((&str, &str), Vec<&Row>)> = Vec::new();
     for row in rows {
         let key = (row.binary.as_str(), row.quantity.as_str());
@@ -249,6 +291,19 @@ fn render(rows: &[Row]) -> String {
         }
     }
     groups.sort_by_key(|((binary, _), _)| *binary);
+    // Recorded by a test's source, absent from the log: the test failed before its
+    // check, or did not run.
+    let mut unmeasured: Vec<&Recorded> = Vec::new();
+    for quantity in recorded {
+        let key = (quantity.binary.as_str(), quantity.quantity.as_str());
+        if !groups.iter().any(|(k, _)| *k == key)
+            && !unmeasured
+                .iter()
+                .any(|q| (q.binary.as_str(), q.quantity.as_str()) == key)
+        {
+            unmeasured.push(quantity);
+        }
+    }
     let all: Vec<&Row> = rows.iter().collect();
     let kernels = distinct(&all, |row| row.kernel.as_str()).join(", ");
     let request_backends: Vec<&str> = distinct(&all, |row| row.backend.as_str())
@@ -269,8 +324,9 @@ fn render(rows: &[Row]) -> String {
          quantity that is not on this page, or the page lists one that no test records.\n\n\
          **Covers** kernel {kernels} (this host; the guests of `cargo xtask vm-test` write no \
          log), request backends {}, and quantities no request backend decides (thread \
-         states, locks, capacity: backend `any`): {} comparisons of {} quantities from {} \
-         test binaries.\n\n\
+         states, locks: backend `any`): {} comparisons of {} quantities from {} test \
+         binaries{}. Backend `auto` is the one poolscope picks for the kernel (socket \
+         from 6.3, docs/limits.md).\n\n\
          **Measured** is poolscope's value against the truth's over every run: the \
          deviation in % of the truth, in percentage points for a share, or `equal` for \
          an exact count; then the range of both values (seconds for times, requests for \
@@ -281,6 +337,13 @@ fn render(rows: &[Row]) -> String {
         rows.len(),
         groups.len(),
         binaries,
+        match unmeasured.len() {
+            0 => String::new(),
+            count => format!(
+                "; {count} more that a test records were not measured in the run this page \
+                 comes from (the test failed or did not run: listed last, `not measured`)"
+            ),
+        },
     );
     for ((binary, quantity), group) in &groups {
         let tests = distinct(group, |row| row.test.as_str()).join(", ");
@@ -292,6 +355,14 @@ fn render(rows: &[Row]) -> String {
             cell(&measured(group)),
             cell(&backends(group)),
             cell(&tests),
+        ));
+    }
+    for quantity in unmeasured {
+        page.push_str(&format!(
+            "| {} | {} | — | not measured | — | `{}`: — |\n",
+            cell(&quantity.quantity),
+            cell(&quantity.truth_is),
+            quantity.binary,
         ));
     }
     page
@@ -320,7 +391,12 @@ mod tests {
 
     #[test]
     fn one_row_per_quantity_with_its_range() {
-        let page = render(&parse(LOG));
+        let recorded = [Recorded {
+            binary: "threads".to_owned(),
+            quantity: "runnable".to_owned(),
+            truth_is: "schedstat".to_owned(),
+        }];
+        let page = render(&parse(LOG), &recorded);
         let table: Vec<&str> = page
             .lines()
             .filter(|line| line.starts_with("| ") && !line.starts_with("| quantity"))
@@ -332,11 +408,13 @@ mod tests {
                 "| requests_total | the clients' count | exact | equal in 2 runs (ours 984–1011, truth 984–1011) | socket, tcp | `requests`: counts_a, counts_b |",
                 "| mean duration | the server's | ±5 % | −1.2 to +1.0 % over 2 runs (ours 0.0198–0.0202, truth 0.02) | socket, tcp | `requests`: counts_a, counts_b |",
                 "| utilization | the workers' | ±3 points | +1.0 points over 1 run (ours 0.51, truth 0.5) | any | `threads`: util |",
+                "| runnable | schedstat | — | not measured | — | `threads`: — |",
             ]
         );
         assert!(page.contains("**Covers** kernel 6.18.4 (this host"));
         assert!(page.contains("request backends socket, tcp, and"));
-        assert!(page.contains("6 comparisons of 4 quantities from 3 test binaries"));
+        assert!(page.contains("6 comparisons of 4 quantities from 3 test binaries; 1 more"));
+        assert!(!render(&parse(LOG), &[]).contains("more that a test records"));
     }
 
     #[test]
@@ -351,12 +429,18 @@ mod tests {
     }
 
     #[test]
-    fn a_recording_test_calls_the_recorder() {
-        assert!(records(
-            "    scorecard::exact(\n        \"requests_total\","
-        ));
-        assert!(!records("const CALL: &str = \"scorecard::\";"));
-        assert!(!records("use poolscope_tests::scorecard;"));
+    fn a_source_records_the_literals_of_its_calls() {
+        let source = "    scorecard::exact(\n        \"requests_total\",\n        \"the clients'\",\n\
+                      scorecard::within(\"mean\", &truth, backend)\n\
+                      const CALL: &str = \"scorecard::\";\n\
+                      use poolscope_tests::scorecard;\n";
+        assert_eq!(
+            calls(source),
+            [
+                ("requests_total".to_owned(), "the clients'".to_owned()),
+                ("mean".to_owned(), String::new()),
+            ]
+        );
     }
 
     #[test]
