@@ -340,8 +340,8 @@ fn render(rows: &[Row], recorded: &[Recorded]) -> String {
         match unmeasured.len() {
             0 => String::new(),
             count => format!(
-                "; {count} more that a test records were not measured in the run this page \
-                 comes from (the test failed or did not run: listed last, `not measured`)"
+                "; not measured in the run this page comes from (its test failed or did not \
+                 run), listed last: {count} more"
             ),
         },
     );
@@ -413,7 +413,10 @@ mod tests {
         );
         assert!(page.contains("**Covers** kernel 6.18.4 (this host"));
         assert!(page.contains("request backends socket, tcp, and"));
-        assert!(page.contains("6 comparisons of 4 quantities from 3 test binaries; 1 more"));
+        assert!(page.contains(
+            "6 comparisons of 4 quantities from 3 test binaries; not measured in the run this \
+             page comes from (its test failed or did not run), listed last: 1 more."
+        ));
         assert!(!render(&parse(LOG), &[]).contains("more that a test records"));
     }
 
