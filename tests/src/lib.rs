@@ -21,6 +21,7 @@ pub mod kernel_maps;
 pub mod load;
 pub mod profiles;
 pub mod prometheus;
+pub mod scorecard;
 pub mod servers;
 pub mod steady;
 
@@ -117,16 +118,7 @@ fn record_skip(test: &str, reason: &str) {
     let Some(log) = std::env::var_os("POOLSCOPE_SKIP_LOG") else {
         return;
     };
-    // target/<profile>/deps/<binary>-<hash>
-    let binary = std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.file_stem()?.to_string_lossy().into_owned()))
-        .map(|stem| match stem.rsplit_once('-') {
-            Some((name, _hash)) => name.to_owned(),
-            None => stem,
-        })
-        .unwrap_or_default();
-    let line = format!("{binary}\t{test}\t{reason}\n");
+    let line = format!("{}\t{test}\t{reason}\n", binary_name());
     let written = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -138,6 +130,18 @@ fn record_skip(test: &str, reason: &str) {
             log.to_string_lossy()
         );
     }
+}
+
+/// The running test binary's name (`requests` of target/<profile>/deps/requests-<hash>).
+pub fn binary_name() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.file_stem()?.to_string_lossy().into_owned()))
+        .map(|stem| match stem.rsplit_once('-') {
+            Some((name, _hash)) => name.to_owned(),
+            None => stem,
+        })
+        .unwrap_or_default()
 }
 
 /// Directory of the built binaries (target/<profile>), from the test executable's path.

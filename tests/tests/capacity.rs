@@ -28,7 +28,7 @@ use poolscope_tests::{
     downstream::{self, Backend, Kind},
     free_port,
     load::{ClosedLoop, Connections, OpenLoop},
-    one_at_a_time, privileged,
+    one_at_a_time, privileged, scorecard,
     servers::{Kind as ServerKind, RealServer, pin_to_first_cpu, wrk},
     skip,
 };
@@ -167,6 +167,14 @@ fn a_lightly_driven_pool_reads_the_rate_it_saturates_at() -> anyhow::Result<()> 
             truth,
             0.10,
         )?;
+        scorecard::within(
+            "capacity_requests_per_second, 4 C workers × 20 ms backend, at 1/5 load",
+            "the rate closed-loop clients get from the same pool saturated right after",
+            backend,
+            capacity,
+            truth,
+            0.10,
+        );
     }
     Ok(())
 }
@@ -184,11 +192,27 @@ fn capacity_falls_within_a_window_when_the_backend_slows() -> anyhow::Result<()>
     let (fast, _) = light_capacity(&poolscope, port, 150.0)?;
     let fast_truth = saturated_rate(port, 32)?;
     within("C pool 8 × 10 ms", fast, fast_truth, 0.10)?;
+    scorecard::within(
+        "capacity_requests_per_second, 8 workers, backend 10 then 40 ms",
+        "the rate closed-loop clients get from the same pool saturated right after",
+        "auto",
+        fast,
+        fast_truth,
+        0.10,
+    );
     slow.program.send("delay 40")?;
     // Read within one window of the change (the light load lasts a window and 2 s).
     let (slowed, _) = light_capacity(&poolscope, port, 50.0)?;
     let slow_truth = saturated_rate(port, 32)?;
     within("C pool 8 × 40 ms", slowed, slow_truth, 0.10)?;
+    scorecard::within(
+        "capacity_requests_per_second, 8 workers, backend 10 then 40 ms",
+        "the rate closed-loop clients get from the same pool saturated right after",
+        "auto",
+        slowed,
+        slow_truth,
+        0.10,
+    );
     let fall = fast / slowed;
     eprintln!(
         "capacity fell {fall:.2}× (saturated rates: {:.2}×)",
@@ -280,6 +304,14 @@ fn a_cpu_bound_pool_under_a_quota_reads_the_quota_bound_rate() -> anyhow::Result
         truth,
         0.10,
     )?;
+    scorecard::within(
+        "capacity_requests_per_second, CPU-bound pool under half a CPU of quota",
+        "the rate closed-loop clients get from the same pool saturated right after",
+        "auto",
+        capacity,
+        truth,
+        0.10,
+    );
     drop(poolscope);
     drop(server);
     Ok(())
@@ -335,6 +367,14 @@ fn an_event_loops_capacity_is_a_lower_bound() -> anyhow::Result<()> {
     anyhow::ensure!(
         (0.10..=1.10).contains(&ratio),
         "nginx's capacity {capacity:.0}/s is {ratio:.2}× its saturated rate {saturated:.0}/s"
+    );
+    scorecard::bounded(
+        "capacity_requests_per_second, nginx event loop (a lower bound)",
+        "wrk's saturated rate",
+        "auto",
+        capacity,
+        saturated,
+        "0.10–1.10 × (a lower bound)",
     );
     Ok(())
 }

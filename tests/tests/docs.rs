@@ -6,8 +6,9 @@
 //! (`docs/metrics.md`), every command-line flag is documented, and neither reference
 //! documents a key or metric that no longer exists. Every relative link of README.md
 //! and docs/ resolves (its file, and its `#anchor` in a Markdown file), every path
-//! `docs/ARCHITECTURE.md` names exists, and nothing the repository tracks points
-//! outside it (its design is in docs/DESIGN.md).
+//! `docs/ARCHITECTURE.md` names exists, nothing the repository tracks points
+//! outside it (its design is in docs/DESIGN.md), and the accuracy scorecard
+//! (`docs/accuracy.md`) lists exactly the quantities the tests record.
 //!
 //! The sources are read at test time, so a key, metric or flag added without docs
 //! fails here with a message naming it.
@@ -598,6 +599,89 @@ fn every_path_in_the_architecture_exists() -> anyhow::Result<()> {
         "docs/ARCHITECTURE.md names paths that do not exist (from the root or a crate's \
          source folder): {}",
         problems.join(", ")
+    );
+    Ok(())
+}
+
+/// The (test binary, quantity) pairs the test sources record: the string literal that
+/// opens each call of a recorder function (`scorecard::exact` and the like) in
+/// tests/tests/<binary>.rs.
+fn recorded_quantities() -> anyhow::Result<BTreeSet<(String, String)>> {
+    const CALL: &str = "scorecard::";
+    let mut recorded = BTreeSet::new();
+    for entry in fs::read_dir(workspace().join("tests/tests"))? {
+        let path = entry?.path();
+        let Some(binary) = path
+            .file_stem()
+            .filter(|_| path.extension().is_some_and(|ext| ext == "rs"))
+        else {
+            continue;
+        };
+        let binary = binary.to_string_lossy().into_owned();
+        let source = fs::read_to_string(&path)?;
+        for (at, _) in source.match_indices(CALL) {
+            let rest = &source[at + CALL.len()..];
+            let name = rest
+                .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                .unwrap_or(rest.len());
+            let Some(arguments) = rest[name..].strip_prefix('(') else {
+                continue;
+            };
+            let arguments = arguments.trim_start();
+            let quantity = arguments
+                .strip_prefix('"')
+                .and_then(|literal| literal.split_once('"'))
+                .map(|(quantity, _)| quantity)
+                .with_context(|| {
+                    format!(
+                        "{}: a scorecard call whose quantity is not a string literal: {}",
+                        path.display(),
+                        &rest[..rest.len().min(80)]
+                    )
+                })?;
+            recorded.insert((binary.clone(), quantity.to_owned()));
+        }
+    }
+    Ok(recorded)
+}
+
+/// docs/accuracy.md, written by `cargo xtask scorecard` from the tests' own log, lists
+/// every quantity a test records (its binary in the last column), and nothing else.
+#[test]
+fn the_accuracy_scorecard_lists_what_the_tests_record() -> anyhow::Result<()> {
+    let recorded = recorded_quantities()?;
+    ensure!(
+        recorded.len() > 20,
+        "only {} recorded quantities found in tests/tests",
+        recorded.len()
+    );
+    let page = read("docs/accuracy.md")?;
+    let mut listed = BTreeSet::new();
+    for row in table_rows(&page).iter().skip(2) {
+        let (Some(quantity), Some(test)) = (row.first(), row.last()) else {
+            continue;
+        };
+        let binary = test
+            .strip_prefix('`')
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(binary, _)| binary)
+            .with_context(|| format!("docs/accuracy.md: a row without its test binary: {row:?}"))?;
+        listed.insert((binary.to_owned(), quantity.clone()));
+    }
+    let missing: Vec<String> = recorded
+        .difference(&listed)
+        .map(|(binary, quantity)| format!("{binary}: {quantity}"))
+        .collect();
+    let stale: Vec<String> = listed
+        .difference(&recorded)
+        .map(|(binary, quantity)| format!("{binary}: {quantity}"))
+        .collect();
+    ensure!(
+        missing.is_empty() && stale.is_empty(),
+        "docs/accuracy.md is not what the tests record; run `cargo xtask scorecard` (as \
+         root).\n  recorded, not listed: {}\n  listed, recorded by no test: {}",
+        missing.join("; "),
+        stale.join("; ")
     );
     Ok(())
 }

@@ -26,7 +26,7 @@ use poolscope_tests::{
     Metrics, Poolscope, Program, backends,
     downstream::{self, Backend, Kind},
     load::OpenLoop,
-    one_at_a_time, parse_debug_threads, privileged, scrape_until, wait_until,
+    one_at_a_time, parse_debug_threads, privileged, scorecard, scrape_until, wait_until,
 };
 
 const WORKERS: u32 = 8;
@@ -255,18 +255,45 @@ fn check(
                 "load {load}: utilization {:.3}, truth {:.3} ± 0.03",
                 reading.utilization, reading.truth_utilization
             ));
+        } else {
+            scorecard::points(
+                "busy share of a pool calling a slow backend (thread_seconds_total)",
+                "the workers' own busy time by their clock",
+                backend,
+                reading.utilization,
+                reading.truth_utilization,
+                3.0,
+            );
         }
         if (reading.network_wait - reading.truth_wait).abs() > 0.05 * reading.truth_wait {
             failures.push(format!(
                 "load {load}: network wait {:.3} s, truth {:.3} s ± 5 %",
                 reading.network_wait, reading.truth_wait
             ));
+        } else {
+            scorecard::within(
+                "offcpu_seconds_total of reason network, workers calling a slow backend",
+                "the workers' own time in backend calls",
+                backend,
+                reading.network_wait,
+                reading.truth_wait,
+                0.05,
+            );
         }
         if (reading.backend_wait - reading.truth_wait).abs() > 0.05 * reading.truth_wait {
             failures.push(format!(
                 "load {load}: wait on the backend's address {:.3} s, truth {:.3} s ± 5 %",
                 reading.backend_wait, reading.truth_wait
             ));
+        } else {
+            scorecard::within(
+                "downstream_wait_seconds_total of the backend's address",
+                "the workers' own time in backend calls",
+                backend,
+                reading.backend_wait,
+                reading.truth_wait,
+                0.05,
+            );
         }
         workers_are_idle(&poolscope, &service)?;
     }

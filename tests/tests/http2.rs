@@ -36,7 +36,7 @@ use poolscope_tests::{
         Amount, GrpcClient, GrpcServer, OldConnection, UpgradeServer, curl_upgrade, h2load,
         h2load_h1, h2raw,
     },
-    one_at_a_time, privileged, scrape_until,
+    one_at_a_time, privileged, scorecard, scrape_until,
     servers::{Kind, RealServer, pin_to_first_cpu},
 };
 
@@ -334,6 +334,15 @@ fn nginx_h2load_counts_every_stream() -> anyhow::Result<()> {
                 connections: Some(u64::from(H2LOAD_CLIENTS)),
             }
             .check(&delta, &mut failures);
+            if delta.requests == load.succeeded as f64 {
+                scorecard::exact(
+                    "requests_total, HTTP/2 streams (nginx h2c, 1 to 100 streams in flight)",
+                    "h2load's count of succeeded requests",
+                    backend,
+                    delta.requests,
+                    load.succeeded as f64,
+                );
+            }
         }
     }
     eprintln!("{}", table.join("\n"));
@@ -483,6 +492,15 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
                      client's in flight), beyond ±{WAITING_TOLERANCE}",
                     run.workers
                 ));
+            } else {
+                scorecard::difference(
+                    "requests_waiting, gRPC calls waiting for a worker (mean of 15 scrapes)",
+                    "calls in flight by Little's law on the client's timings, less the W workers",
+                    backend,
+                    (waiting, truth_waiting),
+                    WAITING_TOLERANCE,
+                    "calls",
+                );
             }
             let error = (sampled - little) / little;
             table.push(format!(
@@ -502,6 +520,15 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
                 connections: Some(1),
             }
             .check(&delta, &mut failures);
+            if delta.requests == result.completed as f64 {
+                scorecard::exact(
+                    "requests_total, gRPC unary calls",
+                    "the gRPC client's count of completed calls",
+                    backend,
+                    delta.requests,
+                    result.completed as f64,
+                );
+            }
             if error.abs().is_nan() || error.abs() > LITTLE_TOLERANCE {
                 failures.push(format!(
                     "{what}: mean in flight {sampled:.2} (sampled) vs {little:.2} \
@@ -509,6 +536,15 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
                     error * 100.0,
                     LITTLE_TOLERANCE * 100.0
                 ));
+            } else {
+                scorecard::within(
+                    "requests_in_flight, gRPC unary calls (mean of 15 scrapes)",
+                    "Little's law on the client's own timings",
+                    backend,
+                    sampled,
+                    little,
+                    LITTLE_TOLERANCE,
+                );
             }
             let served = server.finish()?;
             anyhow::ensure!(

@@ -21,7 +21,7 @@ use poolscope_tests::{
     Metrics, Poolscope, Program, Served, backend_config, backends,
     downstream::compile_c,
     load::ClosedLoop,
-    one_at_a_time, privileged, requests_settled, scrape_until,
+    one_at_a_time, privileged, requests_settled, scorecard, scrape_until,
     steady::{self, Steady, assert_within, value},
 };
 
@@ -142,9 +142,24 @@ fn seen_whole(backend: &str, ops: &str) -> anyhow::Result<()> {
         completed as f64,
         "requests_total against the clients' count"
     );
+    scorecard::exact(
+        "requests_total",
+        "the clients' count of answered requests",
+        backend,
+        value(&last, "poolscope_requests_total", &service),
+        completed as f64,
+    );
     let service_time = served.mean.as_secs_f64();
     assert_within(
         "mean duration",
+        steady.duration_sum / steady.requests,
+        service_time,
+        0.05,
+    );
+    scorecard::within(
+        "mean request duration",
+        "the server's own mean time in service",
+        backend,
         steady.duration_sum / steady.requests,
         service_time,
         0.05,
@@ -157,14 +172,38 @@ fn seen_whole(backend: &str, ops: &str) -> anyhow::Result<()> {
     let served_in_flight = steady.requests * service_time / steady.seconds;
     eprintln!("server's own mean in service: {served_in_flight:.3} (of {slots} slots)");
     assert_within("mean in flight", steady.in_flight, served_in_flight, 0.05);
+    scorecard::within(
+        "requests_in_flight, mean while saturated",
+        "the server's own time in service over the window (Little's law)",
+        backend,
+        steady.in_flight,
+        served_in_flight,
+        0.05,
+    );
     assert_within(
         "mean queue depth",
         steady.queue_depth,
         clients - slots,
         0.10,
     );
+    scorecard::within(
+        "queue_depth, mean while saturated",
+        "C − N = 12 − 4 clients waiting",
+        backend,
+        steady.queue_depth,
+        clients - slots,
+        0.10,
+    );
     assert_within(
         "mean queue time",
+        steady.queue_sum / steady.requests,
+        clients * service_time / slots - service_time,
+        0.10,
+    );
+    scorecard::within(
+        "mean request queue time",
+        "C·S/N − S with S the server's own mean time in service",
+        backend,
         steady.queue_sum / steady.requests,
         clients * service_time / slots - service_time,
         0.10,
@@ -186,6 +225,13 @@ fn seen_nothing(ops: &str) -> anyhow::Result<()> {
     assert_eq!(value(&last, "poolscope_requests_total", &service), 0.0);
     assert_eq!(steady.in_flight, 0.0, "requests_in_flight under load");
     assert_eq!(steady.queue_depth, 0.0, "queue_depth under load");
+    scorecard::exact(
+        "requests_total, syscall backend",
+        "0: io_uring makes none of the syscalls the backend follows (docs/limits.md)",
+        "syscall",
+        value(&last, "poolscope_requests_total", &service),
+        0.0,
+    );
     Ok(())
 }
 

@@ -26,7 +26,7 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, free_short_port, one_at_a_time, pids_config, privileged,
+    Metrics, Poolscope, free_short_port, one_at_a_time, pids_config, privileged, scorecard,
     servers::{Kind, Options, RealServer, WrkResult, get, wrk_path},
     thread_names, watch_with,
 };
@@ -374,6 +374,14 @@ fn tomcat_monitor_waits_are_lock_waits_and_sleeps_are_timed_ones() -> anyhow::Re
         "{exec}: blocked_lock {:.2} s under /locked, truth {truth:.2} s (bounds 80–105 %)",
         pool.blocked_lock
     );
+    scorecard::bounded(
+        "thread_seconds_total of blocked_lock, Tomcat requests queued on one monitor",
+        "(C − 1) requests waiting × wrk's run time",
+        "-",
+        pool.blocked_lock,
+        truth,
+        "80–105 % of the truth",
+    );
     assert!(
         others.blocked_lock <= 0.02 * truth,
         "pools other than {exec} have {:.3} s of blocked_lock: threads that serve no request do not wait for locks",
@@ -402,6 +410,14 @@ fn tomcat_monitor_waits_are_lock_waits_and_sleeps_are_timed_ones() -> anyhow::Re
         pool.all_wait_seconds() >= 0.8 * truth && pool.all_wait_seconds() <= 1.05 * truth,
         "{exec}: lock_wait_seconds_sum {:.2} s (futex and futex_timed) under /locked, truth {truth:.2} s (bounds 80–105 %)",
         pool.all_wait_seconds()
+    );
+    scorecard::bounded(
+        "lock_wait_seconds_sum, Tomcat requests queued on one monitor",
+        "(C − 1) requests waiting × wrk's run time",
+        "-",
+        pool.all_wait_seconds(),
+        truth,
+        "80–105 % of the truth",
     );
     assert!(
         pool.wait_seconds >= 0.9 * pool.all_wait_seconds(),
@@ -439,6 +455,14 @@ fn tomcat_monitor_waits_are_lock_waits_and_sleeps_are_timed_ones() -> anyhow::Re
             && sleep_pool.timed_wait_seconds <= sleep_bound,
         "{exec}: futex_timed wait sum {:.2} s under /sleep, truth {slept_truth:.2} s of sleep, at most {sleep_bound:.2} s of requests in the servlet",
         sleep_pool.timed_wait_seconds
+    );
+    scorecard::bounded(
+        "lock_wait_seconds_sum of futex_timed, Tomcat requests in Thread.sleep",
+        "wrk's requests × the sleep (H = 5 ms)",
+        "-",
+        sleep_pool.timed_wait_seconds,
+        slept_truth,
+        "from 98 % of the truth to C × wrk's run time",
     );
     assert!(
         sleep_pool.wait_seconds <= 0.02 * slept_truth,

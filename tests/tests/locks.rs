@@ -14,7 +14,7 @@ use poolscope_tests::{
     Metrics, Poolscope, Program,
     kernel_maps::walked_entries,
     load::{ClosedLoop, Connections, OpenLoop},
-    one_at_a_time, parse_tids, pids_config, privileged, requests_settled, scrape_until,
+    one_at_a_time, parse_tids, pids_config, privileged, requests_settled, scorecard, scrape_until,
 };
 
 const SERVICE: &str = "lk";
@@ -234,6 +234,14 @@ fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
         "futex wait {futex_sum:.4} s vs the program's blocked lock calls {:.4} s",
         own.blocked_total_s()
     );
+    scorecard::within(
+        "lock_wait_seconds_sum of futex, a contended pthread mutex",
+        "the program's own time in its blocked pthread_mutex_lock calls",
+        "-",
+        futex_sum,
+        own.blocked_total_s(),
+        0.05,
+    );
     // The uprobes time every pthread_mutex_lock call; the program calls it only
     // after a failed trylock, so exactly for its blocked calls.
     anyhow::ensure!(
@@ -241,10 +249,26 @@ fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
         "pthread_mutex calls {mutex_count} vs {} blocked calls",
         own.blocked
     );
+    scorecard::within(
+        "lock_wait_seconds_count of pthread_mutex (uprobes)",
+        "the program's count of its blocked pthread_mutex_lock calls",
+        "-",
+        mutex_count,
+        own.blocked as f64,
+        0.01,
+    );
     anyhow::ensure!(
         within(mutex_sum, own.blocked_total_s(), 0.05),
         "pthread_mutex time {mutex_sum:.4} s vs {:.4} s",
         own.blocked_total_s()
+    );
+    scorecard::within(
+        "lock_wait_seconds_sum of pthread_mutex (uprobes)",
+        "the program's own time in its blocked pthread_mutex_lock calls",
+        "-",
+        mutex_sum,
+        own.blocked_total_s(),
+        0.05,
     );
 
     // The top lock: the one mutex, with the program's percentiles and stack.
@@ -264,6 +288,14 @@ fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
         "the top lock's {waits} waits vs {} blocked calls (calls that blocked twice?)",
         own.blocked
     );
+    scorecard::within(
+        "waits of the top lock in /debug/locks",
+        "the program's count of its blocked pthread_mutex_lock calls",
+        "-",
+        waits,
+        own.blocked as f64,
+        0.05,
+    );
     // glibc waits for a mutex without a timeout.
     anyhow::ensure!(
         top["timed_waits"].as_u64() == Some(0),
@@ -277,6 +309,14 @@ fn contended_mutex_waits_match_the_program() -> anyhow::Result<()> {
              (its {:.4} to {:.4} quantiles, and a bucket's midpoint)",
             q - slack,
             q + slack
+        );
+        scorecard::bounded(
+            "p50 and p99 of the top lock's waits in /debug/locks",
+            "the same quantile of the program's own blocked-call times",
+            "-",
+            ours,
+            own.quantile_s(q),
+            "the program's q ± 1 % (p50) or ± 0.2 % (p99) quantiles, and half a fine bucket",
         );
     }
     let frames: Vec<&str> = top["stacks"][0]["frames"]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use poolscope_tests::{
     Metrics, Netns, PoolServer, Poolscope, backend_config, backends, emulation_allowance,
     load::{ClosedLoop, Connections},
-    one_at_a_time, privileged, scrape_until,
+    one_at_a_time, privileged, scorecard, scrape_until,
     steady::{self, assert_within, assert_within_plus, value},
 };
 
@@ -25,6 +25,11 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 fn assert_duration_within(what: &str, ours: f64, truth: f64, tolerance: f64) {
     let allowance = emulation_allowance().as_secs_f64();
     assert_within_plus(what, ours, truth, tolerance, allowance);
+}
+
+/// The allowance [`assert_duration_within`] adds, in seconds, for the scorecard.
+fn duration_allowance() -> f64 {
+    emulation_allowance().as_secs_f64()
 }
 
 fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()> {
@@ -50,6 +55,13 @@ fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()
         seen.completed, served.count
     );
     assert_eq!(served.count, seen.completed);
+    scorecard::exact(
+        "requests_total",
+        "the clients' count of answered requests",
+        backend,
+        value(&metrics, "poolscope_requests_total", &service),
+        seen.completed as f64,
+    );
 
     // Service time: the server's own measure is the truth (S plus sleep overshoot).
     let service_time = served.mean.as_secs_f64();
@@ -59,6 +71,15 @@ fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()
         service_time,
         0.05,
     );
+    scorecard::within_plus(
+        "mean request duration",
+        "the server's own mean service time",
+        backend,
+        steady.duration_sum / steady.requests,
+        service_time,
+        0.05,
+        duration_allowance(),
+    );
     let p50 = metrics
         .value(
             "poolscope_request_duration_window_seconds",
@@ -66,10 +87,35 @@ fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()
         )
         .unwrap_or(f64::NAN);
     assert_duration_within("duration p50", p50, served.p50.as_secs_f64(), 0.05);
+    scorecard::within_plus(
+        "request duration p50 (window)",
+        "the server's own median service time",
+        backend,
+        p50,
+        served.p50.as_secs_f64(),
+        0.05,
+        duration_allowance(),
+    );
     assert_within("mean in flight", steady.in_flight, f64::from(WORKERS), 0.05);
+    scorecard::within(
+        "requests_in_flight, mean while saturated",
+        "N = 4 workers, all busy",
+        backend,
+        steady.in_flight,
+        f64::from(WORKERS),
+        0.05,
+    );
     // Little's law on our own numbers: in flight = completion rate × mean duration.
     assert_within(
         "Little's law (in flight)",
+        steady.in_flight,
+        steady.duration_sum / steady.seconds,
+        0.05,
+    );
+    scorecard::within(
+        "Little's law, in flight",
+        "completion rate × mean duration, from our own counters",
+        backend,
         steady.in_flight,
         steady.duration_sum / steady.seconds,
         0.05,
@@ -85,10 +131,25 @@ fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()
             queue_time, 0.0,
             "the syscall backend cannot see keep-alive queueing"
         );
+        scorecard::exact(
+            "queue time, syscall backend, keep-alive",
+            "0: without sk_data_ready an arrival is its read (docs/limits.md)",
+            backend,
+            queue_time,
+            0.0,
+        );
         return Ok(());
     }
     assert_within(
         "mean queue depth",
+        steady.queue_depth,
+        clients - workers,
+        0.10,
+    );
+    scorecard::within(
+        "queue_depth, mean while saturated",
+        "C − N = 12 − 4 clients waiting",
+        backend,
         steady.queue_depth,
         clients - workers,
         0.10,
@@ -99,8 +160,24 @@ fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()
         clients * service_time / workers - service_time,
         0.10,
     );
+    scorecard::within(
+        "mean request queue time",
+        "C·S/N − S with S the server's own mean service time",
+        backend,
+        queue_time,
+        clients * service_time / workers - service_time,
+        0.10,
+    );
     assert_within(
         "Little's law (queue)",
+        steady.queue_depth,
+        steady.queue_sum / steady.seconds,
+        0.10,
+    );
+    scorecard::within(
+        "Little's law, queue",
+        "arrival rate × mean queue time, from our own counters",
+        backend,
         steady.queue_depth,
         steady.queue_sum / steady.seconds,
         0.10,
@@ -118,6 +195,14 @@ fn controlled_pool(backend: &str, connections: Connections) -> anyhow::Result<()
     assert!(
         ours <= theirs * 1.05 && ours >= theirs * 0.75,
         "latency p50 ours {ours}, clients {theirs}"
+    );
+    scorecard::bounded(
+        "request latency p50 (window)",
+        "the clients' own median latency (which adds the handshake and loopback)",
+        backend,
+        ours,
+        theirs,
+        "0.75–1.05 × the clients'",
     );
     Ok(())
 }
@@ -200,6 +285,13 @@ fn scenario(backend: &str, style: &str, connections: Connections) -> anyhow::Res
     .with_context(|| format!("{service}: {expected} requests made"))?;
     let served = server.finish()?;
     assert_eq!(served.count, seen.completed);
+    scorecard::exact(
+        "requests_total, each request shape",
+        "the clients' count of answered requests (× 2: syscall backend, early writes)",
+        backend,
+        value(&metrics, "poolscope_requests_total", &service),
+        expected,
+    );
     for gauge in [
         "poolscope_requests_in_flight",
         "poolscope_requests_waiting",
@@ -229,6 +321,15 @@ fn scenario(backend: &str, style: &str, connections: Connections) -> anyhow::Res
             client_mean,
             0.05,
         );
+        scorecard::within_plus(
+            "mean request latency, split and early writes (tcp)",
+            "the clients' own mean latency",
+            backend,
+            mean_of("poolscope_request_latency_seconds"),
+            client_mean,
+            0.05,
+            duration_allowance(),
+        );
         return Ok(());
     }
     if per_request == 1 {
@@ -238,6 +339,15 @@ fn scenario(backend: &str, style: &str, connections: Connections) -> anyhow::Res
             mean,
             served.mean.as_secs_f64(),
             0.05,
+        );
+        scorecard::within_plus(
+            "mean request duration, each request shape",
+            "the server's own mean service time",
+            backend,
+            mean,
+            served.mean.as_secs_f64(),
+            0.05,
+            duration_allowance(),
         );
     }
     Ok(())

@@ -45,7 +45,7 @@ use std::{
 use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, cpu_steal_seconds, free_short_port, one_at_a_time,
-    parse_debug_threads, pids_config, privileged, scrape_until,
+    parse_debug_threads, pids_config, privileged, scorecard, scrape_until,
     servers::{Kind, Options, RealServer, WrkResult, get, pin_to_first_cpu, wrk_path},
     thread_names, watch_with,
 };
@@ -302,10 +302,25 @@ fn tomcat_exec_pool_is_saturated_at_max_threads() -> anyhow::Result<()> {
         f64::from(MAX_THREADS),
         "{exec}: pool_threads is not maxThreads"
     );
+    scorecard::exact(
+        "pool_threads of Tomcat's exec pool",
+        "Tomcat's maxThreads",
+        "-",
+        pool.threads,
+        f64::from(MAX_THREADS),
+    );
     assert!(
         pool.utilization >= 0.95,
         "{exec}: utilization {:.3} < 0.95 with {CONNECTIONS} connections on {MAX_THREADS} threads",
         pool.utilization
+    );
+    scorecard::bounded(
+        "pool_utilization_ratio of Tomcat's exec pool, saturated",
+        "1: more connections than maxThreads, each request 15 ms",
+        "-",
+        pool.utilization,
+        1.0,
+        "≥ 0.95",
     );
     Ok(())
 }
@@ -503,6 +518,14 @@ fn node_event_loop_utilization_matches_the_runtime() -> anyhow::Result<()> {
         node.utilization,
         default.elu,
     );
+    scorecard::points(
+        "pool_utilization_ratio of a Node.js event loop",
+        "Node's own event loop utilization (performance.eventLoopUtilization)",
+        "-",
+        node.utilization,
+        default.elu,
+        5.0,
+    );
     close(
         "thread_seconds_total busy share of \"node\"",
         node_busy,
@@ -512,6 +535,14 @@ fn node_event_loop_utilization_matches_the_runtime() -> anyhow::Result<()> {
         "pool_utilization_ratio{pool=\"eventloop\"}",
         eventloop.utilization,
         renamed.elu,
+    );
+    scorecard::points(
+        "pool_utilization_ratio of a Node.js event loop",
+        "Node's own event loop utilization (performance.eventLoopUtilization)",
+        "-",
+        eventloop.utilization,
+        renamed.elu,
+        5.0,
     );
     close(
         "thread_seconds_total busy share of \"eventloop\"",

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use poolscope_tests::{
     Metrics, Poolscope, Program, ThreadRow, backends, cpu_steal_seconds, load::OpenLoop,
-    one_at_a_time, parse_debug_threads, parse_tids, privileged, schedstat, scrape_until,
+    one_at_a_time, parse_debug_threads, parse_tids, privileged, schedstat, scorecard, scrape_until,
     servers::pin_to_first_cpu,
 };
 
@@ -212,12 +212,28 @@ fn thread_times_match_schedstat_with(limits: &str) -> anyhow::Result<()> {
                 ours.0,
                 kernel.0
             );
+            scorecard::bounded(
+                "thread time running, per busy thread",
+                "the kernel's schedstat (time on CPU)",
+                "-",
+                ours.0,
+                kernel.0,
+                "−2 % to +2 % + time stolen by the hypervisor",
+            );
             assert!(
                 (ours.1 - kernel.1).abs() <= 0.05 * kernel.1,
                 "thread {}: runnable {:.4} s, schedstat {:.4} s: more than 5% off",
                 row.tid,
                 ours.1,
                 kernel.1
+            );
+            scorecard::within(
+                "thread time runnable, per busy thread",
+                "the kernel's schedstat (run-queue wait)",
+                "-",
+                ours.1,
+                kernel.1,
+                0.05,
             );
         } else {
             // A thread that runs µs per wakeup (the acceptor): schedstat charges
@@ -316,6 +332,14 @@ fn pool_utilization_matches_offered_load() -> anyhow::Result<()> {
             (utilization - truth).abs() <= 0.03,
             "offered {offered}: utilization {utilization:.3}, the workers' own {truth:.3} ± 0.03"
         );
+        scorecard::points(
+            "pool_utilization_ratio at 25, 50, 90 and 110 % offered load",
+            "the workers' own busy time by their clock, over the same window",
+            "-",
+            utilization,
+            truth,
+            3.0,
+        );
         // Idle workers wait on the pool's queue (a futex): idle, not blocked_lock.
         assert_eq!(
             states[2], 0.0,
@@ -326,6 +350,14 @@ fn pool_utilization_matches_offered_load() -> anyhow::Result<()> {
         assert!(
             (thread_seconds - want).abs() <= 0.02 * want,
             "thread-seconds {thread_seconds:.3} over {wall:.3} s of {WORKERS} threads"
+        );
+        scorecard::within(
+            "thread states' seconds, summed over a pool",
+            "threads × wall time (each thread in one state at every instant)",
+            "-",
+            thread_seconds,
+            want,
+            0.02,
         );
     }
     server.program.finish("served")?;
@@ -388,9 +420,25 @@ fn work_kind(backend: &str, work: &str, state: &str, component: &str) -> anyhow:
         share >= 0.9,
         "{work}: {state} is {share:.3} of busy time but the run queue"
     );
+    scorecard::bounded(
+        "busy time in the work's state (spin: running, sleep: blocked_io, mutex: blocked_lock)",
+        "all of the busy time but the run queue's",
+        backend,
+        share,
+        1.0,
+        "≥ 90 %",
+    );
     assert!(
         component_share >= 0.9,
         "{work}: request time in {component} is {component_share:.3}"
+    );
+    scorecard::bounded(
+        "request time in the work's component (running, io, lock)",
+        "all of the request time but the run queue's",
+        backend,
+        component_share,
+        1.0,
+        "≥ 90 %",
     );
     if state != "blocked_lock" {
         assert_eq!(
@@ -468,6 +516,14 @@ fn two_spinners_on_one_cpu_wait_half_the_time() -> anyhow::Result<()> {
             "the spinners did not share the CPU: {kernel:.3} s"
         );
         assert!((ours - kernel).abs() <= 0.05 * kernel, "against schedstat");
+        scorecard::within(
+            "thread time runnable, two spinners on one CPU",
+            "the kernel's schedstat (run-queue wait)",
+            "-",
+            ours,
+            kernel,
+            0.05,
+        );
     }
     // A pool's wait series appear with its first finished wait (docs/performance.md, Series per
     // service): before it, a known pool has waited 0 s.
@@ -494,6 +550,14 @@ fn two_spinners_on_one_cpu_wait_half_the_time() -> anyhow::Result<()> {
         runqueue_sum >= 0.95 * least && runqueue_sum <= 1.05 * most,
         "run-queue waits {runqueue_sum:.3} s, schedstat {least:.3} s over the inner \
          interval, {most:.3} s at the same rate over the scrapes' interval"
+    );
+    scorecard::bounded(
+        "runqueue_wait_seconds_sum, two spinners on one CPU",
+        "the kernel's schedstat run delay over the same interval",
+        "-",
+        runqueue_sum,
+        least,
+        "0.95 × schedstat's to 1.05 × its rate over the scrapes' interval",
     );
     drop(spinners.finish(""));
     Ok(())

@@ -1,10 +1,11 @@
-//! `cargo xtask <run|test|bench|setup>`: the project's only entry points. Each first
+//! `cargo xtask <run|test|bench|scorecard|setup>`: the project's only entry points. Each first
 //! installs what is missing (rust-src, bpf-linker linked to rustc's own libLLVM, the
 //! Debian packages the task needs) and says nothing when nothing is missing.
 mod bench;
 mod image;
 mod manifests;
 mod package;
+mod scorecard;
 mod setup;
 mod skips;
 mod vm;
@@ -23,6 +24,7 @@ const USAGE: &str = "usage: cargo xtask <command>
   bench                     install what is missing, measure poolscope's cost on nginx, per context switch, per lock and of stack snapshots (BENCH_ONLY=nginx|sched|locks|stacks)
   manifests [--job-selector S] [--runbook-base URL]  write deploy/kubernetes/'s PrometheusRule and dashboard ConfigMaps from alerts/ and dashboards/
   image                     build the .deb, then the container image localhost/poolscope:<version> from Debian packages and target/image/poolscope_<version>.oci.tar
+  scorecard [--from-log]    run the tests that compare poolscope with a ground truth (as root), write docs/accuracy.md from their log (--from-log: from the log `test` left)
   package                   build the release binary and target/package/poolscope_<version>_<arch>.deb (binary, systemd unit, empty config)
   setup                     only install what is missing";
 
@@ -88,8 +90,13 @@ fn main() -> anyhow::Result<()> {
         Some("test") => {
             let log = root.join("target/test-skips.log");
             skips::reset(&log)?;
-            // SAFETY: xtask is single-threaded; the tests it starts inherit the variable.
-            unsafe { std::env::set_var(skips::ENV, &log) };
+            let comparisons = root.join(scorecard::LOG);
+            scorecard::reset(&comparisons)?;
+            // SAFETY: xtask is single-threaded; the tests it starts inherit the variables.
+            unsafe {
+                std::env::set_var(skips::ENV, &log);
+                std::env::set_var(scorecard::ENV, &comparisons);
+            }
             let result = test(&root);
             for line in skips::summary(&log)? {
                 eprintln!("xtask: {line}");
@@ -126,6 +133,20 @@ fn main() -> anyhow::Result<()> {
             )?;
             let deb = package::build(&root)?;
             println!("{}", image::build(&root, &deb)?.display());
+            Ok(())
+        }
+        Some("scorecard") => {
+            let log = root.join(scorecard::LOG);
+            match args.get(1).map(String::as_str) {
+                Some("--from-log") => {}
+                None => {
+                    setup::ensure(TEST_PACKAGES)?;
+                    run_scorecard_tests(&root, &log)?;
+                }
+                Some(other) => bail!("scorecard: unknown argument {other:?}\n{USAGE}"),
+            }
+            let rows = scorecard::write_page(&root, &log)?;
+            println!("{}: {rows} comparisons", scorecard::PAGE);
             Ok(())
         }
         Some("manifests") => manifests::run(&root, args.get(1..).unwrap_or_default()),
@@ -179,6 +200,35 @@ fn test(root: &Path) -> anyhow::Result<()> {
     image::build(root, &deb)?;
     cargo(root, &["test", "--release", "--package", "poolscope-tests"])?;
     vm::run(root)
+}
+
+/// `cargo xtask scorecard`: the release binaries, then each test binary that records
+/// comparisons, one at a time (they time the machine), logging to `log`.
+fn run_scorecard_tests(root: &Path, log: &Path) -> anyhow::Result<()> {
+    if !is_root() {
+        bail!("scorecard: the tests that record comparisons load eBPF programs: run as root");
+    }
+    cargo(root, &["build", "--quiet", "--release", "--bins"])?;
+    scorecard::reset(log)?;
+    // SAFETY: xtask is single-threaded; the tests it starts inherit the variable.
+    unsafe { std::env::set_var(scorecard::ENV, log) };
+    for binary in scorecard::recording_binaries(root)? {
+        cargo(
+            root,
+            &[
+                "test",
+                "--release",
+                "--package",
+                "poolscope-tests",
+                "--test",
+                &binary,
+                "--",
+                "--test-threads",
+                "1",
+            ],
+        )?;
+    }
+    Ok(())
 }
 
 fn workspace_root() -> anyhow::Result<PathBuf> {
