@@ -22,7 +22,7 @@ use poolscope_tests::{
     profiles::{
         FoldedLine, http_get, names, parse_folded, snapshots_covering, unix_now, weight_of,
     },
-    scrape_until, wait_until,
+    scorecard, scrape_until, wait_until,
 };
 
 const SERVICE: &str = "paths";
@@ -217,6 +217,23 @@ fn callers_behind_one_call_site_keep_their_own_stacks() -> anyhow::Result<()> {
         (cpu_share - truth_cpu).abs() <= TOLERANCE && (off_share - truth_off).abs() <= TOLERANCE,
         "caller_a's share differs from the program's own split by more than {TOLERANCE}: \
          on-CPU {cpu_share:.3} vs {truth_cpu:.3}, off-CPU {off_share:.3} vs {truth_off:.3}"
+    );
+    let truth_is = "the program's own split of its time between the two callers";
+    scorecard::points(
+        "on-CPU samples' share of one of two callers behind one call site (no frame pointers)",
+        truth_is,
+        "-",
+        cpu_share,
+        truth_cpu,
+        TOLERANCE * 100.0,
+    );
+    scorecard::points(
+        "off-CPU time's share of one of two callers behind one call site (no frame pointers)",
+        truth_is,
+        "-",
+        off_share,
+        truth_off,
+        TOLERANCE * 100.0,
     );
     Ok(())
 }
