@@ -117,7 +117,7 @@ fn main() -> anyhow::Result<()> {
         Some("picture") => {
             if !is_root() {
                 bail!(
-                    "cargo xtask picture needs root: poolscope loads eBPF programs (run it as root, e.g. `sudo -E cargo xtask picture`)"
+                    "cargo xtask picture needs root: the poolscope it runs loads eBPF programs; run it again as root"
                 );
             }
             setup_and_build(&root, picture::PACKAGES)?;
