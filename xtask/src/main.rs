@@ -1,10 +1,11 @@
-//! `cargo xtask <run|test|bench|scorecard|setup>`: the project's only entry points. Each first
+//! `cargo xtask <run|test|bench|scorecard|picture|setup|…>`: the project's only entry points. Each first
 //! installs what is missing (rust-src, bpf-linker linked to rustc's own libLLVM, the
 //! Debian packages the task needs) and says nothing when nothing is missing.
 mod bench;
 mod image;
 mod manifests;
 mod package;
+mod picture;
 mod scorecard;
 mod setup;
 mod skips;
@@ -26,6 +27,7 @@ const USAGE: &str = "usage: cargo xtask <command>
   image                     build the .deb, then the container image localhost/poolscope:<version> from Debian packages and target/image/poolscope_<version>.oci.tar
   scorecard [--from-log]    run the tests that compare poolscope with a ground truth (as root), write docs/accuracy.md from their log (--from-log: from the log `test` left)
   package                   build the release binary and target/package/poolscope_<version>_<arch>.deb (binary, systemd unit, empty config)
+  picture                   (root) install what is missing, build, draw docs/images/wall-flame.svg: poolscope's wall-clock flame graph of gunicorn under wrk
   setup                     only install what is missing";
 
 /// Debian packages the tests use: promtool (prometheus); the real servers of
@@ -73,17 +75,13 @@ fn main() -> anyhow::Result<()> {
     let root = workspace_root()?;
     match args.first().map(String::as_str) {
         Some("run") => {
-            setup::ensure(&[])?;
+            setup_and_build(&root, &[])?;
             let flags = args.get(1..).unwrap_or_default();
             let flags: Vec<&str> = flags
                 .iter()
                 .map(String::as_str)
                 .skip_while(|a| *a == "--")
                 .collect();
-            cargo(
-                &root,
-                &["build", "--quiet", "--release", "--package", "poolscope"],
-            )?;
             let binary = root.join("target/release/poolscope");
             run_privileged(&binary, &flags)
         }
@@ -108,29 +106,17 @@ fn main() -> anyhow::Result<()> {
             vm::run(&root)
         }
         Some("bench") => {
-            setup::ensure(bench::PACKAGES)?;
-            cargo(
-                &root,
-                &["build", "--quiet", "--release", "--package", "poolscope"],
-            )?;
+            setup_and_build(&root, bench::PACKAGES)?;
             bench::run(&root)
         }
         Some("package") => {
-            setup::ensure(package::PACKAGES)?;
-            cargo(
-                &root,
-                &["build", "--quiet", "--release", "--package", "poolscope"],
-            )?;
+            setup_and_build(&root, package::PACKAGES)?;
             let deb = package::build(&root)?;
             println!("{}", deb.display());
             Ok(())
         }
         Some("image") => {
-            setup::ensure(&[package::PACKAGES, image::PACKAGES].concat())?;
-            cargo(
-                &root,
-                &["build", "--quiet", "--release", "--package", "poolscope"],
-            )?;
+            setup_and_build(&root, &[package::PACKAGES, image::PACKAGES].concat())?;
             let deb = package::build(&root)?;
             println!("{}", image::build(&root, &deb)?.display());
             Ok(())
@@ -149,9 +135,26 @@ fn main() -> anyhow::Result<()> {
             println!("{}: {rows} comparisons", scorecard::PAGE);
             Ok(())
         }
+        Some("picture") => {
+            if !is_root() {
+                bail!(
+                    "cargo xtask picture needs root: the poolscope it runs loads eBPF programs; run it again as root"
+                );
+            }
+            setup_and_build(&root, picture::PACKAGES)?;
+            picture::run(&root)
+        }
         Some("manifests") => manifests::run(&root, args.get(1..).unwrap_or_default()),
         Some("setup") => {
-            setup::ensure(&[TEST_PACKAGES, bench::PACKAGES, vm::PACKAGES].concat())?;
+            setup::ensure(
+                &[
+                    TEST_PACKAGES,
+                    bench::PACKAGES,
+                    picture::PACKAGES,
+                    vm::PACKAGES,
+                ]
+                .concat(),
+            )?;
             setup::ensure_kubernetes_validate(&root)
         }
         _ => bail!("{USAGE}"),
@@ -237,6 +240,15 @@ fn workspace_root() -> anyhow::Result<PathBuf> {
         .parent()
         .map(Path::to_path_buf)
         .context("xtask has no parent directory")
+}
+
+/// Installs what is missing and `packages`, then builds the release poolscope.
+fn setup_and_build(root: &Path, packages: &[&str]) -> anyhow::Result<()> {
+    setup::ensure(packages)?;
+    cargo(
+        root,
+        &["build", "--quiet", "--release", "--package", "poolscope"],
+    )
 }
 
 /// Runs cargo (the toolchain rust-toolchain.toml pins) in the workspace.

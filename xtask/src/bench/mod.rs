@@ -92,7 +92,7 @@ use stacks::run_stacks;
 pub const PACKAGES: &[&str] = &["nginx", "wrk", "nghttp2-client"];
 
 /// Kills and reaps a child when dropped.
-struct Guard(Child);
+pub(crate) struct Guard(pub(crate) Child);
 
 impl Drop for Guard {
     fn drop(&mut self) {
@@ -118,7 +118,7 @@ fn env_number(name: &str, default: u64) -> u64 {
 }
 
 /// A port nothing listens on now (the machine may run other servers, other benches).
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(listener.local_addr()?.port())
 }
@@ -348,7 +348,7 @@ fn spawn_poolscope(
 
 /// Starts poolscope `binary` with `config`, serving on `address`, with more settings
 /// from `env`.
-fn spawn_poolscope_binary(
+pub(crate) fn spawn_poolscope_binary(
     binary: &Path,
     config: &Path,
     address: &str,
@@ -376,11 +376,22 @@ fn scrape(address: &str) -> anyhow::Result<String> {
 /// (emptied first; its capacity kept), answered with 200: a refusal or a timeout's
 /// 503 is an error, not a fast scrape.
 fn scrape_into(address: &str, headers: &str, response: &mut Vec<u8>) -> anyhow::Result<()> {
+    get_into(address, "/metrics", headers, response)
+}
+
+/// `GET path` from poolscope on `address` with `headers` (each line ending in CRLF)
+/// into `response` (head and body; emptied first, its capacity kept), answered with
+/// 200: any other status is an error.
+pub(crate) fn get_into(
+    address: &str,
+    path: &str,
+    headers: &str,
+    response: &mut Vec<u8>,
+) -> anyhow::Result<()> {
     response.clear();
     let mut stream = TcpStream::connect(address)?;
-    stream.write_all(
-        format!("GET /metrics HTTP/1.0\r\nHost: poolscope\r\n{headers}\r\n").as_bytes(),
-    )?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: poolscope\r\n{headers}\r\n").as_bytes())?;
     stream.read_to_end(response)?;
     let status = response.split(|&b| b == b'\n').next().unwrap_or_default();
     if !status.windows(5).any(|w| w == b" 200 ") {
@@ -398,7 +409,7 @@ fn text(response: Vec<u8>) -> anyhow::Result<String> {
 }
 
 /// Waits up to 20 s until poolscope's /metrics on `address` shows every line of `ready`.
-fn wait_for_metrics(address: &str, ready: &[String]) -> anyhow::Result<()> {
+pub(crate) fn wait_for_metrics(address: &str, ready: &[String]) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if scrape(address).is_ok_and(|body| ready.iter().all(|line| body.contains(line.as_str()))) {
@@ -412,6 +423,30 @@ fn wait_for_metrics(address: &str, ready: &[String]) -> anyhow::Result<()> {
         }
         sleep(Duration::from_millis(100));
     }
+}
+
+/// Waits up to 10 s until something listens on 127.0.0.1:`port`, and `server` (whose
+/// name is `name`) still runs; an error points at its `log`.
+pub(crate) fn wait_until_listening(
+    server: &mut Guard,
+    name: &str,
+    port: u16,
+    log: &Path,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            bail!(
+                "nothing listens on port {port} after 10 s; see {}",
+                log.display()
+            );
+        }
+        sleep(Duration::from_millis(50));
+    }
+    if let Some(status) = server.0.try_wait()? {
+        bail!("{name} exited ({status}); see {}", log.display());
+    }
+    Ok(())
 }
 
 /// Builds the release test programs `names` (tests/src/bin).

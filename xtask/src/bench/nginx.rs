@@ -3,7 +3,6 @@
 use std::{
     collections::BTreeMap,
     fs,
-    net::TcpStream,
     path::{Path, PathBuf},
     process::{Command, Stdio},
     thread::sleep,
@@ -17,7 +16,7 @@ mod report;
 use super::bpf::{BpfStats, EmptyProgram};
 use super::{
     Disturbance, Guard, Measured, Process, cpu_used, free_port, measure_alone, processes, rotated,
-    scrape, spawn_poolscope, wait_for_quiet,
+    scrape, spawn_poolscope, wait_for_quiet, wait_until_listening,
 };
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -273,13 +272,7 @@ pub(super) fn start_nginx(dir: &Path, config: &str, port: u16) -> anyhow::Result
             .spawn()
             .context("starting nginx")?,
     );
-    wait_for_port(port)?;
-    if let Some(status) = nginx.0.try_wait()? {
-        bail!(
-            "nginx exited ({status}); see {}",
-            dir.join("error.log").display()
-        );
-    }
+    wait_until_listening(&mut nginx, "nginx", port, &dir.join("error.log"))?;
     Ok(nginx)
 }
 
@@ -291,17 +284,6 @@ fn nginx_config(dir: &Path, port: u16) -> String {
          server {{ listen 127.0.0.1:{port}; root {dir}/www; }}\n}}\n",
         dir = dir.display()
     )
-}
-
-fn wait_for_port(port: u16) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Ok(());
-        }
-        sleep(Duration::from_millis(50));
-    }
-    bail!("nothing listens on port {port} after 10 s")
 }
 
 fn unwatched_syscall_ns() -> anyhow::Result<f64> {
