@@ -20,25 +20,25 @@ use core::{ffi::c_void, ptr};
 use aya_ebpf::{
     bindings::BPF_SK_STORAGE_GET_F_CREATE,
     helpers::{
-        bpf_get_current_task_btf, bpf_probe_read_kernel,
-        generated::{bpf_loop, bpf_probe_read_user, bpf_sk_storage_get},
+        bpf_probe_read_kernel,
+        generated::{bpf_loop, bpf_sk_storage_get},
     },
 };
 use poolscope_shared::{
     CallWalk, Conn, FrameCursor, H2_FRAME_HEADER, H2_PREFACE, H2_STREAM_SLOTS, H2Conn, LossErrno,
-    LossSource, Phase, SyscallSlot, h2_stream_slot,
+    LossSource, Phase, SyscallSlot,
 };
 
 use self::{
-    source::{Source, copy_user, preface_prefix, read_user},
+    source::{Source, preface_prefix, read_user},
     streams::{
-        ACK, CONTINUATION, END_STREAM, Frame, GOAWAY, HEADERS, Moment, RST_STREAM, SETTINGS,
-        announced_limit, at_limit, end, goaway, limit_streams, received, sent, settings,
+        ACK, CONTINUATION, Frame, GOAWAY, Moment, SETTINGS, announced_limit, at_limit, goaway,
+        limit_streams, received, sent, settings,
     },
 };
 use crate::{
-    abi::{SECOND_ARG_OFFSET, SavedRegisters, THIRD_ARG_OFFSET},
-    maps::{H2_CONNS, SYSCALL_SLOTS, count_loss, update_service},
+    abi::{SECOND_ARG_OFFSET, THIRD_ARG_OFFSET},
+    maps::{H2_CONNS, count_loss, update_service},
     requests,
 };
 

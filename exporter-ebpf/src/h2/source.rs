@@ -12,9 +12,9 @@ use crate::{abi::SavedRegisters, maps::SYSCALL_SLOTS};
 #[derive(Clone, Copy)]
 pub struct Source {
     /// The buffer, or the iovec array.
-    base: u64,
+    pub base: u64,
     /// Buffers in the iovec array; 0 for one buffer.
-    iovecs: u64,
+    pub iovecs: u64,
 }
 
 impl Source {

@@ -10,7 +10,6 @@ use crate::{
     requests,
 };
 
-
 /// Frame types (RFC 9113 §6).
 pub(super) const DATA: u8 = 0;
 pub(super) const HEADERS: u8 = 1;

@@ -52,7 +52,7 @@ pub struct RecentNames {
 impl RecentNames {
     /// Drains a name is kept after it was last seen: a snapshot drains twice, and a
     /// generation is drained two epochs after it was filled.
-    const KEPT_DRAINS: u64 = 4;
+    pub(crate) const KEPT_DRAINS: u64 = 4;
 
     /// Remembers the names `drained` carries (and the mappings of its live
     /// processes, read under `procfs_root`) and adds those it lacks from recent

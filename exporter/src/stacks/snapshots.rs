@@ -6,12 +6,11 @@
 //! never on the scrape path.
 use std::{
     collections::{BTreeMap, HashMap, HashSet, VecDeque},
-    path::Path,
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant, SystemTime},
 };
 
-use poolscope_shared::{Activity, StackCount, StackKey};
+use poolscope_shared::{Activity, StackCount};
 use serde::Serialize;
 
 pub use crate::stacks::drained::{Drained, RecentNames};

@@ -1,6 +1,7 @@
 //! Unit tests of `snapshots.rs`.
+use std::path::Path;
 
-use poolscope_shared::SHORTENED_STACK;
+use poolscope_shared::{SHORTENED_STACK, StackKey};
 
 use super::*;
 use crate::{kernel::LOST_FRAME_ADDRESS, stacks::symbolize::LOST_INNERMOST_FRAME};
