@@ -101,6 +101,11 @@ pub struct OffcpuCaptures {
 /// the shortened stack hashed to a free one. The map's id is the other bits.
 pub const SHORTENED_STACK: i32 = 1 << 30;
 
+/// Stands, innermost, for the frame a stack kept less its innermost one lacks
+/// ([`SHORTENED_STACK`]): no code is at the last byte of the address space, and the
+/// symbolizer names it `[frame lost]` without looking it up.
+pub const LOST_FRAME_ADDRESS: u64 = u64::MAX;
+
 /// Bytes of user stack a [`StackCopy`] holds: enough for the frames of a library
 /// without frame pointers between a blocking call and its caller (glibc's lock and
 /// sleep paths use a few hundred) and for a dozen interpreter frames.

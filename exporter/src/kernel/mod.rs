@@ -55,7 +55,6 @@ pub use self::{
     map_errors::MapErrors,
     read::{LockWaits, MapFill, ProgramStats, Readout},
     services::Adopted,
-    stacks::LOST_FRAME_ADDRESS,
     tables::{ServedConnection, ThreadTable, WatchTable},
     threads::PoolWaits,
 };

@@ -5,8 +5,8 @@ use aya::{
     programs::PerfEvent,
 };
 use poolscope_shared::{
-    ProfileSession, SHORTENED_STACK, STACK_GENERATIONS, StackCopy, StackCount, StackHint, StackKey,
-    StackVariantKey,
+    LOST_FRAME_ADDRESS, ProfileSession, SHORTENED_STACK, STACK_GENERATIONS, StackCopy, StackCount,
+    StackHint, StackKey, StackVariantKey,
     maps::{self, CountedMap},
 };
 
@@ -14,11 +14,6 @@ use super::{
     Kernel, KernelError,
     attach::{attach_cpu_clock, detach_all, session_sampler, typed_program},
 };
-
-/// Stands, innermost, for the frame a stack kept less its innermost one lacks
-/// ([`SHORTENED_STACK`]): no code is at the last byte of the address space, and the
-/// symbolizer names it `[frame lost]` without looking it up.
-pub const LOST_FRAME_ADDRESS: u64 = u64::MAX;
 
 /// The return addresses (innermost first) of stack `id` of a stack map; `None` for
 /// a negative id (not captured) or one the map no longer holds. A stack kept less

@@ -17,7 +17,7 @@ use blazesym::symbolize::{
 };
 
 use crate::discovery::procfs::{self, Mapping};
-use crate::kernel::LOST_FRAME_ADDRESS;
+use poolscope_shared::LOST_FRAME_ADDRESS;
 
 /// What one address resolved to.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -4,7 +4,9 @@ use std::path::Path;
 use poolscope_shared::{SHORTENED_STACK, StackKey};
 
 use super::*;
-use crate::{kernel::LOST_FRAME_ADDRESS, stacks::symbolize::LOST_INNERMOST_FRAME};
+use poolscope_shared::LOST_FRAME_ADDRESS;
+
+use crate::stacks::symbolize::LOST_INNERMOST_FRAME;
 
 fn key(activity: Activity, pool: u32, user_stack: i32, kernel_stack: i32) -> StackKey {
     StackKey {
