@@ -119,14 +119,20 @@ fn record_skip(test: &str, reason: &str) {
         return;
     };
     let line = format!("{}\t{test}\t{reason}\n", binary_name());
+    append_to_log(&log, &line, "the skip");
+}
+
+/// Appends `line` to the log at `log` (the skip log, the scorecard's); a failure is
+/// said on stderr, naming `what` was not recorded, and fails no test.
+pub(crate) fn append_to_log(log: &std::ffi::OsStr, line: &str, what: &str) {
     let written = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(&log)
+        .open(log)
         .and_then(|mut file| file.write_all(line.as_bytes()));
     if let Err(error) = written {
         eprintln!(
-            "could not record the skip in {}: {error}",
+            "could not record {what} in {}: {error}",
             log.to_string_lossy()
         );
     }

@@ -406,6 +406,15 @@ pub fn field(fields: &HashMap<String, u64>, key: &str) -> anyhow::Result<u64> {
         .with_context(|| format!("no {key}"))
 }
 
+/// Prints the four heaviest of `lines`, each prefixed with `what` (`--nocapture`).
+pub fn print_heaviest(what: &str, lines: &[FoldedLine]) {
+    let mut sorted: Vec<&FoldedLine> = lines.iter().collect();
+    sorted.sort_by_key(|(_, weight)| std::cmp::Reverse(*weight));
+    for (frames, weight) in sorted.iter().take(4) {
+        println!("{what}: {} {weight}", frames.join(";"));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

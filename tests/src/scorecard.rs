@@ -15,7 +15,6 @@
 //!
 //! Each function's first argument is the quantity, a string literal: docs.rs reads it
 //! from the sources.
-use std::io::Write as _;
 
 /// The environment variable the tests read the log's path from.
 pub const ENV: &str = "POOLSCOPE_SCORECARD_LOG";
@@ -159,17 +158,7 @@ fn write(
         .map(|field| field.replace(['\t', '\n'], " "))
         .collect();
     let line = format!("{}\n", fields.join("\t"));
-    let written = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log)
-        .and_then(|mut file| file.write_all(line.as_bytes()));
-    if let Err(error) = written {
-        eprintln!(
-            "could not record {quantity} in {}: {error}",
-            log.to_string_lossy()
-        );
-    }
+    crate::append_to_log(&log, &line, quantity);
 }
 
 #[cfg(test)]

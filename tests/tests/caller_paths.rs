@@ -20,7 +20,8 @@ use poolscope_tests::{
     downstream::compile_c,
     one_at_a_time, pids_config, privileged,
     profiles::{
-        FoldedLine, http_get, names, parse_folded, snapshots_covering, unix_now, weight_of,
+        FoldedLine, http_get, names, parse_folded, print_heaviest, snapshots_covering, unix_now,
+        weight_of,
     },
     scorecard, scrape_until, wait_until,
 };
@@ -96,14 +97,6 @@ fn shares(lines: &[FoldedLine], leaf: &str) -> (u64, f64, f64) {
     let b = weight_of(lines, |f| through(f) && has(f, "caller_b"));
     let total = all.max(1) as f64;
     (all, a as f64 / total, (a + b) as f64 / total)
-}
-
-fn print_heaviest(what: &str, lines: &[FoldedLine]) {
-    let mut sorted: Vec<&FoldedLine> = lines.iter().collect();
-    sorted.sort_by_key(|(_, weight)| std::cmp::Reverse(*weight));
-    for (frames, weight) in sorted.iter().take(4) {
-        println!("{what}: {} {weight}", frames.join(";"));
-    }
 }
 
 #[test]

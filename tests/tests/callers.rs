@@ -27,8 +27,8 @@ use poolscope_tests::{
     downstream::compile_c,
     one_at_a_time, privileged,
     profiles::{
-        FoldedLine, go_pprof, http_get, names, parse_folded, snapshots_covering, unix_now,
-        weight_of,
+        FoldedLine, go_pprof, http_get, names, parse_folded, print_heaviest, snapshots_covering,
+        unix_now, weight_of,
     },
     scrape_until,
 };
@@ -107,14 +107,6 @@ fn share_named(lines: &[FoldedLine], reason: &str, leaf: &str, caller: &str) -> 
     let all = weight_of(lines, waits);
     let named = weight_of(lines, |frames| waits(frames) && names(frames, caller));
     (all, named as f64 / all.max(1) as f64)
-}
-
-fn print_heaviest(what: &str, lines: &[FoldedLine]) {
-    let mut sorted: Vec<&FoldedLine> = lines.iter().collect();
-    sorted.sort_by_key(|(_, weight)| std::cmp::Reverse(*weight));
-    for (frames, weight) in sorted.iter().take(4) {
-        println!("{what}: {} {weight}", frames.join(";"));
-    }
 }
 
 #[test]
