@@ -180,6 +180,7 @@ fn try_process_exit(ctx: &BtfTracePointContext) {
     if let Some(thread) = followed {
         // It runs its exit: its last interval is on CPU.
         threads::change(tid, thread, Activity::Running, now_ns());
+        threads::exits(tid, thread);
         locks::thread_exits(tid, thread);
         threads::unfollow(tid);
     }

@@ -259,6 +259,22 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
     }
 }
 
+/// `thread` (`tid`) exits: if it served, its pool counts one more thread that served
+/// (user space counts the live ones).
+#[inline(always)]
+pub fn exits(tid: u32, thread: &mut Thread) {
+    if thread.served == 0 {
+        return;
+    }
+    let Some(pool) = pool(tid, thread) else {
+        return;
+    };
+    if let Some(stats) = POOL_STATS.get_ptr_mut(pool) {
+        // SAFETY: per-CPU slot, no other writer while we run on this CPU.
+        unsafe { (*stats).served_exits += 1 };
+    }
+}
+
 /// What `thread` holds when it blocks: its waits are a request's only if it holds
 /// one that it did not hand to another thread.
 #[inline(always)]

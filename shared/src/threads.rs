@@ -369,6 +369,10 @@ pub struct PoolStats {
     /// what a scrape exports unless it asks for the buckets (then the per-CPU
     /// histograms, kilobytes per pool per CPU, need not be read).
     pub runqueue_wait_ns: u64,
+    /// Threads of the pool that exited after serving a request (`Thread::served`): a
+    /// server that starts a thread per connection has served with many threads over
+    /// a window, few of them alive at any instant.
+    pub served_exits: u64,
 }
 
 impl PoolStats {
@@ -382,6 +386,7 @@ impl PoolStats {
         }
         self.runqueue_waits += other.runqueue_waits;
         self.runqueue_wait_ns += other.runqueue_wait_ns;
+        self.served_exits += other.served_exits;
     }
 }
 
@@ -391,7 +396,7 @@ const _: () = assert!(core::mem::size_of::<Thread>() == 160);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
 const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);
-const _: () = assert!(core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + 16);
+const _: () = assert!(core::mem::size_of::<PoolStats>() == 2 * Activity::COUNT * 8 + 24);
 
 #[cfg(test)]
 mod tests {

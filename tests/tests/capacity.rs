@@ -75,7 +75,13 @@ fn capacities(metrics: &Metrics) -> (Option<f64>, PoolCapacities) {
     (service, pools)
 }
 
-/// Drives `port` at `rate` for [`LIGHT`] and reads the capacity then.
+/// Scrapes in a row that must each show a capacity: a scrape is an instant, and the
+/// capacity of a pool whose serving threads come and go (a thread per connection)
+/// once showed only in scrapes where one of them happened to be alive.
+const SCRAPES: usize = 5;
+
+/// Drives `port` at `rate` for [`LIGHT`] and reads the capacity then, in each of
+/// [`SCRAPES`] scrapes; returns the last one's.
 fn light_capacity(
     poolscope: &Poolscope,
     port: u16,
@@ -83,17 +89,23 @@ fn light_capacity(
 ) -> anyhow::Result<(f64, PoolCapacities)> {
     let load = OpenLoop::start(port, rate, 8);
     std::thread::sleep(LIGHT);
-    let metrics = poolscope.scrape()?;
+    let mut read = None;
+    for scrape in 1..=SCRAPES {
+        let metrics = poolscope.scrape()?;
+        let (service, pools) = capacities(&metrics);
+        let Some(service) = service else {
+            anyhow::bail!(
+                "no service capacity in scrape {scrape} of {SCRAPES} after {LIGHT:?} at \
+                 {rate}/s; pools {pools:?}\n{}",
+                metrics.text
+            );
+        };
+        read = Some((service, pools));
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let sent = load.stop()?;
     anyhow::ensure!(sent.errors == 0 && sent.late == 0, "light load: {sent:?}");
-    let (service, pools) = capacities(&metrics);
-    let service = service.with_context(|| {
-        format!(
-            "no service capacity after {LIGHT:?} at {rate}/s; pools {pools:?}\n{}",
-            metrics.text
-        )
-    })?;
-    Ok((service, pools))
+    read.context("no scrape")
 }
 
 /// The rate `clients` closed-loop clients get from `port` over [`SATURATED`].

@@ -94,7 +94,8 @@ pub struct PoolInput {
     pub pool: u32,
     pub service: u32,
     pub window: PoolWindow,
-    /// Its live threads that have served a request.
+    /// Its live threads that have served a request (the window holds those that
+    /// exited after serving).
     pub threads_served: u64,
 }
 
@@ -129,11 +130,15 @@ pub fn capacities(
             // Threads busy on the pool's requests at once, on average.
             let occupied =
                 window.busy_ns.saturating_sub(window.runnable_ns) as f64 / 1e9 / window.seconds;
-            if input.threads_served == 0 || occupied <= 0.0 {
+            // A server that starts a thread per connection serves with as many threads
+            // as it has connections, few alive at any instant: its threads are those
+            // that served and exited in the window, if more than the live ones.
+            let threads = input.threads_served.max(window.served_exits);
+            if threads == 0 || occupied <= 0.0 {
                 return None;
             }
             let mut capacity = Capacity {
-                requests_per_second: rate * input.threads_served as f64 / occupied,
+                requests_per_second: rate * threads as f64 / occupied,
                 limit: Limit::Threads,
             };
             let on_cpu = on_cpu.get(&input.service).copied().unwrap_or(0.0);
@@ -170,6 +175,7 @@ mod tests {
             running_ns: (running * 1e9) as u64,
             runnable_ns: 0,
             serving_ns: (busy * 1e9) as u64,
+            served_exits: 0,
         }
     }
 
@@ -233,6 +239,42 @@ mod tests {
         }];
         let capacity = capacities(&pools, &finished(60_000), |_| None)[&1];
         assert!((capacity.requests_per_second - 1.0 / 31e-6).abs() < 1.0);
+    }
+
+    #[test]
+    fn a_thread_per_connection_pool_has_the_threads_that_served_in_its_window() {
+        // 25 requests/s, each on a thread of its own for 5 ms on a CPU, under half a
+        // CPU of quota: 100/s. At a scrape no thread that served may be alive; the
+        // 250 that served and exited make the threads' bound (25 × 250 ÷ 0.125 =
+        // 50,000/s) far above the quota's.
+        let mut churning = window(1, 250.0 * 0.005, 250.0 * 0.005);
+        churning.served_exits = 250;
+        let pools = [PoolInput {
+            pool: 1,
+            service: 1,
+            window: churning,
+            threads_served: 0,
+        }];
+        let quota = |_| {
+            Some(CpuLimit {
+                cpus: 0.5,
+                bound: CpuBound::Quota,
+            })
+        };
+        let capacity = capacities(&pools, &finished(250), quota)[&1];
+        assert!((capacity.requests_per_second - 100.0).abs() < 1e-6);
+        assert_eq!(capacity.limit, Limit::Cpus(CpuBound::Quota));
+        // A fixed pool of 4 that replaced one worker in the window is still 4.
+        let mut recycled = window(4, 500.0 * 0.020, 500.0 * 0.001);
+        recycled.served_exits = 1;
+        let pools = [PoolInput {
+            pool: 1,
+            service: 1,
+            window: recycled,
+            threads_served: 4,
+        }];
+        let capacity = capacities(&pools, &finished(500), |_| None)[&1];
+        assert!((capacity.requests_per_second - 200.0).abs() < 1e-6);
     }
 
     #[test]

@@ -133,6 +133,7 @@ struct Sample {
     running_ns: u64,
     runnable_ns: u64,
     serving_ns: u64,
+    served_exits: u64,
 }
 
 impl Sample {
@@ -143,6 +144,7 @@ impl Sample {
             running_ns: totals.time_ns[Activity::Running as usize],
             runnable_ns: totals.time_ns[Activity::Runnable as usize],
             serving_ns: totals.request_ns.iter().sum(),
+            served_exits: totals.served_exits,
         }
     }
 }
@@ -160,6 +162,8 @@ pub struct PoolWindow {
     pub runnable_ns: u64,
     /// Thread time serving requests (times the requests each thread held).
     pub serving_ns: u64,
+    /// Threads that exited after serving.
+    pub served_exits: u64,
 }
 
 impl PoolWindow {
@@ -382,6 +386,7 @@ impl Pools {
             running_ns: now.running_ns.saturating_sub(base.running_ns),
             runnable_ns: now.runnable_ns.saturating_sub(base.runnable_ns),
             serving_ns: now.serving_ns.saturating_sub(base.serving_ns),
+            served_exits: now.served_exits.saturating_sub(base.served_exits),
         })
     }
 }

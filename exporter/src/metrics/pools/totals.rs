@@ -30,6 +30,8 @@ pub struct PoolTotals {
     pub threads_busy: u64,
     /// Live threads that have read a request (`Thread::served`).
     pub threads_served: u64,
+    /// Threads that exited after reading one (`PoolStats::served_exits`).
+    pub served_exits: u64,
 }
 
 impl PoolTotals {
@@ -59,6 +61,7 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
                 threads: 0,
                 threads_busy: 0,
                 threads_served: 0,
+                served_exits: stats.served_exits,
             };
             (*pool, totals)
         })
