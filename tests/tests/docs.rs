@@ -155,15 +155,58 @@ impl Declared {
     }
 }
 
-/// The metric families declared in `exporter/src/` outside unit-test modules.
+/// The files of unit-test modules among `files`: each `#[cfg(test)] mod name;` of a
+/// file names `name.rs` (or `name/mod.rs`) in that file's module directory.
+fn test_module_files(files: &[PathBuf]) -> anyhow::Result<BTreeSet<PathBuf>> {
+    let mut tests = BTreeSet::new();
+    for path in files {
+        let source =
+            fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let Some(parent) = path.parent() else {
+            continue;
+        };
+        let stem = path
+            .file_stem()
+            .map(|stem| stem.to_string_lossy().into_owned());
+        // a/mod.rs and lib.rs hold the modules of a/ and of the crate root; a/b.rs
+        // those of a/b/.
+        let directory = match stem.as_deref() {
+            Some("mod" | "lib" | "main") | None => parent.to_path_buf(),
+            Some(stem) => parent.join(stem),
+        };
+        for (at, _) in source.match_indices("#[cfg(test)]\n") {
+            let declaration = source[at..].lines().nth(1).unwrap_or_default().trim();
+            let name = declaration
+                .strip_prefix("pub(crate) ")
+                .unwrap_or(declaration)
+                .strip_prefix("mod ")
+                .and_then(|rest| rest.strip_suffix(';'));
+            if let Some(name) = name {
+                tests.insert(directory.join(format!("{name}.rs")));
+                tests.insert(directory.join(name).join("mod.rs"));
+            }
+        }
+    }
+    Ok(tests)
+}
+
+/// The metric families declared in `exporter/src/` outside unit-test modules (inline
+/// or in files of their own).
 fn declared_families() -> anyhow::Result<Vec<Declared>> {
     const CALLS: [(&str, &str); 2] = [("Family::new(", PREFIX), ("Family::standard(", "")];
     let src = workspace().join("exporter/src");
     let mut files = Vec::new();
     rust_files(&src, &mut files)?;
     files.sort();
+    let test_files = test_module_files(&files)?;
+    ensure!(
+        test_files
+            .iter()
+            .any(|file| file.ends_with("collectors/services/tests.rs")),
+        "the unit-test files were not found (collectors/services/tests.rs among them)"
+    );
     let mut declared = Vec::new();
-    for path in files {
+    for path in files.into_iter().filter(|path| !test_files.contains(path)) {
         let file = path
             .strip_prefix(workspace())
             .unwrap_or(&path)
