@@ -2,11 +2,12 @@
 //! configurable root (`procfs`), the listen queues of poolscope's own network
 //! namespace (`sockdiag`) and of listeners other processes hold (`held`), the target
 //! rules (`rules`), the watched set and its listening ports (`targets`), the CPUs a
-//! service may use (`cpus`), and the
-//! dense ids the kernel's arrays are indexed by (`ids`).
+//! service may use (`cpus`), the lock probes of the services that ask for them
+//! (`lock_probes`), and the dense ids the kernel's arrays are indexed by (`ids`).
 pub mod cpus;
 pub mod held;
 pub mod ids;
+pub mod lock_probes;
 pub mod procfs;
 pub mod rules;
 pub mod sockdiag;

@@ -7,11 +7,11 @@ use std::{collections::HashMap, path::Path};
 use poolscope_shared::{LossErrno, LossSource};
 
 use crate::{
+    discovery::lock_probes::LockProbes,
     discovery::targets::{Targets, WatchChange},
     kernel::{Kernel, Probe, WatchTable},
     metrics::capacity::Throughput,
     metrics::health::{self, Loss, LossInputs},
-    metrics::locks::LockProbes,
     metrics::pools::Pools,
     metrics::window::Windows,
     stacks::snapshots::Drained,

@@ -4,11 +4,11 @@ use std::collections::{BTreeMap, HashSet};
 
 use poolscope_shared::{Activity, Peer};
 
-use super::{Exporter, lock_or_recover};
+use super::{Exporter, lock_or_recover, lock_report};
 use crate::{
     collectors::downstream::peer_label,
     kernel::{Readout, WatchTable},
-    metrics::locks::{self, top_locks},
+    metrics::locks::top_locks,
     metrics::pools::{self, PoolView},
     stacks::profile::{self, View},
     web::server::{DebugError, LocksFormat, LocksQuery, StacksQuery},
@@ -66,17 +66,17 @@ impl Exporter {
                 .map(|(pid, _)| pid)
                 .collect();
             let mut locks = top_locks(&core.kernel.locks(), |pid| pids.contains(&pid), query.limit);
-            locks::read_stacks(&core.kernel, &mut locks);
+            lock_report::read_stacks(&core.kernel, &mut locks);
             locks
         };
         self.stacks.repair_lock_stacks(&self.core, &mut locks);
         // Outside the lock: symbolization reads binaries and their debug info.
         self.health.symbolize(&self.procfs_root, |symbols| {
-            locks::symbolize(symbols, &mut locks);
+            lock_report::symbolize(symbols, &mut locks);
         });
         Ok(match query.format {
-            LocksFormat::Text => locks::render_text(&query.service, &locks),
-            LocksFormat::Json => locks::render_json(&query.service, &locks),
+            LocksFormat::Text => lock_report::render_text(&query.service, &locks),
+            LocksFormat::Json => lock_report::render_json(&query.service, &locks),
         })
     }
 

@@ -14,6 +14,7 @@ mod core;
 mod debug;
 mod gather;
 mod health;
+mod lock_report;
 mod profiles;
 mod stacks;
 
@@ -38,6 +39,7 @@ use crate::{
     collectors::own::ReloadStatus,
     config::Settings,
     discovery::cpus::{self, CpuLimits},
+    discovery::lock_probes::LockProbes,
     discovery::procfs,
     discovery::rules,
     discovery::sockdiag,
@@ -46,7 +48,6 @@ use crate::{
     kernel::{Kernel, PoolWaits, Readout},
     metrics::capacity::Throughput,
     metrics::health::{self as health_model, HealthTracker},
-    metrics::locks::LockProbes,
     metrics::pools::{self, Pools},
     metrics::window::Windows,
     stacks::profile::View,

@@ -1,89 +1,13 @@
-//! Lock waits seen from user space: the opt-in `pthread_mutex_lock` probes of the
-//! services that ask for them (attached per process, in the libc each one maps), and
-//! the top contended locks of `/debug/locks`: the kernel's `LOCKS` entries grouped by
-//! lock, with quantiles from their fine histograms and stacks symbolized on request,
-//! off the scrape path. Grouping and rendering are pure functions.
-use std::{
-    collections::{BTreeMap, HashMap, HashSet},
-    fmt::Write as _,
-    path::Path,
-};
+//! The top contended locks of `/debug/locks`: the kernel's `LOCKS` entries grouped
+//! by lock, with quantiles from their fine histograms; a pure function. Which
+//! processes get the lock probes is `discovery/lock_probes.rs`'s; reading the stacks,
+//! symbolizing and rendering them, `exporter/lock_report.rs`'s.
+use std::collections::BTreeMap;
 
-use aya::programs::uprobe::UProbeLinkId;
 use poolscope_shared::{Histogram, LockKey};
 use serde::Serialize;
 
-use crate::{
-    discovery::procfs,
-    kernel::Kernel,
-    metrics::window::quantiles,
-    stacks::symbolize::{Symbol, Symbols, lookup_addresses},
-};
-
-/// Which services get the `pthread_mutex_lock` probes (`probes.lock_uprobes`).
-#[derive(Debug, Default)]
-pub struct LockProbes {
-    /// Service names; `*` stands for every service.
-    services: HashSet<String>,
-    attached: HashMap<u32, Vec<UProbeLinkId>>,
-    /// Processes whose probes could not be attached (no libc, or the kernel refused).
-    pub errors: u64,
-}
-
-impl LockProbes {
-    pub fn new(services: &[String]) -> Self {
-        Self {
-            services: services.iter().cloned().collect(),
-            ..Self::default()
-        }
-    }
-
-    /// A reload's list; it applies to processes watched from now on.
-    pub fn set_services(&mut self, services: &[String]) {
-        self.services = services.iter().cloned().collect();
-    }
-
-    fn wants(&self, service: &str) -> bool {
-        self.services.contains("*") || self.services.contains(service)
-    }
-
-    /// Attaches the probes to a newly watched process of `service`, if it wants them.
-    pub fn follow(&mut self, kernel: &mut Kernel, procfs_root: &Path, pid: u32, service: &str) {
-        if !self.wants(service) || self.attached.contains_key(&pid) {
-            return;
-        }
-        let Some(libc) = procfs::libc_path(procfs_root, pid) else {
-            self.errors += 1;
-            tracing::warn!(
-                pid,
-                service,
-                "no libc mapped (static binary?): no pthread_mutex probes"
-            );
-            return;
-        };
-        match kernel.attach_mutex_probes(pid, &libc) {
-            Ok(links) => {
-                self.attached.insert(pid, links);
-            }
-            Err(error) => {
-                self.errors += 1;
-                tracing::warn!(pid, service, %error, "cannot attach the pthread_mutex probes");
-            }
-        }
-    }
-
-    /// Detaches the probes of a process no longer watched.
-    pub fn forget(&mut self, kernel: &mut Kernel, pid: u32) {
-        if let Some(links) = self.attached.remove(&pid) {
-            kernel.detach_mutex_probes(links);
-        }
-    }
-
-    /// Processes with the probes attached.
-    pub fn processes(&self) -> usize {
-        self.attached.len()
-    }
-}
+use crate::metrics::window::quantiles;
 
 /// One lock: a futex address in one process, over all stacks that waited on it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -166,84 +90,14 @@ pub fn top_locks(
     locks
 }
 
-/// `/debug/locks` as text: one block per lock, its stacks indented below it.
-pub fn render_text(service: &str, locks: &[LockReport]) -> String {
-    let mut text = format!("# top contended locks of service {service}, most wait first\n");
-    for lock in locks {
-        let _ = writeln!(
-            text,
-            "lock {} pid {}: wait {:.6} s in {} waits ({} timed), p50 {:.6} s, p99 {:.6} s",
-            lock.address,
-            lock.pid,
-            lock.wait_seconds,
-            lock.waits,
-            lock.timed_waits,
-            lock.p50_seconds,
-            lock.p99_seconds
-        );
-        for stack in &lock.stacks {
-            let _ = writeln!(
-                text,
-                "  stack: wait {:.6} s in {} {}waits",
-                stack.wait_seconds,
-                stack.waits,
-                if stack.timed { "timed " } else { "" }
-            );
-            if stack.frames.is_empty() {
-                text.push_str("    (stack not captured)\n");
-            }
-            for frame in &stack.frames {
-                let _ = writeln!(text, "    {frame}");
-            }
-        }
-    }
-    text
-}
-
-/// `/debug/locks?format=json`.
-pub fn render_json(service: &str, locks: &[LockReport]) -> String {
-    #[derive(Serialize)]
-    struct Body<'a> {
-        service: &'a str,
-        locks: &'a [LockReport],
-    }
-    serde_json::to_string_pretty(&Body { service, locks })
-        .map(|mut json| {
-            json.push('\n');
-            json
-        })
-        .unwrap_or_else(|error| format!("{{\"error\": \"{error}\"}}\n"))
-}
-
-/// Reads the addresses of every stack of `locks` from the kernel.
-pub fn read_stacks(kernel: &Kernel, locks: &mut [LockReport]) {
-    for stack in locks.iter_mut().flat_map(|lock| &mut lock.stacks) {
-        stack.addresses = kernel.lock_stack(stack.stack_id).unwrap_or_default();
-    }
-}
-
-/// Symbolizes the stacks of `locks` (addresses read by [`read_stacks`]) with a
-/// symbolizer of this request: nothing is cached between requests.
-pub fn symbolize(symbols: &Symbols, locks: &mut [LockReport]) {
-    for lock in locks {
-        for stack in &mut lock.stacks {
-            let lookups: Vec<u64> = lookup_addresses(&stack.addresses).collect();
-            stack.frames = symbols
-                .user(lock.pid, &lookups, &[])
-                .iter()
-                .map(Symbol::describe)
-                .collect();
-        }
-    }
-}
-
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use poolscope_shared::histogram_bucket;
 
     use super::*;
 
-    fn histogram(waits_ns: &[u64]) -> Histogram {
+    /// A histogram of the waits `waits_ns`.
+    pub(crate) fn histogram(waits_ns: &[u64]) -> Histogram {
         let mut histogram = Histogram::default();
         for &ns in waits_ns {
             histogram.buckets[histogram_bucket(ns)] += 1;
@@ -252,7 +106,8 @@ mod tests {
         histogram
     }
 
-    fn key(tgid: u32, stack: i32, address: u64) -> LockKey {
+    /// An untimed wait's key.
+    pub(crate) fn key(tgid: u32, stack: i32, address: u64) -> LockKey {
         LockKey {
             tgid,
             stack,
@@ -300,24 +155,6 @@ mod tests {
             (lock.p50_seconds - 0.002).abs() <= 0.002 / 8.0,
             "{}",
             lock.p50_seconds
-        );
-    }
-
-    #[test]
-    fn text_and_json_name_every_lock_and_frame() {
-        let mut locks = top_locks(&[(key(7, 3, 0xabc), histogram(&[4_000]))], |_| true, 10);
-        locks[0].stacks[0].frames = vec!["__lll_lock_wait+0x2a (libc.so.6)".to_owned()];
-        let text = render_text("web", &locks);
-        assert!(text.contains("lock 0xabc pid 7: wait 0.000004 s in 1 waits (0 timed)"));
-        assert!(text.contains("  stack: wait 0.000004 s in 1 waits\n"));
-        assert!(text.contains("    __lll_lock_wait+0x2a (libc.so.6)\n"));
-        let json: serde_json::Value =
-            serde_json::from_str(&render_json("we\"b", &locks)).unwrap_or_default();
-        assert_eq!(json["service"], "we\"b");
-        assert_eq!(json["locks"][0]["waits"], 1);
-        assert_eq!(
-            json["locks"][0]["stacks"][0]["frames"][0],
-            "__lll_lock_wait+0x2a (libc.so.6)"
         );
     }
 }
