@@ -13,11 +13,12 @@ use std::{collections::BTreeMap, time::Instant};
 
 use crate::{
     config::MetricsSettings,
+    discovery::pools::PoolView,
     discovery::targets::ServiceView,
     encode::Family,
     kernel::{Backend, Readout},
     metrics::capacity::Capacity,
-    metrics::pools::{PoolTotals, PoolView},
+    metrics::pools::PoolTotals,
     metrics::window::WindowDelta,
 };
 

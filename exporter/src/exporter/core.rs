@@ -1,5 +1,5 @@
 //! The state a rescan, a process event and a scrape all touch, behind the exporter's
-//! one core lock: the kernel, the watched set, the thread pools, the services'
+//! one core lock: the kernel, the watched set, the thread pools and their window, the services'
 //! finished requests over the pools' window, the quantile windows and the lock probes. They change together (a watch change follows into the pools
 //! and lock probes at once), so they share the lock.
 use std::{collections::HashMap, path::Path};
@@ -8,11 +8,12 @@ use poolscope_shared::{LossErrno, LossSource};
 
 use crate::{
     discovery::lock_probes::LockProbes,
+    discovery::pools::Pools,
     discovery::targets::{Targets, WatchChange},
     kernel::{Kernel, Probe, WatchTable},
     metrics::capacity::Throughput,
     metrics::health::{self, Loss, LossInputs},
-    metrics::pools::Pools,
+    metrics::pools::PoolWindows,
     metrics::window::Windows,
     stacks::snapshots::Drained,
     stacks::symbolize::Unnamed,
@@ -22,6 +23,8 @@ pub(super) struct Core {
     pub kernel: Kernel,
     pub targets: Targets,
     pub pools: Pools,
+    /// The pools' totals over their window, for utilization and capacity.
+    pub pool_windows: PoolWindows,
     /// The services' finished requests over the pools' window, for capacity.
     pub throughput: Throughput,
     pub windows: Windows,

@@ -7,9 +7,10 @@ use poolscope_shared::{Activity, Peer};
 use super::{Exporter, lock_or_recover, lock_report};
 use crate::{
     collectors::downstream::peer_label,
+    discovery::pools::PoolView,
     kernel::{Readout, WatchTable},
     metrics::locks::top_locks,
-    metrics::pools::{self, PoolView},
+    metrics::pools,
     stacks::profile::{self, View},
     web::server::{DebugError, LocksFormat, LocksQuery, StacksQuery},
 };

@@ -25,6 +25,7 @@ use crate::{
     },
     config::MetricsSettings,
     discovery::held,
+    discovery::pools::PoolView,
     discovery::procfs,
     discovery::sockdiag,
     discovery::targets::{NamespaceListeners, ServiceView},
@@ -33,7 +34,7 @@ use crate::{
     kernel::{Backend, PoolWaits, Readout, WatchTable},
     metrics::capacity,
     metrics::health::{Loss, LossKind},
-    metrics::pools::{self, PoolView},
+    metrics::pools,
     metrics::window::WindowDelta,
     stacks::snapshots::Trigger,
 };
@@ -110,7 +111,7 @@ impl Exporter {
             .into_iter()
             .filter_map(|(id, totals)| {
                 let view = views.remove(&id)?;
-                let window = core.pools.window(id, &totals, now);
+                let window = core.pool_windows.window(id, &totals, now);
                 if let Some(window) = window {
                     windows_of_pools.push(capacity::PoolInput {
                         pool: id,

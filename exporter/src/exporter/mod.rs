@@ -40,6 +40,7 @@ use crate::{
     config::Settings,
     discovery::cpus::{self, CpuLimits},
     discovery::lock_probes::LockProbes,
+    discovery::pools::Pools,
     discovery::procfs,
     discovery::rules,
     discovery::sockdiag,
@@ -48,7 +49,7 @@ use crate::{
     kernel::{Kernel, PoolWaits, Readout},
     metrics::capacity::Throughput,
     metrics::health::{self as health_model, HealthTracker},
-    metrics::pools::{self, Pools},
+    metrics::pools::{self, PoolWindows},
     metrics::window::Windows,
     stacks::profile::View,
     stacks::sessions::{ProfileQuery, Refusal, Ticket},
@@ -133,11 +134,8 @@ impl Exporter {
         let procfs_root = settings.procfs_root.clone();
         let core = Core {
             targets: Targets::new(procfs_root.clone(), settings.limits.max_services),
-            pools: Pools::new(
-                procfs_root.clone(),
-                settings.limits.max_pools,
-                settings.utilization_window,
-            ),
+            pools: Pools::new(procfs_root.clone(), settings.limits.max_pools),
+            pool_windows: PoolWindows::new(settings.utilization_window),
             throughput: Throughput::new(settings.utilization_window),
             windows: Windows::new(QUANTILE_WINDOW),
             lock_probes: LockProbes::new(&settings.lock_uprobes),
@@ -187,7 +185,7 @@ impl Exporter {
     pub fn replace_settings(&self, settings: Settings) {
         {
             let mut core = lock_or_recover(&self.core);
-            core.pools.set_window(settings.utilization_window);
+            core.pool_windows.set_window(settings.utilization_window);
             core.throughput.set_window(settings.utilization_window);
             // Processes watched from now on; those probed already keep their probes.
             core.lock_probes.set_services(&settings.lock_uprobes);
@@ -309,6 +307,7 @@ impl Exporter {
             kernel,
             targets,
             pools,
+            pool_windows,
             throughput,
             ..
         } = &mut *core;
@@ -321,13 +320,14 @@ impl Exporter {
         match read {
             Ok(counters) => {
                 let at = std::time::Instant::now();
-                pools.sample(at, &pools::totals(&readout));
+                pool_windows.sample(at, &pools::totals(&readout));
                 let finished = counters
                     .iter()
                     .map(|(&service, counters)| (service, counters.finished))
                     .collect();
                 throughput.sample(at, &finished);
                 pools.sync(kernel, &services, &readout.threads);
+                pool_windows.retain(&pools.ids());
                 kernel.give_back_threads(readout.threads);
                 Some(counters)
             }
