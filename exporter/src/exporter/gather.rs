@@ -304,13 +304,21 @@ impl Exporter {
             None => self.health.last(),
         }
         .degraded();
-        // poolscope's own process (`self`: right in any pid namespace).
+        // The sources of poolscope's own families besides the one below, each timed
+        // like the collectors (the own one reports their durations, not its own):
+        // profiling sessions, stack unwinding, and its process (`self`: right in any
+        // pid namespace).
+        let profile_families = timings.time("profiles", || (self.profiles.families(), true));
+        let stack_families = timings.time("stacks", || (self.stacks.families(), true));
         let process = timings.time("process", || {
             let used = self
                 .procfs_units()
                 .and_then(|units| procfs::process_use(&self.procfs_root, "self", &units));
             let read = used.is_some();
-            (used, read)
+            (
+                used.as_ref().map(process_families).unwrap_or_default(),
+                read,
+            )
         });
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
@@ -329,9 +337,9 @@ impl Exporter {
             self.health.probes(),
             locked.kernel.as_ref(),
         ));
-        families.extend(self.profiles.families());
-        families.extend(self.stacks.families());
-        families.extend(process.as_ref().map(process_families).unwrap_or_default());
+        families.extend(profile_families);
+        families.extend(stack_families);
+        families.extend(process);
         families
     }
 
