@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 
 use aya::{
     Btf, Ebpf, EbpfLoader,
-    maps::Array,
+    maps::{Array, MapData},
     programs::{PerfEvent, UProbe},
 };
 use poolscope_shared::{STACK_GENERATIONS, SyscallSlot, maps};
@@ -23,7 +23,6 @@ use super::{
         tcp_offsets, vmlinux_btf,
     },
     syscalls::{syscall_number, wait_classes},
-    take,
     threads::lock_wait_slots,
 };
 use crate::config::Limits;
@@ -172,9 +171,10 @@ pub(super) fn open(
 
 /// Fills `SYSCALL_SLOTS` (syscall number → the slot it is counted in) and
 /// `WAIT_CLASSES` (syscall number → what a thread blocked in it waits for), which
-/// the programs only read.
+/// the programs only read. Both stay in `ebpf`: a program is loaded (at its attach)
+/// with the descriptors of the maps it reads, which must still be open then.
 pub(super) fn fill_syscall_tables(ebpf: &mut Ebpf) -> Result<(), KernelError> {
-    let mut slots: Array<_, u32> = take(ebpf, maps::SYSCALL_SLOTS)?;
+    let mut slots = table(ebpf, maps::SYSCALL_SLOTS)?;
     for slot in SyscallSlot::ALL {
         if let Some(number) = syscall_number(slot) {
             slots
@@ -185,7 +185,7 @@ pub(super) fn fill_syscall_tables(ebpf: &mut Ebpf) -> Result<(), KernelError> {
                 })?;
         }
     }
-    let mut classes: Array<_, u32> = take(ebpf, maps::WAIT_CLASSES)?;
+    let mut classes = table(ebpf, maps::WAIT_CLASSES)?;
     for (number, class) in wait_classes() {
         classes
             .set(number as u32, class as u32, 0)
@@ -195,6 +195,15 @@ pub(super) fn fill_syscall_tables(ebpf: &mut Ebpf) -> Result<(), KernelError> {
             })?;
     }
     Ok(())
+}
+
+/// The array `name` of `ebpf`, borrowed where it stays.
+fn table<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<Array<&'a mut MapData, u32>, KernelError> {
+    let map = ebpf.map_mut(name).ok_or(KernelError::MissingMap(name))?;
+    Array::try_from(map).map_err(|source| KernelError::Map { map: name, source })
 }
 
 /// Turns `kernel.bpf_stats_enabled` on if `bpf_stats` asks, for as long as the
