@@ -1,7 +1,7 @@
 //! The steps of [`super::Kernel::load`] before its parts take their maps: what the
-//! kernel's BTF says of this kernel ([`KernelLayout`]), opening the object with its
-//! sizes and load-time globals, filling the syscall tables, the run-time stats, and
-//! attaching the programs.
+//! kernel's BTF says of this kernel ([`KernelLayout`]), opening the object with the
+//! sizes each part gives its maps and the load-time globals, filling the syscall
+//! tables, the run-time stats, and attaching the programs.
 use std::os::fd::OwnedFd;
 
 use aya::{
@@ -9,7 +9,7 @@ use aya::{
     maps::{Array, MapData},
     programs::{PerfEvent, UProbe},
 };
-use poolscope_shared::{STACK_GENERATIONS, SyscallSlot, maps};
+use poolscope_shared::{SyscallSlot, maps};
 
 use super::{
     Backend, KernelError, Probe, Sampling,
@@ -17,13 +17,16 @@ use super::{
         MUTEX_PROBES, PROCESS_ATTACHMENTS, SESSION_SAMPLERS, THREAD_ATTACHMENTS, WAKEUP_PROGRAM,
         attach_backend, attach_sampler, attach_tracepoint, load_on_demand,
     },
+    locks::Locks,
     offsets::{
         BTF_VMLINUX, downstream_offsets, exit_has_group_dead, run_delay_offsets,
         socket_inode_offsets, socket_namespace_offsets, socket_offsets, task_pid_offset,
         tcp_offsets, vmlinux_btf,
     },
+    services::Requests,
+    stacks::Stacks,
     syscalls::{syscall_number, wait_classes},
-    threads::lock_wait_slots,
+    threads::Pools,
 };
 use crate::config::Limits;
 
@@ -82,8 +85,8 @@ impl KernelLayout {
     }
 }
 
-/// Loads the object with its maps sized by `limits` and its load-time globals set
-/// from `layout` and `sampling`.
+/// Loads the object with its maps sized by `limits` (as each part sizes its own)
+/// and its load-time globals set from `layout` and `sampling`.
 pub(super) fn open(
     limits: &Limits,
     sampling: Sampling,
@@ -96,11 +99,13 @@ pub(super) fn open(
         u64::try_from(min.as_nanos()).unwrap_or(u64::MAX - 1)
     });
     let mut loader = EbpfLoader::new();
-    for name in maps::STACKS {
-        loader.map_max_entries(name, limits.stacks);
+    let sizes = (Requests::sizes(limits).into_iter())
+        .chain(Pools::sizes(limits))
+        .chain(Locks::sizes(limits))
+        .chain(Stacks::sizes(limits));
+    for (name, entries) in sizes {
+        loader.map_max_entries(name, entries);
     }
-    let copy_stride = limits.stack_copy_stride();
-    let lock_wait_slots = lock_wait_slots(limits);
     // Left at 0 where BTF does not have them all: no peer is looked for, and the
     // socket programs are skipped.
     let globals = (layout.downstream.iter().flatten())
@@ -125,7 +130,6 @@ pub(super) fn open(
         .override_global("SOCK_SOCKET_OFFSET", &sock_socket_offset, true)
         .override_global("SOCKET_INODE_OFFSET", &socket_inode_offset, true)
         .override_global("INODE_INO_OFFSET", &inode_ino_offset, true)
-        .map_max_entries(maps::ADOPT, limits.connections)
         .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
         .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
         .override_global("OFFCPU_FULL_RATE", &sampling.offcpu_full_rate, true)
@@ -134,34 +138,12 @@ pub(super) fn open(
             &sampling.offcpu_sample_one_in.saturating_sub(1),
             true,
         )
-        .map_max_entries(maps::STACK_COUNTS, limits.stack_counts)
-        .override_global("STACK_COPY_STRIDE", &copy_stride, true)
-        .map_max_entries(maps::STACK_COPIED, (STACK_GENERATIONS + 1) * copy_stride)
-        .map_max_entries(maps::STACK_HINTS, limits.stacks)
-        .map_max_entries(maps::WATCHED, limits.watched_processes)
-        .map_max_entries(maps::CONNS, limits.connections)
-        .map_max_entries(maps::SERVICE_COUNTERS, limits.max_services)
-        .map_max_entries(maps::SERVICE_EPOCHS, limits.max_services)
-        .map_max_entries(maps::REQUEST_TIMES, limits.max_services)
-        .map_max_entries(maps::POOL_STATS, limits.max_pools)
-        .map_max_entries(maps::POOL_RUNQUEUE, limits.max_pools)
-        .map_max_entries(maps::THREADS, limits.threads)
-        .map_max_entries(maps::THREAD_ENTRIES, limits.thread_slots)
-        .map_max_entries(maps::THREAD_OWNERS, limits.thread_slots)
+        .override_global("STACK_COPY_STRIDE", &limits.stack_copy_stride(), true)
         .override_global(
             "THREAD_SLOT_MASK",
             &limits.thread_slots.wrapping_sub(1),
             true,
         )
-        .map_max_entries(maps::THREAD_POOLS, limits.threads)
-        .map_max_entries(maps::LOCK_WAITS, lock_wait_slots)
-        .map_max_entries(maps::LOCK_WAIT_COUNTS, lock_wait_slots)
-        .map_max_entries(maps::LOCKS, limits.locks)
-        .map_max_entries(maps::LOCK_STACKS, limits.lock_stacks)
-        .map_max_entries(maps::PENDING_CALLS, limits.syscalls_in_flight)
-        .map_max_entries(maps::MUTEX_CALLS, limits.mutex_calls_in_flight)
-        .map_max_entries(maps::LISTEN_PORTS, limits.listen_ports)
-        .map_max_entries(maps::DOWNSTREAM_WAITS, limits.downstreams)
         .load(aya::include_bytes_aligned!(concat!(
             env!("OUT_DIR"),
             "/poolscope"

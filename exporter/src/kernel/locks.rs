@@ -17,11 +17,12 @@ use poolscope_shared::{
 };
 
 use super::{
-    Kernel, KernelError,
+    Kernel, KernelError, MapSizes,
     attach::{MUTEX_PROBES, MUTEX_SYMBOL, typed_program},
     stacks::addresses,
     take,
 };
+use crate::config::Limits;
 
 /// The futex waits of the watched processes and the stacks they waited at.
 pub(super) struct Locks {
@@ -32,6 +33,15 @@ pub(super) struct Locks {
 }
 
 impl Locks {
+    /// The sizes `limits` gives these maps (and `MUTEX_CALLS`, the kernel's own).
+    pub fn sizes(limits: &Limits) -> MapSizes {
+        vec![
+            (maps::LOCKS, limits.locks),
+            (maps::LOCK_STACKS, limits.lock_stacks),
+            (maps::MUTEX_CALLS, limits.mutex_calls_in_flight),
+        ]
+    }
+
     /// Takes `LOCKS` and `LOCK_STACKS` out of `ebpf`.
     pub fn take(ebpf: &mut Ebpf) -> Result<Self, KernelError> {
         Ok(Self {

@@ -132,6 +132,9 @@ pub struct Kernel {
     cpus: usize,
 }
 
+/// Kernel maps by name with the entries `load` gives each (`EbpfLoader::map_max_entries`).
+type MapSizes = Vec<(&'static str, u32)>;
+
 /// Reader of process lifecycle events from the kernel.
 pub struct ProcessEvents {
     pub ring: RingBuf<MapData>,

@@ -15,9 +15,10 @@ use poolscope_shared::{
 };
 
 use super::{
-    BPF_NOEXIST, Backend, Kernel, KernelError, ServedConnection, WatchTable, batch::BatchMap,
-    mapping::SharedValues, reread::Reread, syscalls::syscall_number, take,
+    BPF_NOEXIST, Backend, Kernel, KernelError, MapSizes, ServedConnection, WatchTable,
+    batch::BatchMap, mapping::SharedValues, reread::Reread, syscalls::syscall_number, take,
 };
+use crate::config::Limits;
 
 /// The maps of the watched processes, their listeners, connections and requests.
 pub(super) struct Requests {
@@ -47,6 +48,20 @@ pub(super) struct Requests {
 }
 
 impl Requests {
+    /// The sizes `limits` gives these maps.
+    pub fn sizes(limits: &Limits) -> MapSizes {
+        vec![
+            (maps::WATCHED, limits.watched_processes),
+            (maps::CONNS, limits.connections),
+            (maps::ADOPT, limits.connections),
+            (maps::SERVICE_COUNTERS, limits.max_services),
+            (maps::SERVICE_EPOCHS, limits.max_services),
+            (maps::REQUEST_TIMES, limits.max_services),
+            (maps::PENDING_CALLS, limits.syscalls_in_flight),
+            (maps::LISTEN_PORTS, limits.listen_ports),
+        ]
+    }
+
     /// Takes the request and connection maps out of `ebpf`, with `REQUEST_TIMES`
     /// mapped for `services` ids. `socket_namespaces` and `socket_inodes`: whether
     /// the kernel's BTF gave the offsets the socket programs read for them.

@@ -16,10 +16,11 @@ use poolscope_shared::{
 };
 
 use super::{
-    Kernel, KernelError,
+    Kernel, KernelError, MapSizes,
     attach::{attach_cpu_clock, detach_all, session_sampler, typed_program},
     take,
 };
+use crate::config::Limits;
 
 /// The sampled stacks, their counts and copies, and the profiling sessions.
 pub(super) struct Stacks {
@@ -44,6 +45,21 @@ pub(super) struct Stacks {
 }
 
 impl Stacks {
+    /// The sizes `limits` gives these maps: each generation's stack map, their
+    /// counts, and per stack id of each generation (and of the lock stacks) its
+    /// copied flag and hint.
+    pub fn sizes(limits: &Limits) -> MapSizes {
+        let copy_stride = limits.stack_copy_stride();
+        let generations = maps::STACKS.iter().map(|&name| (name, limits.stacks));
+        generations
+            .chain([
+                (maps::STACK_COUNTS, limits.stack_counts),
+                (maps::STACK_COPIED, (STACK_GENERATIONS + 1) * copy_stride),
+                (maps::STACK_HINTS, limits.stacks),
+            ])
+            .collect()
+    }
+
     /// Takes the stack and profiling maps out of `ebpf`.
     pub fn take(ebpf: &mut Ebpf) -> Result<Self, KernelError> {
         let generations = maps::STACKS

@@ -13,8 +13,8 @@ use poolscope_shared::{
 };
 
 use super::{
-    BPF_NOEXIST, Claim, Kernel, KernelError, LockWaits, Readout, ThreadSlots, ThreadTable,
-    batch::BatchMap, mapping::Counters, reread::Reread, take,
+    BPF_NOEXIST, Claim, Kernel, KernelError, LockWaits, MapSizes, Readout, ThreadSlots,
+    ThreadTable, batch::BatchMap, mapping::Counters, reread::Reread, take,
 };
 use crate::{config::Limits, idmap::IdMap};
 
@@ -58,6 +58,21 @@ pub(super) struct Pools {
 }
 
 impl Pools {
+    /// The sizes `limits` gives these maps.
+    pub fn sizes(limits: &Limits) -> MapSizes {
+        vec![
+            (maps::THREAD_ENTRIES, limits.thread_slots),
+            (maps::THREAD_OWNERS, limits.thread_slots),
+            (maps::THREADS, limits.threads),
+            (maps::THREAD_POOLS, limits.threads),
+            (maps::POOL_STATS, limits.max_pools),
+            (maps::POOL_RUNQUEUE, limits.max_pools),
+            (maps::LOCK_WAITS, lock_wait_slots(limits)),
+            (maps::LOCK_WAIT_COUNTS, lock_wait_slots(limits)),
+            (maps::DOWNSTREAM_WAITS, limits.downstreams),
+        ]
+    }
+
     /// Takes the thread and pool maps out of `ebpf` (the thread array and the
     /// lock-wait counts mapped, as `limits` sized them).
     pub fn take(ebpf: &mut Ebpf, limits: &Limits) -> Result<Self, KernelError> {
@@ -100,7 +115,7 @@ impl Pools {
 }
 
 /// Entries of the per pool × primitive arrays (`LOCK_WAITS`, `LOCK_WAIT_COUNTS`).
-pub(super) fn lock_wait_slots(limits: &Limits) -> u32 {
+fn lock_wait_slots(limits: &Limits) -> u32 {
     limits.max_pools * LockPrimitive::COUNT
 }
 
