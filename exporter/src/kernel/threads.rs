@@ -218,10 +218,10 @@ impl Pools {
     /// looked up in `THREAD_POOLS`. The pool of a thread changes only when user space
     /// names it (which forgets what was read) or the kernel follows a new thread: a
     /// new tid, or a reused one, whose service is checked (a tid reused by the same
-    /// service between two reads is taken for the thread before it, as `Pools`
-    /// takes it: it names each tid once). Walking that map's 65,536 buckets instead
-    /// cost ~0.4 ms a scrape at 110 services. The thread array is read through its
-    /// mapping; `THREADS` only if some slot counts a thread there.
+    /// service between two reads is taken for the thread before it, as
+    /// `metrics::pools::Pools` takes it: it names each tid once). Walking that map's
+    /// 65,536 buckets instead cost ~0.4 ms a scrape at 110 services. The thread array
+    /// is read through its mapping; `THREADS` only if some slot counts a thread there.
     fn thread_entries(&mut self) -> Result<Vec<(u32, Thread, Option<u32>)>, KernelError> {
         let mut threads = std::mem::take(&mut self.slots_read);
         let overflow = self.thread_slots.read_into(&mut threads);
