@@ -10,7 +10,9 @@ use std::{
     os::fd::{AsFd as _, AsRawFd as _, OwnedFd},
 };
 
-use aya::{Pod, maps::Map};
+use aya::{Ebpf, Pod, maps::Map};
+
+use super::KernelError;
 
 /// `BPF_MAP_LOOKUP_BATCH` of include/uapi/linux/bpf.h.
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
@@ -44,7 +46,7 @@ pub(super) struct BatchMap {
 
 impl BatchMap {
     /// A descriptor for `map` (a hash map or an array, per-CPU or not).
-    pub fn of(map: &Map) -> io::Result<Self> {
+    fn of(map: &Map) -> io::Result<Self> {
         let data = match map {
             Map::HashMap(data) | Map::Array(data) | Map::PerCpuArray(data) => data,
             _ => return Err(io::Error::from(io::ErrorKind::Unsupported)),
@@ -53,6 +55,13 @@ impl BatchMap {
             fd: data.fd().as_fd().try_clone_to_owned()?,
             buffer: RefCell::new(Vec::new()),
         })
+    }
+
+    /// A descriptor for the map `name` of `ebpf`, which must still hold it (taken
+    /// out, a map is no longer found by name).
+    pub fn named(ebpf: &Ebpf, name: &'static str) -> Result<Self, KernelError> {
+        let map = ebpf.map(name).ok_or(KernelError::MissingMap(name))?;
+        Self::of(map).map_err(|source| KernelError::Batch { map: name, source })
     }
 
     /// One `BPF_MAP_LOOKUP_BATCH` call; the entries it filled, and whether the map

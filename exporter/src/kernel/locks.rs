@@ -1,18 +1,55 @@
-//! The lock maps: the `pthread_mutex_lock` uprobes attached per process, and
-//! `LOCKS` / `LOCK_STACKS` (futex waits per process, address and stack).
+//! The locks part of [`Kernel`] ([`Locks`]): `LOCKS` / `LOCK_STACKS` (futex waits
+//! per process, address and stack), and the `pthread_mutex_lock` uprobes attached
+//! per process.
 use std::{num::NonZeroU32, path::Path};
 
-use aya::programs::{
-    UProbe,
-    uprobe::{UProbeLinkId, UProbeScope},
+use aya::{
+    Ebpf,
+    maps::{HashMap, MapData, stack_trace::StackTraceMap},
+    programs::{
+        UProbe,
+        uprobe::{UProbeLinkId, UProbeScope},
+    },
 };
-use poolscope_shared::{Histogram, LockKey, maps::CountedMap};
+use poolscope_shared::{
+    Histogram, LockKey,
+    maps::{self, CountedMap},
+};
 
 use super::{
-    Kernel, KernelError,
+    Kernel, KernelError, MapSizes,
     attach::{MUTEX_PROBES, MUTEX_SYMBOL, typed_program},
     stacks::addresses,
+    take,
 };
+use crate::config::Limits;
+
+/// The futex waits of the watched processes and the stacks they waited at.
+pub(super) struct Locks {
+    /// `LOCKS`: (process, address, stack) → wait histogram.
+    waits: HashMap<MapData, LockKey, Histogram>,
+    /// `LOCK_STACKS`: the user stacks of `waits`' keys.
+    stacks: StackTraceMap<MapData>,
+}
+
+impl Locks {
+    /// The sizes `limits` gives these maps (and `MUTEX_CALLS`, the kernel's own).
+    pub fn sizes(limits: &Limits) -> MapSizes {
+        vec![
+            (maps::LOCKS, limits.locks),
+            (maps::LOCK_STACKS, limits.lock_stacks),
+            (maps::MUTEX_CALLS, limits.mutex_calls_in_flight),
+        ]
+    }
+
+    /// Takes `LOCKS` and `LOCK_STACKS` out of `ebpf`.
+    pub fn take(ebpf: &mut Ebpf) -> Result<Self, KernelError> {
+        Ok(Self {
+            waits: take(ebpf, maps::LOCKS)?,
+            stacks: take(ebpf, maps::LOCK_STACKS)?,
+        })
+    }
+}
 
 impl Kernel {
     /// Attaches the `pthread_mutex_lock` probes to process `pid`, in the libc that
@@ -63,14 +100,15 @@ impl Kernel {
             }
         }
     }
+
     /// Every entry of `LOCKS`: the futex waits per (process, address, stack).
     pub fn locks(&self) -> Vec<(LockKey, Histogram)> {
-        self.locks.iter().filter_map(Result::ok).collect()
+        self.locks.waits.iter().filter_map(Result::ok).collect()
     }
 
     /// The user stack (return addresses, innermost first) of a `LOCKS` key.
     pub fn lock_stack(&self, id: i32) -> Option<Vec<u64>> {
-        addresses(&self.lock_stacks, id)
+        addresses(&self.locks.stacks, id)
     }
 
     /// Removes the lock entries of a process no longer watched. Its stacks stay in
@@ -79,6 +117,7 @@ impl Kernel {
     pub fn forget_locks(&mut self, pid: u32) {
         let keys: Vec<LockKey> = self
             .locks
+            .waits
             .keys()
             .filter_map(Result::ok)
             .filter(|key| key.tgid == pid)
@@ -86,8 +125,9 @@ impl Kernel {
         // One gone already (the map cleared meanwhile) was counted by its remover.
         let removed = keys
             .iter()
-            .filter(|key| self.locks.remove(key).is_ok())
+            .filter(|key| self.locks.waits.remove(key).is_ok())
             .count();
-        self.count_own_entries(CountedMap::Locks, -(removed as i64));
+        self.health
+            .count_own_entries(CountedMap::Locks, -(removed as i64));
     }
 }

@@ -3,10 +3,9 @@
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use poolscope_shared::{
-    DownstreamKey, DownstreamWait, Histogram, LOSSES_SIZE, LockPrimitive, LossErrno, LossSource,
-    OffcpuCaptures, PoolStats, RequestTimes, ServiceCounters, SyscallSlot, Thread, loss_index,
+    DownstreamKey, DownstreamWait, Histogram, LockPrimitive, LossErrno, LossSource, OffcpuCaptures,
+    PoolStats, RequestTimes, ServiceCounters, Thread,
     maps::{self, CountedMap},
-    syscall_counter_index,
 };
 
 use super::{Backend, Kernel, KernelError, PoolWaits, WatchTable};
@@ -64,53 +63,15 @@ pub struct ProgramStats {
 impl Kernel {
     /// Every kernel-side loss counter, summed over CPUs.
     pub fn losses(&self) -> Result<Vec<(LossSource, LossErrno, u64)>, KernelError> {
-        let mut sums = vec![0u64; LOSSES_SIZE as usize];
-        self.batch
-            .losses
-            .array_each::<u64>(0..LOSSES_SIZE, self.cpus, |index, lost| sums[index] += lost)
-            .map_err(|source| KernelError::Batch {
-                map: maps::LOSSES,
-                source,
-            })?;
-        Ok(LossSource::ALL
-            .into_iter()
-            .flat_map(|source| LossErrno::ALL.map(|errno| (source, errno)))
-            .map(|(source, errno)| {
-                let lost = sums.get(loss_index(source, errno) as usize).copied();
-                (source, errno, lost.unwrap_or(0))
-            })
-            .collect())
+        self.health.losses(self.cpus)
     }
+
     /// The connection and request counters of `services`, summed over CPUs.
     pub fn read_services(
         &self,
         services: &[u32],
     ) -> Result<BTreeMap<u32, ServiceCounters>, KernelError> {
-        self.batch
-            .service_counters
-            .sum_by_id::<ServiceCounters>(services, self.cpus, |total, cpu| {
-                *total = total.plus(cpu);
-            })
-            .map(|sums| sums.into_iter().collect())
-            .map_err(|source| KernelError::Batch {
-                map: maps::SERVICE_COUNTERS,
-                source,
-            })
-    }
-    /// The request times of `services` (with their counters, read just before):
-    /// those whose finished count moved since they were last read are read again,
-    /// the rest kept.
-    fn read_request_times(
-        &mut self,
-        services: &BTreeMap<u32, ServiceCounters>,
-    ) -> BTreeMap<u32, Arc<RequestTimes>> {
-        let finished: Vec<(u32, u64)> = services
-            .iter()
-            .map(|(&id, counters)| (id, counters.finished))
-            .collect();
-        let mapped = &self.request_times;
-        self.request_times_read
-            .refresh_mapped(&finished, |id| mapped.get(id))
+        self.requests.read_counters(services, self.cpus)
     }
 
     /// Reads the counters of `services` and `pools` and the exporter's own
@@ -121,7 +82,6 @@ impl Kernel {
         pools: &[u32],
         waits: PoolWaits,
     ) -> Result<Readout, KernelError> {
-        let map_error = |map| move |source| KernelError::Map { map, source };
         let mut readout = Readout {
             watched: self
                 .watched_pids()
@@ -131,41 +91,19 @@ impl Kernel {
             ..Readout::default()
         };
         readout.services = self.read_services(services)?;
-        readout.request_times = self.read_request_times(&readout.services);
-        let syscall_services = if self.backend == Backend::Syscall {
-            services
-        } else {
-            &[]
-        };
-        for &service in syscall_services {
-            for slot in SyscallSlot::ALL {
-                let calls: u64 = self
-                    .syscall_counts
-                    .get(&syscall_counter_index(service, slot), 0)
-                    .map_err(map_error(maps::SYSCALL_COUNTS))?
-                    .iter()
-                    .sum();
-                readout.syscalls.insert((service, slot.name()), calls);
-            }
+        readout.request_times = self.requests.read_request_times(&readout.services);
+        if self.backend == Backend::Syscall {
+            readout.syscalls = self.requests.read_syscalls(services)?;
         }
         self.read_pools(pools, waits, &mut readout)?;
         readout.losses = self.losses()?;
-        for cpu in self
-            .offcpu_captures
-            .get(&0, 0)
-            .map_err(map_error(maps::OFFCPU_CAPTURES))?
-            .iter()
-        {
-            readout.offcpu_captures.full += cpu.full;
-            readout.offcpu_captures.sampled += cpu.sampled;
-            readout.offcpu_captures.skipped += cpu.skipped;
-        }
+        readout.offcpu_captures = self.stacks.offcpu_captures()?;
         let fill = |name: &'static str, entries: u64| MapFill {
             name,
             entries,
             capacity: self.capacity(name),
         };
-        let counted = self.counted_entries()?;
+        let counted = self.health.counted_entries(self.cpus)?;
         let count = |map: CountedMap| fill(map.name(), counted[map as usize]);
         readout.maps = vec![
             fill(maps::WATCHED, readout.watched.len() as u64),
@@ -176,20 +114,14 @@ impl Kernel {
             count(CountedMap::PendingCalls),
             fill(
                 maps::THREAD_ENTRIES,
-                (readout.threads.len() as u64).saturating_sub(self.threads_overflow),
+                (readout.threads.len() as u64).saturating_sub(self.pools.threads_overflow()),
             ),
-            fill(maps::THREADS, self.threads_overflow),
+            fill(maps::THREADS, self.pools.threads_overflow()),
             count(CountedMap::Locks),
             fill(maps::DOWNSTREAM_WAITS, readout.downstreams.len() as u64),
             count(CountedMap::StackCounts),
             count(CountedMap::MutexCalls),
-            fill(
-                maps::PROFILE_SESSIONS,
-                self.profile_sessions
-                    .iter()
-                    .filter(|session| session.as_ref().is_ok_and(|s| s.active != 0))
-                    .count() as u64,
-            ),
+            fill(maps::PROFILE_SESSIONS, self.stacks.active_sessions()),
             count(CountedMap::ListenPorts),
             count(CountedMap::Adopt),
         ];
