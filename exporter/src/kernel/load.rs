@@ -156,25 +156,27 @@ pub(super) fn open(
 /// the programs only read. Both stay in `ebpf`: a program is loaded (at its attach)
 /// with the descriptors of the maps it reads, which must still be open then.
 pub(super) fn fill_syscall_tables(ebpf: &mut Ebpf) -> Result<(), KernelError> {
-    let mut slots = table(ebpf, maps::SYSCALL_SLOTS)?;
-    for slot in SyscallSlot::ALL {
-        if let Some(number) = syscall_number(slot) {
-            slots
-                .set(number as u32, slot as u32, 0)
-                .map_err(|source| KernelError::Map {
-                    map: maps::SYSCALL_SLOTS,
-                    source,
-                })?;
-        }
-    }
-    let mut classes = table(ebpf, maps::WAIT_CLASSES)?;
-    for (number, class) in wait_classes() {
-        classes
-            .set(number as u32, class as u32, 0)
-            .map_err(|source| KernelError::Map {
-                map: maps::WAIT_CLASSES,
-                source,
-            })?;
+    let slots = SyscallSlot::ALL
+        .into_iter()
+        .filter_map(|slot| Some((syscall_number(slot)? as u32, slot as u32)));
+    fill(ebpf, maps::SYSCALL_SLOTS, slots)?;
+    let classes = wait_classes()
+        .into_iter()
+        .map(|(number, class)| (number as u32, class as u32));
+    fill(ebpf, maps::WAIT_CLASSES, classes)
+}
+
+/// Sets each (index, value) of `entries` in the array `name` of `ebpf`.
+fn fill(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    entries: impl IntoIterator<Item = (u32, u32)>,
+) -> Result<(), KernelError> {
+    let mut array = table(ebpf, name)?;
+    for (index, value) in entries {
+        array
+            .set(index, value, 0)
+            .map_err(|source| KernelError::Map { map: name, source })?;
     }
     Ok(())
 }

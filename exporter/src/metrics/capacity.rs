@@ -189,6 +189,21 @@ mod tests {
         }
     }
 
+    /// Pool 1 of service 1 over `window`, `threads_served` of its live threads served.
+    fn pool_one(window: PoolWindow, threads_served: u64) -> PoolInput {
+        PoolInput {
+            pool: 1,
+            service: 1,
+            window,
+            threads_served,
+        }
+    }
+
+    /// Every service may use `cpus`, by `bound`.
+    fn limited(cpus: f64, bound: CpuBound) -> impl Fn(u32) -> Option<CpuLimit> {
+        move |_| Some(CpuLimit { cpus, bound })
+    }
+
     fn finished(requests: u64) -> BTreeMap<u32, Finished> {
         BTreeMap::from([(
             1,
@@ -203,23 +218,13 @@ mod tests {
     fn a_pool_saturates_at_threads_over_busy_seconds_per_request() {
         // 4 workers, 20 ms busy per request (1 ms on a CPU), 50 requests/s: 200/s.
         let pools = [input(7, 1, 4, 500.0 * 0.020, 500.0 * 0.001)];
-        let host = |_| {
-            Some(CpuLimit {
-                cpus: 2.0,
-                bound: CpuBound::Host,
-            })
-        };
+        let host = limited(2.0, CpuBound::Host);
         let capacity = capacities(&pools, &finished(500), host)[&7];
         assert!((capacity.requests_per_second - 200.0).abs() < 1e-6);
         assert_eq!(capacity.limit, Limit::Threads);
         // The same work on a CPU 10 ms per request, under a quota of half a CPU: 50/s.
         let pools = [input(7, 1, 4, 500.0 * 0.020, 500.0 * 0.010)];
-        let quota = |_| {
-            Some(CpuLimit {
-                cpus: 0.5,
-                bound: CpuBound::Quota,
-            })
-        };
+        let quota = limited(0.5, CpuBound::Quota);
         let capacity = capacities(&pools, &finished(500), quota)[&7];
         assert!((capacity.requests_per_second - 50.0).abs() < 1e-6);
         assert_eq!(capacity.limit.label(), "cpu_quota");
@@ -231,12 +236,7 @@ mod tests {
         // 71 µs runnable per request at 6,000 requests/s: 1 ÷ 31 µs.
         let mut window = window(2, 60_000.0 * 102e-6, 60_000.0 * 31e-6);
         window.runnable_ns = (60_000.0 * 71e-6 * 1e9) as u64;
-        let pools = [PoolInput {
-            pool: 1,
-            service: 1,
-            window,
-            threads_served: 1,
-        }];
+        let pools = [pool_one(window, 1)];
         let capacity = capacities(&pools, &finished(60_000), |_| None)[&1];
         assert!((capacity.requests_per_second - 1.0 / 31e-6).abs() < 1.0);
     }
@@ -249,30 +249,15 @@ mod tests {
         // 50,000/s) far above the quota's.
         let mut churning = window(1, 250.0 * 0.005, 250.0 * 0.005);
         churning.served_exits = 250;
-        let pools = [PoolInput {
-            pool: 1,
-            service: 1,
-            window: churning,
-            threads_served: 0,
-        }];
-        let quota = |_| {
-            Some(CpuLimit {
-                cpus: 0.5,
-                bound: CpuBound::Quota,
-            })
-        };
+        let pools = [pool_one(churning, 0)];
+        let quota = limited(0.5, CpuBound::Quota);
         let capacity = capacities(&pools, &finished(250), quota)[&1];
         assert!((capacity.requests_per_second - 100.0).abs() < 1e-6);
         assert_eq!(capacity.limit, Limit::Cpus(CpuBound::Quota));
         // A fixed pool of 4 that replaced one worker in the window is still 4.
         let mut recycled = window(4, 500.0 * 0.020, 500.0 * 0.001);
         recycled.served_exits = 1;
-        let pools = [PoolInput {
-            pool: 1,
-            service: 1,
-            window: recycled,
-            threads_served: 4,
-        }];
+        let pools = [pool_one(recycled, 4)];
         let capacity = capacities(&pools, &finished(500), |_| None)[&1];
         assert!((capacity.requests_per_second - 200.0).abs() < 1e-6);
     }
@@ -284,12 +269,7 @@ mod tests {
             input(1, 1, 8, 500.0 * 0.006, 500.0 * 0.005),
             input(2, 1, 8, 500.0 * 0.006, 500.0 * 0.005),
         ];
-        let one_cpu = |_| {
-            Some(CpuLimit {
-                cpus: 1.0,
-                bound: CpuBound::Cpuset,
-            })
-        };
+        let one_cpu = limited(1.0, CpuBound::Cpuset);
         let capacities = capacities(&pools, &finished(500), one_cpu);
         for pool in [1, 2] {
             assert!((capacities[&pool].requests_per_second - 100.0).abs() < 1e-6);
