@@ -32,13 +32,13 @@ use poolscope_shared::{
 use self::{
     source::{Source, preface_prefix, read_user},
     streams::{
-        ACK, CONTINUATION, Frame, GOAWAY, Moment, SETTINGS, announced_limit, at_limit, goaway,
-        limit_streams, received, sent, settings,
+        ACK, CONTINUATION, Frame, GOAWAY, Moment, SETTINGS, announced_limit, goaway, limit_streams,
+        received, sent, settings, streams_ended,
     },
 };
 use crate::{
     abi::{SECOND_ARG_OFFSET, THIRD_ARG_OFFSET},
-    maps::{H2_CONNS, count_loss, update_service},
+    maps::{H2_CONNS, count_loss, swap, update_service},
     requests,
 };
 
@@ -253,26 +253,26 @@ fn lose(h2: &mut H2Conn, service: u32, lost: LossSource) {
 /// Ends every open stream; `reset` counts them as reset.
 #[inline(always)]
 fn end_all(h2: &mut H2Conn, service: u32, reset: bool) {
-    // No branch on what a slot holds: the verifier walks each of the 128 iterations
-    // once, where a count kept here would multiply its states.
+    // The ended streams are the slots this takes, not the count: an end on another
+    // CPU may free one meanwhile. No branch on what a slot holds: the verifier walks
+    // each of the 128 iterations once, where a branch would multiply its states.
+    let mut ended = 0u64;
     let mut slot = 0;
     while slot < H2_STREAM_SLOTS as usize {
         if let Some(stream) = h2.streams.get_mut(slot) {
-            stream.id = 0;
+            let id = swap(&mut stream.id, 0);
+            // 1 if the slot held a stream.
+            ended += (id | id.wrapping_neg()) >> 63;
         }
         slot += 1;
     }
-    let ended = u64::from(h2.open);
-    let was_at_limit = at_limit(h2);
-    h2.open = 0;
+    let limit = streams_ended(h2, ended);
     update_service(service, |c| {
         c.serving_left += ended;
         if reset {
             c.streams_reset += ended;
         }
-        if was_at_limit {
-            c.at_limit_left += 1;
-        }
+        limit.count(c);
     });
 }
 

@@ -238,6 +238,19 @@ pub fn atomic_add<T: Copy>(counter: &mut T, value: T) {
     }
 }
 
+/// Sets `value` to `new` as one step no other CPU can split, and returns the value
+/// before. 64-bit, as [`compare_and_swap`].
+#[inline(always)]
+pub fn swap(value: &mut u64, new: u64) -> u64 {
+    // SAFETY: `value` is a valid, aligned u64 in a map value; the intrinsic is one
+    // BPF atomic exchange.
+    unsafe {
+        core::intrinsics::atomic_xchg::<u64, { core::intrinsics::AtomicOrdering::SeqCst }>(
+            value, new,
+        )
+    }
+}
+
 /// Sets `value` to `new` if it is `current`, as one step no other CPU can split:
 /// whether it did. 64-bit: the BPF target's generic CPU has no 32-bit cmpxchg.
 #[inline(always)]

@@ -63,8 +63,9 @@ pub struct CallWalk {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct H2Stream {
-    pub id: u32,
-    pub _pad: u32,
+    /// 64 bits: the connection's reader and writer may end it on two CPUs at once, and
+    /// the BPF target's compare-and-swap is 64-bit.
+    pub id: u64,
     /// When the bytes of its HEADERS arrived (`sk_data_ready`), else when read.
     pub arrive_ns: u64,
     /// When the server read its HEADERS.
@@ -83,8 +84,6 @@ pub struct H2Conn {
     /// 1 + the [`crate::LossSource`] that stopped the following of this connection
     /// (0 while followed): it counts nothing more.
     pub lost: u32,
-    /// Streams in flight (slots in use).
-    pub open: u32,
     /// The highest client stream id opened: a HEADERS frame on a higher odd id opens
     /// a stream, one on a lower id carries trailers.
     pub last_stream: u32,
@@ -93,7 +92,14 @@ pub struct H2Conn {
     /// 1 + the last stream id of the server's GOAWAY (0: none sent): streams above
     /// it were not and will not be processed.
     pub goaway: u32,
-    pub _pad: u32,
+    /// Streams in flight (slots in use). Changed by atomic adds only: a server may
+    /// read on one thread and write on another (grpc-go does), so two CPUs open and
+    /// end its streams at once.
+    pub open: u64,
+    /// 1 while the connection is counted at the server's stream limit (in
+    /// `at_limit_entered` and not yet in `at_limit_left`); set by compare-and-swap, so
+    /// that of two CPUs that see the connection reach or leave the limit one counts it.
+    pub at_limit: u64,
     /// When request bytes arrived unread (0 if none since the last read).
     pub arrived_ns: u64,
     pub streams: [H2Stream; H2_STREAM_SLOTS as usize],
@@ -103,5 +109,5 @@ const _: () = assert!(core::mem::size_of::<CallWalk>() == 64);
 const _: () = assert!(core::mem::size_of::<FrameCursor>() == 48 + 64);
 const _: () = assert!(core::mem::size_of::<H2Stream>() == 24);
 const _: () =
-    assert!(core::mem::size_of::<H2Conn>() == 2 * (48 + 64) + 32 + H2_STREAM_SLOTS as usize * 24);
+    assert!(core::mem::size_of::<H2Conn>() == 2 * (48 + 64) + 40 + H2_STREAM_SLOTS as usize * 24);
 const _: () = assert!(H2_STREAM_SLOTS.is_power_of_two());

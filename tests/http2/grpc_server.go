@@ -2,7 +2,8 @@
 // (Debian's golang-google-grpc-dev, built in GOPATH mode) with a codec that passes
 // bytes through, one unary method `poolscope.Test/Sleep` that sleeps the request's
 // ASCII number of ms and answers "ok". Each call runs on its own goroutine: nothing
-// waits for a worker. Prints `port N` once it listens on 127.0.0.1; serves until
+// waits for a worker. Its one optional argument N announces a limit of N streams
+// per connection (SETTINGS_MAX_CONCURRENT_STREAMS); none otherwise. Prints `port N` once it listens on 127.0.0.1; serves until
 // stdin closes, then prints `served N 0 0` (as grpc_server.py: Sleep, Stream, Abort).
 package main
 
@@ -47,7 +48,15 @@ func main() {
 	if err != nil {
 		panic(err)
 	}
-	server := grpc.NewServer(grpc.CustomCodec(rawCodec{}))
+	options := []grpc.ServerOption{grpc.CustomCodec(rawCodec{})}
+	if len(os.Args) > 1 {
+		limit, err := strconv.Atoi(os.Args[1])
+		if err != nil {
+			panic(err)
+		}
+		options = append(options, grpc.MaxConcurrentStreams(uint32(limit)))
+	}
+	server := grpc.NewServer(options...)
 	server.RegisterService(&grpc.ServiceDesc{
 		ServiceName: "poolscope.Test",
 		HandlerType: (*interface{})(nil),

@@ -13,6 +13,7 @@
 //! python3-grpcio and python3-h2 install for (a `python3` earlier on PATH, pyenv's,
 //! has neither).
 use std::{
+    io::Write as _,
     net::TcpStream,
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -69,6 +70,34 @@ pub fn h2load(
         format!("-c{clients}"),
         format!("-m{streams}"),
         format!("http://127.0.0.1:{port}{path}"),
+    ])
+}
+
+/// [`h2load`] of gRPC unary calls to `method` (`/package.Service/Method`), each
+/// carrying the one gRPC message `message` (uncompressed).
+pub fn h2load_grpc(
+    port: u16,
+    method: &str,
+    message: &[u8],
+    requests: u64,
+    clients: u32,
+    streams: u32,
+) -> anyhow::Result<H2Load> {
+    let mut body = tempfile::NamedTempFile::new().context("a file for h2load's request body")?;
+    let length = u32::try_from(message.len()).context("a gRPC message over 4 GiB")?;
+    body.write_all(&[0])
+        .and_then(|()| body.write_all(&length.to_be_bytes()))
+        .and_then(|()| body.write_all(message))
+        .context("writing h2load's request body")?;
+    run_h2load(&[
+        format!("-n{requests}"),
+        format!("-c{clients}"),
+        format!("-m{streams}"),
+        "-d".to_owned(),
+        body.path().display().to_string(),
+        "-Hcontent-type: application/grpc".to_owned(),
+        "-Hte: trailers".to_owned(),
+        format!("http://127.0.0.1:{port}{method}"),
     ])
 }
 
@@ -222,6 +251,15 @@ impl GrpcServer {
     /// The Go server of tests/http2/grpc_server.go (grpc-go, a goroutine per call; its
     /// `Sleep` only), built from Debian's golang-google-grpc-dev.
     pub fn start_go() -> anyhow::Result<Self> {
+        Self::start_go_with(&[])
+    }
+
+    /// [`Self::start_go`] announcing `SETTINGS_MAX_CONCURRENT_STREAMS` = `max_streams`.
+    pub fn start_go_with_stream_limit(max_streams: u32) -> anyhow::Result<Self> {
+        Self::start_go_with(&[max_streams.to_string()])
+    }
+
+    fn start_go_with(args: &[String]) -> anyhow::Result<Self> {
         let binary = crate::servers::build_go(
             include_str!("../http2/grpc_server.go"),
             Some(Path::new("/usr/share/gocode")),
@@ -229,7 +267,7 @@ impl GrpcServer {
         .context(
             "building the Go gRPC server (Debian packages golang-go, golang-google-grpc-dev)",
         )?;
-        let program = Program::start_path(&binary, &[]).context("starting the Go gRPC server")?;
+        let program = Program::start_path(&binary, args).context("starting the Go gRPC server")?;
         Self::serving(program)
     }
 

@@ -2,11 +2,13 @@
 //! stream, END_STREAM finishes it, RST_STREAM and GOAWAY reset it, SETTINGS bound
 //! how many may be open; with the frame types, the frame header's parse, and the
 //! moment of one call that every frame of it shares.
-use poolscope_shared::{H2_STREAM_SLOTS, H2Conn, LossErrno, LossSource, h2_stream_slot};
+use poolscope_shared::{
+    H2_STREAM_SLOTS, H2Conn, LossErrno, LossSource, ServiceCounters, h2_stream_slot,
+};
 
 use super::source::read_user;
 use crate::{
-    maps::{count_loss, update_service},
+    maps::{atomic_add, compare_and_swap, count_loss, update_service},
     requests,
 };
 
@@ -122,39 +124,36 @@ pub(super) fn open(h2: &mut H2Conn, id: u32, moment: &Moment) {
         count_loss(LossSource::Http2StreamSlots, LossErrno::None);
         return;
     }
-    stream.id = id;
     stream.arrive_ns = moment.arrive;
     stream.start_ns = moment.now;
-    let was_at_limit = at_limit(h2);
-    h2.open += 1;
-    let reaches_limit = !was_at_limit && at_limit(h2);
+    // Counted before the id is seen: an end on another CPU that finds the stream
+    // then takes away one the count has.
+    atomic_add(&mut h2.open, 1);
+    stream.id = u64::from(id);
+    let limit = limit_change(h2);
     update_service(moment.service, |c| {
         c.serving_entered += 1;
-        if reaches_limit {
-            c.at_limit_entered += 1;
-        }
+        limit.count(c);
     });
 }
 
-/// Stream `id` ends; nothing if it is not open (a server push, one not followed).
+/// Stream `id` ends; nothing if it is not open (a server push, one not followed, or
+/// one another CPU ended first: the server's END_STREAM and the client's RST_STREAM
+/// may cross).
 #[inline(always)]
 pub(super) fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) {
     let Some(stream) = h2.streams.get_mut(h2_stream_slot(id)) else {
         return;
     };
-    if stream.id != id || id == 0 {
+    // Read before the slot is freed: a stream opening there may then overwrite them.
+    let (arrive, start) = (stream.arrive_ns, stream.start_ns);
+    if id == 0 || !compare_and_swap(&mut stream.id, u64::from(id), 0) {
         return;
     }
-    stream.id = 0;
-    let (arrive, start) = (stream.arrive_ns, stream.start_ns);
-    let was_at_limit = at_limit(h2);
-    h2.open = h2.open.saturating_sub(1);
-    let leaves_limit = was_at_limit && !at_limit(h2);
+    let limit = streams_ended(h2, 1);
     update_service(moment.service, |c| {
         c.serving_left += 1;
-        if leaves_limit {
-            c.at_limit_left += 1;
-        }
+        limit.count(c);
         if how == End::Reset {
             c.streams_reset += 1;
         }
@@ -164,11 +163,50 @@ pub(super) fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) {
     }
 }
 
-/// Whether the connection holds as many open streams as the server allows: its
-/// client queues any more on its own side.
+/// `ended` streams whose slots the caller freed leave the count.
 #[inline(always)]
-pub(super) fn at_limit(h2: &H2Conn) -> bool {
-    h2.max_streams != 0 && h2.open >= h2.max_streams
+pub(super) fn streams_ended(h2: &mut H2Conn, ended: u64) -> LimitChange {
+    atomic_add(&mut h2.open, ended.wrapping_neg());
+    limit_change(h2)
+}
+
+/// Whether the connection reached (or left) the server's stream limit, where its
+/// client queues any more streams on its own side.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum LimitChange {
+    None,
+    Reached,
+    Left,
+}
+
+impl LimitChange {
+    /// Adds the change to the service's counters.
+    #[inline(always)]
+    pub(super) fn count(self, c: &mut ServiceCounters) {
+        match self {
+            Self::Reached => c.at_limit_entered += 1,
+            Self::Left => c.at_limit_left += 1,
+            Self::None => {}
+        }
+    }
+}
+
+/// Brings the connection's [`H2Conn::at_limit`] to what its open streams and the
+/// server's limit say now, after a change to either. Another CPU may change the
+/// count meanwhile and then comes here too: the last to come sets the flag, and each
+/// flip is counted once, so the service's at-limit gauge never drifts.
+#[inline(always)]
+fn limit_change(h2: &mut H2Conn) -> LimitChange {
+    let max = h2.max_streams;
+    let now = u64::from(max != 0 && h2.open >= u64::from(max));
+    if h2.at_limit == now || !compare_and_swap(&mut h2.at_limit, now ^ 1, now) {
+        return LimitChange::None;
+    }
+    if now == 1 {
+        LimitChange::Reached
+    } else {
+        LimitChange::Left
+    }
 }
 
 /// The server's GOAWAY, its payload at user address `at`: the open streams above its
@@ -182,20 +220,16 @@ pub(super) fn goaway(h2: &mut H2Conn, at: u64, service: u32) {
     h2.goaway = last.saturating_add(1);
     let mut slot = 0;
     while slot < H2_STREAM_SLOTS as usize {
-        if let Some(stream) = h2.streams.get_mut(slot)
-            && stream.id > last
-        {
-            stream.id = 0;
-            let was_at_limit = at_limit(h2);
-            h2.open = h2.open.saturating_sub(1);
-            let leaves_limit = was_at_limit && !at_limit(h2);
-            update_service(service, |c| {
-                c.serving_left += 1;
-                c.streams_reset += 1;
-                if leaves_limit {
-                    c.at_limit_left += 1;
-                }
-            });
+        if let Some(stream) = h2.streams.get_mut(slot) {
+            let id = stream.id;
+            if id > u64::from(last) && compare_and_swap(&mut stream.id, id, 0) {
+                let limit = streams_ended(h2, 1);
+                update_service(service, |c| {
+                    c.serving_left += 1;
+                    c.streams_reset += 1;
+                    limit.count(c);
+                });
+            }
         }
         slot += 1;
     }
@@ -231,15 +265,10 @@ pub(super) fn announced_limit(at: u64, length: u32) -> Option<u32> {
 /// The server allows `limit` open streams on the connection from now on.
 #[inline(always)]
 pub(super) fn limit_streams(h2: &mut H2Conn, limit: u32, service: u32) {
-    let was_at_limit = at_limit(h2);
     h2.max_streams = limit;
-    let is_at_limit = at_limit(h2);
+    let change = limit_change(h2);
     update_service(service, |c| {
         c.max_streams = c.max_streams.max(u64::from(limit));
-        match (was_at_limit, is_at_limit) {
-            (false, true) => c.at_limit_entered += 1,
-            (true, false) => c.at_limit_left += 1,
-            _ => {}
-        }
+        change.count(c);
     });
 }
