@@ -85,8 +85,16 @@ impl KernelLayout {
     }
 }
 
+/// The size of every map a part sizes, as `limits` gives them.
+fn map_sizes(limits: &Limits) -> impl Iterator<Item = (&'static str, u32)> {
+    (Requests::sizes(limits).into_iter())
+        .chain(Pools::sizes(limits))
+        .chain(Locks::sizes(limits))
+        .chain(Stacks::sizes(limits))
+}
+
 /// Loads the object with its maps sized by `limits` (as each part sizes its own)
-/// and its load-time globals set from `layout` and `sampling`.
+/// and its load-time globals set from `layout`, `sampling` and the parts' own.
 pub(super) fn open(
     limits: &Limits,
     sampling: Sampling,
@@ -99,12 +107,15 @@ pub(super) fn open(
         u64::try_from(min.as_nanos()).unwrap_or(u64::MAX - 1)
     });
     let mut loader = EbpfLoader::new();
-    let sizes = (Requests::sizes(limits).into_iter())
-        .chain(Pools::sizes(limits))
-        .chain(Locks::sizes(limits))
-        .chain(Stacks::sizes(limits));
-    for (name, entries) in sizes {
+    for (name, entries) in map_sizes(limits) {
         loader.map_max_entries(name, entries);
+    }
+    let part_globals: Vec<_> = Pools::globals(limits)
+        .into_iter()
+        .chain(Stacks::globals(limits))
+        .collect();
+    for (name, value) in &part_globals {
+        loader.override_global(name, value, true);
     }
     // Left at 0 where BTF does not have them all: no peer is looked for, and the
     // socket programs are skipped.
@@ -136,12 +147,6 @@ pub(super) fn open(
         .override_global(
             "OFFCPU_SAMPLE_MASK",
             &sampling.offcpu_sample_one_in.saturating_sub(1),
-            true,
-        )
-        .override_global("STACK_COPY_STRIDE", &limits.stack_copy_stride(), true)
-        .override_global(
-            "THREAD_SLOT_MASK",
-            &limits.thread_slots.wrapping_sub(1),
             true,
         )
         .load(aya::include_bytes_aligned!(concat!(
@@ -268,4 +273,68 @@ pub(super) fn load_samplers_and_uprobes(
         PerfEvent::load,
     )?);
     Ok(probes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Limits all different, so that a map sized by the wrong one shows.
+    fn distinct_limits() -> Limits {
+        Limits {
+            watched_processes: 101,
+            connections: 102,
+            max_services: 103,
+            max_pools: 104,
+            threads: 105,
+            thread_slots: 256,
+            locks: 107,
+            lock_stacks: 108,
+            stacks: 109,
+            stack_counts: 110,
+            syscalls_in_flight: 111,
+            mutex_calls_in_flight: 112,
+            listen_ports: 113,
+            downstreams: 114,
+        }
+    }
+
+    /// A full map's advice names the limit `Limits::size_of` gives it: the map must
+    /// be loaded at that limit's size, and every map a limit names must be loaded.
+    #[test]
+    fn each_map_a_limit_names_is_loaded_at_that_limits_size() {
+        let limits = distinct_limits();
+        let sizes: Vec<_> = map_sizes(&limits).collect();
+        for &(name, entries) in &sizes {
+            // The three stack generations are reported as one map.
+            let reported = if maps::STACKS.contains(&name) {
+                maps::STACK_MAPS
+            } else {
+                name
+            };
+            if let Some(size) = limits.size_of(reported) {
+                assert_eq!(entries, size, "{name} is not loaded at its limit's size");
+            }
+        }
+        let named = [
+            maps::WATCHED,
+            maps::CONNS,
+            maps::ADOPT,
+            maps::THREADS,
+            maps::THREAD_POOLS,
+            maps::LOCKS,
+            maps::LOCK_STACKS,
+            maps::STACK_COUNTS,
+            maps::PENDING_CALLS,
+            maps::MUTEX_CALLS,
+            maps::LISTEN_PORTS,
+            maps::DOWNSTREAM_WAITS,
+        ];
+        for name in named.into_iter().chain(maps::STACKS) {
+            assert!(
+                sizes.iter().any(|&(sized, _)| sized == name),
+                "{name}: no part sizes it"
+            );
+        }
+    }
 }

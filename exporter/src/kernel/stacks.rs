@@ -60,6 +60,12 @@ impl Stacks {
             .collect()
     }
 
+    /// The load-time globals `limits` gives these programs: the slots per stack map
+    /// in `STACK_COPIED`.
+    pub fn globals(limits: &Limits) -> Vec<(&'static str, u32)> {
+        vec![("STACK_COPY_STRIDE", limits.stack_copy_stride())]
+    }
+
     /// Takes the stack and profiling maps out of `ebpf`.
     pub fn take(ebpf: &mut Ebpf) -> Result<Self, KernelError> {
         let generations = maps::STACKS

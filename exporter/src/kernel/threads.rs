@@ -73,6 +73,12 @@ impl Pools {
         ]
     }
 
+    /// The load-time globals `limits` gives these programs: the mask of a tid's
+    /// slot in `THREAD_ENTRIES` and `THREAD_OWNERS` (a power of two in size).
+    pub fn globals(limits: &Limits) -> Vec<(&'static str, u32)> {
+        vec![("THREAD_SLOT_MASK", limits.thread_slots.wrapping_sub(1))]
+    }
+
     /// Takes the thread and pool maps out of `ebpf` (the thread array and the
     /// lock-wait counts mapped, as `limits` sized them).
     pub fn take(ebpf: &mut Ebpf, limits: &Limits) -> Result<Self, KernelError> {
