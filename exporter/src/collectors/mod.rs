@@ -1,25 +1,31 @@
 //! From one scrape's reading to metric families. One collector per concern, each
-//! naming its own families, run from one list that times each one and says whether
-//! the reading it needed was whole (`poolscope_scrape_collector_duration_seconds`,
-//! `poolscope_scrape_collector_success`). Pure functions of the reading: what to
-//! read, and under which lock, is the exporter's business.
+//! naming its own families, run from one list ([`COLLECTORS`]) that times each one
+//! and says whether the reading it needed was whole
+//! (`poolscope_scrape_duration_seconds`, `poolscope_scrape_collector_success`).
+//! Functions of the reading: what to read, and under which lock, is the exporter's
+//! business (only `process` reads, poolscope's own `/proc/self`).
 pub mod downstream;
 pub mod own;
 pub mod pools;
 pub mod process;
+pub mod profiles;
 pub mod services;
+pub mod stacks;
+pub mod web;
 
-use std::{collections::BTreeMap, time::Instant};
+use std::{collections::BTreeMap, path::Path, time::Instant};
 
 use crate::{
     config::MetricsSettings,
     discovery::pools::PoolView,
+    discovery::procfs::ProcfsUnits,
     discovery::targets::ServiceView,
     encode::Family,
-    kernel::{Backend, Readout},
+    kernel::{Backend, Probe, Readout},
     metrics::capacity::Capacity,
     metrics::pools::PoolTotals,
     metrics::window::WindowDelta,
+    stacks::{sessions::SessionCounts, unwind::UnwindStats},
 };
 
 /// One pool at scrape time: its totals, its busy share over the utilization window
@@ -79,14 +85,42 @@ pub struct Collected {
     pub whole: bool,
 }
 
-/// One concern's families from a reading.
-pub type Collector = fn(&Reading<'_>) -> Collected;
+/// What a scrape knows of poolscope itself, read after the series cap: these
+/// families never count against it, so a full cap cannot hide what it dropped.
+pub struct OwnReading<'a> {
+    pub stats: &'a own::SelfStats,
+    pub probes: &'a [Probe],
+    /// The kernel's counters (program runs, map fill); `None` if reading them failed.
+    pub kernel: Option<&'a Readout>,
+    pub profiles: &'a SessionCounts,
+    pub unwinds: &'a UnwindStats,
+    /// Where procfs is mounted, and its units (`None` if unreadable so far).
+    pub procfs_root: &'a Path,
+    pub procfs_units: Option<ProcfsUnits>,
+    pub web: &'a web::ScrapeCounts,
+}
 
-/// Every collector whose families the series cap applies to, in exposition order.
-pub const COLLECTORS: [(&str, Collector); 3] = [
-    ("services", services::collect),
-    ("pools", pools::collect),
-    ("downstream", downstream::collect),
+/// A collector: the families of one concern.
+#[derive(Clone, Copy)]
+pub enum Collector {
+    /// Per service and pool, from a scrape's reading; the series cap applies.
+    Services(fn(&Reading<'_>) -> Collected),
+    /// poolscope's own, after the cap; given the steps timed before it.
+    Own(fn(&OwnReading<'_>, &Timings) -> Collected),
+}
+
+/// Every source of metric families, in exposition order: first the per-service
+/// ones, which the series cap applies to, then poolscope's own. `own` is last, as it
+/// reports the time and success of every step and collector before it.
+pub const COLLECTORS: [(&str, Collector); 8] = [
+    ("services", Collector::Services(services::collect)),
+    ("pools", Collector::Services(pools::collect)),
+    ("downstream", Collector::Services(downstream::collect)),
+    ("profiles", Collector::Own(profiles::collect)),
+    ("stacks", Collector::Own(stacks::collect)),
+    ("process", Collector::Own(process::collect)),
+    ("web", Collector::Own(web::collect)),
+    ("own", Collector::Own(own::collect)),
 ];
 
 /// Each step of a scrape: (collector, seconds, success).
@@ -104,14 +138,32 @@ impl Timings {
     }
 }
 
-/// Runs every collector of [`COLLECTORS`] on `reading`.
-pub fn collect_all(reading: &Reading<'_>, timings: &mut Timings) -> Vec<Family> {
+/// Runs every per-service collector of [`COLLECTORS`] on `reading`.
+pub fn collect_services(reading: &Reading<'_>, timings: &mut Timings) -> Vec<Family> {
     let mut families = Vec::new();
     for (name, collector) in COLLECTORS {
-        families.extend(timings.time(name, || {
-            let collected = collector(reading);
-            (collected.families, collected.whole)
-        }));
+        if let Collector::Services(collect) = collector {
+            families.extend(timings.time(name, || {
+                let collected = collect(reading);
+                (collected.families, collected.whole)
+            }));
+        }
+    }
+    families
+}
+
+/// Runs every collector of poolscope's own families of [`COLLECTORS`] on `own`.
+pub fn collect_own(own: &OwnReading<'_>, timings: &mut Timings) -> Vec<Family> {
+    let mut families = Vec::new();
+    for (name, collector) in COLLECTORS {
+        if let Collector::Own(collect) = collector {
+            let started = Instant::now();
+            let collected = collect(own, timings);
+            timings
+                .0
+                .push((name, started.elapsed().as_secs_f64(), collected.whole));
+            families.extend(collected.families);
+        }
     }
     families
 }
@@ -186,7 +238,7 @@ mod tests {
             metrics: MetricsSettings::default(),
         };
         let mut timings = Timings::default();
-        let text = render(&collect_all(&reading, &mut timings), Format::Text);
+        let text = render(&collect_services(&reading, &mut timings), Format::Text);
         assert_eq!(
             outcome(&timings),
             [("services", true), ("pools", true), ("downstream", true)]
@@ -209,7 +261,7 @@ mod tests {
         reading.kernel = None;
         reading.pools = &[];
         let mut timings = Timings::default();
-        let text = render(&collect_all(&reading, &mut timings), Format::Text);
+        let text = render(&collect_services(&reading, &mut timings), Format::Text);
         assert_eq!(
             outcome(&timings),
             [("services", false), ("pools", false), ("downstream", false)]
@@ -218,6 +270,54 @@ mod tests {
             text.contains("poolscope_connections_accepted_total{service=\"api\"} 0\n"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn own_collectors_run_after_the_cap_and_own_reports_every_one_before_it() {
+        let stats = own::SelfStats::default();
+        let missing_procfs = Path::new("/nonexistent/proc");
+        let reading = OwnReading {
+            stats: &stats,
+            probes: &[],
+            kernel: None,
+            profiles: &SessionCounts::default(),
+            unwinds: &UnwindStats::default(),
+            procfs_root: missing_procfs,
+            procfs_units: None,
+            web: &web::ScrapeCounts {
+                refused_busy: 3,
+                ..web::ScrapeCounts::default()
+            },
+        };
+        let mut timings = Timings::default();
+        timings.time("kernel", || ((), true));
+        let text = render(&collect_own(&reading, &mut timings), Format::Text);
+        // `own` is timed after it rendered, so its own line is not in this scrape.
+        assert_eq!(
+            outcome(&timings),
+            [
+                ("kernel", true),
+                ("profiles", true),
+                ("stacks", true),
+                ("process", false),
+                ("web", true),
+                ("own", true),
+            ]
+        );
+        for line in [
+            "poolscope_scrapes_refused_total{reason=\"concurrency\"} 3\n",
+            "poolscope_profile_sessions_active 0\n",
+            "poolscope_unwind_tables_bytes 0\n",
+            "poolscope_scrape_collector_success{collector=\"kernel\"} 1\n",
+            "poolscope_scrape_collector_success{collector=\"process\"} 0\n",
+            "poolscope_scrape_collector_success{collector=\"web\"} 1\n",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+        assert!(!text.contains("collector=\"own\""), "{text}");
+        assert!(!text.contains("process_cpu_seconds"), "{text}");
+        // The services' collectors are not among these.
+        assert!(!text.contains("collector=\"services\""), "{text}");
     }
 
     /// Series of each service in an exposition, by the `service` label.
@@ -316,7 +416,7 @@ mod tests {
                 metrics,
             };
             let text = render(
-                &collect_all(&reading, &mut Timings::default()),
+                &collect_services(&reading, &mut Timings::default()),
                 Format::Text,
             );
             (series_of(&text, "api"), text)

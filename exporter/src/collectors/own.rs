@@ -1,5 +1,6 @@
 //! poolscope's own families: build info, probes, loss counters and health, map
 //! fill, program run time, collector timings and the last configuration load.
+use super::{Collected, OwnReading, Timings};
 use crate::{
     encode::{Family, Kind},
     kernel::{Probe, ProbeState, Readout},
@@ -23,8 +24,6 @@ pub struct SelfStats {
     pub namespace_tables_read: u64,
     /// Processes whose open files rescans read so far.
     pub process_fds_read: u64,
-    /// (collector, seconds, success)
-    pub collectors: Vec<(&'static str, f64, bool)>,
     pub reload: ReloadStatus,
 }
 
@@ -120,8 +119,20 @@ fn loss_families(losses: &[Loss]) -> Vec<Family> {
     families
 }
 
-/// The exporter's own families; never capped.
-pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readout>) -> Vec<Family> {
+/// Runs last: it reports every step and collector before it (not itself).
+pub fn collect(own: &OwnReading<'_>, timings: &Timings) -> Collected {
+    Collected {
+        families: families(own.stats, own.probes, own.kernel, timings),
+        whole: true,
+    }
+}
+
+fn families(
+    stats: &SelfStats,
+    probes: &[Probe],
+    kernel: Option<&Readout>,
+    timings: &Timings,
+) -> Vec<Family> {
     let mut families = vec![
         Family::new(
             "build_info",
@@ -270,7 +281,7 @@ pub fn self_families(stats: &SelfStats, probes: &[Probe], kernel: Option<&Readou
         Kind::Gauge,
         "1 if the collector succeeded in this scrape, else 0.",
     );
-    for (collector, seconds, ok) in &stats.collectors {
+    for (collector, seconds, ok) in &timings.0 {
         duration.push(&[("collector", collector)], *seconds);
         success.push(&[("collector", collector)], if *ok { 1.0 } else { 0.0 });
     }
@@ -296,7 +307,10 @@ mod tests {
             },
             ..Default::default()
         };
-        let text = render(&self_families(&stats, &[], None), Format::Text);
+        let text = render(
+            &families(&stats, &[], None, &Timings::default()),
+            Format::Text,
+        );
         for line in [
             "poolscope_config_last_reload_successful 0\n",
             "poolscope_config_last_reload_success_timestamp_seconds 1700000000.5\n",
@@ -329,7 +343,10 @@ mod tests {
             degraded: true,
             ..Default::default()
         };
-        let text = render(&self_families(&stats, &[], None), Format::Text);
+        let text = render(
+            &families(&stats, &[], None, &Timings::default()),
+            Format::Text,
+        );
         for line in [
             "poolscope_map_update_errors_total{map=\"CONNS\",errno=\"E2BIG\"} 5",
             "poolscope_map_update_errors_total{map=\"THREADS\",errno=\"E2BIG\"} 0",
@@ -361,7 +378,7 @@ mod tests {
             probe("perf_event/cpu-clock", ProbeState::Skipped(Skip::Off)),
         ];
         let text = render(
-            &self_families(&SelfStats::default(), &probes, None),
+            &families(&SelfStats::default(), &probes, None, &Timings::default()),
             Format::Text,
         );
         for line in [

@@ -1,12 +1,25 @@
 //! poolscope's own process as every Prometheus client library exports it
 //! (`process_*`, without poolscope's prefix, so that the usual dashboards and alerts
 //! on exporters' CPU, memory and descriptors work unchanged).
+use super::{Collected, OwnReading, Timings};
 use crate::{
-    discovery::procfs::ProcessUse,
+    discovery::procfs::{self, ProcessUse},
     encode::{Family, Kind},
 };
 
-pub fn process_families(used: &ProcessUse) -> Vec<Family> {
+/// Reads `self` under the procfs root (right in any pid namespace); not whole, and
+/// no families, when it cannot.
+pub fn collect(own: &OwnReading<'_>, _: &Timings) -> Collected {
+    let used = own
+        .procfs_units
+        .and_then(|units| procfs::process_use(own.procfs_root, "self", &units));
+    Collected {
+        families: used.as_ref().map(families).unwrap_or_default(),
+        whole: used.is_some(),
+    }
+}
+
+fn families(used: &ProcessUse) -> Vec<Family> {
     vec![
         Family::standard(
             "process_cpu_seconds",

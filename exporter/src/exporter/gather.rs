@@ -18,10 +18,10 @@ use poolscope_shared::ServiceCounters;
 use super::{Exporter, lock_or_recover};
 use crate::{
     collectors::{
-        self, PoolRow, Reading, Timings,
-        own::{SelfStats, self_families},
-        process::process_families,
+        self, OwnReading, PoolRow, Reading, Timings,
+        own::SelfStats,
         services::{queue_depths, service_listeners},
+        web::ScrapeCounts,
     },
     config::MetricsSettings,
     discovery::held,
@@ -236,8 +236,13 @@ impl Exporter {
         })
     }
 
-    /// Every family of a scrape to be written in `exposition`.
-    pub(super) fn gather_families(&self, exposition: Exposition) -> Vec<Family> {
+    /// Every family of a scrape to be written in `exposition`; `web`: the web
+    /// server's counts.
+    pub(super) fn gather_families(
+        &self,
+        exposition: Exposition,
+        web: &ScrapeCounts,
+    ) -> Vec<Family> {
         let settings = self.settings();
         // Native buckets only where they are written: a text scrape skips mapping
         // every request and wait histogram onto the native schema.
@@ -288,7 +293,7 @@ impl Exporter {
             listeners: listeners.as_deref(),
             metrics,
         };
-        let mut families = collectors::collect_all(&reading, &mut timings);
+        let mut families = collectors::collect_services(&reading, &mut timings);
         let dropped = cap_series(&mut families, settings.max_series);
         let series_dropped = self.health.series_dropped(dropped);
         let mut losses = locked.losses;
@@ -304,22 +309,6 @@ impl Exporter {
             None => self.health.last(),
         }
         .degraded();
-        // The sources of poolscope's own families besides the one below, each timed
-        // like the collectors (the own one reports their durations, not its own):
-        // profiling sessions, stack unwinding, and its process (`self`: right in any
-        // pid namespace).
-        let profile_families = timings.time("profiles", || (self.profiles.families(), true));
-        let stack_families = timings.time("stacks", || (self.stacks.families(), true));
-        let process = timings.time("process", || {
-            let used = self
-                .procfs_units()
-                .and_then(|units| procfs::process_use(&self.procfs_root, "self", &units));
-            let read = used.is_some();
-            (
-                used.as_ref().map(process_families).unwrap_or_default(),
-                read,
-            )
-        });
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
             revision: crate::revision::REVISION,
@@ -329,17 +318,19 @@ impl Exporter {
             lock_probe_processes: locked.lock_probe_processes,
             namespace_tables_read: self.namespace_tables_read.load(Ordering::Relaxed),
             process_fds_read: self.process_fds_read.load(Ordering::Relaxed),
-            collectors: timings.0,
             reload: *lock_or_recover(&self.reload_status),
         };
-        families.extend(self_families(
-            &stats,
-            self.health.probes(),
-            locked.kernel.as_ref(),
-        ));
-        families.extend(profile_families);
-        families.extend(stack_families);
-        families.extend(process);
+        let own = OwnReading {
+            stats: &stats,
+            probes: self.health.probes(),
+            kernel: locked.kernel.as_ref(),
+            profiles: &self.profiles.counts(),
+            unwinds: &self.stacks.unwind_stats(),
+            procfs_root: &self.procfs_root,
+            procfs_units: self.procfs_units(),
+            web,
+        };
+        families.extend(collectors::collect_own(&own, &mut timings));
         families
     }
 

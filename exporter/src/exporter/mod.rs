@@ -36,7 +36,7 @@ use self::{
 };
 use crate::{
     clock::monotonic_ns,
-    collectors::own::ReloadStatus,
+    collectors::{own::ReloadStatus, web::ScrapeCounts},
     config::Settings,
     discovery::cpus::{self, CpuLimits},
     discovery::lock_probes::LockProbes,
@@ -479,8 +479,8 @@ impl Gatherer for Exporter {
         self.profiles.cancel(&ticket, &self.parts(&settings));
     }
 
-    fn gather(&self, exposition: Exposition) -> Vec<Family> {
-        self.gather_families(exposition)
+    fn gather(&self, exposition: Exposition, web: &ScrapeCounts) -> Vec<Family> {
+        self.gather_families(exposition, web)
     }
 }
 

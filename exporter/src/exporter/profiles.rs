@@ -12,9 +12,8 @@ use super::{Core, health::Health, lock_or_recover, stacks::Stacks};
 use crate::{
     clock::monotonic_ns,
     config::Settings,
-    encode::Family,
     stacks::profile::{self, ProfileMeta, StackRecord},
-    stacks::sessions::{self, ProfileQuery, Refusal, Sessions, Ticket},
+    stacks::sessions::{self, ProfileQuery, Refusal, SessionCounts, Sessions, Ticket},
     web::server::ProfileOutput,
 };
 
@@ -37,8 +36,9 @@ impl Profiles {
         lock_or_recover(&self.sessions)
     }
 
-    pub fn families(&self) -> Vec<Family> {
-        self.sessions().families()
+    /// What happened to the sessions asked for so far.
+    pub fn counts(&self) -> SessionCounts {
+        self.sessions().counts()
     }
 
     pub fn begin(

@@ -11,7 +11,6 @@ use std::{
 use super::{Core, health::Health, lock_or_recover};
 use crate::{
     config::Settings,
-    encode::{Family, Kind},
     metrics::locks::LockReport,
     stacks::{
         repairs::StackRepairs,
@@ -19,7 +18,7 @@ use crate::{
             Drained, RecentNames, Saturation, SessionWindows, Snapshot, SnapshotSummary, Snapshots,
             StackWindows, Trigger, Window,
         },
-        unwind::{UnwindResult, UnwindStats},
+        unwind::UnwindStats,
     },
 };
 
@@ -131,41 +130,9 @@ impl Stacks {
         }
     }
 
-    /// `stack_unwinds_total`, `unwind_tables_bytes`, `unwind_tables_evicted_total` and
-    /// `stack_unwind_seconds_total`.
-    pub fn families(&self) -> Vec<Family> {
-        let stats = lock_or_recover(&self.unwind_stats).clone();
-        let mut unwinds = Family::new(
-            "stack_unwinds",
-            Kind::Counter,
-            "User stack copies unwound by the modules' unwind tables (one per distinct \
-             stack), by result: unwound, or why the frame-pointer walk stayed.",
-        );
-        for result in UnwindResult::ALL {
-            let count = stats.results.get(&result).copied().unwrap_or(0);
-            unwinds.push(&[("result", result.name())], count as f64);
-        }
-        let tables = Family::new(
-            "unwind_tables_bytes",
-            Kind::Gauge,
-            "Bytes of unwind tables (.eh_frame, .eh_frame_hdr, .debug_frame) held for \
-             unwinding, within stacks.unwind_memory_bytes.",
-        )
-        .with(&[], stats.table_bytes as f64);
-        let evicted = Family::new(
-            "unwind_tables_evicted",
-            Kind::Counter,
-            "Modules' unwind tables evicted, least recently used first, to make room \
-             within stacks.unwind_memory_bytes (read again if needed again).",
-        )
-        .with(&[], stats.evicted as f64);
-        let seconds = Family::new(
-            "stack_unwind_seconds",
-            Kind::Counter,
-            "Time spent unwinding stack copies, reading the unwind tables included.",
-        )
-        .with(&[], stats.seconds);
-        vec![unwinds, tables, evicted, seconds]
+    /// The unwinder's counts as of its last copies.
+    pub fn unwind_stats(&self) -> UnwindStats {
+        lock_or_recover(&self.unwind_stats).clone()
     }
 
     /// Moves the stacks counted up to two epochs ago into the current windows

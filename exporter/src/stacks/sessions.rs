@@ -10,7 +10,6 @@ use poolscope_shared::MAX_PROFILE_SESSIONS;
 
 use crate::{
     config::ProfileLimits,
-    encode::{Family, Kind, Value},
     stacks::profile::{Format, View},
 };
 
@@ -200,19 +199,29 @@ pub struct Ticket {
 }
 
 /// Upper bounds (s) of `profile_session_start_seconds`: the goal is < 100 ms.
-const START_BUCKETS: [f64; 8] = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
+pub const START_BUCKETS: [f64; 8] = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
 
 /// The slots in use and what happened to the sessions asked for.
 #[derive(Debug, Default)]
 pub struct Sessions {
     slots: [bool; MAX_PROFILE_SESSIONS as usize],
     last_id: u32,
-    started: BTreeMap<&'static str, u64>,
-    refused: BTreeMap<&'static str, u64>,
-    /// Request → first sample: cumulative counts per bucket, sum, count.
-    start_buckets: [u64; START_BUCKETS.len()],
-    start_sum: f64,
-    start_count: u64,
+    counts: SessionCounts,
+}
+
+/// What happened to the sessions asked for so far: the `profile_sessions_*`
+/// self-metrics.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SessionCounts {
+    /// Sessions running now.
+    pub active: u32,
+    pub started: BTreeMap<&'static str, u64>,
+    pub refused: BTreeMap<&'static str, u64>,
+    /// Request → first sample: cumulative counts per bucket of [`START_BUCKETS`],
+    /// sum, count.
+    pub start_buckets: [u64; START_BUCKETS.len()],
+    pub start_sum: f64,
+    pub start_count: u64,
 }
 
 impl Sessions {
@@ -247,74 +256,36 @@ impl Sessions {
     }
 
     pub fn started(&mut self, view: View) {
-        *self.started.entry(kind_name(view)).or_default() += 1;
+        *self.counts.started.entry(kind_name(view)).or_default() += 1;
     }
 
     pub fn refused(&mut self, refusal: &Refusal) {
-        *self.refused.entry(refusal.reason()).or_default() += 1;
+        *self.counts.refused.entry(refusal.reason()).or_default() += 1;
     }
 
     /// A session's first sample came `latency` after its request.
     pub fn first_sample(&mut self, latency: Duration) {
         let seconds = latency.as_secs_f64();
-        for (bucket, bound) in self.start_buckets.iter_mut().zip(START_BUCKETS) {
+        let counts = &mut self.counts;
+        for (bucket, bound) in counts.start_buckets.iter_mut().zip(START_BUCKETS) {
             if seconds <= bound {
                 *bucket += 1;
             }
         }
-        self.start_sum += seconds;
-        self.start_count += 1;
+        counts.start_sum += seconds;
+        counts.start_count += 1;
     }
 
     pub fn active(&self) -> u32 {
         self.slots.iter().filter(|taken| **taken).count() as u32
     }
 
-    pub fn families(&self) -> Vec<Family> {
-        let mut started = Family::new(
-            "profile_sessions_started",
-            Kind::Counter,
-            "On-demand profiling sessions started, by kind.",
-        );
-        for (kind, count) in &self.started {
-            started.push(&[("kind", kind)], *count as f64);
+    /// The counts as of now.
+    pub fn counts(&self) -> SessionCounts {
+        SessionCounts {
+            active: self.active(),
+            ..self.counts.clone()
         }
-        let mut refused = Family::new(
-            "profile_sessions_refused",
-            Kind::Counter,
-            "Profiling requests refused (or failed), by reason.",
-        );
-        for (reason, count) in &self.refused {
-            refused.push(&[("reason", reason)], *count as f64);
-        }
-        vec![
-            Family::new(
-                "profile_sessions_active",
-                Kind::Gauge,
-                "On-demand profiling sessions running now.",
-            )
-            .with(&[], f64::from(self.active())),
-            started,
-            refused,
-            Family::new(
-                "profile_session_start_seconds",
-                Kind::Histogram,
-                "From a profiling request to its first on-CPU sample in the kernel.",
-            )
-            .with_value(
-                &[],
-                Value::histogram(
-                    START_BUCKETS
-                        .iter()
-                        .copied()
-                        .zip(self.start_buckets)
-                        .collect(),
-                    self.start_sum,
-                    self.start_count,
-                    None,
-                ),
-            ),
-        ]
     }
 }
 
@@ -478,26 +449,5 @@ mod tests {
         assert_eq!(third.slot, first.slot);
         assert!(third.id != first.id && third.id != second.id && third.id != 0);
         Ok(())
-    }
-
-    #[test]
-    fn self_metrics_count_what_happened() {
-        let mut sessions = Sessions::default();
-        sessions.started(View::Wall);
-        sessions.refused(&Refusal::TooMany(4));
-        sessions.refused(&Refusal::TooMany(4));
-        sessions.first_sample(Duration::from_millis(20));
-        let families = sessions.families();
-        let text = crate::encode::render(&families, crate::encode::Format::Text);
-        for line in [
-            "poolscope_profile_sessions_active 0\n",
-            "poolscope_profile_sessions_started_total{kind=\"wall\"} 1\n",
-            "poolscope_profile_sessions_refused_total{reason=\"sessions\"} 2\n",
-            "poolscope_profile_session_start_seconds_bucket{le=\"0.01\"} 0\n",
-            "poolscope_profile_session_start_seconds_bucket{le=\"0.025\"} 1\n",
-            "poolscope_profile_session_start_seconds_count 1\n",
-        ] {
-            assert!(text.contains(line), "{line} not in\n{text}");
-        }
     }
 }

@@ -4,6 +4,7 @@
 use axum::http::StatusCode;
 
 use crate::{
+    collectors::web::ScrapeCounts,
     encode::{Exposition, Family},
     stacks::{
         profile::{self, ProfileError, View},
@@ -14,8 +15,9 @@ use crate::{
 /// Something that reads every metric family for one scrape.
 pub trait Gatherer: Send + Sync + 'static {
     /// Blocking: reads kernel maps and netlink; the families to be written in
-    /// `exposition` (only the protobuf exposition carries native buckets).
-    fn gather(&self, exposition: Exposition) -> Vec<Family>;
+    /// `exposition` (only the protobuf exposition carries native buckets), with the
+    /// web server's own counts.
+    fn gather(&self, exposition: Exposition, web: &ScrapeCounts) -> Vec<Family>;
 
     /// Blocking: one line per followed thread, with a header line.
     fn debug_threads(&self) -> String;

@@ -18,8 +18,9 @@ use axum::{
 };
 
 use crate::{
+    collectors::web::ScrapeCounts,
     config::ScrapeLimits,
-    encode::{self, Exposition, Family, Kind, weighted_items},
+    encode::{self, Exposition, weighted_items},
     web::gatherer::Gatherer,
 };
 
@@ -91,35 +92,14 @@ impl ScrapeGate {
         }
     }
 
-    fn families(&self) -> [Family; 2] {
-        [
-            Family::new(
-                "scrapes_refused",
-                Kind::Counter,
-                "Scrapes of /metrics answered 503: too many at once (web.max_concurrent_scrapes) or past their timeout.",
-            )
-            .with(
-                &[("reason", "concurrency")],
-                self.refused_busy.load(Ordering::Relaxed) as f64,
-            )
-            .with(
-                &[("reason", "timeout")],
-                self.refused_timeout.load(Ordering::Relaxed) as f64,
-            ),
-            Family::new(
-                "tls_handshake_errors",
-                Kind::Counter,
-                "TLS handshakes of the listener (--web.config.file) that failed or timed out; the connection was closed.",
-            )
-            .with(
-                &[("reason", "failed")],
-                self.tls_failed.load(Ordering::Relaxed) as f64,
-            )
-            .with(
-                &[("reason", "timeout")],
-                self.tls_timed_out.load(Ordering::Relaxed) as f64,
-            ),
-        ]
+    /// The counts as of now.
+    fn counts(&self) -> ScrapeCounts {
+        ScrapeCounts {
+            refused_busy: self.refused_busy.load(Ordering::Relaxed),
+            refused_timeout: self.refused_timeout.load(Ordering::Relaxed),
+            tls_failed: self.tls_failed.load(Ordering::Relaxed),
+            tls_timed_out: self.tls_timed_out.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -165,8 +145,7 @@ pub(super) async fn metrics(
     // held until the work ends, also past a timeout: abandoned work still counts.
     let work = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        let mut families = gatherer.gather(format);
-        families.extend(counters.families());
+        let families = gatherer.gather(format, &counters.counts());
         let body = format.render(&families);
         if gzip {
             encode::gzip(body.as_ref()).map(Bytes::from)

@@ -74,6 +74,7 @@ mod tests {
 
     use super::*;
     use crate::{
+        collectors::web::{self, ScrapeCounts},
         config::{DebugAccess, ScrapeLimits},
         encode::{Exposition, Family, Kind},
         stacks::{
@@ -115,9 +116,13 @@ mod tests {
     }
 
     impl Gatherer for Fixed {
-        fn gather(&self, _: Exposition) -> Vec<Family> {
+        fn gather(&self, _: Exposition, counts: &ScrapeCounts) -> Vec<Family> {
             std::thread::sleep(self.delay);
-            vec![Family::new("queue_depth", Kind::Gauge, "Depth.").with(&[("service", "a")], 2.0)]
+            let mut families = vec![
+                Family::new("queue_depth", Kind::Gauge, "Depth.").with(&[("service", "a")], 2.0),
+            ];
+            families.extend(web::families(counts));
+            families
         }
 
         fn debug_threads(&self) -> String {
