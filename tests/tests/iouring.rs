@@ -22,7 +22,7 @@ use poolscope_tests::{
     downstream::compile_c,
     load::ClosedLoop,
     one_at_a_time, privileged, requests_settled, scorecard, scrape_until,
-    steady::{self, Steady, assert_within, value},
+    steady::{self, SAMPLE_EVERY, Steady, assert_within, value},
 };
 
 const SLOTS: u32 = 4;
@@ -30,14 +30,6 @@ const CLIENTS: usize = 12;
 const SERVICE: Duration = Duration::from_millis(20);
 const WARM_UP: Duration = Duration::from_secs(1);
 const STEADY: Duration = Duration::from_secs(4);
-/// The server's slots start together and so turn over together, every `SERVICE`:
-/// between the kernel writing their answers and reading their next requests the
-/// gauge truly reads fewer than 4 (measured at 100 ms: 5 samples of 640 below 4,
-/// three of them 0, each with in flight + queued = 12; poolscope's mean duration is
-/// 0.6 % shorter than the server's, the same gap). One sample of 0 moves a 40-sample
-/// mean by 2.5 %, and CI once read 3.78 against 4.01 from such samples. Every 37 ms,
-/// a period the 20 ms cycle does not divide, takes ~100 samples: 1 % each.
-const SAMPLE_EVERY: Duration = Duration::from_millis(37);
 
 /// Builds the server into `dir`.
 fn build(dir: &Path) -> anyhow::Result<PathBuf> {

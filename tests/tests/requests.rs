@@ -10,7 +10,7 @@ use poolscope_tests::{
     Metrics, Netns, PoolServer, Poolscope, backend_config, backends, emulation_allowance,
     load::{ClosedLoop, Connections},
     one_at_a_time, privileged, scorecard, scrape_until,
-    steady::{self, assert_within, assert_within_plus, value},
+    steady::{self, SAMPLE_EVERY, assert_within, assert_within_plus, value},
 };
 
 const WORKERS: u32 = 4;
@@ -18,7 +18,6 @@ const CLIENTS: usize = 12;
 const SERVICE: Duration = Duration::from_millis(20);
 const WARM_UP: Duration = Duration::from_secs(1);
 const STEADY: Duration = Duration::from_secs(4);
-const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 
 /// [`assert_within`] for a mean duration against the server's own clock, plus what
 /// software emulation puts between the two ([`emulation_allowance`], none here).
