@@ -12,7 +12,7 @@ use std::{
 
 use poolscope_tests::{
     Metrics, PoolServer, Poolscope, TestServer, backend_config, backends, one_at_a_time,
-    privileged, scrape_until,
+    privileged, scorecard, scrape_until,
 };
 
 fn value(metrics: &Metrics, name: &str, service: &str) -> Option<f64> {
@@ -108,6 +108,13 @@ fn accepted_unread_connections_older_than_poolscope_are_queued() -> anyhow::Resu
             value(&metrics, "poolscope_queue_depth", service),
             Some(queued)
         );
+        scorecard::exact(
+            "queue_depth, requests accepted and unread before poolscope started",
+            "the 5 requests the server accepted and did not read",
+            backend,
+            value(&metrics, "poolscope_queue_depth", service).unwrap_or(f64::NAN),
+            queued,
+        );
         // The server reads them: no longer queued, in flight (it never answers).
         assert_eq!(server.command("read")?, "ok");
         scrape_until(&poolscope, |m| {
@@ -159,7 +166,13 @@ fn keep_alive_connections_older_than_poolscope_are_followed() -> anyhow::Result<
             "{backend}: {truth} requests after the watch, poolscope counted {:?}",
             value(&counted, "poolscope_requests_total", service)
         );
-        metrics?;
+        scorecard::exact(
+            "requests_total, keep-alive connections opened before poolscope started",
+            "the requests the clients made on them after the watch began",
+            backend,
+            value(&metrics?, "poolscope_requests_total", service).unwrap_or(f64::NAN),
+            truth,
+        );
         let served = server.finish()?;
         assert_eq!(served.count as usize, CONNECTIONS * (BEFORE + AFTER));
     }
@@ -244,10 +257,17 @@ fn connections_of_a_service_watched_after_a_reload_are_followed() -> anyhow::Res
         }
         drop(clients);
         let truth = (CONNECTIONS * AFTER) as f64;
-        scrape_until(&poolscope, |m| {
+        let counted = scrape_until(&poolscope, |m| {
             value(m, "poolscope_requests_total", service) == Some(truth)
         })?;
         eprintln!("{backend}: {truth} requests after the reload, all counted");
+        scorecard::exact(
+            "requests_total, keep-alive connections of a service watched only after a reload",
+            "the requests the clients made on them after the reload",
+            backend,
+            value(&counted, "poolscope_requests_total", service).unwrap_or(f64::NAN),
+            truth,
+        );
     }
     Ok(())
 }

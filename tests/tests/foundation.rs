@@ -3,7 +3,8 @@
 use std::{io::Write as _, net::TcpStream, time::Duration};
 
 use poolscope_tests::{
-    Poolscope, TestServer, backend_config, backends, pids_config, privileged, scrape_until,
+    Poolscope, TestServer, backend_config, backends, pids_config, privileged, scorecard,
+    scrape_until,
 };
 
 /// A testserver watched (by pid) as `service`, once poolscope reports it.
@@ -65,6 +66,15 @@ fn listen_queue_depth_on(backend: &str) -> anyhow::Result<()> {
         Some(CLIENTS as f64),
         "{backend}: the backlog is part of the queue"
     );
+    scorecard::exact(
+        "listen_queue_depth and queue_depth, connections waiting for accept",
+        "the 5 connections the kernel completed and the server did not accept",
+        backend,
+        metrics
+            .value("poolscope_queue_depth", &service)
+            .unwrap_or(f64::NAN),
+        CLIENTS as f64,
+    );
     assert_eq!(
         metrics.value("poolscope_connections_unserved", &service),
         Some(0.0),
@@ -112,6 +122,15 @@ fn unserved_connections_on(backend: &str) -> anyhow::Result<()> {
     assert_eq!(
         metrics.value("poolscope_queue_depth", &service),
         Some(CLIENTS as f64)
+    );
+    scorecard::exact(
+        "connections_unserved and queue_depth, connections accepted with nothing read",
+        "the 4 connections the server accepted and has not read from",
+        backend,
+        metrics
+            .value("poolscope_connections_unserved", &service)
+            .unwrap_or(f64::NAN),
+        CLIENTS as f64,
     );
     if backend == "syscall" {
         let calls = |syscall| {

@@ -20,7 +20,7 @@ use poolscope_tests::{
         Stackburner, field, fields, http_get, names, parse_folded, snapshots_covering, start_phase,
         unix_now, weight_of,
     },
-    wait_followed,
+    scorecard, wait_followed,
 };
 
 const SERVICE: &str = "sampled";
@@ -138,6 +138,14 @@ fn sampled_offcpu_stacks_weigh_true() -> anyhow::Result<()> {
         "every block captured: {every:?} (bound ±{:.0} %)",
         EVERY_BLOCK_BOUND * 100.0
     );
+    scorecard::within(
+        "off-CPU stack time of a function, every block captured (offcpu_sample_one_in = 1)",
+        "the program's own time blocked in the function's sleeps",
+        "-",
+        every.recorded_us as f64 / 1e6,
+        every.truth_us / 1e6,
+        EVERY_BLOCK_BOUND,
+    );
     // Each block is in with probability 1/8 and weighs 8: for n blocks of about equal
     // length the estimate's relative standard error is sqrt((8 - 1) / n).
     let blocks = sampled.sampled + sampled.skipped;
@@ -160,6 +168,14 @@ fn sampled_offcpu_stacks_weigh_true() -> anyhow::Result<()> {
         sampled.recorded_us,
         sampled.truth_us,
         bound * 100.0
+    );
+    scorecard::bounded(
+        "off-CPU stack time of a function, one block in 8 sampled at 8 times its weight",
+        "the program's own time blocked in the function's sleeps",
+        "-",
+        sampled.recorded_us as f64 / 1e6,
+        sampled.truth_us / 1e6,
+        "±5 standard errors of the sampling (at least ±10 %)",
     );
     Ok(())
 }

@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, Netns, PoolServer, Poolscope, TestServer, backends,
     load::{ClosedLoop, Connections},
-    one_at_a_time, privileged, scrape_until, wait_until,
+    one_at_a_time, privileged, scorecard, scrape_until, wait_until,
 };
 
 /// Both pods listen here, as two replicas of one deployment do.
@@ -82,6 +82,19 @@ fn counted_apart(
     let metrics = metrics?;
     assert_eq!(requests(&later, name_a), requests(&metrics, name_a));
     assert_eq!(requests(&later, name_b), requests(&metrics, name_b));
+    let mut counted = vec![(&metrics, name_a, sent_a)];
+    if watch_both {
+        counted.push((&metrics, name_b, sent_b));
+    }
+    for (metrics, name, sent) in counted {
+        scorecard::exact(
+            "requests_total of each of two servers on one port (two pods, or two addresses)",
+            "its own clients' count of answered requests",
+            backend,
+            requests(metrics, name).unwrap_or(f64::NAN),
+            sent as f64,
+        );
+    }
     let (served_a, served_b) = (server_a.finish()?.count, server_b.finish()?.count);
     assert_eq!((served_a, served_b), (sent_a, sent_b));
     Ok(())
@@ -203,8 +216,21 @@ fn listen_backlog_of_a_pod() -> anyhow::Result<()> {
                 && m.value("poolscope_queue_depth", &[("service", service)]) == Some(waiting)
         });
         eprintln!("{backend}: {WAITING} connections in the backlog of a pod");
+        let metrics = metrics?;
+        scorecard::exact(
+            "listen_queue_depth of a server in its own network namespace",
+            "the 6 connections its kernel completed and it did not accept",
+            backend,
+            metrics
+                .value(
+                    "poolscope_listen_queue_depth",
+                    &[("service", service), ("listener", &listener)],
+                )
+                .unwrap_or(f64::NAN),
+            waiting,
+        );
         // Read through the listener's fd (the pod's net/tcp tables have no limit).
-        let limit = metrics?.value(
+        let limit = metrics.value(
             "poolscope_listen_queue_limit",
             &[("service", service), ("listener", &listener)],
         );

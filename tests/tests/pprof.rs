@@ -21,7 +21,7 @@ use poolscope_tests::{
         FoldedLine, Stackburner, go_pprof, http_get, names, parse_folded, snapshots_covering,
         start_phase, top_shares, unix_now, weight_of,
     },
-    schedstat, wait_followed, wait_until,
+    schedstat, scorecard, wait_followed, wait_until,
 };
 
 const SERVICE: &str = "sb";
@@ -240,6 +240,14 @@ fn check_concurrent_sessions(
             "{function}: {cum:.1} % of the samples, the program spent {truth:.1} % of its CPU \
              time there"
         );
+        scorecard::points(
+            "a function's share of a profiling session's CPU samples (go tool pprof -top, cum)",
+            "the program's own split of its CPU time (its CPU clock)",
+            "-",
+            cum / 100.0,
+            truth / 100.0,
+            5.0,
+        );
     }
 
     // Each rate's sample count is rate × the burner's CPU time during the session:
@@ -263,6 +271,14 @@ fn check_concurrent_sessions(
             low > 0.0 && samples >= 0.90 * low && samples <= 1.10 * high,
             "{hz} Hz: {samples} samples, expected {low:.0} to {high:.0} ± 10 %"
         );
+        scorecard::bounded(
+            "on-CPU samples of a profiling session (99 and 333 Hz, four sessions at once)",
+            "rate × the program's CPU time in the session (schedstat; up to its wall time less run-queue wait, for the host's steal)",
+            "-",
+            samples,
+            low,
+            "0.90 × CPU time to 1.10 × with steal",
+        );
     }
 
     // Off-CPU: the sleeper's blocked time during the session, the same way.
@@ -279,6 +295,14 @@ fn check_concurrent_sessions(
     anyhow::ensure!(
         within(slept_us, blocked_us, 0.10),
         "off-CPU: {slept_us:.0} µs, the sleeper was blocked {blocked_us:.0} µs (± 10 %)"
+    );
+    scorecard::within(
+        "off-CPU time of a function in a profiling session",
+        "the program's own time blocked during the session (schedstat)",
+        "-",
+        slept_us / 1e6,
+        blocked_us / 1e6,
+        0.10,
     );
 
     // Self-metrics: what ran, what was refused, how fast each started, nothing left.
@@ -351,6 +375,14 @@ fn snapshots_kept_their_rate(
     anyhow::ensure!(
         within(samples as f64, truth, 0.10),
         "the snapshots hold {samples} burner samples beside the sessions, expected {truth:.0}"
+    );
+    scorecard::within(
+        "on-CPU samples of the periodic snapshots while profiling sessions run",
+        "the snapshots' rate × the program's CPU time",
+        "-",
+        samples as f64,
+        truth,
+        0.10,
     );
     Ok(())
 }

@@ -15,7 +15,7 @@ use poolscope_tests::{
     load::{ClosedLoop, Connections},
     one_at_a_time, privileged,
     profiles::http_get,
-    requests_settled, rss_kb, scrape_until,
+    requests_settled, rss_kb, scorecard, scrape_until,
 };
 
 /// What the scrapers got back.
@@ -220,6 +220,13 @@ fn a_server_in_its_own_pid_namespace_is_counted_exactly() -> anyhow::Result<()> 
         );
         assert!(made > 0);
         assert_eq!((counted, made), (served.count as f64, served.count));
+        scorecard::exact(
+            "requests_total of a server in its own pid namespace",
+            "the clients' count of answered requests",
+            backend,
+            counted,
+            made as f64,
+        );
     }
     Ok(())
 }

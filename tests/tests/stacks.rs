@@ -37,7 +37,7 @@ use poolscope_tests::{
         FoldedLine, Stackburner, count_colors, field, fields, http_get, names, parse_folded,
         pprof_top, screenshot, snapshots_covering, start_phase, unix_now, weight_of,
     },
-    wait_followed, wait_until,
+    scorecard, wait_followed, wait_until,
 };
 
 const SERVICE: &str = "sb";
@@ -389,6 +389,22 @@ fn cpu_samples_match_the_programs_cpu_time() -> anyhow::Result<()> {
         truth.burner_cpu_ns as f64 / 1e9,
         run.steal_seconds
     );
+    scorecard::points(
+        "a function's share of a snapshot's on-CPU samples",
+        "the program's own split of its CPU time (its CPU clock)",
+        "-",
+        share,
+        truth_share,
+        5.0,
+    );
+    scorecard::bounded(
+        "on-CPU samples of a snapshot's pool (99 Hz)",
+        "rate × the pool's CPU time (its CPU clock; up to the host's steal more)",
+        "-",
+        samples as f64,
+        expected,
+        "0.90 × CPU time to 1.10 × with steal",
+    );
     Ok(())
 }
 
@@ -459,6 +475,14 @@ fn offcpu_time_matches_the_programs_sleeps() -> anyhow::Result<()> {
         (blocked_us as f64 - truth_us).abs() <= 0.10 * truth_us,
         "{blocked_us} µs off-CPU under sleep_in_named_function, the program's sleeps were \
          blocked {truth_us:.0} µs"
+    );
+    scorecard::within(
+        "off-CPU time of a function in snapshots (the default capture)",
+        "the program's own time blocked in the function's sleeps",
+        "-",
+        blocked_us as f64 / 1e6,
+        truth_us / 1e6,
+        0.10,
     );
     Ok(())
 }

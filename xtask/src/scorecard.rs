@@ -324,13 +324,13 @@ fn render(rows: &[Row], recorded: &[Recorded]) -> String {
          quantity that is not on this page, or the page lists one that no test records.\n\n\
          **Covers** kernel {kernels} (this host; the guests of `cargo xtask vm-test` write no \
          log), request backends {}, and quantities no request backend decides (thread \
-         states, locks: backend `any`): {} comparisons of {} quantities from {} test \
+         states, locks, stacks, profiles: backend `any`): {} comparisons of {} quantities from {} test \
          binaries{}. Backend `auto` is the one poolscope picks for the kernel (socket \
          from 6.3, docs/limits.md).\n\n\
          **Measured** is poolscope's value against the truth's over every run: the \
          deviation in % of the truth, in percentage points for a share, or `equal` for \
-         an exact count; then the range of both values (seconds for times, requests for \
-         counts, requests per second for capacity).\n\n\
+         an exact count; then the range of both values (seconds for times, requests, \
+         connections or samples for counts, requests per second for capacity).\n\n\
          | quantity | ground truth | tolerance | measured | backends | test |\n\
          |---|---|---|---|---|---|\n",
         request_backends.join(", "),
