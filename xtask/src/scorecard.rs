@@ -6,9 +6,15 @@
 //! deviation, unit). `cargo xtask scorecard --from-log` renders the log a `cargo xtask
 //! test` left, without running anything. A quantity a test's source records but the
 //! log lacks (its test failed before the check, or did not run) is listed last as not
-//! measured. The page is generated only: tests/tests/docs.rs checks that it names
-//! exactly the quantities the tests record.
-use std::{fs, io::ErrorKind, path::Path};
+//! measured. `cargo xtask vm-test` adds its guests' comparisons to the log when one is
+//! being written (under `cargo xtask test`), their kernels marked [`GUEST`]. The page
+//! is generated only: tests/tests/docs.rs checks that it names exactly the quantities
+//! the tests record.
+use std::{
+    fs,
+    io::{ErrorKind, Write as _},
+    path::Path,
+};
 
 use anyhow::{Context as _, bail};
 
@@ -20,6 +26,39 @@ pub const LOG: &str = "target/scorecard.log";
 pub const PAGE: &str = "docs/accuracy.md";
 /// What writes the page, as its header says.
 const COMMAND: &str = "cargo xtask scorecard";
+
+/// How a `cargo xtask vm-test` guest's kernel is marked in the log.
+const GUEST: &str = " guest";
+
+/// Adds the comparisons a `cargo xtask vm-test` guest wrote to `guest_log` to the log
+/// the host's tests are writing (`ENV`), if any, each kernel marked [`GUEST`]. A guest
+/// whose tests recorded nothing left no log.
+pub fn add_guest_log(guest_log: &Path) -> anyhow::Result<()> {
+    let Some(log) = std::env::var_os(ENV) else {
+        return Ok(());
+    };
+    let text = match fs::read_to_string(guest_log) {
+        Ok(text) => text,
+        Err(error) if error.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(error) => {
+            return Err(error).with_context(|| format!("reading {}", guest_log.display()));
+        }
+    };
+    let marked: String = text
+        .lines()
+        .filter_map(|line| {
+            let (kernel, rest) = line.split_once('\t')?;
+            Some(format!("{kernel}{GUEST}\t{rest}\n"))
+        })
+        .collect();
+    let mut file = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .with_context(|| format!("opening {}", Path::new(&log).display()))?;
+    file.write_all(marked.as_bytes())
+        .with_context(|| format!("writing {}", Path::new(&log).display()))
+}
 
 /// Empties the log at `path` for a new run.
 pub fn reset(path: &Path) -> anyhow::Result<()> {
@@ -265,13 +304,36 @@ fn measured(rows: &[&Row]) -> String {
 }
 
 /// The backends of a quantity's rows; `-` (a quantity no request backend decides) is
-/// shown as `any`.
+/// shown as `any`. The host's first, then each guest kernel's after its release
+/// (`6.1 guest: tcp`).
 fn backends(rows: &[&Row]) -> String {
-    distinct(rows, |row| row.backend.as_str())
-        .into_iter()
-        .map(|backend| if backend == "-" { "any" } else { backend })
-        .collect::<Vec<_>>()
-        .join(", ")
+    let names = |rows: &[&Row]| {
+        distinct(rows, |row| row.backend.as_str())
+            .into_iter()
+            .map(|backend| if backend == "-" { "any" } else { backend })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (guests, host): (Vec<&Row>, Vec<&Row>) =
+        rows.iter().partition(|row| row.kernel.ends_with(GUEST));
+    let mut cells = Vec::new();
+    if !host.is_empty() {
+        cells.push(names(&host));
+    }
+    for kernel in distinct(&guests, |row| row.kernel.as_str()) {
+        let of_kernel: Vec<&Row> = guests
+            .iter()
+            .copied()
+            .filter(|row| row.kernel == kernel)
+            .collect();
+        cells.push(format!("{} guest: {}", series(kernel), names(&of_kernel)));
+    }
+    cells.join("; ")
+}
+
+/// A kernel release's series: `6.1` of `6.1.0-41-amd64 guest`.
+fn series(kernel: &str) -> String {
+    kernel.split('.').take(2).collect::<Vec<_>>().join(".")
 }
 
 /// A table cell: no `|` (it would end the cell) and no line break.
@@ -305,7 +367,26 @@ fn render(rows: &[Row], recorded: &[Recorded]) -> String {
         }
     }
     let all: Vec<&Row> = rows.iter().collect();
-    let kernels = distinct(&all, |row| row.kernel.as_str()).join(", ");
+    let (guests, host): (Vec<&str>, Vec<&str>) = distinct(&all, |row| row.kernel.as_str())
+        .into_iter()
+        .partition(|kernel| kernel.ends_with(GUEST));
+    let kernels = match guests[..] {
+        [] => format!(
+            "kernel {} (this host; the guests of `cargo xtask vm-test` add theirs when it \
+             runs under `cargo xtask test`)",
+            host.join(", ")
+        ),
+        _ => format!(
+            "kernel {} (this host) and the `cargo xtask vm-test` guests' {} (under \
+             software emulation, their own subset of the tests)",
+            host.join(", "),
+            guests
+                .iter()
+                .map(|kernel| kernel.trim_end_matches(GUEST))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
     let request_backends: Vec<&str> = distinct(&all, |row| row.backend.as_str())
         .into_iter()
         .filter(|backend| *backend != "-")
@@ -322,8 +403,7 @@ fn render(rows: &[Row], recorded: &[Recorded]) -> String {
          (`tests/src/scorecard.rs`); `{COMMAND} --from-log` renders the log that \
          `cargo xtask test` leaves. `tests/tests/docs.rs` fails when a test records a \
          quantity that is not on this page, or the page lists one that no test records.\n\n\
-         **Covers** kernel {kernels} (this host; the guests of `cargo xtask vm-test` write no \
-         log), request backends {}, and quantities no request backend decides (thread \
+         **Covers** {kernels}, request backends {}, and quantities no request backend decides (thread \
          states, locks, stacks, profiles: backend `any`): {} comparisons of {} quantities from {} test \
          binaries{}. Backend `auto` is the one poolscope picks for the kernel (socket \
          from 6.3, docs/limits.md).\n\n\
@@ -449,5 +529,41 @@ mod tests {
     #[test]
     fn a_pipe_cannot_end_a_cell() {
         assert_eq!(cell("a | b"), "a / b");
+    }
+
+    #[test]
+    fn a_guests_comparisons_are_marked_and_shown_by_kernel() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("xtask-scorecard-{}", std::process::id()));
+        fs::create_dir_all(&dir)?;
+        let (host_log, guest_log) = (dir.join("host.log"), dir.join("guest.log"));
+        fs::write(
+            &host_log,
+            LOG.lines().next().unwrap_or_default().to_owned() + "\n",
+        )?;
+        fs::write(
+            &guest_log,
+            "6.1.0-41-amd64\trequests\tcounts_a\ttcp\trequests_total\tthe clients' count\texact\t70\t70\t0\t=\n\
+             6.1.0-41-amd64\trequests\tcounts_a\tsyscall\trequests_total\tthe clients' count\texact\t71\t71\t0\t=\n",
+        )?;
+        // SAFETY: the one test that sets the variable; none reads it concurrently.
+        unsafe { std::env::set_var(ENV, &host_log) };
+        add_guest_log(&guest_log)?;
+        add_guest_log(&dir.join("no guest ran"))?;
+        let rows = parse(&fs::read_to_string(&host_log)?);
+        assert_eq!(rows.len(), 3);
+        assert_eq!(rows[1].kernel, "6.1.0-41-amd64 guest");
+        let page = render(&rows, &[]);
+        assert!(
+            page.contains(
+                "equal in 3 runs (ours 70–984, truth 70–984) | socket; 6.1 guest: tcp, syscall |"
+            ),
+            "{page}"
+        );
+        assert!(
+            page.contains("**Covers** kernel 6.18.4 (this host) and the `cargo xtask vm-test` guests' 6.1.0-41-amd64 (under"),
+            "{page}"
+        );
+        fs::remove_dir_all(&dir)?;
+        Ok(())
     }
 }

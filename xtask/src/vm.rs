@@ -168,6 +168,7 @@ pub fn run(root: &Path) -> anyhow::Result<()> {
             }
         }
         let report = Report::read(&work)?;
+        crate::scorecard::add_guest_log(&work.join("scorecard.log"))?;
         println!(
             "{}",
             report.table(kernel, accel, started.elapsed(), status.as_deref(), &work)
@@ -262,11 +263,14 @@ done
 kill $pid
 wait $pid
 echo $? > poolscope.exit
-# The ground-truth tests, as root, where skipping fails (CI=true).
+# The ground-truth tests, as root, where skipping fails (CI=true), recording their
+# comparisons for the scorecard.
 export CI=true
 export POOLSCOPE_TEST_BACKENDS={}
+export {}=/poolscope/work/scorecard.log
 ",
-        kernel.test_backends
+        kernel.test_backends,
+        crate::scorecard::ENV
     );
     if accel == "tcg" {
         // Durations compared with a program's own clock allow for emulation's cost
