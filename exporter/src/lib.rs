@@ -14,6 +14,7 @@ pub mod kernel;
 pub mod logging;
 pub mod metrics;
 pub mod revision;
+pub mod scrape_counts;
 pub mod signals;
 pub mod stacks;
 pub mod web;

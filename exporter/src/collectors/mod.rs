@@ -11,7 +11,7 @@ pub mod process;
 pub mod profiles;
 pub mod services;
 pub mod stacks;
-pub mod web;
+pub mod web_server;
 
 use std::{collections::BTreeMap, path::Path, time::Instant};
 
@@ -25,6 +25,7 @@ use crate::{
     metrics::capacity::Capacity,
     metrics::pools::PoolTotals,
     metrics::window::WindowDelta,
+    scrape_counts::ScrapeCounts,
     stacks::{sessions::SessionCounts, unwind::UnwindStats},
 };
 
@@ -97,7 +98,7 @@ pub struct OwnReading<'a> {
     /// Where procfs is mounted, and its units (`None` if unreadable so far).
     pub procfs_root: &'a Path,
     pub procfs_units: Option<ProcfsUnits>,
-    pub web: &'a web::ScrapeCounts,
+    pub web_server: &'a ScrapeCounts,
 }
 
 /// A collector: the families of one concern.
@@ -119,7 +120,7 @@ pub const COLLECTORS: [(&str, Collector); 8] = [
     ("profiles", Collector::Own(profiles::collect)),
     ("stacks", Collector::Own(stacks::collect)),
     ("process", Collector::Own(process::collect)),
-    ("web", Collector::Own(web::collect)),
+    ("web_server", Collector::Own(web_server::collect)),
     ("own", Collector::Own(own::collect)),
 ];
 
@@ -284,9 +285,9 @@ mod tests {
             unwinds: &UnwindStats::default(),
             procfs_root: missing_procfs,
             procfs_units: None,
-            web: &web::ScrapeCounts {
+            web_server: &ScrapeCounts {
                 refused_busy: 3,
-                ..web::ScrapeCounts::default()
+                ..ScrapeCounts::default()
             },
         };
         let mut timings = Timings::default();
@@ -300,7 +301,7 @@ mod tests {
                 ("profiles", true),
                 ("stacks", true),
                 ("process", false),
-                ("web", true),
+                ("web_server", true),
                 ("own", true),
             ]
         );
@@ -310,7 +311,7 @@ mod tests {
             "poolscope_unwind_tables_bytes 0\n",
             "poolscope_scrape_collector_success{collector=\"kernel\"} 1\n",
             "poolscope_scrape_collector_success{collector=\"process\"} 0\n",
-            "poolscope_scrape_collector_success{collector=\"web\"} 1\n",
+            "poolscope_scrape_collector_success{collector=\"web_server\"} 1\n",
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }

@@ -21,7 +21,6 @@ use crate::{
         self, OwnReading, PoolRow, Reading, Timings,
         own::SelfStats,
         services::{queue_depths, service_listeners},
-        web::ScrapeCounts,
     },
     config::MetricsSettings,
     discovery::held,
@@ -36,6 +35,7 @@ use crate::{
     metrics::health::{Loss, LossKind},
     metrics::pools,
     metrics::window::WindowDelta,
+    scrape_counts::ScrapeCounts,
     stacks::snapshots::Trigger,
 };
 
@@ -328,7 +328,7 @@ impl Exporter {
             unwinds: &self.stacks.unwind_stats(),
             procfs_root: &self.procfs_root,
             procfs_units: self.procfs_units(),
-            web,
+            web_server: web,
         };
         families.extend(collectors::collect_own(&own, &mut timings));
         families

@@ -36,7 +36,7 @@ use self::{
 };
 use crate::{
     clock::monotonic_ns,
-    collectors::{own::ReloadStatus, web::ScrapeCounts},
+    collectors::own::ReloadStatus,
     config::Settings,
     discovery::cpus::{self, CpuLimits},
     discovery::lock_probes::LockProbes,
@@ -51,6 +51,7 @@ use crate::{
     metrics::health::{self as health_model, HealthTracker},
     metrics::pools::{self, PoolWindows},
     metrics::window::Windows,
+    scrape_counts::ScrapeCounts,
     stacks::profile::View,
     stacks::sessions::{ProfileQuery, Refusal, Ticket},
     stacks::snapshots::Trigger,

@@ -4,8 +4,8 @@
 use axum::http::StatusCode;
 
 use crate::{
-    collectors::web::ScrapeCounts,
     encode::{Exposition, Family},
+    scrape_counts::ScrapeCounts,
     stacks::{
         profile::{self, ProfileError, View},
         sessions::{ProfileQuery, Refusal, Ticket},

@@ -18,9 +18,9 @@ use axum::{
 };
 
 use crate::{
-    collectors::web::ScrapeCounts,
     config::ScrapeLimits,
     encode::{self, Exposition, weighted_items},
+    scrape_counts::ScrapeCounts,
     web::gatherer::Gatherer,
 };
 

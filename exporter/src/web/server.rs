@@ -74,9 +74,10 @@ mod tests {
 
     use super::*;
     use crate::{
-        collectors::web::{self, ScrapeCounts},
+        collectors::web_server,
         config::{DebugAccess, ScrapeLimits},
         encode::{Exposition, Family, Kind},
+        scrape_counts::ScrapeCounts,
         stacks::{
             profile::{self, View},
             sessions::{ProfileQuery, Refusal, Ticket},
@@ -121,7 +122,7 @@ mod tests {
             let mut families = vec![
                 Family::new("queue_depth", Kind::Gauge, "Depth.").with(&[("service", "a")], 2.0),
             ];
-            families.extend(web::families(counts));
+            families.extend(web_server::families(counts));
             families
         }
 

@@ -1,24 +1,14 @@
 //! The web server's families: scrapes it refused and its listener's failed TLS
 //! handshakes, from the counts the server keeps.
 use super::{Collected, OwnReading, Timings};
-use crate::encode::{Family, Kind};
-
-/// What the web server counted so far.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ScrapeCounts {
-    /// Scrapes refused: too many at once.
-    pub refused_busy: u64,
-    /// Scrapes refused: past their timeout.
-    pub refused_timeout: u64,
-    /// TLS handshakes that failed.
-    pub tls_failed: u64,
-    /// TLS handshakes that timed out.
-    pub tls_timed_out: u64,
-}
+use crate::{
+    encode::{Family, Kind},
+    scrape_counts::ScrapeCounts,
+};
 
 pub fn collect(own: &OwnReading<'_>, _: &Timings) -> Collected {
     Collected {
-        families: families(own.web),
+        families: families(own.web_server),
         whole: true,
     }
 }
