@@ -133,9 +133,14 @@ impl Timings {
     pub fn time<T>(&mut self, name: &'static str, step: impl FnOnce() -> (T, bool)) -> T {
         let started = Instant::now();
         let (result, success) = step();
+        self.record(name, started, success);
+        result
+    }
+
+    /// Records the step `name` that began at `started` and just ended.
+    fn record(&mut self, name: &'static str, started: Instant, success: bool) {
         self.0
             .push((name, started.elapsed().as_secs_f64(), success));
-        result
     }
 }
 
@@ -159,10 +164,9 @@ pub fn collect_own(own: &OwnReading<'_>, timings: &mut Timings) -> Vec<Family> {
     for (name, collector) in COLLECTORS {
         if let Collector::Own(collect) = collector {
             let started = Instant::now();
+            // Not `time`: the collector reads the timings recorded so far.
             let collected = collect(own, timings);
-            timings
-                .0
-                .push((name, started.elapsed().as_secs_f64(), collected.whole));
+            timings.record(name, started, collected.whole);
             families.extend(collected.families);
         }
     }
