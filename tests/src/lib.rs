@@ -24,6 +24,7 @@ pub mod prometheus;
 pub mod scorecard;
 pub mod servers;
 pub mod steady;
+pub mod tracepoint_count;
 
 /// The request backends this kernel has, as `[probes] backend` names them: the
 /// socket backend's tracepoints came with Linux 6.3, the tcp backend's socket storage
