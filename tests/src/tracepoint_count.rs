@@ -97,17 +97,19 @@ fn event_id(system: &str, event: &str) -> anyhow::Result<u64> {
         .with_context(|| format!("{}: not an id: {id:?}", path.display()))
 }
 
-/// The online CPUs, from `/sys/devices/system/cpu/online` (`0-1`, `0,2-3`).
+/// The online CPUs, from `/sys/devices/system/cpu/online`.
 fn online_cpus() -> anyhow::Result<Vec<i32>> {
     let path = "/sys/devices/system/cpu/online";
     let list = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    cpu_list(&list).with_context(|| format!("{path}: {list:?}"))
+}
+
+/// The CPUs of a kernel CPU list (`0-1`, `0,2-3`).
+fn cpu_list(list: &str) -> anyhow::Result<Vec<i32>> {
     let mut cpus = Vec::new();
     for range in list.trim().split(',') {
         let (first, last) = range.split_once('-').unwrap_or((range, range));
-        let (first, last): (i32, i32) = (
-            first.parse().with_context(|| format!("{path}: {list:?}"))?,
-            last.parse().with_context(|| format!("{path}: {list:?}"))?,
-        );
+        let (first, last): (i32, i32) = (first.parse()?, last.parse()?);
         cpus.extend(first..=last);
     }
     Ok(cpus)
@@ -159,4 +161,18 @@ fn ioctl(counter: &File, request: libc::c_ulong, argument: usize) -> anyhow::Res
         bail!("ioctl {request:#x}: {}", std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_list;
+
+    #[test]
+    fn cpu_lists_are_ranges_and_single_cpus() -> anyhow::Result<()> {
+        assert_eq!(cpu_list("0-1\n")?, [0, 1]);
+        assert_eq!(cpu_list("0,2-3")?, [0, 2, 3]);
+        assert_eq!(cpu_list("5")?, [5]);
+        assert!(cpu_list("0-x").is_err());
+        Ok(())
+    }
 }
