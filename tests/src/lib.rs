@@ -34,13 +34,42 @@ pub mod tracepoint_count;
 /// skipping them.
 ///
 /// `POOLSCOPE_TEST_BACKENDS` (a comma-separated list; `cargo xtask vm-test` sets it
-/// per guest) narrows them to those it names.
+/// per guest) narrows them to those it names. A name that is no backend, or a list
+/// that leaves none this kernel has, panics: every test would pass having tested
+/// nothing.
 pub fn backends() -> Vec<&'static str> {
-    let mut backends = kernel_backends();
-    if let Ok(wanted) = std::env::var("POOLSCOPE_TEST_BACKENDS") {
-        backends.retain(|backend| wanted.split(',').any(|name| name.trim() == *backend));
+    let available = kernel_backends();
+    match std::env::var("POOLSCOPE_TEST_BACKENDS") {
+        Ok(wanted) => narrowed(&available, &wanted).unwrap_or_else(|problem| panic!("{problem}")),
+        Err(_) => available,
     }
-    backends
+}
+
+/// Every request backend poolscope has.
+const ALL_BACKENDS: [&str; 3] = ["socket", "tcp", "syscall"];
+
+/// The backends of `available` that `wanted` (`POOLSCOPE_TEST_BACKENDS`) names, or
+/// what is wrong with it.
+fn narrowed(available: &[&'static str], wanted: &str) -> Result<Vec<&'static str>, String> {
+    let names: Vec<&str> = wanted.split(',').map(str::trim).collect();
+    if let Some(unknown) = names.iter().find(|name| !ALL_BACKENDS.contains(name)) {
+        return Err(format!(
+            "POOLSCOPE_TEST_BACKENDS={wanted:?} names {unknown:?}, which is no backend \
+             ({ALL_BACKENDS:?})"
+        ));
+    }
+    let backends: Vec<&'static str> = available
+        .iter()
+        .copied()
+        .filter(|backend| names.contains(backend))
+        .collect();
+    if backends.is_empty() {
+        return Err(format!(
+            "POOLSCOPE_TEST_BACKENDS={wanted:?} leaves no backend this kernel has \
+             ({available:?}): nothing would be tested"
+        ));
+    }
+    Ok(backends)
 }
 
 fn kernel_backends() -> Vec<&'static str> {
@@ -1060,7 +1089,21 @@ pub fn wait_for_stdin_close() -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::release_at_least;
+    use super::{narrowed, release_at_least};
+
+    #[test]
+    fn test_backends_narrow_to_known_names_and_never_to_none() {
+        let available = ["tcp", "syscall"];
+        assert_eq!(
+            narrowed(&available, "tcp, syscall"),
+            Ok(vec!["tcp", "syscall"])
+        );
+        assert_eq!(narrowed(&available, "syscall,socket"), Ok(vec!["syscall"]));
+        // A typo would otherwise test nothing and pass.
+        assert!(narrowed(&available, "bogus").is_err_and(|e| e.contains("\"bogus\"")));
+        assert!(narrowed(&available, "tcp,sockte").is_err());
+        assert!(narrowed(&available, "socket").is_err_and(|e| e.contains("no backend this")));
+    }
 
     #[test]
     fn kernel_releases_compare_by_major_then_minor() {

@@ -21,7 +21,7 @@ use poolscope_tests::{
     Metrics, Poolscope, Program, Served, backend_config, backends,
     downstream::compile_c,
     load::ClosedLoop,
-    one_at_a_time, privileged, requests_settled, scorecard, scrape_until,
+    one_at_a_time, privileged, requests_settled, scorecard, scrape_until, skip,
     steady::{self, SAMPLE_EVERY, Steady, assert_within, value},
 };
 
@@ -82,15 +82,19 @@ impl UringServer {
     }
 }
 
-/// Whether `backend` is one this run tests; says why not otherwise.
+/// Whether `backend` is one this run tests; a skip of `test` otherwise (a failure
+/// under CI=true).
 fn wanted(test: &str, backend: &str) -> bool {
     if !privileged(test) {
         return false;
     }
     let wanted = backends().contains(&backend);
     if !wanted {
-        eprintln!(
-            "{test}: the {backend} backend is not tested here (kernel or POOLSCOPE_TEST_BACKENDS)"
+        skip(
+            test,
+            &format!(
+                "the {backend} backend is not tested here (kernel or POOLSCOPE_TEST_BACKENDS)"
+            ),
         );
     }
     wanted
