@@ -77,6 +77,8 @@ const TCP_SYN_RECV: i32 = 3;
 const TCP_CLOSE: i32 = 7;
 const TCP_CLOSE_WAIT: i32 = 8;
 const TCP_LISTEN: i32 = 10;
+/// recv's flag to look at queued bytes and leave them queued.
+const MSG_PEEK: i32 = 2;
 
 /// A load-time constant, read volatile so that the compiler does not fold it.
 #[inline(always)]
@@ -358,8 +360,10 @@ pub fn sock_data_ready(ctx: BtfTracePointContext) -> i32 {
 #[btf_tracepoint(function = "sock_recv_length")]
 pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
     let ret: i32 = ctx.arg(1);
-    // EAGAIN (non-blocking sockets) and EOF carry no request bytes.
-    if ret <= 0 {
+    // EAGAIN (non-blocking sockets) and EOF carry no request bytes, and a peek leaves
+    // its bytes to the read that takes them (walked twice, HTTP/2 frames would not
+    // parse).
+    if ret <= 0 || ctx.arg::<i32>(2) & MSG_PEEK != 0 {
         return 0;
     }
     let sk = ctx.arg(0);

@@ -3,8 +3,10 @@ path (RFC 7540 §3.2), which nginx does not: it answers the upgrade request `101
 then in HTTP/2 on stream 1, then every further stream of the connection. Each answer
 is "ok\\n" with END_STREAM on its DATA frame.
 
-    /usr/bin/python3 h2c_upgrade_server.py
+    /usr/bin/python3 h2c_upgrade_server.py [--peek]
 
+With `--peek`, each read is first a `MSG_PEEK` of what is queued, as servers that
+sniff a connection's protocol do: the bytes then read a second time are the same.
 Prints `port N` once it listens on 127.0.0.1; serves until stdin closes, then prints
 `served N` (streams answered, the upgrade request's included).
 Run by Debian's /usr/bin/python3 (python3-h2).
@@ -19,6 +21,14 @@ import h2.events
 
 lock = threading.Lock()
 served = 0
+PEEK = "--peek" in sys.argv[1:]
+
+
+def receive(sock):
+    """The bytes queued on `sock` (at most 64 KiB), peeked at first with `--peek`."""
+    if PEEK:
+        sock.recv(65535, socket.MSG_PEEK)
+    return sock.recv(65535)
 
 
 def answer(conn, stream_id):
@@ -33,7 +43,7 @@ def serve(sock):
     with sock:
         data = b""
         while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65535)
+            chunk = receive(sock)
             if not chunk:
                 return
             data += chunk
@@ -61,7 +71,7 @@ def serve(sock):
                         sock.sendall(conn.data_to_send())
                         return
                 sock.sendall(conn.data_to_send())
-            rest = sock.recv(65535)
+            rest = receive(sock)
             if not rest:
                 return
 

@@ -317,10 +317,14 @@ pub struct UpgradeServer {
 }
 
 impl UpgradeServer {
-    /// Starts it and waits until its port accepts connections.
-    pub fn start() -> anyhow::Result<Self> {
-        let script = script("h2c_upgrade_server.py");
-        let mut program = Program::start_path(Path::new(PYTHON), &[script.display().to_string()])
+    /// Starts it and waits until its port accepts connections; with `peek`, it peeks
+    /// (`MSG_PEEK`) at what is queued before each read.
+    pub fn start(peek: bool) -> anyhow::Result<Self> {
+        let mut args = vec![script("h2c_upgrade_server.py").display().to_string()];
+        if peek {
+            args.push("--peek".to_owned());
+        }
+        let mut program = Program::start_path(Path::new(PYTHON), &args)
             .context("starting the h2c upgrade server (Debian package python3-h2)")?;
         let port: u16 = program
             .line("port")
