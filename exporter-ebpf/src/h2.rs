@@ -19,30 +19,23 @@ use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
     bindings::BPF_SK_STORAGE_GET_F_CREATE,
-    helpers::{
-        bpf_probe_read_kernel,
-        generated::{bpf_loop, bpf_sk_storage_get},
-    },
+    helpers::generated::{bpf_loop, bpf_sk_storage_get},
 };
 use poolscope_shared::{
     CallWalk, Conn, FrameCursor, H2_FRAME_HEADER, H2_PREFACE, H2_STREAM_SLOTS, H2Conn, LossErrno,
     LossSource, Phase, SyscallSlot,
 };
 
-use self::{
-    source::{Source, preface_prefix, read_user},
-    streams::{
-        ACK, CONTINUATION, Frame, GOAWAY, Moment, SETTINGS, announced_limit, goaway, limit_streams,
-        received, sent, settings, streams_ended,
-    },
+use self::streams::{
+    ACK, CONTINUATION, Frame, GOAWAY, Moment, SETTINGS, announced_limit, goaway, limit_streams,
+    received, sent, settings, streams_ended,
 };
 use crate::{
-    abi::{SECOND_ARG_OFFSET, THIRD_ARG_OFFSET},
     maps::{H2_CONNS, count_loss, swap, update_service},
     requests,
+    source::{Source, preface_prefix, read_user},
 };
 
-mod source;
 mod streams;
 
 /// Steps one program run takes through a call's bytes: a frame header, a payload
@@ -158,14 +151,7 @@ pub fn adopted_mid_stream(conn: &mut Conn, len: i32) -> bool {
 /// (`Http2SyscallBackend`). `true` if so.
 #[inline(never)]
 pub fn unfollowed(regs: *const u8, slot: SyscallSlot, conn: &mut Conn, len: i64) -> bool {
-    let arg = |at: usize| {
-        // SAFETY: the helper checks the read of the kernel's saved registers.
-        unsafe { bpf_probe_read_kernel(regs.wrapping_add(at).cast::<u64>()) }.ok()
-    };
-    let (Some(second), Some(third)) = (arg(SECOND_ARG_OFFSET), arg(THIRD_ARG_OFFSET)) else {
-        return false;
-    };
-    Source::of_call(slot, second, third).is_some_and(|source| source.begins_with_preface(len))
+    Source::of_saved_call(regs, slot).is_some_and(|source| source.begins_with_preface(len))
         && refused(conn, LossSource::Http2SyscallBackend)
 }
 

@@ -32,6 +32,7 @@ mod sched;
 mod serving;
 mod sessions;
 mod sock;
+mod source;
 mod stackmaps;
 mod stacks;
 mod syscalls;

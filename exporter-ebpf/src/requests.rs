@@ -18,6 +18,7 @@ use crate::{
         insert_counted, remove_counted, update_service,
     },
     serving::{self, End},
+    source::Source,
 };
 
 /// Whether the backend sees request bytes arrive (`sock:sk_data_ready`).
@@ -277,6 +278,19 @@ pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
         }
         Ok(())
     });
+}
+
+/// A write sent `bytes` from the caller's memory at `source` (found only for the
+/// first write of an answer): an interim answer (`100 Continue` before an upload's
+/// body is read, `103 Early Hints`) leaves its request served; any other is [`wrote`].
+#[inline(always)]
+pub fn wrote_from(conn: &mut Conn, now: u64, bytes: u32, source: impl FnOnce() -> Option<Source>) {
+    if phase(conn) == Phase::Serving
+        && source().is_some_and(|source| source.begins_interim_response(bytes.into()))
+    {
+        return;
+    }
+    wrote(conn, now, bytes);
 }
 
 /// The peer closed its side (socket backend): a finished request is done, and the

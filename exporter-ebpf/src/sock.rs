@@ -32,6 +32,7 @@ use crate::{
         atomic_add, count_entries, count_loss,
     },
     requests::{self, Arrivals},
+    source::Source,
 };
 use poolscope_shared::Phase;
 
@@ -416,7 +417,7 @@ pub fn sock_send(ctx: BtfTracePointContext) -> i32 {
                 if phase == Phase::Unserved {
                     h2::greeting(conn, ret);
                 }
-                requests::wrote(conn, now_ns(), ret as u32);
+                requests::wrote_from(conn, now_ns(), ret as u32, Source::of_current_write);
             }
         }
     }

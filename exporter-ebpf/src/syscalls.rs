@@ -29,6 +29,7 @@ use crate::{
         remove_counted, watched,
     },
     requests::{self, Arrivals},
+    source::Source,
 };
 
 /// sys_enter(struct pt_regs *regs, long id)
@@ -140,7 +141,9 @@ pub fn sys_exit(ctx: RawTracePointContext) -> i32 {
         }
         requests::read(conn, now_ns(), Arrivals::Unseen);
     } else if slot.is_write() {
-        requests::wrote(conn, now_ns(), ret as u32);
+        requests::wrote_from(conn, now_ns(), ret as u32, || {
+            Source::of_saved_call(regs, slot)
+        });
     }
     0
 }

@@ -16,17 +16,21 @@
 //! a transmit is a write's when the socket holds data written and not yet sent
 //! (`write_seq` ahead of `snd_nxt`, which moves only after the packet is handed on),
 //! so that acknowledgements and retransmissions are not responses.
-use aya_ebpf::{macros::btf_tracepoint, programs::BtfTracePointContext};
+use aya_ebpf::{
+    helpers::bpf_get_current_pid_tgid, macros::btf_tracepoint, programs::BtfTracePointContext,
+};
 use poolscope_shared::{Conn, Phase};
 
 use crate::{
     clock::now_ns,
     h2,
+    maps::watched,
     requests::{self, Arrivals},
     sock::{
         IPPROTO_TCP, SOCK_PROTOCOL_OFFSET, SOCK_STATE_OFFSET, conn, conn_on_watched_port, field,
         load, offset, on_watched_port, read_kernel,
     },
+    source::Source,
 };
 
 /// Offsets from the kernel's BTF: `sk_buff.sk` and `sk_buff.cb`; in the control block
@@ -125,10 +129,22 @@ pub fn tcp_transmit(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn_on_watched_port(sk) {
         // SAFETY: as above.
         let conn = unsafe { &mut *conn };
-        requests::wrote(conn, now_ns(), bytes);
+        let service = conn.service;
+        requests::wrote_from(conn, now_ns(), bytes, || written_here(service));
         conn.seen_write_seq = write_seq;
     }
     0
+}
+
+/// The write being transmitted, when the transmit runs inside a write call of a
+/// process of `service`: the usual case for an answer's first packet (nothing of
+/// the connection is in flight before it). A transmit that an acknowledgement
+/// released runs in whichever task it interrupted, whose call says nothing of it.
+#[inline(always)]
+fn written_here(service: u32) -> Option<Source> {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    watched(tgid).filter(|watch| watch.service == service)?;
+    Source::of_current_write()
 }
 
 /// Bytes a socket holds written and not yet sent, and the sequence number after the

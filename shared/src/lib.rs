@@ -7,6 +7,7 @@ pub mod maps;
 
 mod connections;
 mod histogram;
+mod http1;
 mod http2;
 mod limits;
 mod locks;
@@ -18,6 +19,7 @@ mod threads;
 
 pub use connections::*;
 pub use histogram::*;
+pub use http1::*;
 pub use http2::*;
 pub use limits::*;
 pub use locks::*;

@@ -13,7 +13,7 @@ mod vm;
 
 use std::{
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, ExitCode},
 };
 
 use anyhow::{Context as _, bail};
@@ -70,7 +70,20 @@ const TEST_PACKAGES: &[&str] = &[
     "golang-google-grpc-dev",
 ];
 
-fn main() -> anyhow::Result<()> {
+/// Prints a failure's chain of causes without a backtrace: under `RUST_BACKTRACE`
+/// (CI sets it for the tests' panics) `anyhow` would append xtask's own frames, and
+/// a log cut to its tail would show those instead of what failed.
+fn main() -> ExitCode {
+    match xtask() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("xtask: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn xtask() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let root = workspace_root()?;
     match args.first().map(String::as_str) {

@@ -6,10 +6,10 @@ use poolscope_shared::{
     H2_STREAM_SLOTS, H2Conn, LossErrno, LossSource, ServiceCounters, h2_stream_slot,
 };
 
-use super::source::read_user;
 use crate::{
     maps::{atomic_add, compare_and_swap, count_loss, update_service},
     requests,
+    source::read_user,
 };
 
 /// Frame types (RFC 9113 §6).

@@ -84,7 +84,12 @@ impl Report {
         stopped: Option<&str>,
         work: &Path,
     ) -> String {
+        // What a failed test printed comes first, so that the table naming it ends
+        // the report: a log cut to its tail shows which test failed.
         let mut out = String::new();
+        for (test, output) in &self.failures {
+            let _ = writeln!(out, "--- what {test} printed ---\n{output}");
+        }
         let _ = writeln!(
             out,
             "\nvm-test: Debian {SUITE}, kernel {} (from {}), {accel}, {} s",
@@ -116,9 +121,6 @@ impl Report {
                 None => "did not finish",
             };
             let _ = writeln!(out, "{test:<84} {result}");
-        }
-        for (test, output) in &self.failures {
-            let _ = writeln!(out, "--- what {test} printed ---\n{output}");
         }
         let _ = write!(
             out,

@@ -1,12 +1,18 @@
-//! Where an HTTP/2 call's bytes are in the caller's memory (its syscall's buffer, or
+//! Where a socket call's bytes are in the caller's memory (its syscall's buffer, or
 //! iovec array, found through the thread's saved registers), and reading them: the
-//! frame headers `h2.rs` follows and the client preface that opens a connection.
+//! frame headers `h2.rs` follows, the client preface that opens an HTTP/2
+//! connection, and the status line that tells an HTTP/1 interim response.
 use core::ffi::c_void;
 
-use aya_ebpf::helpers::{bpf_get_current_task_btf, generated::bpf_probe_read_user};
-use poolscope_shared::{H2_PREFACE, SyscallSlot};
+use aya_ebpf::helpers::{
+    bpf_get_current_task_btf, bpf_probe_read_kernel, generated::bpf_probe_read_user,
+};
+use poolscope_shared::{H2_PREFACE, HTTP1_STATUS_PREFIX, SyscallSlot, is_interim_response};
 
-use crate::{abi::SavedRegisters, maps::SYSCALL_SLOTS};
+use crate::{
+    abi::{SECOND_ARG_OFFSET, SavedRegisters, THIRD_ARG_OFFSET},
+    maps::SYSCALL_SLOTS,
+};
 
 /// Where a call's bytes are in the caller's memory: one buffer, or an iovec array.
 #[derive(Clone, Copy)]
@@ -22,12 +28,38 @@ impl Source {
     /// holds the socket's bytes.
     #[inline(always)]
     pub fn of_current_call() -> Option<Self> {
+        Self::of_current(|_| true)
+    }
+
+    /// The source of the write-family syscall the current thread is in, if it is in
+    /// one.
+    #[inline(always)]
+    pub fn of_current_write() -> Option<Self> {
+        Self::of_current(SyscallSlot::is_write)
+    }
+
+    #[inline(always)]
+    fn of_current(wanted: impl FnOnce(SyscallSlot) -> bool) -> Option<Self> {
         // SAFETY: the helper returns the current task, typed for the next helper.
         let task = unsafe { bpf_get_current_task_btf() };
         let regs = SavedRegisters::of(task.cast())?;
         let number = u32::try_from(regs.number()).ok()?;
         let slot = SyscallSlot::from_u32(SYSCALL_SLOTS.get(number).copied()?);
+        if !wanted(slot) {
+            return None;
+        }
         Self::of_call(slot, regs.second_arg(), regs.third_arg())
+    }
+
+    /// The source of syscall `slot` whose saved registers are at kernel address
+    /// `regs` (a raw `sys_exit` argument, read through the helper).
+    #[inline(always)]
+    pub fn of_saved_call(regs: *const u8, slot: SyscallSlot) -> Option<Self> {
+        let arg = |at: usize| {
+            // SAFETY: the helper checks the read of the kernel's saved registers.
+            unsafe { bpf_probe_read_kernel(regs.wrapping_add(at).cast::<u64>()) }.ok()
+        };
+        Self::of_call(slot, arg(SECOND_ARG_OFFSET)?, arg(THIRD_ARG_OFFSET)?)
     }
 
     /// The source of syscall `slot` called with these second and third arguments.
@@ -67,6 +99,20 @@ impl Source {
         let len = len.clamp(0, 24) as u32;
         let len = len.min(size.min(24) as u32);
         len != 0 && copy_user(&mut bytes, len, base) && preface_prefix(&bytes, len)
+    }
+
+    /// Whether the `len` bytes the call wrote begin an HTTP/1 interim (1xx) response,
+    /// which does not end its request (`100 Continue` before an upload's body is
+    /// read). The status code must be in the first buffer.
+    #[inline(always)]
+    pub fn begins_interim_response(self, len: u64) -> bool {
+        let prefix = HTTP1_STATUS_PREFIX as u64;
+        len >= prefix
+            && self
+                .buffer(0)
+                .filter(|&(_, size)| size >= prefix)
+                .and_then(|(base, _)| read_user::<[u8; HTTP1_STATUS_PREFIX]>(base))
+                .is_some_and(|status| is_interim_response(&status))
     }
 
     /// Buffer `index` of the source: its address and length.
