@@ -235,12 +235,15 @@ pub fn wait_until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
     }
 }
 
-/// Scrapes until `check` holds (10 s at most); the last scrape, or an error with it.
+/// Scrapes until `check` holds (10 s at most); the last scrape, or an error with it
+/// that ends with where the check is (a log cut to its tail still names it).
+#[track_caller]
 pub fn scrape_until(
     poolscope: &Poolscope,
     mut check: impl FnMut(&Metrics) -> bool,
 ) -> anyhow::Result<Metrics> {
     const SETTLE: Duration = Duration::from_secs(10);
+    let caller = std::panic::Location::caller();
     let mut last = Metrics::default();
     let ok = wait_until(SETTLE, || match poolscope.scrape() {
         Ok(metrics) => {
@@ -252,7 +255,8 @@ pub fn scrape_until(
     });
     anyhow::ensure!(
         ok,
-        "condition not met within {SETTLE:?}; last scrape:\n{}",
+        "condition not met within {SETTLE:?}; last scrape:\n{}\n\
+         (the condition of {caller} was not met within {SETTLE:?})",
         last.text
     );
     Ok(last)
