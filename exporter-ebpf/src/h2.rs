@@ -254,9 +254,9 @@ fn end_all(h2: &mut H2Conn, service: u32, reset: bool) {
     }
     let limit = streams_ended(h2, ended);
     update_service(service, |c| {
-        c.serving_left += ended;
+        c.serving_left.add(ended);
         if reset {
-            c.streams_reset += ended;
+            c.streams_reset.add(ended);
         }
         limit.count(c);
     });

@@ -138,8 +138,10 @@ pub fn watched(tgid: u32) -> Option<Watched> {
 #[inline(always)]
 pub fn count_loss(source: LossSource, errno: LossErrno) {
     if let Some(counter) = LOSSES.get_ptr_mut(loss_index(source, errno)) {
-        // SAFETY: per-CPU slot, no other writer while we run on this CPU.
-        unsafe { *counter += 1 };
+        // SAFETY: a live per-CPU slot. An atomic add, as a `Count`'s: programs in
+        // softirq context count losses too, and may interrupt one in process context
+        // on this CPU.
+        atomic_add(unsafe { &mut *counter }, 1);
     }
 }
 
@@ -157,8 +159,8 @@ pub fn inserted_errno(inserted: Result<(), i32>) -> LossErrno {
 #[inline(always)]
 pub fn count_entries(map: CountedMap, change: i64) {
     if let Some(count) = ENTRY_COUNTS.get_ptr_mut(map as u32) {
-        // SAFETY: per-CPU slot, no other writer while we run on this CPU.
-        unsafe { *count += change };
+        // SAFETY: a live per-CPU slot; an atomic add, as in `count_loss`.
+        atomic_add(unsafe { &mut *count }, change);
     }
 }
 
@@ -282,16 +284,18 @@ pub fn add_to_shared_histogram(histogram: &mut Histogram, ns: u64) {
 #[inline(always)]
 pub fn add_to_counter(index: u32) {
     if let Some(counter) = SYSCALL_COUNTS.get_ptr_mut(index) {
-        // SAFETY: per-CPU slot.
+        // SAFETY: per-CPU slot. A plain add: only `sys_enter` counts here, in process
+        // context, and no program that interrupts it does.
         unsafe { *counter += 1 };
     }
 }
 
-/// Applies `update` to this CPU's counters of `service`.
+/// Applies `update` to this CPU's counters of `service` (each a `Count`, changed by
+/// atomic adds only: programs in softirq context change them too).
 #[inline(always)]
 pub fn update_service(service: u32, update: impl FnOnce(&mut ServiceCounters)) {
     if let Some(counters) = SERVICE_COUNTERS.get_ptr_mut(service) {
-        // SAFETY: per-CPU slot.
+        // SAFETY: a live per-CPU slot.
         update(unsafe { &mut *counters });
     }
 }

@@ -58,8 +58,8 @@ pub fn new_connection(service: u32, owner_since_ns: u64, epoch: u32, now: u64) -
 #[inline(always)]
 pub fn accepted(service: u32) {
     update_service(service, |c| {
-        c.accepted += 1;
-        c.unserved_entered += 1;
+        c.accepted.add(1);
+        c.unserved_entered.add(1);
     });
 }
 
@@ -127,7 +127,7 @@ pub fn data_arrived(conn: &mut Conn, now: u64) {
                 finish(conn);
                 conn.arrive_ns = now;
                 conn.next_arrive_ns = 0;
-                update_service(conn.service, |c| c.waiting_entered += 1);
+                update_service(conn.service, |c| c.waiting_entered.add(1));
             }
             // Bytes for the next request, or more of this one: the next read tells.
             Phase::Serving if conn.next_arrive_ns == 0 => conn.next_arrive_ns = now,
@@ -144,11 +144,11 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
         match phase {
             Phase::Unserved => {
                 advance(conn, phase, Phase::Serving)?;
-                start(conn, now, |c| c.unserved_left += 1);
+                start(conn, now, |c| c.unserved_left.add(1));
             }
             Phase::Waiting => {
                 advance(conn, phase, Phase::Serving)?;
-                start(conn, now, |c| c.waiting_left += 1);
+                start(conn, now, |c| c.waiting_left.add(1));
             }
             // Adopted between requests (open before the watch): a new request starts,
             // whose arrival is the one seen since, if any.
@@ -176,7 +176,7 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
                     // before reading all).
                     Arrivals::Seen => {
                         conn.server_tid = serving::request_started(now);
-                        update_service(conn.service, |c| c.serving_entered += 1);
+                        update_service(conn.service, |c| c.serving_entered.add(1));
                     }
                     // The next request; its arrival is not seen, so it did not wait.
                     Arrivals::Unseen => {
@@ -210,11 +210,11 @@ pub fn multiplexed(conn: &mut Conn) -> Option<Phase> {
                 left = Some(phase);
                 update_service(conn.service, |c| {
                     match phase {
-                        Phase::Unserved => c.unserved_left += 1,
-                        Phase::Waiting => c.waiting_left += 1,
+                        Phase::Unserved => c.unserved_left.add(1),
+                        Phase::Waiting => c.waiting_left.add(1),
                         _ => {}
                     }
-                    c.multiplexed += 1;
+                    c.multiplexed.add(1);
                 });
             }
             _ => {}
@@ -243,7 +243,7 @@ fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
     conn.server_tid = serving::request_started(now);
     update_service(conn.service, |c| {
         leave(c);
-        c.serving_entered += 1;
+        c.serving_entered.add(1);
     });
 }
 
@@ -261,7 +261,7 @@ pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
                 conn.end_ns = now;
                 serving::request_ended(conn.server_tid, now, End::Response);
                 conn.server_tid = 0;
-                update_service(conn.service, |c| c.serving_left += 1);
+                update_service(conn.service, |c| c.serving_left.add(1));
             }
             // Adopted between a read before the watch and its response: the request in
             // progress counts, from the adoption on (its true start is unknown).
@@ -269,8 +269,8 @@ pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
                 conn.start_ns = conn.arrive_ns;
                 conn.end_ns = now;
                 update_service(conn.service, |c| {
-                    c.serving_entered += 1;
-                    c.serving_left += 1;
+                    c.serving_entered.add(1);
+                    c.serving_left.add(1);
                 });
             }
             Phase::Responded => conn.end_ns = now,
@@ -354,10 +354,10 @@ impl Gone {
     pub fn account(mut self, now: u64) {
         let conn = &mut self.conn;
         match self.phase {
-            Phase::Unserved => update_service(conn.service, |c| c.unserved_left += 1),
-            Phase::Waiting => update_service(conn.service, |c| c.waiting_left += 1),
+            Phase::Unserved => update_service(conn.service, |c| c.unserved_left.add(1)),
+            Phase::Waiting => update_service(conn.service, |c| c.waiting_left.add(1)),
             Phase::Serving => {
-                update_service(conn.service, |c| c.serving_left += 1);
+                update_service(conn.service, |c| c.serving_left.add(1));
                 serving::request_ended(conn.server_tid, now, End::Close);
                 conn.end_ns = now;
                 finish(conn);
@@ -400,5 +400,5 @@ pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64) {
     // Counted after the record (x86's atomic adds are seen in order, and the
     // compiler keeps them before the counters' lookup, a call that may read them):
     // user space reads the times again only when this count moved.
-    update_service(service, |c| c.finished += 1);
+    update_service(service, |c| c.finished.add(1));
 }

@@ -130,35 +130,80 @@ pub struct PendingCall {
     pub _pad: u32,
 }
 
+/// One CPU's count of an event, in a per-CPU map value. Programs that run in process
+/// context (a read's, a write's) and programs that run in softirq context (an
+/// arrival's, a transmit's, a handshake's) change the same CPU's counts, and a softirq
+/// may run between the load and the store of a process-context program's `+= 1`
+/// (on the way out of an interrupt): so a count changes only by [`Count::add`], one
+/// atomic add, and never by a load and a store.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Count(u64);
+
+impl Count {
+    #[must_use]
+    pub const fn new(value: u64) -> Self {
+        Self(value)
+    }
+
+    #[must_use]
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// Adds `value` as one atomic add (BPF's `lock add`; the target's `AtomicU64` has
+    /// no `fetch_add`). Only the kernel programs change counts.
+    #[cfg(target_arch = "bpf")]
+    #[inline(always)]
+    pub fn add(&mut self, value: u64) {
+        // SAFETY: an aligned u64 that `self` borrows mutably; the intrinsic is one
+        // BPF atomic add instruction.
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                &raw mut self.0,
+                value,
+            );
+        }
+    }
+
+    /// The sum of two CPUs' counts.
+    #[must_use]
+    pub const fn plus(self, other: Self) -> Self {
+        Self(self.0 + other.0)
+    }
+}
+
 /// Per-service counters, summed over CPUs by user space. Each gauge of DESIGN §4 is
-/// an `entered − left` pair, so that per-CPU counters need no atomics.
+/// an `entered − left` pair of [`Count`]s, so that no two CPUs share a counter.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ServiceCounters {
     /// Connections that entered [`Phase::Unserved`]: accept/accept4 returned a socket
     /// (syscall backend) or a handshake completed on a watched port (socket backend).
-    pub accepted: u64,
-    pub unserved_entered: u64,
-    pub unserved_left: u64,
-    pub waiting_entered: u64,
-    pub waiting_left: u64,
-    pub serving_entered: u64,
-    pub serving_left: u64,
+    pub accepted: Count,
+    pub unserved_entered: Count,
+    pub unserved_left: Count,
+    pub waiting_entered: Count,
+    pub waiting_left: Count,
+    pub serving_entered: Count,
+    pub serving_left: Count,
     /// Requests recorded in [`maps::REQUEST_TIMES`], counted after their record: a
     /// service whose count has not moved since its times were read is not read again
     /// (kilobytes, and most services of a node are idle at any moment).
-    pub finished: u64,
+    pub finished: Count,
     /// HTTP/2 connections: their first bytes were the client preface.
-    pub multiplexed: u64,
+    pub multiplexed: Count,
     /// HTTP/2 streams ended by RST_STREAM (either side) or by their connection's end
     /// before the server's END_STREAM: they leave `serving` and are not `finished`.
-    pub streams_reset: u64,
+    pub streams_reset: Count,
     /// HTTP/2 connections whose open streams reached the server's
     /// `SETTINGS_MAX_CONCURRENT_STREAMS`, and that fell below it again (or closed).
-    pub at_limit_entered: u64,
-    pub at_limit_left: u64,
+    pub at_limit_entered: Count,
+    pub at_limit_left: Count,
     /// The highest `SETTINGS_MAX_CONCURRENT_STREAMS` a server of the service announced
-    /// (a maximum, not a sum, over CPUs).
+    /// (a maximum, not a sum, over CPUs). A plain load and store: only programs in
+    /// process context (the server's reads and writes, where SETTINGS are walked)
+    /// change it, and those do not interrupt one another.
     pub max_streams: u64,
 }
 
@@ -167,18 +212,18 @@ impl ServiceCounters {
     #[must_use]
     pub const fn plus(self, other: &Self) -> Self {
         Self {
-            accepted: self.accepted + other.accepted,
-            unserved_entered: self.unserved_entered + other.unserved_entered,
-            unserved_left: self.unserved_left + other.unserved_left,
-            waiting_entered: self.waiting_entered + other.waiting_entered,
-            waiting_left: self.waiting_left + other.waiting_left,
-            serving_entered: self.serving_entered + other.serving_entered,
-            serving_left: self.serving_left + other.serving_left,
-            finished: self.finished + other.finished,
-            multiplexed: self.multiplexed + other.multiplexed,
-            streams_reset: self.streams_reset + other.streams_reset,
-            at_limit_entered: self.at_limit_entered + other.at_limit_entered,
-            at_limit_left: self.at_limit_left + other.at_limit_left,
+            accepted: self.accepted.plus(other.accepted),
+            unserved_entered: self.unserved_entered.plus(other.unserved_entered),
+            unserved_left: self.unserved_left.plus(other.unserved_left),
+            waiting_entered: self.waiting_entered.plus(other.waiting_entered),
+            waiting_left: self.waiting_left.plus(other.waiting_left),
+            serving_entered: self.serving_entered.plus(other.serving_entered),
+            serving_left: self.serving_left.plus(other.serving_left),
+            finished: self.finished.plus(other.finished),
+            multiplexed: self.multiplexed.plus(other.multiplexed),
+            streams_reset: self.streams_reset.plus(other.streams_reset),
+            at_limit_entered: self.at_limit_entered.plus(other.at_limit_entered),
+            at_limit_left: self.at_limit_left.plus(other.at_limit_left),
             max_streams: if self.max_streams > other.max_streams {
                 self.max_streams
             } else {

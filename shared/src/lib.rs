@@ -2,6 +2,11 @@
 //! the exporter. Everything here is `#[repr(C)]` with explicit padding so that both
 //! sides agree on the layout; the size asserts beside each type catch drift.
 #![no_std]
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(
+    target_arch = "bpf",
+    allow(internal_features, reason = "one atomic add instruction: `Count::add`")
+)]
 
 pub mod maps;
 

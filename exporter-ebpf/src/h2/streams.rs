@@ -132,7 +132,7 @@ pub(super) fn open(h2: &mut H2Conn, id: u32, moment: &Moment) {
     stream.id = u64::from(id);
     let limit = limit_change(h2);
     update_service(moment.service, |c| {
-        c.serving_entered += 1;
+        c.serving_entered.add(1);
         limit.count(c);
     });
 }
@@ -152,10 +152,10 @@ pub(super) fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) {
     }
     let limit = streams_ended(h2, 1);
     update_service(moment.service, |c| {
-        c.serving_left += 1;
+        c.serving_left.add(1);
         limit.count(c);
         if how == End::Reset {
-            c.streams_reset += 1;
+            c.streams_reset.add(1);
         }
     });
     if how == End::Finished {
@@ -184,8 +184,8 @@ impl LimitChange {
     #[inline(always)]
     pub(super) fn count(self, c: &mut ServiceCounters) {
         match self {
-            Self::Reached => c.at_limit_entered += 1,
-            Self::Left => c.at_limit_left += 1,
+            Self::Reached => c.at_limit_entered.add(1),
+            Self::Left => c.at_limit_left.add(1),
             Self::None => {}
         }
     }
@@ -225,8 +225,8 @@ pub(super) fn goaway(h2: &mut H2Conn, at: u64, service: u32) {
             if id > u64::from(last) && compare_and_swap(&mut stream.id, id, 0) {
                 let limit = streams_ended(h2, 1);
                 update_service(service, |c| {
-                    c.serving_left += 1;
-                    c.streams_reset += 1;
+                    c.serving_left.add(1);
+                    c.streams_reset.add(1);
                     limit.count(c);
                 });
             }

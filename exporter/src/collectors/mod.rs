@@ -215,7 +215,7 @@ mod tests {
         readout.services.insert(
             2,
             ServiceCounters {
-                accepted: 7,
+                accepted: poolscope_shared::Count::new(7),
                 ..ServiceCounters::default()
             },
         );

@@ -70,7 +70,7 @@ pub fn gauges(
 /// workers are all busy: in flight less the pool; one with idle workers: none). 0
 /// for a service with no HTTP/2 connection.
 pub fn waiting_streams(counters: &ServiceCounters, in_flight: u64, threads_busy: u64) -> u64 {
-    if counters.multiplexed == 0 {
+    if counters.multiplexed.get() == 0 {
         return 0;
     }
     in_flight.saturating_sub(threads_busy)
@@ -82,18 +82,18 @@ fn socket_gauges(counters: &ServiceCounters, corrections: &Corrections) -> Gauge
         |entered: u64, left: u64, purged: u64| entered.saturating_sub(left).saturating_sub(purged);
     Gauges {
         unserved: open(
-            counters.unserved_entered + corrections.adopted_unserved,
-            counters.unserved_left,
+            counters.unserved_entered.get() + corrections.adopted_unserved,
+            counters.unserved_left.get(),
             corrections.unserved,
         ),
         waiting: open(
-            counters.waiting_entered,
-            counters.waiting_left,
+            counters.waiting_entered.get(),
+            counters.waiting_left.get(),
             corrections.waiting,
         ),
         in_flight: open(
-            counters.serving_entered,
-            counters.serving_left,
+            counters.serving_entered.get(),
+            counters.serving_left.get(),
             corrections.serving,
         ),
     }
@@ -315,7 +315,7 @@ pub fn service_families(
         let labels = [("service", service.name.as_str())];
         targets.push(&labels, service.processes as f64);
         let counters = input.counters;
-        accepted.push(&labels, counters.accepted as f64);
+        accepted.push(&labels, counters.accepted.get() as f64);
         let gauges = gauges(
             counters,
             &service.corrections,
@@ -432,15 +432,16 @@ impl Http2Families {
     }
 
     fn push(&mut self, labels: &[(&'static str, &str)], counters: &ServiceCounters) {
-        if counters.multiplexed == 0 {
+        if counters.multiplexed.get() == 0 {
             return;
         }
         let at_limit = counters
             .at_limit_entered
-            .saturating_sub(counters.at_limit_left);
+            .get()
+            .saturating_sub(counters.at_limit_left.get());
         let [connections, reset, at_stream_limit, max_streams] = &mut self.families;
-        connections.push(labels, counters.multiplexed as f64);
-        reset.push(labels, counters.streams_reset as f64);
+        connections.push(labels, counters.multiplexed.get() as f64);
+        reset.push(labels, counters.streams_reset.get() as f64);
         at_stream_limit.push(labels, at_limit as f64);
         max_streams.push(labels, counters.max_streams as f64);
     }

@@ -132,7 +132,9 @@ impl Exporter {
             .iter()
             .flat_map(|readout| &readout.services)
             .filter_map(|(&service, counters)| {
-                let finished = core.throughput.finished(service, counters.finished, now)?;
+                let finished = core
+                    .throughput
+                    .finished(service, counters.finished.get(), now)?;
                 Some((service, finished))
             })
             .collect();

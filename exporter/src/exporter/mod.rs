@@ -324,7 +324,7 @@ impl Exporter {
                 pool_windows.sample(at, &pools::totals(&readout));
                 let finished = counters
                     .iter()
-                    .map(|(&service, counters)| (service, counters.finished))
+                    .map(|(&service, counters)| (service, counters.finished.get()))
                     .collect();
                 throughput.sample(at, &finished);
                 pools.sync(kernel, &services, &readout.threads);

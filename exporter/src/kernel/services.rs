@@ -128,7 +128,7 @@ impl Requests {
     ) -> BTreeMap<u32, Arc<RequestTimes>> {
         let finished: Vec<(u32, u64)> = services
             .iter()
-            .map(|(&id, counters)| (id, counters.finished))
+            .map(|(&id, counters)| (id, counters.finished.get()))
             .collect();
         let mapped = &self.request_times;
         self.request_times_read

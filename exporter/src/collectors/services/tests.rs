@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use poolscope_shared::ServiceCounters;
+use poolscope_shared::{Count, ServiceCounters};
 
 use super::*;
 use crate::{
@@ -27,14 +27,14 @@ fn view(id: u32, name: &str, corrections: Corrections) -> ServiceView {
 
 fn counters() -> ServiceCounters {
     ServiceCounters {
-        accepted: 10,
-        unserved_entered: 10,
-        unserved_left: 6,
-        waiting_entered: 20,
-        waiting_left: 17,
-        serving_entered: 30,
-        serving_left: 25,
-        finished: 25,
+        accepted: Count::new(10),
+        unserved_entered: Count::new(10),
+        unserved_left: Count::new(6),
+        waiting_entered: Count::new(20),
+        waiting_left: Count::new(17),
+        serving_entered: Count::new(30),
+        serving_left: Count::new(25),
+        finished: Count::new(25),
         ..ServiceCounters::default()
     }
 }
@@ -73,8 +73,8 @@ fn gauges_are_entered_minus_left_minus_purged() {
 #[test]
 fn streams_beyond_the_busy_threads_wait_in_a_stream_worker_service() {
     let h2 = ServiceCounters {
-        multiplexed: 1,
-        serving_entered: 16,
+        multiplexed: Count::new(1),
+        serving_entered: Count::new(16),
         ..ServiceCounters::default()
     };
     let corrections = Corrections::default();
@@ -86,7 +86,7 @@ fn streams_beyond_the_busy_threads_wait_in_a_stream_worker_service() {
     assert_eq!(gauges(&h2, &corrections, None).waiting, 0);
     // No HTTP/2 connection: thread-per-request HTTP/1 has its own waiting.
     let h1 = ServiceCounters {
-        serving_entered: 16,
+        serving_entered: Count::new(16),
         ..ServiceCounters::default()
     };
     assert_eq!(gauges(&h1, &corrections, Some(4)).waiting, 0);
@@ -100,10 +100,10 @@ fn http2_families_only_for_services_with_http2_connections() {
         view(2, "web", Corrections::default()),
     );
     let h2_counters = ServiceCounters {
-        multiplexed: 3,
-        streams_reset: 2,
-        at_limit_entered: 5,
-        at_limit_left: 4,
+        multiplexed: Count::new(3),
+        streams_reset: Count::new(2),
+        at_limit_entered: Count::new(5),
+        at_limit_left: Count::new(4),
         max_streams: 100,
         ..counters()
     };
