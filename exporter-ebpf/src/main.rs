@@ -3,7 +3,8 @@
 //! maps at scrape time. One module per kernel subsystem, layered so that none reaches
 //! back up:
 //! - leaves: `maps` (every map and its small helpers), `clock`, `abi` (the syscall
-//!   ABI of each architecture);
+//!   ABI of each architecture); `source` above them (where a socket call's bytes are
+//!   in the caller's memory);
 //! - `downstream` (the peer of a socket a thread waits on), under `threads`, the thread
 //!   state machine; `stackmaps` (capture and count stacks) and `locks` (lock waits)
 //!   on top of it; `serving` (a thread starts or stops serving a request) above
