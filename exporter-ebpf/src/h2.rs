@@ -201,10 +201,13 @@ pub fn transferred(sk: *const u8, service: u32, direction: Direction, len: i32, 
     if h2.lost != 0 {
         return;
     }
-    let arrived = h2.arrived_ns;
-    if direction == Direction::Received {
-        h2.arrived_ns = 0;
-    }
+    // A read takes the arrival as one exchange: a load and a store of 0 would erase an
+    // arrival that another CPU's softirq (`arrived`) stored in between, and the
+    // next read's streams would then have waited for nothing.
+    let arrived = match direction {
+        Direction::Received => swap(&mut h2.arrived_ns, 0),
+        Direction::Sent => h2.arrived_ns,
+    };
     let moment = Moment {
         service,
         now,

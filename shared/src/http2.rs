@@ -100,7 +100,8 @@ pub struct H2Conn {
     /// `at_limit_entered` and not yet in `at_limit_left`); set by compare-and-swap, so
     /// that of two CPUs that see the connection reach or leave the limit one counts it.
     pub at_limit: u64,
-    /// When request bytes arrived unread (0 if none since the last read).
+    /// When request bytes arrived unread (0 if none since the last read): set by the
+    /// arrival's softirq, taken by a read with one atomic exchange.
     pub arrived_ns: u64,
     pub streams: [H2Stream; H2_STREAM_SLOTS as usize],
 }
