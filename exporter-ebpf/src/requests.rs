@@ -10,7 +10,9 @@
 //! A connection open before its service was watched is adopted: user space makes its
 //! entry `Unserved` (unread bytes wait) or `Responded` with `start_ns` 0 (between
 //! requests, or a request read before the watch and not answered yet).
-use poolscope_shared::{Conn, LossErrno, LossSource, Phase, ServiceCounters, maps::CountedMap};
+use poolscope_shared::{
+    Conn, HTTP1_INTERIM_MAX_BYTES, LossErrno, LossSource, Phase, ServiceCounters, maps::CountedMap,
+};
 
 use crate::{
     maps::{
@@ -280,12 +282,13 @@ pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
     });
 }
 
-/// A write sent `bytes` from the caller's memory at `source` (found only for the
+/// A write sent `bytes` from the caller's memory at `source` (found only for a short
 /// first write of an answer): an interim answer (`100 Continue` before an upload's
-/// body is read, `103 Early Hints`) leaves its request served; any other is [`wrote`].
+/// body is read) leaves its request served; any other is [`wrote`].
 #[inline(always)]
 pub fn wrote_from(conn: &mut Conn, now: u64, bytes: u32, source: impl FnOnce() -> Option<Source>) {
-    if phase(conn) == Phase::Serving
+    if bytes <= HTTP1_INTERIM_MAX_BYTES
+        && phase(conn) == Phase::Serving
         && source().is_some_and(|source| source.begins_interim_response(bytes.into()))
     {
         return;

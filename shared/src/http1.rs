@@ -4,6 +4,13 @@
 
 /// Bytes of a status line the kernel programs read: `HTTP/1.x NNN`.
 pub const HTTP1_STATUS_PREFIX: usize = 12;
+/// The longest write read as a possible interim answer. Every server's `100
+/// Continue` is 18–25 bytes (`HTTP/1.1 100 \r\n\r\n` to `HTTP/1.1 100
+/// Continue\r\n\r\n`), while a final answer carries headers (`Date`,
+/// `Content-Length`) that make it longer: reading the caller's buffer costs ~450 ns
+/// (`cargo xtask bench`, socket backend), paid only by writes this short. A `103
+/// Early Hints` with its `Link` headers is longer, and ends its request.
+pub const HTTP1_INTERIM_MAX_BYTES: u32 = 64;
 
 /// Whether a write that begins with `bytes` is an interim (1xx) response, one that
 /// does not end its request (RFC 9110 §15.2). `101 Switching Protocols` is no such
