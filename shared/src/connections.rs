@@ -137,7 +137,7 @@ pub struct PendingCall {
 /// (on the way out of an interrupt): so a count changes only by [`Count::add`], one
 /// atomic add, and never by a load and a store.
 #[repr(transparent)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Count(u64);
 
 impl Count {
