@@ -11,7 +11,7 @@
 //! entry `Unserved` (unread bytes wait) or `Responded` with `start_ns` 0 (between
 //! requests, or a request read before the watch and not answered yet).
 use poolscope_shared::{
-    Conn, HTTP1_INTERIM_MAX_BYTES, LossErrno, LossSource, Phase, ServiceCounters, maps::CountedMap,
+    Conn, LossErrno, LossSource, Phase, ServiceCounters, is_interim_status, maps::CountedMap,
 };
 
 use crate::{
@@ -52,7 +52,7 @@ pub fn new_connection(service: u32, owner_since_ns: u64, epoch: u32, now: u64) -
         server_tid: 0,
         epoch,
         seen_write_seq: 0,
-        _pad: 0,
+        status: 0,
     }
 }
 
@@ -241,6 +241,7 @@ pub fn upgraded(conn: &Conn, left: Phase) {
 #[inline(always)]
 fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
     conn.start_ns = now;
+    conn.status = 0;
     conn.next_arrive_ns = 0;
     conn.server_tid = serving::request_started(now);
     update_service(conn.service, |c| {
@@ -249,9 +250,10 @@ fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
     });
 }
 
-/// A write sent `bytes` response bytes.
+/// A write sent `bytes` response bytes; `status` is the status its first bytes
+/// read as (0: not read, or no status line).
 #[inline(always)]
-pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
+pub fn wrote(conn: &mut Conn, now: u64, bytes: u32, status: u32) {
     apply(conn, |conn, phase| {
         match phase {
             // Bytes sent before any request (a greeting) are not a response; they
@@ -259,6 +261,9 @@ pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
             // server's first frame (SETTINGS) may be among them (`h2.rs`).
             Phase::Unserved => atomic_add(&mut conn.end_ns, u64::from(bytes)),
             Phase::Serving => {
+                // Before the swap: an arrival on another CPU may finish the request
+                // as soon as it is `Responded`.
+                conn.status = status;
                 advance(conn, phase, Phase::Responded)?;
                 conn.end_ns = now;
                 serving::request_ended(conn.server_tid, now, End::Response);
@@ -268,6 +273,7 @@ pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
             // Adopted between a read before the watch and its response: the request in
             // progress counts, from the adoption on (its true start is unknown).
             Phase::Responded if conn.start_ns == 0 => {
+                conn.status = status;
                 conn.start_ns = conn.arrive_ns;
                 conn.end_ns = now;
                 update_service(conn.service, |c| {
@@ -282,18 +288,20 @@ pub fn wrote(conn: &mut Conn, now: u64, bytes: u32) {
     });
 }
 
-/// A write sent `bytes` from the caller's memory at `source` (found only for a short
-/// first write of an answer): an interim answer (`100 Continue` before an upload's
-/// body is read) leaves its request served; any other is [`wrote`].
+/// A write sent `bytes` from the caller's memory at `source`: the first write of an
+/// answer has its status line read. An interim answer (`100 Continue` before an
+/// upload's body is read) leaves its request served; any other is [`wrote`].
 #[inline(always)]
 pub fn wrote_from(conn: &mut Conn, now: u64, bytes: u32, source: impl FnOnce() -> Option<Source>) {
-    if bytes <= HTTP1_INTERIM_MAX_BYTES
-        && phase(conn) == Phase::Serving
-        && source().is_some_and(|source| source.begins_interim_response(bytes.into()))
-    {
+    let status = if phase(conn) == Phase::Serving {
+        source().map_or(0, |source| source.response_status(bytes.into()))
+    } else {
+        0
+    };
+    if is_interim_status(status) {
         return;
     }
-    wrote(conn, now, bytes);
+    wrote(conn, now, bytes, status);
 }
 
 /// The peer closed its side (socket backend): a finished request is done, and the
@@ -385,13 +393,20 @@ fn finish(conn: &Conn) {
     if conn.start_ns == 0 {
         return;
     }
-    record(conn.service, conn.arrive_ns, conn.start_ns, conn.end_ns);
+    record(
+        conn.service,
+        conn.arrive_ns,
+        conn.start_ns,
+        conn.end_ns,
+        conn.status,
+    );
 }
 
 /// Records a request of `service` that arrived, started and ended at these times in
-/// its histograms, then counts it finished.
+/// its histograms, then counts it finished, under the class of its answer's `status`
+/// (0: not read).
 #[inline(always)]
-pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64) {
+pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64, status: u32) {
     let Some(times) = REQUEST_TIMES.get_ptr_mut(service) else {
         return;
     };
@@ -403,5 +418,14 @@ pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64) {
     // Counted after the record (x86's atomic adds are seen in order, and the
     // compiler keeps them before the counters' lookup, a call that may read them):
     // user space reads the times again only when this count moved.
-    update_service(service, |c| c.finished.add(1));
+    update_service(service, |c| {
+        c.finished.add(1);
+        // The class's index (a status is 0 or 100-599), opaque to the compiler: a
+        // bound it sees it moves onto the status (< 600), and the verifier then
+        // finds none on the index.
+        let class = core::hint::black_box(status / 100) as usize;
+        if let Some(count) = c.responses.get_mut(class) {
+            count.add(1);
+        }
+    });
 }

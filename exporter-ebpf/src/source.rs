@@ -1,13 +1,13 @@
 //! Where a socket call's bytes are in the caller's memory (its syscall's buffer, or
 //! iovec array, found through the thread's saved registers), and reading them: the
 //! frame headers `h2.rs` follows, the client preface that opens an HTTP/2
-//! connection, and the status line that tells an HTTP/1 interim response.
+//! connection, and the status line of an HTTP/1 response.
 use core::ffi::c_void;
 
 use aya_ebpf::helpers::{
     bpf_get_current_task_btf, bpf_probe_read_kernel, generated::bpf_probe_read_user,
 };
-use poolscope_shared::{H2_PREFACE, HTTP1_STATUS_PREFIX, SyscallSlot, is_interim_response};
+use poolscope_shared::{H2_PREFACE, HTTP1_STATUS_PREFIX, SyscallSlot, response_status};
 
 use crate::{
     abi::{SECOND_ARG_OFFSET, SavedRegisters, THIRD_ARG_OFFSET},
@@ -101,18 +101,18 @@ impl Source {
         len != 0 && copy_user(&mut bytes, len, base) && preface_prefix(&bytes, len)
     }
 
-    /// Whether the `len` bytes the call wrote begin an HTTP/1 interim (1xx) response,
-    /// which does not end its request (`100 Continue` before an upload's body is
-    /// read). The status code must be in the first buffer.
+    /// The status of the HTTP/1 response the `len` bytes the call wrote begin; 0 if
+    /// they begin none. The status code must be in the first buffer.
     #[inline(always)]
-    pub fn begins_interim_response(self, len: u64) -> bool {
+    pub fn response_status(self, len: u64) -> u32 {
         let prefix = HTTP1_STATUS_PREFIX as u64;
-        len >= prefix
-            && self
-                .buffer(0)
-                .filter(|&(_, size)| size >= prefix)
-                .and_then(|(base, _)| read_user::<[u8; HTTP1_STATUS_PREFIX]>(base))
-                .is_some_and(|status| is_interim_response(&status))
+        if len < prefix {
+            return 0;
+        }
+        self.buffer(0)
+            .filter(|&(_, size)| size >= prefix)
+            .and_then(|(base, _)| read_user::<[u8; HTTP1_STATUS_PREFIX]>(base))
+            .map_or(0, |status| response_status(&status))
     }
 
     /// Buffer `index` of the source: its address and length.

@@ -77,7 +77,7 @@ pub fn tcp_segment_received(ctx: BtfTracePointContext) -> i32 {
             Phase::Serving => {
                 let now = now_ns();
                 if let Some(bytes) = response_sent_unseen(sk, conn) {
-                    requests::wrote(conn, now, bytes);
+                    requests::wrote(conn, now, bytes, 0);
                 }
                 requests::data_arrived(conn, now);
             }

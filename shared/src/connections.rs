@@ -1,9 +1,9 @@
 //! Connections and their requests: watched processes, the connection phase and key,
 //! pending syscalls, per-service counters, request durations and listeners.
 
-use crate::{HISTOGRAM_BUCKETS, Histogram};
+use crate::{HISTOGRAM_BUCKETS, Histogram, STATUS_CLASSES};
 #[cfg(doc)]
-use crate::{SyscallSlot, Thread, maps};
+use crate::{StatusClass, SyscallSlot, Thread, maps};
 
 /// Value of [`maps::WATCHED`].
 #[repr(C)]
@@ -104,7 +104,10 @@ pub struct Conn {
     /// before the first), so that a response that went out unseen is told from more
     /// bytes of the same request when the next request arrives; 0 elsewhere.
     pub seen_write_seq: u32,
-    pub _pad: u32,
+    /// The status of the current request's final answer, read from its first write
+    /// ([`response_status`](crate::response_status)); 0 until then, or if its head was
+    /// not read.
+    pub status: u32,
 }
 
 impl Conn {
@@ -191,6 +194,9 @@ pub struct ServiceCounters {
     /// service whose count has not moved since its times were read is not read again
     /// (kilobytes, and most services of a node are idle at any moment).
     pub finished: Count,
+    /// Finished requests by the [`StatusClass`] of their final answer, counted with
+    /// [`ServiceCounters::finished`] (their sum).
+    pub responses: [Count; STATUS_CLASSES],
     /// HTTP/2 connections: their first bytes were the client preface.
     pub multiplexed: Count,
     /// HTTP/2 streams ended by RST_STREAM (either side) or by their connection's end
@@ -220,6 +226,15 @@ impl ServiceCounters {
             serving_entered: self.serving_entered.plus(other.serving_entered),
             serving_left: self.serving_left.plus(other.serving_left),
             finished: self.finished.plus(other.finished),
+            responses: {
+                let mut sum = self.responses;
+                let mut class = 0;
+                while class < STATUS_CLASSES {
+                    sum[class] = sum[class].plus(other.responses[class]);
+                    class += 1;
+                }
+                sum
+            },
             multiplexed: self.multiplexed.plus(other.multiplexed),
             streams_reset: self.streams_reset.plus(other.streams_reset),
             at_limit_entered: self.at_limit_entered.plus(other.at_limit_entered),
@@ -283,5 +298,5 @@ const _: () = assert!(
         && core::mem::align_of::<Conn>() == 8
 );
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 16);
-const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 104);
+const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 104 + 8 * STATUS_CLASSES);
 const _: () = assert!(core::mem::size_of::<RequestTimes>() == 3 * (HISTOGRAM_BUCKETS + 1) * 8);

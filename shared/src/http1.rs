@@ -1,22 +1,15 @@
-//! What the first bytes a server writes on an HTTP/1 connection say to the request
-//! state machine (DESIGN §3): an interim answer (`100 Continue`, `103 Early Hints`)
-//! does not end the request it answers; the final one does.
+//! What the first bytes a server writes on an HTTP/1 connection say (DESIGN §3): the
+//! status of the response, whose class each finished request is counted under, and
+//! whether it is an interim answer (`100 Continue`, `103 Early Hints`), one that does
+//! not end the request it answers.
 
 /// Bytes of a status line the kernel programs read: `HTTP/1.x NNN`.
 pub const HTTP1_STATUS_PREFIX: usize = 12;
-/// The longest write read as a possible interim answer. Every server's `100
-/// Continue` is 18–25 bytes (`HTTP/1.1 100 \r\n\r\n` to `HTTP/1.1 100
-/// Continue\r\n\r\n`), while a final answer carries headers (`Date`,
-/// `Content-Length`) that make it longer: reading the caller's buffer costs ~450 ns
-/// (`cargo xtask bench`, socket backend), paid only by writes this short. A `103
-/// Early Hints` with its `Link` headers is longer, and ends its request.
-pub const HTTP1_INTERIM_MAX_BYTES: u32 = 64;
 
-/// Whether a write that begins with `bytes` is an interim (1xx) response, one that
-/// does not end its request (RFC 9110 §15.2). `101 Switching Protocols` is no such
-/// answer: the HTTP/1.1 exchange ends there, and what follows (HTTP/2 after
-/// `Upgrade: h2c`, a WebSocket) is another protocol.
-pub const fn is_interim_response(bytes: &[u8; HTTP1_STATUS_PREFIX]) -> bool {
+/// The status code (100–599) a write that begins with `bytes` answers with; 0 if it
+/// does not begin with an HTTP/1 status line (a write in the middle of a response, a body
+/// written apart from its head, bytes of another protocol).
+pub const fn response_status(bytes: &[u8; HTTP1_STATUS_PREFIX]) -> u32 {
     let version = bytes[0] == b'H'
         && bytes[1] == b'T'
         && bytes[2] == b'T'
@@ -26,39 +19,141 @@ pub const fn is_interim_response(bytes: &[u8; HTTP1_STATUS_PREFIX]) -> bool {
         && bytes[6] == b'.'
         && bytes[7].is_ascii_digit()
         && bytes[8] == b' ';
-    let informational =
-        bytes[9] == b'1' && bytes[10].is_ascii_digit() && bytes[11].is_ascii_digit();
-    let switching = bytes[10] == b'0' && bytes[11] == b'1';
-    version && informational && !switching
+    // RFC 9110 §15: the first digit is the class, 1 to 5.
+    let code = bytes[9] >= b'1'
+        && bytes[9] <= b'5'
+        && bytes[10].is_ascii_digit()
+        && bytes[11].is_ascii_digit();
+    if !(version && code) {
+        return 0;
+    }
+    (bytes[9] - b'0') as u32 * 100 + (bytes[10] - b'0') as u32 * 10 + (bytes[11] - b'0') as u32
+}
+
+/// Whether a response with status `status` is an interim one, which does not end its
+/// request (RFC 9110 §15.2). `101 Switching Protocols` is no such answer: the
+/// HTTP/1.1 exchange ends there, and what follows (HTTP/2 after `Upgrade: h2c`, a
+/// WebSocket) is another protocol.
+pub const fn is_interim_status(status: u32) -> bool {
+    status >= 100 && status < 200 && status != 101
+}
+
+/// The class a finished request is counted under, by the status of its final answer
+/// (`poolscope_responses_total{status_class}`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatusClass {
+    /// No status read: the connection closed before an answer, the answer's head was
+    /// not in a buffer the kernel programs read (TLS, `sendfile` alone, io_uring, a
+    /// transmit out of the writer's call on the tcp backend), or an HTTP/2 stream.
+    Unknown = 0,
+    Informational = 1,
+    Success = 2,
+    Redirection = 3,
+    ClientError = 4,
+    ServerError = 5,
+}
+
+/// How many [`StatusClass`]es there are.
+pub const STATUS_CLASSES: usize = 6;
+
+impl StatusClass {
+    /// Every class, in the order of its index.
+    pub const ALL: [Self; STATUS_CLASSES] = [
+        Self::Unknown,
+        Self::Informational,
+        Self::Success,
+        Self::Redirection,
+        Self::ClientError,
+        Self::ServerError,
+    ];
+
+    /// The class of `status` (0: none read).
+    pub const fn of(status: u32) -> Self {
+        match status / 100 {
+            1 => Self::Informational,
+            2 => Self::Success,
+            3 => Self::Redirection,
+            4 => Self::ClientError,
+            5 => Self::ServerError,
+            _ => Self::Unknown,
+        }
+    }
+
+    /// Its index in [`ServiceCounters::responses`](crate::ServiceCounters).
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Its label value.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::Unknown => "unknown",
+            Self::Informational => "1xx",
+            Self::Success => "2xx",
+            Self::Redirection => "3xx",
+            Self::ClientError => "4xx",
+            Self::ServerError => "5xx",
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{HTTP1_STATUS_PREFIX, is_interim_response};
+    use super::{HTTP1_STATUS_PREFIX, StatusClass, is_interim_status, response_status};
 
-    fn interim(text: &str) -> bool {
+    fn status(text: &str) -> u32 {
         let mut bytes = [0u8; HTTP1_STATUS_PREFIX];
         let len = text.len().min(HTTP1_STATUS_PREFIX);
         bytes[..len].copy_from_slice(&text.as_bytes()[..len]);
-        is_interim_response(&bytes)
+        response_status(&bytes)
+    }
+
+    #[test]
+    fn status_lines_are_read_and_anything_else_is_none() {
+        assert_eq!(status("HTTP/1.1 200 OK\r\n"), 200);
+        assert_eq!(status("HTTP/1.0 404 Not Found\r\n"), 404);
+        assert_eq!(status("HTTP/1.1 503 Service Unavailable\r\n"), 503);
+        assert_eq!(status("HTTP/1.1 100 Continue\r\n\r\n"), 100);
+        assert_eq!(status("HTTP/1.1 599 Whatever"), 599);
+        assert_eq!(status("HTTP/1.1 600 Out of range"), 0);
+        // A write shorter than a status line's start (the rest zeroed, as read).
+        assert_eq!(status("HTTP/1.1 10"), 0);
+        assert_eq!(status("HTTP/2.0 200 OK"), 0);
+        assert_eq!(status("HTTP/1.1 2x0 OK"), 0);
+        assert_eq!(status("HTTP/1.1 099 ?"), 0);
+        assert_eq!(status("HTTP/1.1  200 OK"), 0);
+        assert_eq!(status("ok\n"), 0);
+        assert_eq!(status("200 OK HTTP/1.1"), 0);
+        assert_eq!(status("{\"a\": 1}"), 0);
     }
 
     #[test]
     fn interim_answers_are_told_from_final_ones() {
-        assert!(interim("HTTP/1.1 100 Continue\r\n\r\n"));
-        assert!(interim(
-            "HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"
-        ));
-        assert!(interim("HTTP/1.0 102 Processing\r\n\r\n"));
-        // Final answers, the protocol switch and what is not a status line at all.
-        assert!(!interim("HTTP/1.1 200 OK\r\n"));
-        // A write shorter than a status line's start (the rest zeroed, as read).
-        assert!(!interim("HTTP/1.1 10"));
-        assert!(!interim("HTTP/1.1 101 Switching Protocols\r\n"));
-        assert!(!interim("HTTP/1.1 404 Not Found\r\n"));
-        assert!(!interim("HTTP/2.0 100 Continue"));
-        assert!(!interim("HTTP/1.1 1x0 Continue"));
-        assert!(!interim("ok\n"));
-        assert!(!interim("100 Continue HTTP/1.1"));
+        for interim in [100, 102, 103, 199] {
+            assert!(is_interim_status(interim), "{interim}");
+        }
+        for last in [0, 101, 200, 204, 304, 404, 500] {
+            assert!(!is_interim_status(last), "{last}");
+        }
+    }
+
+    #[test]
+    fn classes_follow_the_first_digit() {
+        let classes = [0, 101, 200, 299, 302, 404, 500, 599, 600, 999]
+            .map(|status| StatusClass::of(status).label());
+        assert_eq!(
+            classes,
+            [
+                "unknown", "1xx", "2xx", "2xx", "3xx", "4xx", "5xx", "5xx", "unknown", "unknown"
+            ]
+        );
+        for (index, class) in StatusClass::ALL.into_iter().enumerate() {
+            assert_eq!(class.index(), index);
+        }
+        // The kernel programs index by the first digit (`requests::record`).
+        for status in [0, 100, 101, 200, 302, 404, 500, 599] {
+            assert_eq!((status / 100) as usize, StatusClass::of(status).index());
+        }
     }
 }

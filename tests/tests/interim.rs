@@ -216,6 +216,14 @@ fn uploads_count_once(backend: &str) -> anyhow::Result<()> {
     assert_eq!(served.count, made + by_curl, "the server's count");
     assert_eq!(served.interim, served.count, "100 Continue answers");
     assert_eq!(requests(&after_curl), served.count as f64, "requests_total");
+    // Each counts under its final answer's class, none under the interim one's.
+    for (class, truth) in [("2xx", served.count), ("1xx", 0), ("unknown", 0)] {
+        let counted = after_curl.value(
+            "poolscope_responses_total",
+            &[("service", &service), ("status_class", class)],
+        );
+        assert_eq!(counted, Some(truth as f64), "{backend}: {class} answers");
+    }
     for gauge in [
         "poolscope_requests_in_flight",
         "poolscope_requests_waiting",

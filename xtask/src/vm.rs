@@ -102,6 +102,7 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
             "a_full_connection_map_is_counted_and_spares_the_tracked_connections",
         ],
     ),
+    ("statuses", &["every_answer_counts_under_its_status_class"]),
     ("threads", &["two_spinners_on_one_cpu_wait_half_the_time"]),
     ("pods", &["same_port_in_two_namespaces_both_watched"]),
     (

@@ -159,7 +159,8 @@ pub(super) fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) {
         }
     });
     if how == End::Finished {
-        requests::record(moment.service, arrive, start, moment.now);
+        // `:status` is HPACK-coded: not read (0).
+        requests::record(moment.service, arrive, start, moment.now, 0);
     }
 }
 

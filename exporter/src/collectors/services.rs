@@ -6,7 +6,7 @@ use std::{
     net::SocketAddr,
 };
 
-use poolscope_shared::{RequestTimes, ServiceCounters};
+use poolscope_shared::{RequestTimes, ServiceCounters, StatusClass};
 
 use super::{Collected, Reading};
 use crate::{
@@ -297,6 +297,12 @@ pub fn service_families(
         Kind::Counter,
         "Finished requests (a read burst, then a write burst, ended by the next read or close).",
     );
+    let mut responses = Family::new(
+        "responses",
+        Kind::Counter,
+        "Finished requests by the class of their final answer's status (1xx to 5xx; \
+         unknown: no status read).",
+    );
     let mut time = Family::new(
         "request_time_seconds",
         Kind::Counter,
@@ -328,6 +334,7 @@ pub fn service_families(
         in_flight.push(&labels, gauges.in_flight as f64);
         depth.push(&labels, depth_now as f64);
         requests.push(&labels, input.times.duration.count() as f64);
+        push_responses(&mut responses, &service.name, counters);
         time.push(
             &[("service", service.name.as_str()), ("component", "queue")],
             input.times.queue.sum_ns as f64 / 1e9,
@@ -379,6 +386,7 @@ pub fn service_families(
         waiting,
         unserved,
         requests,
+        responses,
         accepted,
         targets,
         listen_depth,
@@ -390,6 +398,22 @@ pub fn service_families(
     families.extend(request_families.windows);
     families.extend(request_families.histograms);
     families
+}
+
+/// The finished requests of `service` by status class, every class once one finished
+/// (so that a ratio has its first error as a change, not as a new series); none
+/// before.
+fn push_responses(family: &mut Family, service: &str, counters: &ServiceCounters) {
+    if counters.finished.get() == 0 {
+        return;
+    }
+    for class in StatusClass::ALL {
+        let count = counters.responses.get(class.index()).map_or(0, |c| c.get());
+        family.push(
+            &[("service", service), ("status_class", class.label())],
+            count as f64,
+        );
+    }
 }
 
 /// The HTTP/2 families of the services that had an HTTP/2 connection (others get no

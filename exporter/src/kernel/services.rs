@@ -347,7 +347,7 @@ impl WatchTable for Kernel {
                 server_tid: 0,
                 epoch,
                 seen_write_seq: 0,
-                _pad: 0,
+                status: 0,
             };
             // BPF_NOEXIST: an entry the kernel made itself is newer than our look.
             let (map, inserted) = match self.backend {

@@ -1,0 +1,171 @@
+//! Status classes: every finished HTTP/1 request counts under the class of its final
+//! answer's status (`poolscope_responses_total{status_class}`), read from the first
+//! bytes the server writes, on every backend. Truth: the server's own count of the
+//! answers it wrote, by class (`tests/http1/status_server.py`, Python's http.server,
+//! head and body in two writes), and the clients' count of the status lines they read.
+use std::{
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    net::TcpStream,
+    path::PathBuf,
+};
+
+use anyhow::Context as _;
+use poolscope_tests::{
+    Metrics, Poolscope, Program, backend_config, backends, one_at_a_time, privileged, scorecard,
+    scrape_until, steady::value,
+};
+
+/// Keep-alive connections, each making [`REQUESTS`] requests in turn, the last one
+/// with `Connection: close`.
+const CONNECTIONS: usize = 4;
+const REQUESTS: usize = 45;
+/// The statuses asked for, in turn: with and without a body, every final class.
+const CODES: [u16; 9] = [200, 201, 204, 301, 304, 404, 429, 500, 503];
+/// The label values of the classes 1xx to 5xx, in order.
+const CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+
+/// Answers by class, 1xx to 5xx.
+type ByClass = [u64; 5];
+
+/// Reads one answer (head, and a body of its `Content-Length`); its status.
+fn read_answer(reader: &mut BufReader<TcpStream>) -> anyhow::Result<u16> {
+    let mut status_line = String::new();
+    reader.read_line(&mut status_line)?;
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .with_context(|| format!("status line {status_line:?}"))?;
+    let mut length = 0;
+    loop {
+        let mut line = String::new();
+        anyhow::ensure!(reader.read_line(&mut line)? != 0, "closed mid-answer");
+        if line == "\r\n" {
+            break;
+        }
+        if let Some(value) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            length = value.trim().parse()?;
+        }
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body)?;
+    Ok(status)
+}
+
+/// One connection's requests; the answers it read, by class.
+fn ask_in_turn(port: u16, connection: usize) -> anyhow::Result<ByClass> {
+    let stream = TcpStream::connect(("127.0.0.1", port))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut writer = stream;
+    let mut read = ByClass::default();
+    for request in 0..REQUESTS {
+        let code = CODES[(connection + request) % CODES.len()];
+        let close = if request + 1 == REQUESTS {
+            "Connection: close\r\n"
+        } else {
+            ""
+        };
+        writer.write_all(
+            format!("GET /status/{code} HTTP/1.1\r\nHost: t\r\n{close}\r\n").as_bytes(),
+        )?;
+        let status = read_answer(&mut reader)?;
+        anyhow::ensure!(status == code, "asked for {code}, got {status}");
+        read[usize::from(status / 100 - 1)] += 1;
+    }
+    // The server closes after the last answer.
+    anyhow::ensure!(
+        reader.read(&mut [0; 1])? == 0,
+        "open after Connection: close"
+    );
+    Ok(read)
+}
+
+/// The server's report: `served <1xx> … <5xx>`.
+fn parse_served(line: &str) -> anyhow::Result<ByClass> {
+    let counts: Vec<u64> = line
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("the status server said \"served {line}\""))?;
+    counts
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("the status server said \"served {line}\""))
+}
+
+fn responses(metrics: &Metrics, service: &str, class: &str) -> f64 {
+    metrics
+        .value(
+            "poolscope_responses_total",
+            &[("service", service), ("status_class", class)],
+        )
+        .unwrap_or(f64::NAN)
+}
+
+fn classes_counted(backend: &str) -> anyhow::Result<()> {
+    let _serial = one_at_a_time();
+    let service = format!("statuses-{backend}");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("http1/status_server.py");
+    let mut server = Program::start_path(
+        std::path::Path::new(poolscope_tests::http2::PYTHON),
+        &[script.display().to_string()],
+    )?;
+    let port: u16 = server.line("port")?.parse().context("the server's port")?;
+    let poolscope = Poolscope::start(&backend_config(backend, &service, &[server.pid()]))?;
+    scrape_until(&poolscope, |m| {
+        m.value("poolscope_targets", &[("service", &service)]) == Some(1.0)
+    })?;
+    let clients: Vec<_> = (0..CONNECTIONS)
+        .map(|connection| std::thread::spawn(move || ask_in_turn(port, connection)))
+        .collect();
+    let mut read = ByClass::default();
+    for client in clients {
+        let by_client = client
+            .join()
+            .map_err(|_| anyhow::anyhow!("a client panicked"))??;
+        for (sum, count) in read.iter_mut().zip(by_client) {
+            *sum += count;
+        }
+    }
+    let made: u64 = read.iter().sum();
+    let metrics = scrape_until(&poolscope, |m| {
+        value(m, "poolscope_requests_total", &service) == made as f64
+            && m.connection_entries() == Some(0.0)
+    })
+    .with_context(|| format!("{service}: {made} answers read"))?;
+    let served = parse_served(&server.finish("served")?)?;
+    let counted: Vec<f64> = CLASSES
+        .iter()
+        .map(|class| responses(&metrics, &service, class))
+        .collect();
+    let unknown = responses(&metrics, &service, "unknown");
+    println!(
+        "{backend}: clients read {read:?}, the server wrote {served:?}; ours {counted:?}, \
+         unknown {unknown}"
+    );
+    assert_eq!(read, served, "the clients' and the server's counts");
+    for ((class, &ours), truth) in CLASSES.iter().zip(&counted).zip(served) {
+        scorecard::exact(
+            &format!("responses_total{{status_class=\"{class}\"}}"),
+            "the server's count of the answers it wrote, by class",
+            backend,
+            ours,
+            truth as f64,
+        );
+    }
+    for ((class, &ours), truth) in CLASSES.iter().zip(&counted).zip(served) {
+        assert_eq!(ours, truth as f64, "{backend}: {class} answers");
+    }
+    assert_eq!(unknown, 0.0, "{backend}: answers with no status read");
+    Ok(())
+}
+
+#[test]
+fn every_answer_counts_under_its_status_class() -> anyhow::Result<()> {
+    if !privileged("every_answer_counts_under_its_status_class") {
+        return Ok(());
+    }
+    for backend in backends() {
+        classes_counted(backend)?;
+    }
+    Ok(())
+}
