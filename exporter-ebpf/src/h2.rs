@@ -23,7 +23,7 @@ use aya_ebpf::{
 };
 use poolscope_shared::{
     CallWalk, Conn, FrameCursor, H2_FRAME_HEADER, H2_PREFACE, H2_STREAM_SLOTS, H2Conn, LossErrno,
-    LossSource, Phase, SyscallSlot,
+    LossSource, SyscallSlot,
 };
 
 use self::streams::{
@@ -79,14 +79,11 @@ pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
     }
     // What the server sent before this read went by before the walk begins, so its
     // next frame need not be SETTINGS: a greeting (gRPC sends its SETTINGS at
-    // accept; `end_ns` counts its bytes while `Unserved`), or after an upgrade the
-    // 101 and the server's SETTINGS (`end_ns` is the upgrade response's last write).
-    let sent_before = conn.end_ns;
-    // The stream limit of a greeting (`greeting`), while the connection is new.
-    let greeted_limit = match requests::phase(conn) {
-        Phase::Unserved => conn.next_arrive_ns,
-        _ => 0,
-    };
+    // accept), or after an upgrade the 101 and the server's SETTINGS (`end_ns` is the
+    // upgrade response's last write).
+    let sent_before = conn.greeted != 0 || conn.end_ns != 0;
+    // The stream limit of a greeting (`greeting`).
+    let greeted_limit = (conn.greeting_limit_set != 0).then_some(conn.greeting_limit);
     let Some(left) = requests::multiplexed(conn) else {
         return false;
     };
@@ -108,21 +105,21 @@ pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
     // SAFETY: as in `stored`.
     let h2 = unsafe { &mut *h2.cast::<H2Conn>() };
     h2.recv.preface_left = H2_PREFACE.len() as u32;
-    h2.send.frames = u32::from(sent_before != 0);
-    if greeted_limit != 0 {
-        limit_streams(h2, (greeted_limit - 1) as u32, conn.service);
+    h2.send.frames = u32::from(sent_before);
+    if let Some(limit) = greeted_limit {
+        limit_streams(h2, limit, conn.service);
     }
     true
 }
 
 /// The first read or write (`len` bytes) of connection `conn`, adopted open
-/// ([`Conn::ADOPTED`]): if its bytes are HTTP/2 (a frame header: a length under 64
+/// ([`Conn::adopted`]): if its bytes are HTTP/2 (a frame header: a length under 64
 /// KiB, a known type; text protocols and TLS never start so), it becomes
 /// `Multiplexed` and counts nothing, since where its frames begin and which streams
 /// are open is unknown (`Http2Adopted`). `true` if so; checked once.
 #[inline(never)]
 pub fn adopted_mid_stream(conn: &mut Conn, len: i32) -> bool {
-    conn.owner_since_ns = 0;
+    conn.adopted = 0;
     if len < H2_FRAME_HEADER as i32 {
         return false;
     }
@@ -313,24 +310,18 @@ fn follow(
     match cursor(walk.h2, direction).call.outcome {
         GOING => Err(LossSource::Http2FrameBound),
         DONE => Ok(()),
-        lost => Err(loss_of(lost - LOST)),
+        UNREADABLE => Err(LossSource::Http2Unreadable),
+        // UNPARSABLE, the only other value `step` stores.
+        _ => Err(LossSource::Http2Unparsable),
     }
 }
 
-/// [`CallWalk::outcome`]s.
+/// [`CallWalk::outcome`]s: the walk goes on (it ran out of steps if it ends so), is
+/// done, or stopped where a buffer could not be read or a frame header made no sense.
 const GOING: u32 = 0;
 const DONE: u32 = 1;
-const LOST: u32 = 2;
-
-/// The HTTP/2 loss source numbered `index` (as `LossSource as u32` less the first).
-#[inline(always)]
-fn loss_of(index: u32) -> LossSource {
-    match index {
-        0 => LossSource::Http2Unparsable,
-        1 => LossSource::Http2Unreadable,
-        _ => LossSource::Http2FrameBound,
-    }
-}
+const UNREADABLE: u32 = 2;
+const UNPARSABLE: u32 = 3;
 
 /// One call's bytes being walked: what stays the same for every step (the walk's
 /// place is in the connection's cursor).
@@ -347,7 +338,7 @@ extern "C" fn step(_index: u64, walk: *mut c_void) -> i64 {
     let outcome = match walk.step() {
         Ok(true) => return 0,
         Ok(false) => DONE,
-        Err(lost) => LOST + (lost as u32 - LossSource::Http2Unparsable as u32),
+        Err(stopped) => stopped,
     };
     cursor(walk.h2, walk.direction).call.outcome = outcome;
     1
@@ -356,9 +347,9 @@ extern "C" fn step(_index: u64, walk: *mut c_void) -> i64 {
 impl Walk<'_> {
     /// Takes one step: skips a payload, moves to the next buffer, or reads (part of)
     /// a frame header or the preface and acts on a whole header. `false` once the
-    /// call's bytes are all walked.
+    /// call's bytes are all walked; the outcome that stopped it on an error.
     #[inline(always)]
-    fn step(&mut self) -> Result<bool, LossSource> {
+    fn step(&mut self) -> Result<bool, u32> {
         let cursor = cursor(self.h2, self.direction);
         let call = &mut cursor.call;
         if call.done >= call.total {
@@ -382,17 +373,15 @@ impl Walk<'_> {
                 iovecs: call.iovecs,
             }
         } else {
-            let found = Source::of_current_call().ok_or(LossSource::Http2Unreadable)?;
-            (call.base, call.size) = found.buffer(0).ok_or(LossSource::Http2Unreadable)?;
+            let found = Source::of_current_call().ok_or(UNREADABLE)?;
+            (call.base, call.size) = found.buffer(0).ok_or(UNREADABLE)?;
             (call.found, call.source, call.iovecs) = (1, found.base, found.iovecs);
             found
         };
         if call.at >= call.size {
             call.at -= call.size;
             call.buffer += 1;
-            (call.base, call.size) = source
-                .buffer(call.buffer)
-                .ok_or(LossSource::Http2Unreadable)?;
+            (call.base, call.size) = source.buffer(call.buffer).ok_or(UNREADABLE)?;
             return Ok(true);
         }
         let in_buffer = call.size - call.at;
@@ -413,14 +402,14 @@ impl Walk<'_> {
                 read_user::<[u8; 24]>(from)
                     .map(|preface| cursor.bytes[..24].copy_from_slice(&preface))
             };
-            read.ok_or(LossSource::Http2Unreadable)?;
+            read.ok_or(UNREADABLE)?;
             want
         } else {
-            let byte = read_user::<u8>(from).ok_or(LossSource::Http2Unreadable)?;
+            let byte = read_user::<u8>(from).ok_or(UNREADABLE)?;
             let slot = cursor
                 .bytes
                 .get_mut((cursor.have & 31) as usize)
-                .ok_or(LossSource::Http2Unparsable)?;
+                .ok_or(UNPARSABLE)?;
             *slot = byte;
             1
         };
@@ -430,7 +419,7 @@ impl Walk<'_> {
         if cursor.preface_left > 0 {
             cursor.preface_left -= take;
             if !preface_prefix(&cursor.bytes, cursor.have) {
-                return Err(LossSource::Http2Unparsable);
+                return Err(UNPARSABLE);
             }
             if cursor.preface_left == 0 {
                 cursor.have = 0;
@@ -443,7 +432,7 @@ impl Walk<'_> {
         cursor.have = 0;
         let frame = Frame::of(&cursor.bytes);
         if !frame.well_formed(cursor.frames == 0) {
-            return Err(LossSource::Http2Unparsable);
+            return Err(UNPARSABLE);
         }
         cursor.frames = cursor.frames.saturating_add(1);
         cursor.payload_left = frame.length;
@@ -472,11 +461,11 @@ impl Walk<'_> {
 
 /// A write of `len` bytes before connection `conn` read anything (`Unserved`): an
 /// HTTP/2 server may send its SETTINGS at once (gRPC does), before the client's
-/// preface tells that the connection is HTTP/2. Its stream limit is kept in
-/// `next_arrive_ns` (unused until a request starts; 1 + the limit) for [`opens`].
+/// preface tells that the connection is HTTP/2. Its stream limit is kept in the
+/// connection's entry for [`opens`].
 #[inline(never)]
 pub fn greeting(conn: &mut Conn, len: i32) {
-    if len < H2_FRAME_HEADER as i32 || conn.next_arrive_ns != 0 {
+    if len < H2_FRAME_HEADER as i32 || conn.greeting_limit_set != 0 {
         return;
     }
     let Some((base, _)) = Source::of_current_call().and_then(|source| source.buffer(0)) else {
@@ -496,6 +485,7 @@ pub fn greeting(conn: &mut Conn, len: i32) {
         return;
     }
     if let Some(limit) = announced_limit(base + u64::from(H2_FRAME_HEADER), frame.length) {
-        conn.next_arrive_ns = u64::from(limit) + 1;
+        conn.greeting_limit = limit;
+        conn.greeting_limit_set = 1;
     }
 }

@@ -16,7 +16,7 @@ use poolscope_shared::{
 
 use crate::{
     maps::{
-        CONNS, REQUEST_TIMES, add_to_shared_histogram, atomic_add, compare_and_swap, count_loss,
+        CONNS, REQUEST_TIMES, add_to_shared_histogram, compare_and_swap, count_loss,
         insert_counted, remove_counted, update_service,
     },
     serving::{self, End},
@@ -53,6 +53,12 @@ pub fn new_connection(service: u32, owner_since_ns: u64, epoch: u32, now: u64) -
         epoch,
         seen_write_seq: 0,
         status: 0,
+        adopted: 0,
+        upgrade_checked: 0,
+        greeting_limit: 0,
+        greeted: 0,
+        greeting_limit_set: 0,
+        _pad: [0; 2],
     }
 }
 
@@ -250,16 +256,15 @@ fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
     });
 }
 
-/// A write sent `bytes` response bytes; `status` is the status its first bytes
-/// read as (0: not read, or no status line).
+/// A write sent response bytes; `status` is the status its first bytes read as (0:
+/// not read, or no status line).
 #[inline(always)]
-pub fn wrote(conn: &mut Conn, now: u64, bytes: u32, status: u32) {
+pub fn wrote(conn: &mut Conn, now: u64, status: u16) {
     apply(conn, |conn, phase| {
         match phase {
-            // Bytes sent before any request (a greeting) are not a response; they
-            // are counted in `end_ns`, unused until a request starts: an HTTP/2
-            // server's first frame (SETTINGS) may be among them (`h2.rs`).
-            Phase::Unserved => atomic_add(&mut conn.end_ns, u64::from(bytes)),
+            // Bytes sent before any request (a greeting) are not a response: an
+            // HTTP/2 server's first frame (SETTINGS) may be among them (`h2.rs`).
+            Phase::Unserved => conn.greeted = 1,
             Phase::Serving => {
                 // Before the swap: an arrival on another CPU may finish the request
                 // as soon as it is `Responded`.
@@ -301,7 +306,7 @@ pub fn wrote_from(conn: &mut Conn, now: u64, bytes: u32, source: impl FnOnce() -
     if is_interim_status(status) {
         return;
     }
-    wrote(conn, now, bytes, status);
+    wrote(conn, now, status);
 }
 
 /// The peer closed its side (socket backend): a finished request is done, and the
@@ -406,7 +411,7 @@ fn finish(conn: &Conn) {
 /// its histograms, then counts it finished, under the class of its answer's `status`
 /// (0: not read).
 #[inline(always)]
-pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64, status: u32) {
+pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64, status: u16) {
     let Some(times) = REQUEST_TIMES.get_ptr_mut(service) else {
         return;
     };

@@ -379,11 +379,13 @@ pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
             Phase::Unserved if h2::opens(sk, conn, ret) => {
                 h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
             }
-            _ if conn.owner_since_ns == Conn::ADOPTED && h2::adopted_mid_stream(conn, ret) => {}
+            _ if conn.adopted != 0 && h2::adopted_mid_stream(conn, ret) => {}
             // A connection's second request may begin with the preface (after an
             // `Upgrade: h2c`): checked once, so that the requests after cost nothing.
-            Phase::Responded | Phase::Waiting if conn.owner_since_ns == 0 && conn.start_ns != 0 => {
-                conn.owner_since_ns = Conn::UPGRADE_CHECKED;
+            Phase::Responded | Phase::Waiting
+                if conn.upgrade_checked == 0 && conn.start_ns != 0 =>
+            {
+                conn.upgrade_checked = 1;
                 if h2::opens(sk, conn, ret) {
                     h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
                 } else {
@@ -411,7 +413,7 @@ pub fn sock_send(ctx: BtfTracePointContext) -> i32 {
             Phase::Multiplexed => {
                 h2::transferred(sk, conn.service, Direction::Sent, ret, now_ns());
             }
-            _ if conn.owner_since_ns == Conn::ADOPTED && h2::adopted_mid_stream(conn, ret) => {}
+            _ if conn.adopted != 0 && h2::adopted_mid_stream(conn, ret) => {}
             phase => {
                 // A server that writes first may be an HTTP/2 one announcing its limits.
                 if phase == Phase::Unserved {

@@ -104,7 +104,7 @@ impl Source {
     /// The status of the HTTP/1 response the `len` bytes the call wrote begin; 0 if
     /// they begin none. The status code must be in the first buffer.
     #[inline(always)]
-    pub fn response_status(self, len: u64) -> u32 {
+    pub fn response_status(self, len: u64) -> u16 {
         let prefix = HTTP1_STATUS_PREFIX as u64;
         if len < prefix {
             return 0;

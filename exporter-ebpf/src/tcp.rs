@@ -76,8 +76,8 @@ pub fn tcp_segment_received(ctx: BtfTracePointContext) -> i32 {
             Phase::Multiplexed => {}
             Phase::Serving => {
                 let now = now_ns();
-                if let Some(bytes) = response_sent_unseen(sk, conn) {
-                    requests::wrote(conn, now, bytes, 0);
+                if response_sent_unseen(sk, conn) {
+                    requests::wrote(conn, now, 0);
                 }
                 requests::data_arrived(conn, now);
             }
@@ -188,22 +188,23 @@ fn ahead(distance: u32) -> bool {
     distance != 0 && distance < 1 << 31
 }
 
-/// Request bytes arrive on `conn` (of socket `sk`) while its request is served: the
-/// bytes its server wrote since the last transmit seen as a write, if all of them
+/// Request bytes arrive on `conn` (of socket `sk`) while its request is served:
+/// whether its server wrote since the last transmit seen as a write and all of it
 /// went out (a response whose transmit `net_dev_queue` did not show: a second small
 /// write that Nagle held, released by the client's delayed acknowledgement, in about
 /// one request of a thousand on 6.18). Without this, the next request would count as
 /// more of this one. Nothing written since: more of this request, or a pipelined one.
 #[inline(always)]
-fn response_sent_unseen(sk: *const u8, conn: &mut Conn) -> Option<u32> {
+fn response_sent_unseen(sk: *const u8, conn: &mut Conn) -> bool {
     if conn.seen_write_seq == 0 {
-        return None;
+        return false;
     }
-    let (snd_nxt, write_seq) = send_sequence(sk)?;
-    let written = write_seq.wrapping_sub(conn.seen_write_seq);
-    if write_seq != snd_nxt || !ahead(written) {
-        return None;
+    let Some((snd_nxt, write_seq)) = send_sequence(sk) else {
+        return false;
+    };
+    if write_seq != snd_nxt || !ahead(write_seq.wrapping_sub(conn.seen_write_seq)) {
+        return false;
     }
     conn.seen_write_seq = write_seq;
-    Some(written)
+    true
 }

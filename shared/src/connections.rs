@@ -76,23 +76,18 @@ pub struct Conn {
     /// [`Phase`] as u32.
     pub phase: u32,
     /// Syscall backend: [`Watched::since_ns`] of the owning process when the entry was
-    /// made; an entry whose owner no longer matches is stale. Socket backend:
-    /// [`Conn::ADOPTED`] for a connection adopted open, until its first read or write
-    /// tells whether it carries HTTP/2 mid-stream; [`Conn::UPGRADE_CHECKED`] once its
-    /// second request began (the only one whose first bytes may be an HTTP/2 preface,
-    /// after an `Upgrade: h2c`); else 0.
+    /// made; an entry whose owner no longer matches is stale. 0 in the socket backend.
     pub owner_since_ns: u64,
     /// When the current request arrived (handshake, bytes queued, or first read when
     /// the arrival is not seen).
     pub arrive_ns: u64,
     /// First read of the current request.
     pub start_ns: u64,
-    /// Last write of the current request so far.
+    /// Last write of the current request so far (0 before the first answer).
     pub end_ns: u64,
     /// Socket backend: when bytes arrived while the request was being served and
     /// were not read yet (0 if none): on loopback the next request can arrive before
-    /// the tracepoint of the write that answered this one has run. While `Unserved`:
-    /// 1 + the stream limit an HTTP/2 server announced in a greeting (0: none).
+    /// the tracepoint of the write that answered this one has run.
     pub next_arrive_ns: u64,
     /// The watched thread whose read started the current request (0 if none): it is
     /// serving until the response begins (see [`Thread::serving`]).
@@ -105,17 +100,24 @@ pub struct Conn {
     /// bytes of the same request when the next request arrives; 0 elsewhere.
     pub seen_write_seq: u32,
     /// The status of the current request's final answer, read from its first write
-    /// ([`response_status`](crate::response_status)); 0 until then, or if its head was
-    /// not read.
-    pub status: u32,
-}
-
-impl Conn {
-    /// [`Conn::owner_since_ns`] of a connection adopted open (socket backend).
-    pub const ADOPTED: u64 = u64::MAX;
-    /// [`Conn::owner_since_ns`] of a connection whose second request began (socket
-    /// backend).
-    pub const UPGRADE_CHECKED: u64 = 1;
+    /// ([`response_status`](crate::response_status), 100–599); 0 until then, or if
+    /// its head was not read.
+    pub status: u16,
+    /// Socket backend: 1 for a connection adopted open, until its first read or write
+    /// tells whether it carries HTTP/2 mid-stream; else 0.
+    pub adopted: u8,
+    /// Socket backend: 1 once its second request began (the only one whose first
+    /// bytes may be an HTTP/2 preface, after an `Upgrade: h2c`); else 0.
+    pub upgrade_checked: u8,
+    /// The stream limit (`SETTINGS_MAX_CONCURRENT_STREAMS`) an HTTP/2 server announced
+    /// in a greeting, valid if [`Conn::greeting_limit_set`].
+    pub greeting_limit: u32,
+    /// 1 if the server wrote before the connection's first request (a greeting: gRPC
+    /// sends its SETTINGS at accept).
+    pub greeted: u8,
+    /// 1 if [`Conn::greeting_limit`] holds a limit.
+    pub greeting_limit_set: u8,
+    pub _pad: [u8; 2],
 }
 
 /// Value of [`maps::PENDING_CALLS`].
@@ -289,7 +291,7 @@ impl ListenKey {
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<ListenKey>() == 24);
-const _: () = assert!(core::mem::size_of::<Conn>() == 64);
+const _: () = assert!(core::mem::size_of::<Conn>() == 72);
 // The kernel swaps a connection's phase with the service id beside it, as one u64
 // (little-endian: the phase is the high half).
 const _: () = assert!(

@@ -9,7 +9,7 @@ pub const HTTP1_STATUS_PREFIX: usize = 12;
 /// The status code (100–599) a write that begins with `bytes` answers with; 0 if it
 /// does not begin with an HTTP/1 status line (a write in the middle of a response, a body
 /// written apart from its head, bytes of another protocol).
-pub const fn response_status(bytes: &[u8; HTTP1_STATUS_PREFIX]) -> u32 {
+pub const fn response_status(bytes: &[u8; HTTP1_STATUS_PREFIX]) -> u16 {
     let version = bytes[0] == b'H'
         && bytes[1] == b'T'
         && bytes[2] == b'T'
@@ -27,14 +27,14 @@ pub const fn response_status(bytes: &[u8; HTTP1_STATUS_PREFIX]) -> u32 {
     if !(version && code) {
         return 0;
     }
-    (bytes[9] - b'0') as u32 * 100 + (bytes[10] - b'0') as u32 * 10 + (bytes[11] - b'0') as u32
+    (bytes[9] - b'0') as u16 * 100 + (bytes[10] - b'0') as u16 * 10 + (bytes[11] - b'0') as u16
 }
 
 /// Whether a response with status `status` is an interim one, which does not end its
 /// request (RFC 9110 §15.2). `101 Switching Protocols` is no such answer: the
 /// HTTP/1.1 exchange ends there, and what follows (HTTP/2 after `Upgrade: h2c`, a
 /// WebSocket) is another protocol.
-pub const fn is_interim_status(status: u32) -> bool {
+pub const fn is_interim_status(status: u16) -> bool {
     status >= 100 && status < 200 && status != 101
 }
 
@@ -69,7 +69,7 @@ impl StatusClass {
     ];
 
     /// The class of `status` (0: none read).
-    pub const fn of(status: u32) -> Self {
+    pub const fn of(status: u16) -> Self {
         match status / 100 {
             1 => Self::Informational,
             2 => Self::Success,
@@ -102,7 +102,7 @@ impl StatusClass {
 mod tests {
     use super::{HTTP1_STATUS_PREFIX, StatusClass, is_interim_status, response_status};
 
-    fn status(text: &str) -> u32 {
+    fn status(text: &str) -> u16 {
         let mut bytes = [0u8; HTTP1_STATUS_PREFIX];
         let len = text.len().min(HTTP1_STATUS_PREFIX);
         bytes[..len].copy_from_slice(&text.as_bytes()[..len]);

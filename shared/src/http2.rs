@@ -45,7 +45,8 @@ pub struct CallWalk {
     /// Bytes the call moved, and those walked so far.
     pub total: u32,
     pub done: u32,
-    /// 0 while walking; 1 when done; 2 + a `LossSource` when lost.
+    /// How the walk of the call ended: the constants of `h2.rs` (going, done, a
+    /// buffer unreadable, a frame header unparsable).
     pub outcome: u32,
     /// Whether the call's buffers were found (at its first frame header).
     pub found: u32,

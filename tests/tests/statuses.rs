@@ -1,8 +1,10 @@
 //! Status classes: every finished HTTP/1 request counts under the class of its final
 //! answer's status (`poolscope_responses_total{status_class}`), read from the first
-//! bytes the server writes, on every backend. Truth: the server's own count of the
-//! answers it wrote, by class (`tests/http1/status_server.py`, Python's http.server,
-//! head and body in two writes), and the clients' count of the status lines they read.
+//! bytes the server writes, on every backend; a `103 Early Hints` before an answer,
+//! longer than any `100 Continue`, does not end its request. Truth: the server's own
+//! count of the answers it wrote, by class (`tests/http1/status_server.py`, Python's
+//! http.server, head and body in two writes), and the clients' count of the status
+//! lines they read.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::TcpStream,
@@ -21,14 +23,17 @@ const CONNECTIONS: usize = 4;
 const REQUESTS: usize = 45;
 /// The statuses asked for, in turn: with and without a body, every final class.
 const CODES: [u16; 9] = [200, 201, 204, 301, 304, 404, 429, 500, 503];
+/// Every this many requests on a connection, the answer is preceded by a `103 Early
+/// Hints`.
+const HINTED_EVERY: usize = 5;
 /// The label values of the classes 1xx to 5xx, in order.
 const CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 /// Answers by class, 1xx to 5xx.
 type ByClass = [u64; 5];
 
-/// Reads one answer (head, and a body of its `Content-Length`); its status.
-fn read_answer(reader: &mut BufReader<TcpStream>) -> anyhow::Result<u16> {
+/// Reads one answer's head; its status and `Content-Length`.
+fn read_head(reader: &mut BufReader<TcpStream>) -> anyhow::Result<(u16, usize)> {
     let mut status_line = String::new();
     reader.read_line(&mut status_line)?;
     let status: u16 = status_line
@@ -41,36 +46,63 @@ fn read_answer(reader: &mut BufReader<TcpStream>) -> anyhow::Result<u16> {
         let mut line = String::new();
         anyhow::ensure!(reader.read_line(&mut line)? != 0, "closed mid-answer");
         if line == "\r\n" {
-            break;
+            return Ok((status, length));
         }
         if let Some(value) = line.to_ascii_lowercase().strip_prefix("content-length:") {
             length = value.trim().parse()?;
         }
     }
-    let mut body = vec![0; length];
-    reader.read_exact(&mut body)?;
-    Ok(status)
 }
 
-/// One connection's requests; the answers it read, by class.
-fn ask_in_turn(port: u16, connection: usize) -> anyhow::Result<ByClass> {
+/// Reads one final answer (interim heads, the head, a body of its `Content-Length`);
+/// its status and the interim heads before it.
+fn read_answer(reader: &mut BufReader<TcpStream>) -> anyhow::Result<(u16, u64)> {
+    let mut interim = 0;
+    loop {
+        let (status, length) = read_head(reader)?;
+        if (100..200).contains(&status) {
+            interim += 1;
+            continue;
+        }
+        let mut body = vec![0; length];
+        reader.read_exact(&mut body)?;
+        return Ok((status, interim));
+    }
+}
+
+/// What one connection read: final answers by class, and `103 Early Hints`.
+#[derive(Default)]
+struct Read {
+    by_class: ByClass,
+    hints: u64,
+}
+
+/// One connection's requests; what it read.
+fn ask_in_turn(port: u16, connection: usize) -> anyhow::Result<Read> {
     let stream = TcpStream::connect(("127.0.0.1", port))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut writer = stream;
-    let mut read = ByClass::default();
+    let mut read = Read::default();
     for request in 0..REQUESTS {
         let code = CODES[(connection + request) % CODES.len()];
+        let hinted = request % HINTED_EVERY == HINTED_EVERY - 1;
+        let path = if hinted { "early" } else { "status" };
         let close = if request + 1 == REQUESTS {
             "Connection: close\r\n"
         } else {
             ""
         };
         writer.write_all(
-            format!("GET /status/{code} HTTP/1.1\r\nHost: t\r\n{close}\r\n").as_bytes(),
+            format!("GET /{path}/{code} HTTP/1.1\r\nHost: t\r\n{close}\r\n").as_bytes(),
         )?;
-        let status = read_answer(&mut reader)?;
+        let (status, interim) = read_answer(&mut reader)?;
         anyhow::ensure!(status == code, "asked for {code}, got {status}");
-        read[usize::from(status / 100 - 1)] += 1;
+        anyhow::ensure!(
+            interim == u64::from(hinted),
+            "{interim} interim answers before {status}"
+        );
+        read.by_class[usize::from(status / 100 - 1)] += 1;
+        read.hints += interim;
     }
     // The server closes after the last answer.
     anyhow::ensure!(
@@ -118,14 +150,17 @@ fn classes_counted(backend: &str) -> anyhow::Result<()> {
         .map(|connection| std::thread::spawn(move || ask_in_turn(port, connection)))
         .collect();
     let mut read = ByClass::default();
+    let mut hints = 0;
     for client in clients {
         let by_client = client
             .join()
             .map_err(|_| anyhow::anyhow!("a client panicked"))??;
-        for (sum, count) in read.iter_mut().zip(by_client) {
+        for (sum, count) in read.iter_mut().zip(by_client.by_class) {
             *sum += count;
         }
+        hints += by_client.hints;
     }
+    // A request answered after an early hint is one request.
     let made: u64 = read.iter().sum();
     let metrics = scrape_until(&poolscope, |m| {
         value(m, "poolscope_requests_total", &service) == made as f64
@@ -133,16 +168,25 @@ fn classes_counted(backend: &str) -> anyhow::Result<()> {
     })
     .with_context(|| format!("{service}: {made} answers read"))?;
     let served = parse_served(&server.finish("served")?)?;
+    let hints_sent: u64 = server
+        .line("hints")?
+        .parse()
+        .context("the server's hints count")?;
     let counted: Vec<f64> = CLASSES
         .iter()
         .map(|class| responses(&metrics, &service, class))
         .collect();
     let unknown = responses(&metrics, &service, "unknown");
     println!(
-        "{backend}: clients read {read:?}, the server wrote {served:?}; ours {counted:?}, \
-         unknown {unknown}"
+        "{backend}: clients read {read:?} and {hints} early hints, the server wrote \
+         {served:?} and {hints_sent}; ours {counted:?}, unknown {unknown}"
     );
     assert_eq!(read, served, "the clients' and the server's counts");
+    assert_eq!(
+        hints, hints_sent,
+        "early hints, the clients' and the server's counts"
+    );
+    assert!(hints > 0, "no early hints sent");
     for ((class, &ours), truth) in CLASSES.iter().zip(&counted).zip(served) {
         scorecard::exact(
             &format!("responses_total{{status_class=\"{class}\"}}"),

@@ -318,8 +318,9 @@ impl WatchTable for Kernel {
         now_ns: u64,
     ) -> Result<Adopted, MapError> {
         let mut adopted = Adopted::default();
+        let in_sockets = self.backend.keeps_state_in_sockets();
         // The socket programs check it (see `reset_service`).
-        let epoch = if self.backend.keeps_state_in_sockets() {
+        let epoch = if in_sockets {
             self.requests.service_epochs.get(&service, 0)?
         } else {
             0
@@ -335,11 +336,7 @@ impl WatchTable for Kernel {
             let conn = Conn {
                 service,
                 phase: phase as u32,
-                owner_since_ns: if self.backend.keeps_state_in_sockets() {
-                    Conn::ADOPTED
-                } else {
-                    since_ns
-                },
+                owner_since_ns: if in_sockets { 0 } else { since_ns },
                 arrive_ns: now_ns,
                 start_ns: 0,
                 end_ns: 0,
@@ -348,6 +345,12 @@ impl WatchTable for Kernel {
                 epoch,
                 seen_write_seq: 0,
                 status: 0,
+                adopted: u8::from(in_sockets),
+                upgrade_checked: 0,
+                greeting_limit: 0,
+                greeted: 0,
+                greeting_limit_set: 0,
+                _pad: [0; 2],
             };
             // BPF_NOEXIST: an entry the kernel made itself is newer than our look.
             let (map, inserted) = match self.backend {
