@@ -16,6 +16,7 @@ use std::{
 use anyhow::{Context as _, bail};
 
 pub mod downstream;
+pub mod http1;
 pub mod http2;
 pub mod kernel_maps;
 pub mod load;

@@ -20,6 +20,7 @@ use anyhow::{Context as _, bail, ensure};
 use poolscope_tests::{
     PoolServer, Poolscope, Program,
     downstream::{self, Backend, Kind},
+    http1::{StatusLoad, StatusServer},
     load::{ClosedLoop, Connections},
     one_at_a_time, parse_tids, privileged,
     prometheus::Prometheus,
@@ -1156,6 +1157,9 @@ fn scrapes(prometheus: &Prometheus) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The statuses `answering` is asked for, in turn.
+const ONE_IN_TEN_FAILS: &[u16] = &[200, 200, 200, 200, 200, 200, 200, 200, 200, 503];
+
 #[test]
 fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     if !privileged("dashboards_and_rules_run_against_a_real_prometheus") {
@@ -1167,7 +1171,9 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     // Three services that give every panel something to show: `pooled`, a pool of 2
     // workers with 4 keep-alive clients (a queue of 2, sleeps while serving, run-queue
     // waits), `locked`, 3 workers contending one mutex (lock waits, CPU), and
-    // `calling`, 2 Python workers that call a 10 ms backend (downstream waits).
+    // `calling`, 2 Python workers that call a 10 ms backend (downstream waits), and
+    // `answering`, an HTTP/1.1 server answering one request in ten with a 503 (status
+    // classes, the 5xx share).
     let pooled = PoolServer::start(2, Duration::from_millis(5))?;
     let mut locked = Program::start("lockserver", &["3".to_owned(), "2000".to_owned()])?;
     let locked_port: u16 = locked.line("port")?.parse()?;
@@ -1175,24 +1181,28 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     let backend = Backend::start(10)?;
     let mut calling = downstream::start(Kind::Python, 2, backend.port, None)?;
     let calling_port: u16 = calling.line("port")?.parse()?;
+    let answering = StatusServer::start()?;
     let config = format!(
         "[discovery]\nrescan_interval = \"500ms\"\n[probes]\nbpf_stats = true\n\
          [[targets]]\nservice = \"pooled\"\npids = [{}]\n\
          [[targets]]\nservice = \"locked\"\npids = [{}]\n\
-         [[targets]]\nservice = \"calling\"\npids = [{}]\n",
+         [[targets]]\nservice = \"calling\"\npids = [{}]\n\
+         [[targets]]\nservice = \"answering\"\npids = [{}]\n",
         pooled.pid(),
         locked.pid(),
-        calling.pid()
+        calling.pid(),
+        answering.pid()
     );
     let poolscope = Poolscope::start(&config)?;
     scrape_until(&poolscope, |m| {
-        ["pooled", "locked", "calling"]
+        ["pooled", "locked", "calling", "answering"]
             .iter()
             .all(|service| m.value("poolscope_targets", &[("service", service)]) == Some(1.0))
     })?;
     let pool_clients = ClosedLoop::start(pooled.port, 4, Connections::KeepAlive);
     let lock_clients = ClosedLoop::start(locked_port, 6, Connections::PerRequest);
     let calling_clients = ClosedLoop::start(calling_port, 2, Connections::PerRequest);
+    let answering_client = StatusLoad::start(answering.port, ONE_IN_TEN_FAILS);
 
     let instance = format!("127.0.0.1:{}", poolscope.port);
     let rule_files = files("alerts", "yml")?;
@@ -1338,9 +1348,14 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     let pool_load = pool_clients.stop()?;
     let lock_load = lock_clients.stop()?;
     let calling_load = calling_clients.stop()?;
+    let answered = answering_client.stop()?;
+    answering.finish()?;
     assert!(
-        pool_load.completed > 0 && lock_load.completed > 0 && calling_load.completed > 0,
-        "no load: {} pooled, {} locked, {} calling requests",
+        pool_load.completed > 0
+            && lock_load.completed > 0
+            && calling_load.completed > 0
+            && answered[4] > 0,
+        "no load: {} pooled, {} locked, {} calling requests, {answered:?} answered",
         pool_load.completed,
         lock_load.completed,
         calling_load.completed

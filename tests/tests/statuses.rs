@@ -6,15 +6,16 @@
 //! http.server, head and body in two writes), and the clients' count of the status
 //! lines they read.
 use std::{
-    io::{BufRead as _, BufReader, Read as _, Write as _},
+    io::{BufReader, Read as _, Write as _},
     net::TcpStream,
-    path::PathBuf,
 };
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, Program, backend_config, backends, one_at_a_time, privileged, scorecard,
-    scrape_until, steady::value,
+    Metrics, Poolscope, backend_config, backends,
+    http1::{ByClass, StatusServer, read_answer},
+    one_at_a_time, privileged, scorecard, scrape_until,
+    steady::value,
 };
 
 /// Keep-alive connections, each making [`REQUESTS`] requests in turn, the last one
@@ -28,47 +29,6 @@ const CODES: [u16; 9] = [200, 201, 204, 301, 304, 404, 429, 500, 503];
 const HINTED_EVERY: usize = 5;
 /// The label values of the classes 1xx to 5xx, in order.
 const CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
-
-/// Answers by class, 1xx to 5xx.
-type ByClass = [u64; 5];
-
-/// Reads one answer's head; its status and `Content-Length`.
-fn read_head(reader: &mut BufReader<TcpStream>) -> anyhow::Result<(u16, usize)> {
-    let mut status_line = String::new();
-    reader.read_line(&mut status_line)?;
-    let status: u16 = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .with_context(|| format!("status line {status_line:?}"))?;
-    let mut length = 0;
-    loop {
-        let mut line = String::new();
-        anyhow::ensure!(reader.read_line(&mut line)? != 0, "closed mid-answer");
-        if line == "\r\n" {
-            return Ok((status, length));
-        }
-        if let Some(value) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-            length = value.trim().parse()?;
-        }
-    }
-}
-
-/// Reads one final answer (interim heads, the head, a body of its `Content-Length`);
-/// its status and the interim heads before it.
-fn read_answer(reader: &mut BufReader<TcpStream>) -> anyhow::Result<(u16, u64)> {
-    let mut interim = 0;
-    loop {
-        let (status, length) = read_head(reader)?;
-        if (100..200).contains(&status) {
-            interim += 1;
-            continue;
-        }
-        let mut body = vec![0; length];
-        reader.read_exact(&mut body)?;
-        return Ok((status, interim));
-    }
-}
 
 /// What one connection read: final answers by class, and `103 Early Hints`.
 #[derive(Default)]
@@ -112,18 +72,6 @@ fn ask_in_turn(port: u16, connection: usize) -> anyhow::Result<Read> {
     Ok(read)
 }
 
-/// The server's report: `served <1xx> … <5xx>`.
-fn parse_served(line: &str) -> anyhow::Result<ByClass> {
-    let counts: Vec<u64> = line
-        .split_whitespace()
-        .map(str::parse)
-        .collect::<Result<_, _>>()
-        .with_context(|| format!("the status server said \"served {line}\""))?;
-    counts
-        .try_into()
-        .map_err(|_| anyhow::anyhow!("the status server said \"served {line}\""))
-}
-
 fn responses(metrics: &Metrics, service: &str, class: &str) -> f64 {
     metrics
         .value(
@@ -136,12 +84,8 @@ fn responses(metrics: &Metrics, service: &str, class: &str) -> f64 {
 fn classes_counted(backend: &str) -> anyhow::Result<()> {
     let _serial = one_at_a_time();
     let service = format!("statuses-{backend}");
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("http1/status_server.py");
-    let mut server = Program::start_path(
-        std::path::Path::new(poolscope_tests::http2::PYTHON),
-        &[script.display().to_string()],
-    )?;
-    let port: u16 = server.line("port")?.parse().context("the server's port")?;
+    let server = StatusServer::start()?;
+    let port = server.port;
     let poolscope = Poolscope::start(&backend_config(backend, &service, &[server.pid()]))?;
     scrape_until(&poolscope, |m| {
         m.value("poolscope_targets", &[("service", &service)]) == Some(1.0)
@@ -167,11 +111,7 @@ fn classes_counted(backend: &str) -> anyhow::Result<()> {
             && m.connection_entries() == Some(0.0)
     })
     .with_context(|| format!("{service}: {made} answers read"))?;
-    let served = parse_served(&server.finish("served")?)?;
-    let hints_sent: u64 = server
-        .line("hints")?
-        .parse()
-        .context("the server's hints count")?;
+    let (served, hints_sent) = server.finish()?;
     let counted: Vec<f64> = CLASSES
         .iter()
         .map(|class| responses(&metrics, &service, class))
