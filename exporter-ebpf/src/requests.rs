@@ -23,6 +23,13 @@ use crate::{
     source::Source,
 };
 
+/// 1: the first write of each answer has its status line read (set at load time,
+/// `[probes] response_status`): ~150 ns a read (`cargo xtask bench`), once per
+/// request. 0: every request counts with no status, and a `100 Continue` ends its
+/// request (the upload's body that follows is the next one).
+#[unsafe(no_mangle)]
+static READ_RESPONSE_STATUS: u32 = 1;
+
 /// Whether the backend sees request bytes arrive (`sock:sk_data_ready`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Arrivals {
@@ -298,7 +305,9 @@ pub fn wrote(conn: &mut Conn, now: u64, status: u16) {
 /// upload's body is read) leaves its request served; any other is [`wrote`].
 #[inline(always)]
 pub fn wrote_from(conn: &mut Conn, now: u64, bytes: u32, source: impl FnOnce() -> Option<Source>) {
-    let status = if phase(conn) == Phase::Serving {
+    // SAFETY: a load-time constant.
+    let reads = unsafe { core::ptr::read_volatile(&READ_RESPONSE_STATUS) } != 0;
+    let status = if reads && phase(conn) == Phase::Serving {
         source().map_or(0, |source| source.response_status(bytes.into()))
     } else {
         0

@@ -123,8 +123,13 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         offcpu_sample_one_in: settings.snapshots.offcpu_sample_one_in,
     };
     let candidates = backend_candidates(settings.backend)?;
-    let (kernel, events) =
-        Kernel::load(settings.limits, &candidates, sampling, settings.bpf_stats)?;
+    let (kernel, events) = Kernel::load(
+        settings.limits,
+        &candidates,
+        sampling,
+        settings.bpf_stats,
+        settings.response_status,
+    )?;
     let backend = kernel.backend();
     if backend == kernel::Backend::Syscall {
         tracing::warn!(

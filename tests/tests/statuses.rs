@@ -81,12 +81,37 @@ fn responses(metrics: &Metrics, service: &str, class: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-fn classes_counted(backend: &str) -> anyhow::Result<()> {
+/// Whether poolscope reads answers' statuses (`[probes] response_status`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    Statuses,
+    Off,
+}
+
+/// What the clients and the server did, and what poolscope counted.
+struct Run {
+    /// Final answers by class, as the clients read them.
+    read: ByClass,
+    /// What the server says it wrote.
+    served: ByClass,
+    /// Ours: `responses_total` for 1xx to 5xx, and unknown.
+    counted: Vec<f64>,
+    unknown: f64,
+}
+
+/// Runs the clients against a status server watched on `backend`; waits until
+/// poolscope counts one request per final answer (an early hint and the answer
+/// after it are one request, whether statuses are read or not).
+fn run(backend: &str, reading: Reading) -> anyhow::Result<Run> {
     let _serial = one_at_a_time();
     let service = format!("statuses-{backend}");
     let server = StatusServer::start()?;
     let port = server.port;
-    let poolscope = Poolscope::start(&backend_config(backend, &service, &[server.pid()]))?;
+    let mut config = backend_config(backend, &service, &[server.pid()]);
+    if reading == Reading::Off {
+        config = config.replacen("[probes]\n", "[probes]\nresponse_status = false\n", 1);
+    }
+    let poolscope = Poolscope::start(&config)?;
     scrape_until(&poolscope, |m| {
         m.value("poolscope_targets", &[("service", &service)]) == Some(1.0)
     })?;
@@ -104,13 +129,12 @@ fn classes_counted(backend: &str) -> anyhow::Result<()> {
         }
         hints += by_client.hints;
     }
-    // A request answered after an early hint is one request.
-    let made: u64 = read.iter().sum();
+    let expected: u64 = read.iter().sum();
     let metrics = scrape_until(&poolscope, |m| {
-        value(m, "poolscope_requests_total", &service) == made as f64
+        value(m, "poolscope_requests_total", &service) == expected as f64
             && m.connection_entries() == Some(0.0)
     })
-    .with_context(|| format!("{service}: {made} answers read"))?;
+    .with_context(|| format!("{service}: {expected} requests"))?;
     let (served, hints_sent) = server.finish()?;
     let counted: Vec<f64> = CLASSES
         .iter()
@@ -127,19 +151,29 @@ fn classes_counted(backend: &str) -> anyhow::Result<()> {
         "early hints, the clients' and the server's counts"
     );
     assert!(hints > 0, "no early hints sent");
-    for ((class, &ours), truth) in CLASSES.iter().zip(&counted).zip(served) {
+    Ok(Run {
+        read,
+        served,
+        counted,
+        unknown,
+    })
+}
+
+fn classes_counted(backend: &str) -> anyhow::Result<()> {
+    let run = run(backend, Reading::Statuses)?;
+    for (&ours, truth) in run.counted.iter().zip(run.served) {
         scorecard::exact(
-            &format!("responses_total{{status_class=\"{class}\"}}"),
-            "the server's count of the answers it wrote, by class",
+            "responses_total by status class (1xx to 5xx; some answers after a 103 Early Hints)",
+            "the server's count of the final answers it wrote, by class",
             backend,
             ours,
             truth as f64,
         );
     }
-    for ((class, &ours), truth) in CLASSES.iter().zip(&counted).zip(served) {
+    for ((class, &ours), truth) in CLASSES.iter().zip(&run.counted).zip(run.served) {
         assert_eq!(ours, truth as f64, "{backend}: {class} answers");
     }
-    assert_eq!(unknown, 0.0, "{backend}: answers with no status read");
+    assert_eq!(run.unknown, 0.0, "{backend}: answers with no status read");
     Ok(())
 }
 
@@ -150,6 +184,28 @@ fn every_answer_counts_under_its_status_class() -> anyhow::Result<()> {
     }
     for backend in backends() {
         classes_counted(backend)?;
+    }
+    Ok(())
+}
+
+/// `response_status = false`: no answer's first bytes are read, so every request
+/// counts `unknown`. An early hint and its answer are one burst of writes, so they
+/// still end one request (only an interim answer that the client answers, `100
+/// Continue`, splits its request when statuses are not read).
+#[test]
+fn statuses_turned_off_count_every_request_unknown() -> anyhow::Result<()> {
+    if !privileged("statuses_turned_off_count_every_request_unknown") {
+        return Ok(());
+    }
+    for backend in backends() {
+        let run = run(backend, Reading::Off)?;
+        let total = run.read.iter().sum::<u64>();
+        assert_eq!(run.unknown, total as f64, "{backend}: unknown");
+        assert!(
+            run.counted.iter().all(|&count| count == 0.0),
+            "{backend}: {:?} by class with statuses off",
+            run.counted
+        );
     }
     Ok(())
 }

@@ -75,6 +75,7 @@ pub struct Settings {
     pub cgroupfs_root: PathBuf,
     pub backend: Backend,
     pub bpf_stats: bool,
+    pub response_status: bool,
     pub lock_uprobes: Vec<String>,
     pub max_series: usize,
     pub limits: Limits,
@@ -192,6 +193,10 @@ impl Settings {
             ),
             ("probes.backend", self.backend != running.backend),
             ("probes.bpf_stats", self.bpf_stats != running.bpf_stats),
+            (
+                "probes.response_status",
+                self.response_status != running.response_status,
+            ),
             (
                 "probes.sampling_hz",
                 self.snapshots.sampling_hz != running.snapshots.sampling_hz,

@@ -44,6 +44,7 @@ impl Default for RawConfig {
             probes: RawProbes {
                 backend: Backend::Auto,
                 bpf_stats: false,
+                response_status: true,
                 lock_uprobes: Vec::new(),
                 sampling_hz: 49,
             },
@@ -198,6 +199,10 @@ pub struct RawProbes {
     /// then times every program run, which cost ~75 ns per run on our test VMs
     /// (`cargo xtask bench`). `bpf_run_*` also count when an operator enables it.
     pub bpf_stats: bool,
+    /// Read the status line of each HTTP/1 answer (`responses_total` by class, and
+    /// interim answers that do not end their request). On by default; off saves one
+    /// read of the server's buffer per request (docs/configuration.md).
+    pub response_status: bool,
     /// Services (by name; `"*"` for all) whose processes get uprobes on
     /// `pthread_mutex_lock`. Off by default: each call then traps into the kernel,
     /// contended or not (docs/metrics.md, "Lock waits").

@@ -193,6 +193,14 @@ fn bad_values_name_key_and_reason() {
 }
 
 #[test]
+fn response_status_is_read_unless_turned_off() -> Result<(), ConfigError> {
+    assert!(load_toml("")?.response_status);
+    assert!(load_toml("[probes]\nbackend = \"tcp\"\n")?.response_status);
+    assert!(!load_toml("[probes]\nresponse_status = false\n")?.response_status);
+    Ok(())
+}
+
+#[test]
 fn stack_settings_are_checked() -> Result<(), ConfigError> {
     let settings = load_toml("")?;
     assert_eq!(settings.snapshots.sampling_hz, 49);

@@ -150,6 +150,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         cgroupfs_root: raw.discovery.cgroupfs_root.clone(),
         backend: raw.probes.backend,
         bpf_stats: raw.probes.bpf_stats,
+        response_status: raw.probes.response_status,
         lock_uprobes: raw.probes.lock_uprobes.clone(),
         max_series: raw.limits.max_series,
         limits,

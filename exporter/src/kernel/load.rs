@@ -94,10 +94,12 @@ fn map_sizes(limits: &Limits) -> impl Iterator<Item = (&'static str, u32)> {
 }
 
 /// Loads the object with its maps sized by `limits` (as each part sizes its own)
-/// and its load-time globals set from `layout`, `sampling` and the parts' own.
+/// and its load-time globals set from `layout`, `sampling`, `response_status` and the
+/// parts' own.
 pub(super) fn open(
     limits: &Limits,
     sampling: Sampling,
+    response_status: bool,
     layout: &KernelLayout,
 ) -> Result<Ebpf, KernelError> {
     let (sock_net_offset, net_inum_offset) = layout.socket_namespace.unwrap_or((0, 0));
@@ -141,6 +143,7 @@ pub(super) fn open(
         .override_global("SOCK_SOCKET_OFFSET", &sock_socket_offset, true)
         .override_global("SOCKET_INODE_OFFSET", &socket_inode_offset, true)
         .override_global("INODE_INO_OFFSET", &inode_ino_offset, true)
+        .override_global("READ_RESPONSE_STATUS", &u32::from(response_status), true)
         .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
         .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
         .override_global("OFFCPU_FULL_RATE", &sampling.offcpu_full_rate, true)

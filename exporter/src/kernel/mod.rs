@@ -172,9 +172,10 @@ impl Kernel {
         backends: &[Backend],
         sampling: Sampling,
         bpf_stats: bool,
+        response_status: bool,
     ) -> Result<(Self, ProcessEvents), KernelError> {
         let layout = KernelLayout::find();
-        let mut ebpf = open(&limits, sampling, &layout)?;
+        let mut ebpf = open(&limits, sampling, response_status, &layout)?;
         fill_syscall_tables(&mut ebpf)?;
         let stats = enable_run_time_stats(bpf_stats);
         let (mut probes, backend) = attach_tracepoints(&mut ebpf, backends, &layout)?;
