@@ -156,7 +156,7 @@ fn check(kind: Kind) -> anyhow::Result<()> {
             ));
         } else if !status_unread {
             scorecard::within(
-                "responses_total{status_class=\"2xx\"} of a real server",
+                "responses_total of status class 2xx of a real server",
                 "wrk's count of completed requests, all 2xx",
                 backend,
                 row.success,
