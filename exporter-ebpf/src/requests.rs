@@ -11,7 +11,8 @@
 //! entry `Unserved` (unread bytes wait) or `Responded` with `start_ns` 0 (between
 //! requests, or a request read before the watch and not answered yet).
 use poolscope_shared::{
-    Conn, LossErrno, LossSource, Phase, ServiceCounters, is_interim_status, maps::CountedMap,
+    Conn, LossErrno, LossSource, Phase, ServiceCounters, StatusClass, is_interim_status,
+    maps::CountedMap,
 };
 
 use crate::{
@@ -434,10 +435,9 @@ pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64, status: 
     // user space reads the times again only when this count moved.
     update_service(service, |c| {
         c.finished.add(1);
-        // The class's index (a status is 0 or 100-599), opaque to the compiler: a
-        // bound it sees it moves onto the status (< 600), and the verifier then
-        // finds none on the index.
-        let class = core::hint::black_box(status / 100) as usize;
+        // The class's index, opaque to the compiler: a bound it sees it moves onto
+        // the status (< 600), and the verifier then finds none on the index.
+        let class = core::hint::black_box(StatusClass::index_of(status));
         if let Some(count) = c.responses.get_mut(class) {
             count.add(1);
         }

@@ -196,8 +196,9 @@ pub struct ServiceCounters {
     /// service whose count has not moved since its times were read is not read again
     /// (kilobytes, and most services of a node are idle at any moment).
     pub finished: Count,
-    /// Finished requests by the [`StatusClass`] of their final answer, counted with
-    /// [`ServiceCounters::finished`] (their sum).
+    /// Finished requests by the [`StatusClass`] of their final answer, indexed by
+    /// [`StatusClass::index_of`], counted with [`ServiceCounters::finished`] (their
+    /// sum).
     pub responses: [Count; STATUS_CLASSES],
     /// HTTP/2 connections: their first bytes were the client preface.
     pub multiplexed: Count,

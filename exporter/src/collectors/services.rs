@@ -407,11 +407,10 @@ fn push_responses(family: &mut Family, service: &str, counters: &ServiceCounters
     if counters.finished.get() == 0 {
         return;
     }
-    for class in StatusClass::ALL {
-        let count = counters.responses.get(class.index()).map_or(0, |c| c.get());
+    for (class, count) in StatusClass::ALL.iter().zip(counters.responses) {
         family.push(
             &[("service", service), ("status_class", class.label())],
-            count as f64,
+            count.get() as f64,
         );
     }
 }
