@@ -159,6 +159,7 @@ pub fn switched_out(
     let stack = stack_id(
         ctx,
         &LOCK_STACKS,
+        None,
         BPF_F_USER_STACK,
         LossSource::LockStackCapture,
     );

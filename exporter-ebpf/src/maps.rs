@@ -14,7 +14,7 @@ use poolscope_shared::{
     OffcpuCaptures, PendingCall, PoolStats, ProcessEvent, ProfileSession, RequestTimes,
     STACK_GENERATIONS, SYSCALL_COUNTS_SIZE, SYSCALL_TABLE_SIZE, ServiceCounters, StackCount,
     StackHint, StackKey, StackVariantKey, THREAD_SLOTS, Thread, WATCHED_PORT_WORDS, Watched,
-    loss_index, maps::CountedMap,
+    loss_index, maps::CountedMap, overflow_stacks,
 };
 
 // Default sizes; user space may override them at load time ([limits] in the config).
@@ -106,6 +106,16 @@ pub static STACKS_0: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
 pub static STACKS_1: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
 #[map]
 pub static STACKS_2: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
+/// Sized by user space: `overflow_stacks` of the stack maps' size.
+#[map]
+pub static STACKS_OVERFLOW_0: StackTrace =
+    StackTrace::with_max_entries(overflow_stacks(MAX_STACKS), 0);
+#[map]
+pub static STACKS_OVERFLOW_1: StackTrace =
+    StackTrace::with_max_entries(overflow_stacks(MAX_STACKS), 0);
+#[map]
+pub static STACKS_OVERFLOW_2: StackTrace =
+    StackTrace::with_max_entries(overflow_stacks(MAX_STACKS), 0);
 #[map]
 pub static PROFILE_SESSIONS: Array<ProfileSession> =
     Array::with_max_entries(MAX_PROFILE_SESSIONS, 0);

@@ -10,15 +10,17 @@ use aya_ebpf::{
     programs::tracing::StackIdContext,
 };
 use poolscope_shared::{
-    LossErrno, LossSource, SHORTENED_STACK, STACK_COPY_BYTES, STACK_COPY_SHORT_BYTES,
-    STACK_HINT_WORDS, StackCopy, StackCount, StackKey, StackVariantKey, maps::CountedMap,
+    LossErrno, LossSource, OVERFLOW_STACK, SHORTENED_STACK, STACK_COPY_BYTES,
+    STACK_COPY_SHORT_BYTES, STACK_HINT_WORDS, StackCopy, StackCount, StackKey, StackVariantKey,
+    maps::CountedMap,
 };
 
 use crate::{
     abi::SavedRegisters,
     maps::{
         EEXIST, STACK_COPIED, STACK_COPIES, STACK_COUNTS, STACK_EPOCH, STACK_HINTS, STACK_VARIANTS,
-        STACKS_0, STACKS_1, STACKS_2, atomic_add, compare_and_swap, count_loss, get_or_insert,
+        STACKS_0, STACKS_1, STACKS_2, STACKS_OVERFLOW_0, STACKS_OVERFLOW_1, STACKS_OVERFLOW_2,
+        atomic_add, compare_and_swap, count_loss, get_or_insert,
     },
 };
 
@@ -59,18 +61,33 @@ pub fn current_epoch() -> u32 {
 /// user mode has no kernel stack: that is not a loss.
 ///
 /// A bucket keeps the first stack that hashed to it until the map is drained, so a
-/// stack whose bucket another took is refused for the rest of the generation (a
-/// service's one hot stack then lost its frames for a whole snapshot). It is taken
-/// again less its innermost frame, which hashes to another bucket, and marked
-/// [`SHORTENED_STACK`]: still counted as the collision it was, kept with its callers.
-/// Its id is past every copy slot, so it is never copied for unwinding (the copy
-/// would begin at the frame the id lacks).
+/// stack whose bucket another took would be refused for the rest of the generation,
+/// and, every generation's map hashing alike, in each generation (a service's one hot
+/// stack then lost its frames for the whole run). It goes to `overflow` instead,
+/// marked [`OVERFLOW_STACK`]: not a loss. Where that bucket is taken too (or there is
+/// no overflow map), it is taken again less its innermost frame, which hashes to
+/// another bucket, and marked [`SHORTENED_STACK`]: still counted as the collision it
+/// was, kept with its callers. Either id is past every copy slot and hint, so it is
+/// never copied for unwinding (the copy of a shortened stack would begin at the frame
+/// its id lacks).
 #[inline(always)]
-pub fn stack_id<C: StackIdContext>(ctx: &C, map: &StackTrace, flags: u64, loss: LossSource) -> i32 {
+pub fn stack_id<C: StackIdContext>(
+    ctx: &C,
+    map: &StackTrace,
+    overflow: Option<&StackTrace>,
+    flags: u64,
+    loss: LossSource,
+) -> i32 {
     let error = match ctx.get_stackid(map, flags) {
         Ok(id) => return id as i32,
         Err(error) => error,
     };
+    if error == -EEXIST
+        && let Some(overflow) = overflow
+        && let Ok(id) = ctx.get_stackid(overflow, flags)
+    {
+        return id as i32 | OVERFLOW_STACK;
+    }
     if error != -EFAULT || flags & BPF_F_USER_STACK != 0 {
         count_loss(loss, LossErrno::of(error.into()));
     }
@@ -86,17 +103,23 @@ pub fn stack_id<C: StackIdContext>(ctx: &C, map: &StackTrace, flags: u64, loss: 
 /// path) new to the map is also copied for unwinding.
 #[inline(always)]
 pub fn capture<C: StackIdContext>(ctx: &C, generation: u32) -> Captured {
-    let map = match generation {
-        0 => &STACKS_0,
-        1 => &STACKS_1,
-        _ => &STACKS_2,
+    let (map, overflow) = match generation {
+        0 => (&STACKS_0, &STACKS_OVERFLOW_0),
+        1 => (&STACKS_1, &STACKS_OVERFLOW_1),
+        _ => (&STACKS_2, &STACKS_OVERFLOW_2),
     };
-    let user = stack_id(ctx, map, BPF_F_USER_STACK, LossSource::StackCapture);
+    let user = stack_id(
+        ctx,
+        map,
+        Some(overflow),
+        BPF_F_USER_STACK,
+        LossSource::StackCapture,
+    );
     let variant = caller_path(user);
     copy_user_stack(generation, user, variant);
     Captured {
         user,
-        kernel: stack_id(ctx, map, 0, LossSource::StackCapture),
+        kernel: stack_id(ctx, map, Some(overflow), 0, LossSource::StackCapture),
         variant,
     }
 }

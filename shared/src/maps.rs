@@ -153,6 +153,13 @@ pub const STACK_VARIANTS: &str = "STACK_VARIANTS";
 pub const OFFCPU_CAPTURES: &str = "OFFCPU_CAPTURES";
 /// Stack trace maps of generations 0, 1, 2 (user and kernel stacks alike).
 pub const STACKS: [&str; crate::STACK_GENERATIONS as usize] = ["STACKS_0", "STACKS_1", "STACKS_2"];
+/// Stack trace maps of generations 0, 1, 2 for the stacks whose bucket in the
+/// generation's map held another ([`crate::OVERFLOW_STACK`]).
+pub const STACK_OVERFLOWS: [&str; crate::STACK_GENERATIONS as usize] = [
+    "STACKS_OVERFLOW_0",
+    "STACKS_OVERFLOW_1",
+    "STACKS_OVERFLOW_2",
+];
 /// array[[`crate::MAX_PROFILE_SESSIONS`]]: the on-demand profiling sessions
 /// ([`crate::ProfileSession`]), written by user space.
 pub const PROFILE_SESSIONS: &str = "PROFILE_SESSIONS";

@@ -18,6 +18,7 @@ pub struct StackKey {
     /// Pool id; [`NO_POOL`] for a thread not named yet.
     pub pool: u32,
     /// Ids in the generation's stack map; negative: not captured; with
+    /// [`OVERFLOW_STACK`] set: in the generation's overflow map; with
     /// [`SHORTENED_STACK`] set: kept less its innermost frame.
     pub user_stack: i32,
     pub kernel_stack: i32,
@@ -100,6 +101,20 @@ pub struct OffcpuCaptures {
 /// another stack (a stack map keeps a bucket's first stack until it is drained) and
 /// the shortened stack hashed to a free one. The map's id is the other bits.
 pub const SHORTENED_STACK: i32 = 1 << 30;
+
+/// Set in a stack id of a generation (`StackKey`'s `user_stack` and `kernel_stack`)
+/// whose stack is in that generation's overflow map: its hash bucket in the
+/// generation's map held another stack. Every generation's map hashes alike, so
+/// without it a stack that collides with another collides in each generation, for
+/// as long as both run. The map's id is the other bits.
+pub const OVERFLOW_STACK: i32 = 1 << 29;
+
+/// Entries of a generation's overflow map for `stacks` entries of its stack map:
+/// it holds only the stacks that collided there, a few per hundred distinct ones.
+pub const fn overflow_stacks(stacks: u32) -> u32 {
+    let eighth = stacks / 8;
+    if eighth < 16 { 16 } else { eighth }
+}
 
 /// Stands, innermost, for the frame a stack kept less its innermost one lacks
 /// ([`SHORTENED_STACK`]): no code is at the last byte of the address space, and the

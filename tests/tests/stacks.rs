@@ -652,11 +652,12 @@ fn serving_blocks_are_recorded_by_default() -> anyhow::Result<()> {
         "{sleep_us} µs off-CPU in sleep while serving, the requests took {truth_us:.0} µs"
     );
     // A stack whose hash bucket another stack took first (a stack map keeps a bucket's
-    // first stack until it is drained) is kept less its innermost frame, marked
-    // `[frame lost]`; if that bucket is taken too, the server's one sleeping stack
-    // keeps a whole snapshot's time under `[stack lost]` (CI once, before the retry:
-    // 7.8 s of 19.8; `[limits] stacks = 16` brings both back). Each such block, one
-    // sleep of the service time, must have been counted as a collision.
+    // first stack until it is drained) goes to the overflow map; where that bucket is
+    // taken too, it is kept less its innermost frame, marked `[frame lost]`, and if
+    // that bucket is taken as well, the server's one sleeping stack keeps a whole
+    // snapshot's time under `[stack lost]` (CI once, before the retry: 7.8 s of
+    // 19.8). Each such block, one sleep of the service time, must have been counted
+    // as a collision.
     let lost_us = weight_of(&offcpu, |f| f.iter().any(|frame| frame == "[stack lost]")) as f64;
     let shortened_us = weight_of(&offcpu, |f| f.iter().any(|frame| frame == "[frame lost]"));
     let lost_blocks = (lost_us + shortened_us as f64) / SERVICE_TIME.as_micros() as f64;

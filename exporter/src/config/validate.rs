@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use figment::Figment;
-use poolscope_shared::SHORTENED_STACK;
+use poolscope_shared::OVERFLOW_STACK;
 use regex::Regex;
 
 use super::{
@@ -14,10 +14,10 @@ use super::{
 /// Most slots of the thread array: 152 bytes of kernel memory each (144 MiB here),
 /// and tids (below 2^22) spread over them all well before.
 const MAX_THREAD_SLOTS: u32 = 1 << 20;
-/// Entries of a stack map (1 kB each): far below [`SHORTENED_STACK`], the bit that
-/// marks a stack id kept less its innermost frame, which no map id may reach.
+/// Entries of a stack map (1 kB each): far below [`OVERFLOW_STACK`], the lowest of
+/// the bits that mark a stack id's kind, which no map id may reach.
 const MAX_STACK_MAP_ENTRIES: u32 = 1 << 24;
-const _: () = assert!(MAX_STACK_MAP_ENTRIES.next_power_of_two() < SHORTENED_STACK as u32);
+const _: () = assert!(MAX_STACK_MAP_ENTRIES.next_power_of_two() < OVERFLOW_STACK as u32);
 
 /// A validation failure for `key`, naming the source that set it.
 fn invalid(figment: &Figment, key: &str, reason: impl std::fmt::Display) -> ConfigError {

@@ -333,7 +333,11 @@ mod tests {
             maps::LISTEN_PORTS,
             maps::DOWNSTREAM_WAITS,
         ];
-        for name in named.into_iter().chain(maps::STACKS) {
+        for name in named
+            .into_iter()
+            .chain(maps::STACKS)
+            .chain(maps::STACK_OVERFLOWS)
+        {
             assert!(
                 sizes.iter().any(|&(sized, _)| sized == name),
                 "{name}: no part sizes it"

@@ -108,7 +108,7 @@ impl Kernel {
 
     /// The user stack (return addresses, innermost first) of a `LOCKS` key.
     pub fn lock_stack(&self, id: i32) -> Option<Vec<u64>> {
-        addresses(&self.locks.stacks, id)
+        addresses(&self.locks.stacks, None, id)
     }
 
     /// Removes the lock entries of a process no longer watched. Its stacks stay in

@@ -10,9 +10,11 @@ use aya::{
     programs::{PerfEvent, perf_event::PerfEventLinkId},
 };
 use poolscope_shared::{
-    LOST_FRAME_ADDRESS, MAX_PROFILE_SESSIONS, OffcpuCaptures, ProfileSession, SHORTENED_STACK,
-    STACK_GENERATIONS, StackCopy, StackCount, StackHint, StackKey, StackVariantKey,
+    LOST_FRAME_ADDRESS, MAX_PROFILE_SESSIONS, OVERFLOW_STACK, OffcpuCaptures, ProfileSession,
+    SHORTENED_STACK, STACK_GENERATIONS, StackCopy, StackCount, StackHint, StackKey,
+    StackVariantKey,
     maps::{self, CountedMap},
+    overflow_stacks,
 };
 
 use super::{
@@ -28,8 +30,9 @@ pub(super) struct Stacks {
     /// The epoch in `stack_epoch` (user space is its only writer).
     epoch: u32,
     stack_counts: HashMap<MapData, StackKey, StackCount>,
-    /// `STACKS`: one stack map per generation.
+    /// `STACKS`: one stack map per generation, and `STACK_OVERFLOWS`, its overflow.
     generations: Vec<StackTraceMap<MapData>>,
+    overflows: Vec<StackTraceMap<MapData>>,
     /// The user stacks' copies for unwinding, and which stacks were copied.
     stack_copies: RingBuf<MapData>,
     stack_copied: Array<MapData, u64>,
@@ -51,7 +54,10 @@ impl Stacks {
     pub fn sizes(limits: &Limits) -> MapSizes {
         let copy_stride = limits.stack_copy_stride();
         let generations = maps::STACKS.iter().map(|&name| (name, limits.stacks));
+        let overflows =
+            (maps::STACK_OVERFLOWS.iter()).map(|&name| (name, overflow_stacks(limits.stacks)));
         generations
+            .chain(overflows)
             .chain([
                 (maps::STACK_COUNTS, limits.stack_counts),
                 (maps::STACK_COPIED, (STACK_GENERATIONS + 1) * copy_stride),
@@ -72,11 +78,16 @@ impl Stacks {
             .iter()
             .map(|name| take(ebpf, name))
             .collect::<Result<_, _>>()?;
+        let overflows = maps::STACK_OVERFLOWS
+            .iter()
+            .map(|name| take(ebpf, name))
+            .collect::<Result<_, _>>()?;
         Ok(Self {
             stack_epoch: take(ebpf, maps::STACK_EPOCH)?,
             epoch: 0,
             stack_counts: take(ebpf, maps::STACK_COUNTS)?,
             generations,
+            overflows,
             stack_copies: take(ebpf, maps::STACK_COPIES)?,
             stack_copied: take(ebpf, maps::STACK_COPIED)?,
             stack_hints: take(ebpf, maps::STACK_HINTS)?,
@@ -125,13 +136,23 @@ impl Stacks {
     }
 }
 
-/// The return addresses (innermost first) of stack `id` of a stack map; `None` for
-/// a negative id (not captured) or one the map no longer holds. A stack kept less
-/// its innermost frame begins with [`LOST_FRAME_ADDRESS`] in that frame's place, so
-/// that its first real address is read as the return address it is.
-pub(super) fn addresses(map: &StackTraceMap<MapData>, id: i32) -> Option<Vec<u64>> {
+/// The return addresses (innermost first) of stack `id` of a stack map (of its
+/// `overflow` map for an [`OVERFLOW_STACK`] id); `None` for a negative id (not
+/// captured) or one the map no longer holds. A stack kept less its innermost frame
+/// begins with [`LOST_FRAME_ADDRESS`] in that frame's place, so that its first real
+/// address is read as the return address it is.
+pub(super) fn addresses(
+    map: &StackTraceMap<MapData>,
+    overflow: Option<&StackTraceMap<MapData>>,
+    id: i32,
+) -> Option<Vec<u64>> {
     let shortened = id & SHORTENED_STACK != 0;
-    let id = u32::try_from(id & !SHORTENED_STACK).ok()?;
+    let map = if id & OVERFLOW_STACK != 0 {
+        overflow?
+    } else {
+        map
+    };
+    let id = u32::try_from(id & !(SHORTENED_STACK | OVERFLOW_STACK)).ok()?;
     let trace = map.get(&id, 0).ok()?;
     let lost = shortened.then_some(LOST_FRAME_ADDRESS);
     Some(
@@ -169,7 +190,12 @@ impl Kernel {
 
     /// The frames (innermost first) of stack `id` of `generation`.
     pub fn stack(&self, generation: u32, id: i32) -> Option<Vec<u64>> {
-        addresses(self.stacks.generations.get(generation as usize)?, id)
+        let generation = generation as usize;
+        addresses(
+            self.stacks.generations.get(generation)?,
+            self.stacks.overflows.get(generation),
+            id,
+        )
     }
 
     /// Empties `generation` (its counts and its stack map) for reuse.
@@ -195,6 +221,12 @@ impl Kernel {
                 let _ = map.remove(&id);
                 // The id may stand for another stack from now on: copy it again.
                 let _ = self.stacks.stack_copied.set(generation * stride + id, 0, 0);
+            }
+        }
+        if let Some(map) = self.stacks.overflows.get_mut(generation as usize) {
+            let ids: Vec<u32> = map.stack_ids().filter_map(Result::ok).collect();
+            for id in ids {
+                let _ = map.remove(&id);
             }
         }
     }
