@@ -161,6 +161,15 @@ pub(super) fn addresses(
             .collect(),
     )
 }
+/// Removes every stack of `map`; the ids it held.
+fn empty(map: &mut StackTraceMap<MapData>) -> Vec<u32> {
+    let ids: Vec<u32> = map.stack_ids().filter_map(Result::ok).collect();
+    for id in &ids {
+        let _ = map.remove(id);
+    }
+    ids
+}
+
 impl Kernel {
     /// Starts a new stack epoch. Returns the generation to drain: the one of two
     /// epochs back, to which nothing can be added any more (see `stacks.rs` of
@@ -214,20 +223,17 @@ impl Kernel {
         for key in paths {
             let _ = self.stacks.stack_variants.remove(&key);
         }
-        if let Some(map) = self.stacks.generations.get_mut(generation as usize) {
-            let ids: Vec<u32> = map.stack_ids().filter_map(Result::ok).collect();
-            let stride = self.limits.stack_copy_stride();
-            for id in ids {
-                let _ = map.remove(&id);
-                // The id may stand for another stack from now on: copy it again.
-                let _ = self.stacks.stack_copied.set(generation * stride + id, 0, 0);
-            }
+        let generation_index = generation as usize;
+        if let Some(map) = self.stacks.overflows.get_mut(generation_index) {
+            empty(map);
         }
-        if let Some(map) = self.stacks.overflows.get_mut(generation as usize) {
-            let ids: Vec<u32> = map.stack_ids().filter_map(Result::ok).collect();
-            for id in ids {
-                let _ = map.remove(&id);
-            }
+        let Some(map) = self.stacks.generations.get_mut(generation_index) else {
+            return;
+        };
+        let stride = self.limits.stack_copy_stride();
+        for id in empty(map) {
+            // The id may stand for another stack from now on: copy it again.
+            let _ = self.stacks.stack_copied.set(generation * stride + id, 0, 0);
         }
     }
 
