@@ -29,6 +29,7 @@ mod locks;
 mod maps;
 mod process;
 mod requests;
+mod routes;
 mod sched;
 mod serving;
 mod sessions;

@@ -136,6 +136,9 @@ pub static STACK_VARIANTS: HashMap<StackVariantKey, u32> =
     HashMap::with_max_entries(MAX_STACK_VARIANTS, 0);
 #[map]
 pub static PROCESS_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+/// Sized by user space: `[limits] route_events`.
+#[map]
+pub static ROUTE_EVENTS: RingBuf = RingBuf::with_byte_size(4 * 1024 * 1024, 0);
 
 /// The watch entry of `tgid`, if user space (or a fork) put one there.
 #[inline(always)]

@@ -11,8 +11,8 @@
 //! entry `Unserved` (unread bytes wait) or `Responded` with `start_ns` 0 (between
 //! requests, or a request read before the watch and not answered yet).
 use poolscope_shared::{
-    Conn, LossErrno, LossSource, Phase, ServiceCounters, StatusClass, is_interim_status,
-    maps::CountedMap,
+    Conn, LossErrno, LossSource, Phase, ROUTE_BYTES, ServiceCounters, StatusClass,
+    is_interim_status, maps::CountedMap,
 };
 
 use crate::{
@@ -20,6 +20,7 @@ use crate::{
         CONNS, REQUEST_TIMES, add_to_shared_histogram, compare_and_swap, count_loss,
         insert_counted, remove_counted, update_service,
     },
+    routes::{self, Line},
     serving::{self, End},
     source::Source,
 };
@@ -66,7 +67,8 @@ pub fn new_connection(service: u32, owner_since_ns: u64, epoch: u32, now: u64) -
         greeting_limit: 0,
         greeted: 0,
         greeting_limit_set: 0,
-        _pad: [0; 2],
+        line_len: 0,
+        line: [0; ROUTE_BYTES],
     }
 }
 
@@ -153,18 +155,29 @@ pub fn data_arrived(conn: &mut Conn, now: u64) {
     });
 }
 
-/// A read returned request bytes.
+/// A read returned `len` request bytes from the caller's memory at `source`; one
+/// that begins a request has its first bytes kept for the route (`routes.rs`), found
+/// only then (two reads of three begin none).
 #[inline(always)]
-pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
+pub fn read(
+    conn: &mut Conn,
+    now: u64,
+    arrivals: Arrivals,
+    source: impl FnOnce() -> Option<Source>,
+    len: u64,
+) {
+    let mut began = false;
     apply(conn, |conn, phase| {
         match phase {
             Phase::Unserved => {
                 advance(conn, phase, Phase::Serving)?;
                 start(conn, now, |c| c.unserved_left.add(1));
+                began = true;
             }
             Phase::Waiting => {
                 advance(conn, phase, Phase::Serving)?;
                 start(conn, now, |c| c.waiting_left.add(1));
+                began = true;
             }
             // Adopted between requests (open before the watch): a new request starts,
             // whose arrival is the one seen since, if any.
@@ -176,6 +189,7 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
                     now
                 };
                 start(conn, now, |_| {});
+                began = true;
             }
             Phase::Responded => {
                 advance(conn, phase, Phase::Serving)?;
@@ -186,6 +200,7 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
                         finish(conn);
                         conn.arrive_ns = conn.next_arrive_ns;
                         start(conn, now, |_| {});
+                        began = true;
                     }
                     // No bytes arrived since the response began: these were queued
                     // before it, so the same request goes on (a server that answers
@@ -199,6 +214,7 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
                         finish(conn);
                         conn.arrive_ns = now;
                         start(conn, now, |_| {});
+                        began = true;
                     }
                 }
             }
@@ -209,6 +225,12 @@ pub fn read(conn: &mut Conn, now: u64, arrivals: Arrivals) {
         }
         Ok(())
     });
+    // After the phase changed: the request before was recorded (here, or where its
+    // successor arrived), and this one is recorded only after its answer, which
+    // follows this read.
+    if began && routes::reads_routes() {
+        routes::began(conn, source, len);
+    }
 }
 
 /// Connection `conn` carries HTTP/2: it leaves this machine, and `h2.rs` follows its
@@ -256,6 +278,7 @@ pub fn upgraded(conn: &Conn, left: Phase) {
 fn start(conn: &mut Conn, now: u64, leave: impl FnOnce(&mut ServiceCounters)) {
     conn.start_ns = now;
     conn.status = 0;
+    conn.line_len = 0;
     conn.next_arrive_ns = 0;
     conn.server_tid = serving::request_started(now);
     update_service(conn.service, |c| {
@@ -340,25 +363,26 @@ pub fn closed(key: u64, now: u64) {
     };
     // SAFETY: a live map value (freed only after every program that holds it ends).
     if let Some(gone) = closing(unsafe { &mut *conn }) {
-        // After the copy: the map may hand the slot to a new entry at once.
-        remove_counted(&CONNS, CountedMap::Conns, &key);
+        // Before the removal: the map may hand the slot to a new entry at once.
         gone.account(now);
+        remove_counted(&CONNS, CountedMap::Conns, &key);
     }
 }
 
-/// A connection whose end this event accounts for: its last phase, and its entry as
-/// it was then.
-pub struct Gone {
+/// A connection whose end this event accounts for: its last phase, and its entry,
+/// which no other CPU changes any more (its phase is `Gone`).
+pub struct Gone<'a> {
     phase: Phase,
-    conn: Conn,
+    conn: &'a mut Conn,
 }
 
 /// The connection of `conn` is gone. Its phase becomes `Gone` first, so that an
-/// event on another CPU that still holds the entry changes nothing after it is
-/// accounted; `None` if another CPU got there first. The caller removes the entry,
-/// then calls [`Gone::account`].
+/// event on another CPU that still holds the entry changes nothing while it is
+/// accounted; `None` if another CPU got there first. The caller calls
+/// [`Gone::account`], then removes the entry (not copied: it is 168 bytes, and the
+/// syscall backend's stack has no room for them).
 #[inline(always)]
-pub fn closing(conn: &mut Conn) -> Option<Gone> {
+pub fn closing(conn: &mut Conn) -> Option<Gone<'_>> {
     let mut left = None;
     apply(conn, |conn, phase| {
         if phase != Phase::Gone {
@@ -367,18 +391,15 @@ pub fn closing(conn: &mut Conn) -> Option<Gone> {
         }
         Ok(())
     });
-    Some(Gone {
-        phase: left?,
-        conn: *conn,
-    })
+    Some(Gone { phase: left?, conn })
 }
 
-impl Gone {
+impl Gone<'_> {
     /// Whatever the connection held leaves its gauge, and a request in progress ends
     /// at `now`.
     #[inline(always)]
-    pub fn account(mut self, now: u64) {
-        let conn = &mut self.conn;
+    pub fn account(self, now: u64) {
+        let conn = self.conn;
         match self.phase {
             Phase::Unserved => update_service(conn.service, |c| c.unserved_left.add(1)),
             Phase::Waiting => update_service(conn.service, |c| c.waiting_left.add(1)),
@@ -408,28 +429,46 @@ fn finish(conn: &Conn) {
     if conn.start_ns == 0 {
         return;
     }
+    let line = Line {
+        bytes: &conn.line,
+        len: conn.line_len,
+    };
     record(
         conn.service,
         conn.arrive_ns,
         conn.start_ns,
         conn.end_ns,
         conn.status,
+        Some(line),
     );
 }
 
 /// Records a request of `service` that arrived, started and ended at these times in
 /// its histograms, then counts it finished, under the class of its answer's `status`
-/// (0: not read).
+/// (0: not read); its `line` (`None`: an HTTP/2 stream) goes to user space for its
+/// route.
 #[inline(always)]
-pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64, status: u16) {
+pub fn record(
+    service: u32,
+    arrive_ns: u64,
+    start_ns: u64,
+    end_ns: u64,
+    status: u16,
+    line: Option<Line>,
+) {
     let Some(times) = REQUEST_TIMES.get_ptr_mut(service) else {
         return;
     };
     // SAFETY: a live array slot; concurrent updates are atomic adds.
     let times = unsafe { &mut *times };
-    add_to_shared_histogram(&mut times.queue, start_ns.saturating_sub(arrive_ns));
-    add_to_shared_histogram(&mut times.duration, end_ns.saturating_sub(start_ns));
+    let queue_ns = start_ns.saturating_sub(arrive_ns);
+    let duration_ns = end_ns.saturating_sub(start_ns);
+    add_to_shared_histogram(&mut times.queue, queue_ns);
+    add_to_shared_histogram(&mut times.duration, duration_ns);
     add_to_shared_histogram(&mut times.latency, end_ns.saturating_sub(arrive_ns));
+    if routes::reads_routes() {
+        routes::finished(service, status, queue_ns, duration_ns, line);
+    }
     // Counted after the record (x86's atomic adds are seen in order, and the
     // compiler keeps them before the counters' lookup, a call that may read them):
     // user space reads the times again only when this count moved.

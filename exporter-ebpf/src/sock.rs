@@ -132,12 +132,13 @@ fn try_sock_state(ctx: &BtfTracePointContext) -> Result<(), i64> {
                 // SAFETY: as above.
                 && let Some(gone) = requests::closing(unsafe { &mut *conn })
             {
-                if gone.multiplexed() {
+                let multiplexed = gone.multiplexed();
+                gone.account(now_ns());
+                if multiplexed {
                     // SAFETY: as above; `service` never changes.
                     h2::closed(sk, unsafe { (*conn).service });
                 }
                 unstore(sk);
-                gone.account(now_ns());
             }
         }
         _ => {}
@@ -389,13 +390,25 @@ pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
                 if h2::opens(sk, conn, ret) {
                     h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
                 } else {
-                    requests::read(conn, now_ns(), Arrivals::Seen);
+                    read(conn, ret);
                 }
             }
-            _ => requests::read(conn, now_ns(), Arrivals::Seen),
+            _ => read(conn, ret),
         }
     }
     0
+}
+
+/// A read of `len` request bytes on an HTTP/1 connection, in the reader's context.
+#[inline(always)]
+fn read(conn: &mut Conn, len: i32) {
+    requests::read(
+        conn,
+        now_ns(),
+        Arrivals::Seen,
+        Source::of_current_call,
+        len as u64,
+    );
 }
 
 /// sock_send_length(struct sock *sk, int ret, int flags)

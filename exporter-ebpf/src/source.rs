@@ -7,7 +7,9 @@ use core::ffi::c_void;
 use aya_ebpf::helpers::{
     bpf_get_current_task_btf, bpf_probe_read_kernel, generated::bpf_probe_read_user,
 };
-use poolscope_shared::{H2_PREFACE, HTTP1_STATUS_PREFIX, SyscallSlot, response_status};
+use poolscope_shared::{
+    H2_PREFACE, HTTP1_STATUS_PREFIX, ROUTE_BYTES, SyscallSlot, response_status,
+};
 
 use crate::{
     abi::{SECOND_ARG_OFFSET, SavedRegisters, THIRD_ARG_OFFSET},
@@ -113,6 +115,20 @@ impl Source {
             .filter(|&(_, size)| size >= prefix)
             .and_then(|(base, _)| read_user::<[u8; HTTP1_STATUS_PREFIX]>(base))
             .map_or(0, |status| response_status(&status))
+    }
+
+    /// Copies the first bytes (up to `to`'s length) of the `len` the call moved, as
+    /// many as its first buffer holds, to `to`: how many it copied (`None` if none).
+    #[inline(always)]
+    pub fn read_first(self, to: &mut [u8; ROUTE_BYTES], len: u64) -> Option<u16> {
+        let (base, size) = self.buffer(0)?;
+        let count = len.min(size).min(ROUTE_BYTES as u64) as u32;
+        // SAFETY: `to` has room for ROUTE_BYTES, at least `count`; the helper checks
+        // the user read.
+        let copied =
+            unsafe { bpf_probe_read_user(to.as_mut_ptr().cast(), count, base as *const c_void) }
+                == 0;
+        (copied && count > 0).then_some(count as u16)
     }
 
     /// Buffer `index` of the source: its address and length.

@@ -139,7 +139,13 @@ pub fn sys_exit(ctx: RawTracePointContext) -> i32 {
         if conn.phase == Phase::Unserved as u32 && h2::unfollowed(regs, slot, conn, ret) {
             return 0;
         }
-        requests::read(conn, now_ns(), Arrivals::Unseen);
+        requests::read(
+            conn,
+            now_ns(),
+            Arrivals::Unseen,
+            || Source::of_saved_call(regs, slot),
+            ret as u64,
+        );
     } else if slot.is_write() {
         requests::wrote_from(conn, now_ns(), ret as u32, || {
             Source::of_saved_call(regs, slot)

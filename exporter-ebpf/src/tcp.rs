@@ -19,7 +19,7 @@
 use aya_ebpf::{
     helpers::bpf_get_current_pid_tgid, macros::btf_tracepoint, programs::BtfTracePointContext,
 };
-use poolscope_shared::{Conn, Phase};
+use poolscope_shared::{Conn, Phase, ROUTE_BYTES};
 
 use crate::{
     clock::now_ns,
@@ -110,7 +110,15 @@ pub fn tcp_read(ctx: BtfTracePointContext) -> i32 {
         if requests::phase(conn) == Phase::Unserved && h2::unfollowed_here(conn) {
             return 0;
         }
-        requests::read(conn, now_ns(), Arrivals::Seen);
+        // The length is not known here: the route takes what it may of the buffer (a
+        // request line ends within it, and user space reads up to its end).
+        requests::read(
+            conn,
+            now_ns(),
+            Arrivals::Seen,
+            Source::of_current_call,
+            ROUTE_BYTES as u64,
+        );
     }
     0
 }

@@ -128,7 +128,10 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         &candidates,
         sampling,
         settings.bpf_stats,
-        settings.response_status,
+        kernel::Reads {
+            response_status: settings.response_status,
+            routes: settings.routes,
+        },
     )?;
     let backend = kernel.backend();
     if backend == kernel::Backend::Syscall {

@@ -117,7 +117,11 @@ pub struct Conn {
     pub greeted: u8,
     /// 1 if [`Conn::greeting_limit`] holds a limit.
     pub greeting_limit_set: u8,
-    pub _pad: [u8; 2],
+    /// How many bytes of [`Conn::line`] the current request's first read filled (0:
+    /// none read, or routes are off).
+    pub line_len: u16,
+    /// The first bytes of the current request (its request line), for its route.
+    pub line: [u8; crate::ROUTE_BYTES],
 }
 
 /// Value of [`maps::PENDING_CALLS`].
@@ -292,7 +296,7 @@ impl ListenKey {
 
 const _: () = assert!(core::mem::size_of::<Watched>() == 16);
 const _: () = assert!(core::mem::size_of::<ListenKey>() == 24);
-const _: () = assert!(core::mem::size_of::<Conn>() == 72);
+const _: () = assert!(core::mem::size_of::<Conn>() == 72 + crate::ROUTE_BYTES);
 // The kernel swaps a connection's phase with the service id beside it, as one u64
 // (little-endian: the phase is the high half).
 const _: () = assert!(

@@ -18,6 +18,7 @@ mod limits;
 mod locks;
 mod losses;
 mod process;
+mod routes;
 mod stacks;
 mod syscalls;
 mod threads;
@@ -30,6 +31,7 @@ pub use limits::*;
 pub use locks::*;
 pub use losses::*;
 pub use process::*;
+pub use routes::*;
 pub use stacks::*;
 pub use syscalls::*;
 pub use threads::*;
@@ -42,6 +44,7 @@ mod pod {
     unsafe impl aya::Pod for super::PendingCall {}
     unsafe impl aya::Pod for super::ServiceCounters {}
     unsafe impl aya::Pod for super::ProcessEvent {}
+    unsafe impl aya::Pod for super::RouteEvent {}
     unsafe impl aya::Pod for super::RequestTimes {}
     unsafe impl aya::Pod for super::Thread {}
     unsafe impl aya::Pod for super::PoolStats {}

@@ -81,11 +81,14 @@ pub enum LossSource {
     /// An HTTP/2 connection under the tcp backend, which sees no write buffers and so
     /// does not follow streams: it counts no requests.
     Http2TcpBackend,
+    /// The route ring buffer ([`maps::ROUTE_EVENTS`]) was full: one finished request
+    /// is missing from the route families (its service's own counts have it).
+    RouteEvents,
 }
 
 impl LossSource {
-    pub const COUNT: u32 = 24;
-    pub const ALL: [LossSource; 24] = [
+    pub const COUNT: u32 = 25;
+    pub const ALL: [LossSource; 25] = [
         Self::ConnsInsert,
         Self::SockConnsInsert,
         Self::PendingCallsInsert,
@@ -110,6 +113,7 @@ impl LossSource {
         Self::Http2Adopted,
         Self::Http2SyscallBackend,
         Self::Http2TcpBackend,
+        Self::RouteEvents,
     ];
 }
 

@@ -71,6 +71,8 @@ pub const SERVICE_COUNTERS: &str = "SERVICE_COUNTERS";
 pub const LOSSES: &str = "LOSSES";
 /// ring buffer of [`crate::ProcessEvent`].
 pub const PROCESS_EVENTS: &str = "PROCESS_EVENTS";
+/// ring buffer of [`crate::RouteEvent`]: every finished request, for its route.
+pub const ROUTE_EVENTS: &str = "ROUTE_EVENTS";
 /// array, index [`crate::thread_slot`] → [`crate::Thread`], mmap-able: the threads
 /// of watched processes and what each is doing since when, one per slot, owned as
 /// [`THREAD_OWNERS`] says. The scheduler programs reach an entry with two inlined

@@ -1,6 +1,7 @@
 //! HTTP/1 answers with chosen statuses: `tests/http1/status_server.py`, which answers
 //! `GET /status/<code>` with that code (and `GET /early/<code>` after a `103 Early
-//! Hints`), its clients' reading of answers, and a background load of such requests.
+//! Hints`), `tests/http1/route_server.py`, whose routes have known service times and
+//! statuses, their clients' reading of answers, and a background load of such requests.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::TcpStream,
@@ -57,6 +58,40 @@ impl StatusServer {
             .parse()
             .context("the status server's hints count")?;
         Ok((by_class, hints))
+    }
+}
+
+/// `route_server.py`, which times and counts its answers per route.
+pub struct RouteServer {
+    pub program: Program,
+    pub port: u16,
+}
+
+/// What a route server wrote, by `"<method> <route> <class>"` (`GET /slow/:id 2xx`):
+/// its answers and their total time from request line read to answer written.
+pub type ServedRoutes = std::collections::BTreeMap<String, (u64, f64)>;
+
+impl RouteServer {
+    pub fn start() -> anyhow::Result<Self> {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("http1/route_server.py");
+        let mut program = Program::start_path(Path::new(PYTHON), &[script.display().to_string()])?;
+        let port = program
+            .line("port")?
+            .parse()
+            .context("the route server's port")?;
+        Ok(Self { program, port })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.program.pid()
+    }
+
+    /// Stops it; what it served, per route and class.
+    pub fn finish(mut self) -> anyhow::Result<ServedRoutes> {
+        let routes = self.program.finish("routes")?;
+        let parsed: std::collections::BTreeMap<String, (u64, f64)> = serde_json::from_str(&routes)
+            .with_context(|| format!("the route server said \"routes {routes}\""))?;
+        Ok(parsed)
     }
 }
 

@@ -160,7 +160,7 @@ pub(super) fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) {
     });
     if how == End::Finished {
         // `:status` is HPACK-coded: not read (0).
-        requests::record(moment.service, arrive, start, moment.now, 0);
+        requests::record(moment.service, arrive, start, moment.now, 0, None);
     }
 }
 

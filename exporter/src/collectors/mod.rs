@@ -9,6 +9,7 @@ pub mod own;
 pub mod pools;
 pub mod process;
 pub mod profiles;
+pub mod routes;
 pub mod services;
 pub mod stacks;
 pub mod web_server;
@@ -113,8 +114,9 @@ pub enum Collector {
 /// Every source of metric families, in exposition order: first the per-service
 /// ones, which the series cap applies to, then poolscope's own. `own` is last, as it
 /// reports the time and success of every step and collector before it.
-pub const COLLECTORS: [(&str, Collector); 8] = [
+pub const COLLECTORS: [(&str, Collector); 9] = [
     ("services", Collector::Services(services::collect)),
+    ("routes", Collector::Services(routes::collect)),
     ("pools", Collector::Services(pools::collect)),
     ("downstream", Collector::Services(downstream::collect)),
     ("profiles", Collector::Own(profiles::collect)),
@@ -246,7 +248,12 @@ mod tests {
         let text = render(&collect_services(&reading, &mut timings), Format::Text);
         assert_eq!(
             outcome(&timings),
-            [("services", true), ("pools", true), ("downstream", true)]
+            [
+                ("services", true),
+                ("routes", true),
+                ("pools", true),
+                ("downstream", true)
+            ]
         );
         for line in [
             "poolscope_connections_accepted_total{service=\"api\"} 7\n",
@@ -269,7 +276,12 @@ mod tests {
         let text = render(&collect_services(&reading, &mut timings), Format::Text);
         assert_eq!(
             outcome(&timings),
-            [("services", false), ("pools", false), ("downstream", false)]
+            [
+                ("services", false),
+                ("routes", false),
+                ("pools", false),
+                ("downstream", false)
+            ]
         );
         assert!(
             text.contains("poolscope_connections_accepted_total{service=\"api\"} 0\n"),

@@ -33,11 +33,17 @@ pub struct Limits {
     pub listen_ports: u32,
     /// `DOWNSTREAM_WAITS`: (pool, peer) pairs.
     pub downstreams: u32,
+    /// Routes kept in user space over all services, and per service (caps, no
+    /// kernel map).
+    pub routes: u32,
+    pub routes_per_service: u32,
+    /// `ROUTE_EVENTS`: finished requests the ring holds between two drains.
+    pub route_events: u32,
 }
 
 impl Limits {
     /// Each limit under its configuration key.
-    pub fn keyed(&self) -> [(&'static str, u32); 14] {
+    pub fn keyed(&self) -> [(&'static str, u32); 17] {
         [
             ("limits.watched_processes", self.watched_processes),
             ("limits.connections", self.connections),
@@ -53,6 +59,9 @@ impl Limits {
             ("limits.mutex_calls_in_flight", self.mutex_calls_in_flight),
             ("limits.listen_ports", self.listen_ports),
             ("limits.downstreams", self.downstreams),
+            ("limits.routes", self.routes),
+            ("limits.routes_per_service", self.routes_per_service),
+            ("limits.route_events", self.route_events),
         ]
     }
 

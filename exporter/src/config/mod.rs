@@ -76,6 +76,7 @@ pub struct Settings {
     pub backend: Backend,
     pub bpf_stats: bool,
     pub response_status: bool,
+    pub routes: bool,
     pub lock_uprobes: Vec<String>,
     pub max_series: usize,
     pub limits: Limits,
@@ -197,6 +198,7 @@ impl Settings {
                 "probes.response_status",
                 self.response_status != running.response_status,
             ),
+            ("probes.routes", self.routes != running.routes),
             (
                 "probes.sampling_hz",
                 self.snapshots.sampling_hz != running.snapshots.sampling_hz,

@@ -45,6 +45,7 @@ impl Default for RawConfig {
                 backend: Backend::Auto,
                 bpf_stats: false,
                 response_status: true,
+                routes: true,
                 lock_uprobes: Vec::new(),
                 sampling_hz: 49,
             },
@@ -88,6 +89,9 @@ impl Default for RawConfig {
                 mutex_calls_in_flight: poolscope_shared::MAX_MUTEX_CALLS_IN_FLIGHT,
                 listen_ports: poolscope_shared::MAX_LISTEN_PORTS,
                 downstreams: poolscope_shared::MAX_DOWNSTREAMS,
+                routes: 1024,
+                routes_per_service: 50,
+                route_events: 32768,
                 degraded_for: Duration::from_secs(300),
             },
             metrics: RawMetrics {
@@ -203,6 +207,10 @@ pub struct RawProbes {
     /// interim answers that do not end their request). On by default; off saves one
     /// read of the server's buffer per request (docs/configuration.md).
     pub response_status: bool,
+    /// Read the first bytes of each HTTP/1 request and hand every finished request
+    /// to user space for its route (`route_*` families). On by default; off saves a
+    /// read of the server's buffer and a ring record per request.
+    pub routes: bool,
     /// Services (by name; `"*"` for all) whose processes get uprobes on
     /// `pthread_mutex_lock`. Off by default: each call then traps into the kernel,
     /// contended or not (docs/metrics.md, "Lock waits").
@@ -299,6 +307,12 @@ pub struct RawLimits {
     pub listen_ports: u32,
     /// (pool, peer) pairs whose network waits are kept apart.
     pub downstreams: u32,
+    /// Routes kept over all services, and per service; a service's requests beyond
+    /// count under `route="other"`.
+    pub routes: u32,
+    pub routes_per_service: u32,
+    /// Finished requests the route ring holds between two drains (100 ms apart).
+    pub route_events: u32,
     /// How long a loss keeps poolscope degraded after its counter last rose.
     #[serde(with = "humantime_serde")]
     pub degraded_for: Duration,

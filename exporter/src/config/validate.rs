@@ -67,6 +67,9 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         mutex_calls_in_flight: raw.limits.mutex_calls_in_flight,
         listen_ports: raw.limits.listen_ports,
         downstreams: raw.limits.downstreams,
+        routes: raw.limits.routes,
+        routes_per_service: raw.limits.routes_per_service,
+        route_events: raw.limits.route_events,
     };
     for (key, size) in limits.keyed() {
         positive(key, size.into())?;
@@ -151,6 +154,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         backend: raw.probes.backend,
         bpf_stats: raw.probes.bpf_stats,
         response_status: raw.probes.response_status,
+        routes: raw.probes.routes,
         lock_uprobes: raw.probes.lock_uprobes.clone(),
         max_series: raw.limits.max_series,
         limits,

@@ -23,6 +23,7 @@ use super::{
         socket_inode_offsets, socket_namespace_offsets, socket_offsets, task_pid_offset,
         tcp_offsets, vmlinux_btf,
     },
+    routes::Routes,
     services::Requests,
     stacks::Stacks,
     syscalls::{syscall_number, wait_classes},
@@ -91,15 +92,25 @@ fn map_sizes(limits: &Limits) -> impl Iterator<Item = (&'static str, u32)> {
         .chain(Pools::sizes(limits))
         .chain(Locks::sizes(limits))
         .chain(Stacks::sizes(limits))
+        .chain(Routes::sizes(limits))
+}
+
+/// What the request programs read of each request's bytes (`[probes]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reads {
+    /// The status line of each answer.
+    pub response_status: bool,
+    /// The first bytes of each request, for its route.
+    pub routes: bool,
 }
 
 /// Loads the object with its maps sized by `limits` (as each part sizes its own)
-/// and its load-time globals set from `layout`, `sampling`, `response_status` and the
-/// parts' own.
+/// and its load-time globals set from `layout`, `sampling`, `reads` and the parts'
+/// own.
 pub(super) fn open(
     limits: &Limits,
     sampling: Sampling,
-    response_status: bool,
+    reads: Reads,
     layout: &KernelLayout,
 ) -> Result<Ebpf, KernelError> {
     let (sock_net_offset, net_inum_offset) = layout.socket_namespace.unwrap_or((0, 0));
@@ -143,7 +154,12 @@ pub(super) fn open(
         .override_global("SOCK_SOCKET_OFFSET", &sock_socket_offset, true)
         .override_global("SOCKET_INODE_OFFSET", &socket_inode_offset, true)
         .override_global("INODE_INO_OFFSET", &inode_ino_offset, true)
-        .override_global("READ_RESPONSE_STATUS", &u32::from(response_status), true)
+        .override_global(
+            "READ_RESPONSE_STATUS",
+            &u32::from(reads.response_status),
+            true,
+        )
+        .override_global("READ_ROUTES", &u32::from(reads.routes), true)
         .override_global("OFFCPU_MIN_NS", &offcpu_min_ns, true)
         .override_global("OFFCPU_IDLE", &u32::from(sampling.offcpu_idle), true)
         .override_global("OFFCPU_FULL_RATE", &sampling.offcpu_full_rate, true)
@@ -299,6 +315,9 @@ mod tests {
             mutex_calls_in_flight: 112,
             listen_ports: 113,
             downstreams: 114,
+            routes: 115,
+            routes_per_service: 116,
+            route_events: 117,
         }
     }
 
@@ -332,6 +351,7 @@ mod tests {
             maps::MUTEX_CALLS,
             maps::LISTEN_PORTS,
             maps::DOWNSTREAM_WAITS,
+            maps::ROUTE_EVENTS,
         ];
         for name in named
             .into_iter()
@@ -343,5 +363,8 @@ mod tests {
                 "{name}: no part sizes it"
             );
         }
+        // A ring's size is bytes: a power of two with room for its records.
+        let ring = sizes.iter().find(|&&(name, _)| name == maps::ROUTE_EVENTS);
+        assert_eq!(ring, Some(&(maps::ROUTE_EVENTS, 16384)));
     }
 }

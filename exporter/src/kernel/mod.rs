@@ -14,6 +14,7 @@ mod mapping;
 mod offsets;
 mod read;
 mod reread;
+mod routes;
 mod services;
 mod slots;
 mod stacks;
@@ -37,6 +38,7 @@ use self::load::{
     load_samplers_and_uprobes, open,
 };
 use self::locks::Locks;
+use self::routes::Routes;
 use self::services::Requests;
 use self::slots::{Claim, ThreadSlots};
 use self::stacks::Stacks;
@@ -44,6 +46,7 @@ use self::stacks::Stacks;
 pub use self::tables::fake;
 use self::threads::Pools;
 pub use self::{
+    load::Reads,
     map_errors::MapErrors,
     read::{LockWaits, MapFill, ProgramStats, Readout},
     services::Adopted,
@@ -73,6 +76,8 @@ pub enum KernelError {
     },
     #[error("map {map}: {source}")]
     Map { map: &'static str, source: MapError },
+    #[error("starting the thread that drains the route records: {0}")]
+    Thread(std::io::Error),
     #[error("listing the online CPUs: {0}")]
     Cpus(std::io::Error),
     #[error("no profiling session slot {0}")]
@@ -122,6 +127,8 @@ pub struct Kernel {
     locks: Locks,
     /// Sampled stacks and profiling sessions.
     stacks: Stacks,
+    /// Each service's routes, from the kernel's records of finished requests.
+    routes: Routes,
     /// Loss counters and how full the counted maps are.
     health: Health,
     probes: Vec<Probe>,
@@ -172,10 +179,10 @@ impl Kernel {
         backends: &[Backend],
         sampling: Sampling,
         bpf_stats: bool,
-        response_status: bool,
+        reads: Reads,
     ) -> Result<(Self, ProcessEvents), KernelError> {
         let layout = KernelLayout::find();
-        let mut ebpf = open(&limits, sampling, response_status, &layout)?;
+        let mut ebpf = open(&limits, sampling, reads, &layout)?;
         fill_syscall_tables(&mut ebpf)?;
         let stats = enable_run_time_stats(bpf_stats);
         let (mut probes, backend) = attach_tracepoints(&mut ebpf, backends, &layout)?;
@@ -198,6 +205,7 @@ impl Kernel {
         let pools = Pools::take(&mut ebpf, &limits)?;
         let locks = Locks::take(&mut ebpf)?;
         let stacks = Stacks::take(&mut ebpf)?;
+        let routes = Routes::take(&mut ebpf, &limits)?;
         let health = Health::take(&ebpf)?;
         let kernel = Self {
             ebpf,
@@ -205,6 +213,7 @@ impl Kernel {
             pools,
             locks,
             stacks,
+            routes,
             health,
             probes,
             limits,

@@ -9,6 +9,7 @@ use poolscope_shared::{
 };
 
 use super::{Backend, Kernel, KernelError, PoolWaits, WatchTable};
+use crate::metrics::routes::{RouteLabel, RouteTotals};
 
 /// A pool's lock waits per [`LockPrimitive`], `None` for a primitive it never waited
 /// on.
@@ -24,6 +25,8 @@ pub struct Readout {
     /// (shared with the kernel reader's copy, which keeps them between reads).
     pub request_times: BTreeMap<u32, Arc<RequestTimes>>,
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
+    /// Each service's routes, by label.
+    pub routes: BTreeMap<u32, BTreeMap<RouteLabel, RouteTotals>>,
     /// Closed intervals of each pool's threads, read before `threads`.
     pub pools: BTreeMap<u32, PoolStats>,
     /// Run-queue waits of each pool (shared with the kernel reader's copy, as the
@@ -92,6 +95,7 @@ impl Kernel {
         };
         readout.services = self.read_services(services)?;
         readout.request_times = self.requests.read_request_times(&readout.services);
+        readout.routes = self.routes.read(services.iter().copied());
         if self.backend == Backend::Syscall {
             readout.syscalls = self.requests.read_syscalls(services)?;
         }

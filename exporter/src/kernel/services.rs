@@ -350,7 +350,8 @@ impl WatchTable for Kernel {
                 greeting_limit: 0,
                 greeted: 0,
                 greeting_limit_set: 0,
-                _pad: [0; 2],
+                line_len: 0,
+                line: [0; poolscope_shared::ROUTE_BYTES],
             };
             // BPF_NOEXIST: an entry the kernel made itself is newer than our look.
             let (map, inserted) = match self.backend {
@@ -444,6 +445,7 @@ impl WatchTable for Kernel {
             .service_epochs
             .set(service, epoch.wrapping_add(1), 0)?;
         self.requests.stream_workers.set(service, 0, 0)?;
+        self.routes.reset_service(service);
         // The times before their count: a record landing in between then leaves
         // times ahead of the count (read again when it moves), never behind it.
         self.requests.request_times.reset(service);

@@ -53,6 +53,9 @@ const PHASE_RETRIES: &str = "phase_retries";
 /// A user stack copy the ring buffer had no room for: the stack keeps its
 /// frame-pointer walk, nothing to change unless it keeps rising.
 const STACK_COPIES: &str = "stack_copies";
+/// A finished request the route ring had no room for: missing from the route
+/// families only.
+const ROUTE_EVENTS: &str = "route_events";
 /// HTTP/2 connections no longer followed, by why, and streams not followed.
 const HTTP2_UNPARSABLE: &str = "http2_unparsable";
 const HTTP2_UNREADABLE: &str = "http2_unreadable";
@@ -110,6 +113,7 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
             (LossKind::Events(STACKS_EXPIRED), 0),
             (LossKind::Events(PHASE_RETRIES), 0),
             (LossKind::Events(STACK_COPIES), 0),
+            (LossKind::Events(ROUTE_EVENTS), 0),
             (LossKind::Events(HTTP2_UNPARSABLE), 0),
             (LossKind::Events(HTTP2_UNREADABLE), 0),
             (LossKind::Events(HTTP2_FRAME_BOUND), 0),
@@ -186,6 +190,7 @@ impl LossKind {
             LossSource::Http2Adopted => Self::Events(HTTP2_ADOPTED),
             LossSource::Http2SyscallBackend => Self::Events(HTTP2_SYSCALL_BACKEND),
             LossSource::Http2TcpBackend => Self::Events(HTTP2_TCP_BACKEND),
+            LossSource::RouteEvents => Self::Events(ROUTE_EVENTS),
         }
     }
 
@@ -255,6 +260,9 @@ impl LossKind {
             },
             Self::Events(PROCESS_EVENTS) => "the process-event ring buffer was full: forks, \
                  execs and exits were missed until the next rescan (discovery.rescan_interval)"
+                .to_owned(),
+            Self::Events(ROUTE_EVENTS) => "the route ring buffer was full: finished requests \
+                 are missing from the route_* families (raise limits.route_events)"
                 .to_owned(),
             Self::Events(PHASE_RETRIES) => "a connection's events kept racing on several CPUs: \
                  one transition was dropped and a request gauge may be off by one (report it)"

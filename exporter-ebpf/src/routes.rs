@@ -1,0 +1,69 @@
+//! Routes (DESIGN §3): a request's first bytes (its request line) are copied into its
+//! connection's entry when a read begins it, and handed to user space with its status
+//! and times when it is recorded, one [`RouteEvent`] in `ROUTE_EVENTS`. User space
+//! names the route, folds and caps the routes, and keeps their histograms: no loop
+//! over the bytes and no per-route map here, so the cost is one user read at a
+//! request's start and one ring record at its end.
+use aya_ebpf::bindings::BPF_RB_NO_WAKEUP;
+use poolscope_shared::{Conn, LossErrno, LossSource, ROUTE_BYTES, RouteEvent};
+
+use crate::{
+    maps::{ROUTE_EVENTS, count_loss},
+    source::Source,
+};
+
+/// 1: requests' first bytes are read and every finished request is handed to user
+/// space (set at load time, `[probes] routes`). 0: neither.
+#[unsafe(no_mangle)]
+static READ_ROUTES: u32 = 1;
+
+/// Whether routes are read.
+#[inline(always)]
+pub fn reads_routes() -> bool {
+    // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
+    unsafe { core::ptr::read_volatile(&READ_ROUTES) != 0 }
+}
+
+/// The read of `len` bytes at `source` began `conn`'s current request: its first
+/// bytes become the request's line (none if they cannot be read).
+#[inline(always)]
+pub fn began(conn: &mut Conn, source: impl FnOnce() -> Option<Source>, len: u64) {
+    conn.line_len = source()
+        .and_then(|source| source.read_first(&mut conn.line, len))
+        .unwrap_or(0);
+}
+
+/// The first bytes of a request, as [`began`] kept them.
+pub struct Line<'a> {
+    pub bytes: &'a [u8; ROUTE_BYTES],
+    pub len: u16,
+}
+
+/// Hands a finished request of `service` to user space: its answer's `status`, its
+/// times and its `line` (`None`: an HTTP/2 stream, whose route is not read).
+#[inline(always)]
+pub fn finished(service: u32, status: u16, queue_ns: u64, duration_ns: u64, line: Option<Line>) {
+    let Some(mut entry) = ROUTE_EVENTS.reserve::<RouteEvent>(0) else {
+        count_loss(LossSource::RouteEvents, LossErrno::None);
+        return;
+    };
+    let event = entry.as_mut_ptr();
+    // SAFETY: the reserved record, ours until submitted; every field user space reads
+    // is written (the line up to `line_len`).
+    unsafe {
+        (*event).service = service;
+        (*event).status = status;
+        (*event).queue_ns = queue_ns;
+        (*event).duration_ns = duration_ns;
+        match line {
+            Some(line) => {
+                (*event).line_len = line.len;
+                (*event).line = *line.bytes;
+            }
+            None => (*event).line_len = 0,
+        }
+    }
+    // User space drains the ring on a timer: a wakeup per request would cost more
+    // than the record.
+    entry.submit(u64::from(BPF_RB_NO_WAKEUP));
+}
