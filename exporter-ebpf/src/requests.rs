@@ -68,7 +68,7 @@ pub fn new_connection(service: u32, owner_since_ns: u64, epoch: u32, now: u64) -
         greeted: 0,
         greeting_limit_set: 0,
         line_len: 0,
-        line: [0; ROUTE_BYTES],
+        line: [0; ROUTE_BYTES / 8],
     }
 }
 

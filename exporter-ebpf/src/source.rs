@@ -8,7 +8,7 @@ use aya_ebpf::helpers::{
     bpf_get_current_task_btf, bpf_probe_read_kernel, generated::bpf_probe_read_user,
 };
 use poolscope_shared::{
-    H2_PREFACE, HTTP1_STATUS_PREFIX, ROUTE_BYTES, SyscallSlot, response_status,
+    H2_PREFACE, HTTP1_STATUS_PREFIX, ROUTE_BYTES, RouteLine, SyscallSlot, response_status,
 };
 
 use crate::{
@@ -120,10 +120,10 @@ impl Source {
     /// Copies the first bytes (up to `to`'s length) of the `len` the call moved, as
     /// many as its first buffer holds, to `to`: how many it copied (`None` if none).
     #[inline(always)]
-    pub fn read_first(self, to: &mut [u8; ROUTE_BYTES], len: u64) -> Option<u16> {
+    pub fn read_first(self, to: &mut RouteLine, len: u64) -> Option<u16> {
         let (base, size) = self.buffer(0)?;
         let count = len.min(size).min(ROUTE_BYTES as u64) as u32;
-        // SAFETY: `to` has room for ROUTE_BYTES, at least `count`; the helper checks
+        // SAFETY: `to` holds ROUTE_BYTES, at least `count`; the helper checks
         // the user read.
         let copied =
             unsafe { bpf_probe_read_user(to.as_mut_ptr().cast(), count, base as *const c_void) }

@@ -121,7 +121,7 @@ pub struct Conn {
     /// none read, or routes are off).
     pub line_len: u16,
     /// The first bytes of the current request (its request line), for its route.
-    pub line: [u8; crate::ROUTE_BYTES],
+    pub line: crate::RouteLine,
 }
 
 /// Value of [`maps::PENDING_CALLS`].

@@ -351,7 +351,7 @@ impl WatchTable for Kernel {
                 greeted: 0,
                 greeting_limit_set: 0,
                 line_len: 0,
-                line: [0; poolscope_shared::ROUTE_BYTES],
+                line: [0; poolscope_shared::ROUTE_BYTES / 8],
             };
             // BPF_NOEXIST: an entry the kernel made itself is newer than our look.
             let (map, inserted) = match self.backend {

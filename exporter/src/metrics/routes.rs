@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use poolscope_shared::{
     Histogram, ROUTE_BYTES, RouteEvent, STATUS_CLASSES, StatusClass, histogram_bucket,
+    route_line_bytes,
 };
 
 /// The route label of requests whose first bytes were no HTTP/1 request line (and of
@@ -141,8 +142,7 @@ impl RouteTable {
     /// Counts one finished request.
     pub fn add(&mut self, event: &RouteEvent) {
         let len = usize::from(event.line_len).min(ROUTE_BYTES);
-        let label = event
-            .line
+        let label = route_line_bytes(&event.line)
             .get(..len)
             .and_then(route_label)
             .unwrap_or_else(|| (String::new(), UNKNOWN_ROUTE.to_owned()));
@@ -244,13 +244,17 @@ mod tests {
         let mut bytes = [0; ROUTE_BYTES];
         let len = line.len().min(ROUTE_BYTES);
         bytes[..len].copy_from_slice(&line.as_bytes()[..len]);
+        let mut words = [0; ROUTE_BYTES / 8];
+        for (word, chunk) in words.iter_mut().zip(bytes.chunks_exact(8)) {
+            *word = u64::from_ne_bytes(chunk.try_into().expect("8 bytes"));
+        }
         RouteEvent {
             service,
             status,
             line_len: len as u16,
             queue_ns: 1_000,
             duration_ns,
-            line: bytes,
+            line: words,
         }
     }
 
