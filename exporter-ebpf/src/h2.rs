@@ -368,9 +368,12 @@ impl Walk<'_> {
         // A header (or the preface) begins here: find the buffer that holds it, one
         // step per buffer passed.
         let source = if call.found != 0 {
+            // Its first buffer was found and kept (`call.base`, `call.size`): only
+            // an iovec array's next ones are looked up again.
             Source {
                 base: call.source,
                 iovecs: call.iovecs,
+                size: call.size,
             }
         } else {
             let found = Source::of_current_call().ok_or(UNREADABLE)?;

@@ -9,9 +9,10 @@
 //!   state machine; `stackmaps` (capture and count stacks) and `locks` (lock waits)
 //!   on top of it; `serving` (a thread starts or stops serving a request) above
 //!   `threads` and `locks`;
-//! - `requests`, the request state machine that the three request backends (`sock`,
-//!   `tcp`, `syscalls`) share, and `h2`, which follows HTTP/2 connections' streams
-//!   instead (socket backend);
+//! - `routes` (a request's first bytes, handed to user space with its record) above
+//!   `source`; `requests`, the request state machine that the three request backends
+//!   (`sock`, `tcp`, `syscalls`) share, and `h2`, which follows HTTP/2 connections'
+//!   streams instead (socket backend);
 //! - the programs of each subsystem: `sched` (switches and wakeups drive threads,
 //!   stacks and locks), `stacks` and `sessions` (samples and off-CPU blocks),
 //!   `process` (lifecycle), `sock`, `tcp` (which uses `sock`'s storage) and `syscalls`.

@@ -23,6 +23,9 @@ pub struct Source {
     pub base: u64,
     /// Buffers in the iovec array; 0 for one buffer.
     pub iovecs: u64,
+    /// The one buffer's length (the call's third argument: what a write gives, what
+    /// a read may fill), so that no read goes past it; unused for an iovec array.
+    pub size: u64,
 }
 
 impl Source {
@@ -74,16 +77,22 @@ impl Source {
             | SyscallSlot::Sendto => Some(Self {
                 base: second,
                 iovecs: 0,
+                size: third,
             }),
             SyscallSlot::Readv | SyscallSlot::Writev => Some(Self {
                 base: second,
                 iovecs: third,
+                size: 0,
             }),
             SyscallSlot::Recvmsg | SyscallSlot::Sendmsg => {
                 // struct msghdr: msg_iov at 16, msg_iovlen at 24 (64-bit).
                 let base: u64 = read_user(second + 16)?;
                 let iovecs: u64 = read_user(second + 24)?;
-                Some(Self { base, iovecs })
+                Some(Self {
+                    base,
+                    iovecs,
+                    size: 0,
+                })
             }
             // sendfile, splice, io_uring: no user buffer holds the bytes.
             _ => None,
@@ -135,7 +144,7 @@ impl Source {
     #[inline(always)]
     pub fn buffer(self, index: u64) -> Option<(u64, u64)> {
         if self.iovecs == 0 {
-            return (index == 0).then_some((self.base, u64::MAX));
+            return (index == 0).then_some((self.base, self.size));
         }
         if index >= self.iovecs {
             return None;

@@ -110,8 +110,9 @@ pub fn tcp_read(ctx: BtfTracePointContext) -> i32 {
         if requests::phase(conn) == Phase::Unserved && h2::unfollowed_here(conn) {
             return 0;
         }
-        // The length is not known here: the route takes what it may of the buffer (a
-        // request line ends within it, and user space reads up to its end).
+        // The length read is not known here: the route takes what the buffer holds,
+        // up to its size (a request line ends within it; user space reads up to its
+        // end).
         requests::read(
             conn,
             now_ns(),

@@ -23,6 +23,22 @@ pub fn route_line_bytes(line: &RouteLine) -> [u8; ROUTE_BYTES] {
     bytes
 }
 
+/// The line of a request whose first read was `bytes` (as many as fit), and how
+/// many it holds.
+pub fn route_line_of(bytes: &[u8]) -> (RouteLine, u16) {
+    let mut line = [0; ROUTE_BYTES / 8];
+    let mut kept = 0;
+    for (word, chunk) in line.iter_mut().zip(bytes.chunks(8)) {
+        let mut word_bytes = [0; 8];
+        for (to, from) in word_bytes.iter_mut().zip(chunk) {
+            *to = *from;
+        }
+        *word = u64::from_ne_bytes(word_bytes);
+        kept += chunk.len();
+    }
+    (line, kept as u16)
+}
+
 /// A record of [`maps::ROUTE_EVENTS`]: one finished request (HTTP/2 streams too, with
 /// no line).
 #[repr(C)]
@@ -41,3 +57,19 @@ pub struct RouteEvent {
 }
 
 const _: () = assert!(core::mem::size_of::<RouteEvent>() == 24 + ROUTE_BYTES);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_keeps_its_bytes_in_order_up_to_its_size() {
+        let (line, kept) = route_line_of(b"GET /users/42 HTTP/1.1");
+        assert_eq!(kept, 22);
+        assert_eq!(&route_line_bytes(&line)[..22], b"GET /users/42 HTTP/1.1");
+        let long = [b'x'; 200];
+        let (line, kept) = route_line_of(&long);
+        assert_eq!(usize::from(kept), ROUTE_BYTES);
+        assert_eq!(route_line_bytes(&line), [b'x'; ROUTE_BYTES]);
+    }
+}

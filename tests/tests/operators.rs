@@ -1183,7 +1183,7 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     let calling_port: u16 = calling.line("port")?.parse()?;
     let answering = StatusServer::start()?;
     let config = format!(
-        "[discovery]\nrescan_interval = \"500ms\"\n[probes]\nbpf_stats = true\n\
+        "[discovery]\nrescan_interval = \"500ms\"\n[probes]\nbpf_stats = true\nroutes = true\n\
          [[targets]]\nservice = \"pooled\"\npids = [{}]\n\
          [[targets]]\nservice = \"locked\"\npids = [{}]\n\
          [[targets]]\nservice = \"calling\"\npids = [{}]\n\

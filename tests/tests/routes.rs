@@ -15,9 +15,9 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, backend_config, backends,
+    Metrics, Poolscope, backends,
     http1::{RouteServer, ServedRoutes, read_answer},
-    one_at_a_time, privileged, requests_settled, scorecard, scrape_until,
+    one_at_a_time, pids_config, privileged, requests_settled, scorecard, scrape_until,
 };
 
 /// Keep-alive connections, each making [`REQUESTS`] requests of the mix in turn.
@@ -109,8 +109,8 @@ fn watched(backend: &str, limits: &str) -> anyhow::Result<(RouteServer, String, 
     let service = format!("routes-{backend}");
     let server = RouteServer::start()?;
     let config = format!(
-        "[limits]\n{limits}\n{}",
-        backend_config(backend, &service, &[server.pid()])
+        "[probes]\nbackend = \"{backend}\"\nroutes = true\n[limits]\n{limits}\n{}",
+        pids_config(&service, &[server.pid()])
     );
     let poolscope = Poolscope::start(&config)?;
     scrape_until(&poolscope, |m| {

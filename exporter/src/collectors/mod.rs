@@ -234,6 +234,21 @@ mod tests {
                 waits: 4,
             },
         ));
+        let mut routes =
+            crate::metrics::routes::RouteTable::new(crate::metrics::routes::RouteCaps {
+                per_service: 50,
+                total: 50,
+            });
+        let (line, line_len) = poolscope_shared::route_line_of(b"GET /users/42 HTTP/1.1");
+        routes.add(&poolscope_shared::RouteEvent {
+            service: 2,
+            status: 503,
+            line_len,
+            queue_ns: 0,
+            duration_ns: 1_000_000,
+            line,
+        });
+        readout.routes.insert(2, routes.service(2));
         let windows = BTreeMap::new();
         let mut reading = Reading {
             backend: Backend::Syscall,
@@ -258,6 +273,8 @@ mod tests {
         for line in [
             "poolscope_connections_accepted_total{service=\"api\"} 7\n",
             "poolscope_pool_utilization_ratio{service=\"api\",pool=\"worker\"} 0.25\n",
+            "poolscope_route_requests_total{service=\"api\",route=\"/users/:id\",method=\"GET\",\
+             status_class=\"5xx\"} 1\n",
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }

@@ -45,7 +45,7 @@ impl Default for RawConfig {
                 backend: Backend::Auto,
                 bpf_stats: false,
                 response_status: true,
-                routes: true,
+                routes: false,
                 lock_uprobes: Vec::new(),
                 sampling_hz: 49,
             },
@@ -208,8 +208,9 @@ pub struct RawProbes {
     /// read of the server's buffer per request (docs/configuration.md).
     pub response_status: bool,
     /// Read the first bytes of each HTTP/1 request and hand every finished request
-    /// to user space for its route (`route_*` families). On by default; off saves a
-    /// read of the server's buffer and a ring record per request.
+    /// to user space for its route (`route_*` families). Off by default: on, it
+    /// costs a read of the server's buffer and a ring record per request
+    /// (docs/configuration.md).
     pub routes: bool,
     /// Services (by name; `"*"` for all) whose processes get uprobes on
     /// `pthread_mutex_lock`. Off by default: each call then traps into the kernel,

@@ -201,6 +201,26 @@ fn response_status_is_read_unless_turned_off() -> Result<(), ConfigError> {
 }
 
 #[test]
+fn routes_are_read_within_their_caps_once_turned_on() -> Result<(), ConfigError> {
+    let settings = load_toml("")?;
+    assert!(!settings.routes);
+    assert_eq!(
+        (
+            settings.limits.routes,
+            settings.limits.routes_per_service,
+            settings.limits.route_events
+        ),
+        (1024, 50, 32768)
+    );
+    let settings = load_toml("[probes]\nroutes = true\n[limits]\nroutes_per_service = 5\n")?;
+    assert!(settings.routes);
+    assert_eq!(settings.limits.routes_per_service, 5);
+    let error = error_of("[limits]\nroute_events = 0\n");
+    assert!(error.contains("limits.route_events"), "{error}");
+    Ok(())
+}
+
+#[test]
 fn stack_settings_are_checked() -> Result<(), ConfigError> {
     let settings = load_toml("")?;
     assert_eq!(settings.snapshots.sampling_hz, 49);

@@ -241,20 +241,14 @@ mod tests {
     }
 
     fn event(service: u32, line: &str, status: u16, duration_ns: u64) -> RouteEvent {
-        let mut bytes = [0; ROUTE_BYTES];
-        let len = line.len().min(ROUTE_BYTES);
-        bytes[..len].copy_from_slice(&line.as_bytes()[..len]);
-        let mut words = [0; ROUTE_BYTES / 8];
-        for (word, chunk) in words.iter_mut().zip(bytes.chunks_exact(8)) {
-            *word = u64::from_ne_bytes(chunk.try_into().expect("8 bytes"));
-        }
+        let (line, line_len) = poolscope_shared::route_line_of(line.as_bytes());
         RouteEvent {
             service,
             status,
-            line_len: len as u16,
+            line_len,
             queue_ns: 1_000,
             duration_ns,
-            line: words,
+            line,
         }
     }
 
