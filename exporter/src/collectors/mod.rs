@@ -234,11 +234,10 @@ mod tests {
                 waits: 4,
             },
         ));
-        let mut routes =
-            crate::metrics::routes::RouteTable::new(crate::metrics::routes::RouteCaps {
-                per_service: 50,
-                total: 50,
-            });
+        let mut routes = crate::kernel::RouteTable::new(crate::kernel::RouteCaps {
+            per_service: 50,
+            total: 50,
+        });
         let (line, line_len) = poolscope_shared::route_line_of(b"GET /users/42 HTTP/1.1");
         routes.add(&poolscope_shared::RouteEvent {
             service: 2,

@@ -7,10 +7,8 @@ use poolscope_shared::StatusClass;
 use super::{Collected, Reading};
 use crate::{
     encode::{Family, Kind},
-    metrics::{
-        routes::{RouteLabel, RouteTotals},
-        window::ClassicBuckets,
-    },
+    kernel::{RouteLabel, RouteTotals},
+    metrics::window::ClassicBuckets,
 };
 
 /// The route families of a reading; whole if the kernel was read.

@@ -14,6 +14,7 @@ mod mapping;
 mod offsets;
 mod read;
 mod reread;
+mod route_table;
 mod routes;
 mod services;
 mod slots;
@@ -49,6 +50,7 @@ pub use self::{
     load::Reads,
     map_errors::MapErrors,
     read::{LockWaits, MapFill, ProgramStats, Readout},
+    route_table::{RouteCaps, RouteLabel, RouteTable, RouteTotals},
     services::Adopted,
     tables::{ServedConnection, ThreadTable, WatchTable},
     threads::PoolWaits,

@@ -9,7 +9,7 @@ use poolscope_shared::{
 };
 
 use super::{Backend, Kernel, KernelError, PoolWaits, WatchTable};
-use crate::metrics::routes::{RouteLabel, RouteTotals};
+use super::{RouteLabel, RouteTotals};
 
 /// A pool's lock waits per [`LockPrimitive`], `None` for a primitive it never waited
 /// on.

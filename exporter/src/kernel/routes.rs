@@ -12,11 +12,9 @@ use aya::{
 };
 use poolscope_shared::{RouteEvent, maps};
 
+use super::route_table::{RouteCaps, RouteLabel, RouteTable, RouteTotals};
 use super::{KernelError, MapSizes, take};
-use crate::{
-    config::Limits,
-    metrics::routes::{RouteCaps, RouteLabel, RouteTable, RouteTotals},
-};
+use crate::config::Limits;
 
 /// How often the ring is drained: the kernel does not wake the reader (a wakeup per
 /// request would cost more than its record), so the ring holds what arrives in one

@@ -1,5 +1,5 @@
-//! Routes as operators see them (DESIGN §3): each finished request the kernel handed
-//! over (`RouteEvent`: its first bytes, status and times) named by its route — the
+//! The route table (DESIGN §3), the user-space half of the kernel's route records:
+//! each finished request the kernel handed over (`RouteEvent`: its first bytes, status and times) named by its route — the
 //! method and the path with each segment that names one object of many (a number, a
 //! UUID, a long hex id) as `:id`, the query left out — and counted per service and
 //! route, by status class, with queue time and duration histograms. A service keeps
