@@ -173,6 +173,7 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         Ok(_) => tracing::debug!("no capability to drop"),
         Err(error) => tracing::warn!(%error, "cannot drop capabilities; running with them"),
     }
+    kernel.start_route_drain()?;
     // One async worker unless TOKIO_WORKER_THREADS says otherwise: the async side
     // moves bytes, waits, and does TLS (what takes the core lock or milliseconds of
     // CPU runs on the blocking pool). A second worker (tokio's default is one per

@@ -207,7 +207,7 @@ impl Kernel {
         let pools = Pools::take(&mut ebpf, &limits)?;
         let locks = Locks::take(&mut ebpf)?;
         let stacks = Stacks::take(&mut ebpf)?;
-        let routes = Routes::take(&mut ebpf, &limits)?;
+        let routes = Routes::take(&mut ebpf, &limits, reads.routes)?;
         let health = Health::take(&ebpf)?;
         let kernel = Self {
             ebpf,
@@ -224,6 +224,12 @@ impl Kernel {
             cpus: aya::util::nr_cpus().map_or(1, |n| n.max(1)),
         };
         Ok((kernel, events))
+    }
+
+    /// Starts draining the route records on a thread of their own (once
+    /// capabilities are dropped: the thread keeps those it is created with).
+    pub fn start_route_drain(&self) -> Result<(), KernelError> {
+        self.routes.start_draining()
     }
 
     pub fn probes(&self) -> &[Probe] {

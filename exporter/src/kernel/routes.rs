@@ -44,6 +44,9 @@ impl Drained {
 /// The route table, filled from the ring.
 pub(super) struct Routes {
     drained: Arc<Mutex<Drained>>,
+    /// Whether the programs hand over requests (`[probes] routes`): else nothing is
+    /// drained.
+    enabled: bool,
 }
 
 impl Routes {
@@ -59,8 +62,8 @@ impl Routes {
         vec![(maps::ROUTE_EVENTS, bytes)]
     }
 
-    /// Takes the ring out of `ebpf` and starts draining it.
-    pub fn take(ebpf: &mut Ebpf, limits: &Limits) -> Result<Self, KernelError> {
+    /// Takes the ring out of `ebpf`; [`Routes::start_draining`] starts its thread.
+    pub fn take(ebpf: &mut Ebpf, limits: &Limits, enabled: bool) -> Result<Self, KernelError> {
         let drained = Arc::new(Mutex::new(Drained {
             ring: take(ebpf, maps::ROUTE_EVENTS)?,
             table: RouteTable::new(RouteCaps {
@@ -68,12 +71,21 @@ impl Routes {
                 total: limits.routes as usize,
             }),
         }));
-        let weak = Arc::downgrade(&drained);
+        Ok(Self { drained, enabled })
+    }
+
+    /// Starts the thread that drains the ring, if the programs fill it. Called once
+    /// capabilities are dropped: a thread keeps the capabilities it was created with.
+    pub fn start_draining(&self) -> Result<(), KernelError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        let weak = Arc::downgrade(&self.drained);
         std::thread::Builder::new()
             .name("routes".into())
             .spawn(move || drain_until_dropped(&weak))
             .map_err(KernelError::Thread)?;
-        Ok(Self { drained })
+        Ok(())
     }
 
     fn lock(&self) -> MutexGuard<'_, Drained> {
