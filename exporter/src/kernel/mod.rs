@@ -260,11 +260,16 @@ impl Kernel {
 impl ProcessEvents {
     /// Decodes one ring-buffer record; `None` for a record of the wrong size.
     pub fn decode(bytes: &[u8]) -> Option<ProcessEvent> {
-        if bytes.len() < size_of::<ProcessEvent>() {
-            return None;
-        }
-        // SAFETY: ProcessEvent is repr(C) of integers, any bit pattern is valid, and
-        // read_unaligned does not need alignment.
-        Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<ProcessEvent>()) })
+        decode_record(bytes)
     }
+}
+
+/// One ring-buffer record as a `T`; `None` for a record shorter than one.
+fn decode_record<T: aya::Pod>(bytes: &[u8]) -> Option<T> {
+    if bytes.len() < size_of::<T>() {
+        return None;
+    }
+    // SAFETY: a Pod type is repr(C) of integers, any bit pattern is valid, and
+    // read_unaligned does not need alignment.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
 }

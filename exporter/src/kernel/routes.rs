@@ -13,7 +13,7 @@ use aya::{
 use poolscope_shared::{RouteEvent, maps};
 
 use super::route_table::{RouteCaps, RouteLabel, RouteTable, RouteTotals};
-use super::{KernelError, MapSizes, take};
+use super::{KernelError, MapSizes, decode_record, take};
 use crate::config::Limits;
 
 /// How often the ring is drained: the kernel does not wake the reader (a wakeup per
@@ -34,7 +34,7 @@ struct Drained {
 impl Drained {
     fn drain(&mut self) {
         while let Some(record) = self.ring.next() {
-            if let Some(event) = decode(&record) {
+            if let Some(event) = decode_record::<RouteEvent>(&record) {
                 self.table.add(&event);
             }
         }
@@ -125,11 +125,4 @@ fn drain_until_dropped(drained: &Weak<Mutex<Drained>>) {
             .unwrap_or_else(PoisonError::into_inner)
             .drain();
     }
-}
-
-fn decode(record: &[u8]) -> Option<RouteEvent> {
-    let bytes = record.get(..size_of::<RouteEvent>())?;
-    // SAFETY: RouteEvent is repr(C) of integers, any bit pattern is valid, and
-    // read_unaligned does not need alignment.
-    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<RouteEvent>()) })
 }
