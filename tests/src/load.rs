@@ -63,6 +63,9 @@ impl ClientStats {
 /// Running clients; `stop` lets each finish its request in progress and close.
 pub struct ClosedLoop {
     stop: Arc<AtomicBool>,
+    /// Requests completed so far by all clients, for a test that needs a volume of
+    /// load rather than a duration of it.
+    completed: Arc<AtomicU64>,
     clients: Vec<JoinHandle<anyhow::Result<ClientStats>>>,
 }
 
@@ -96,7 +99,7 @@ fn one_request(
 fn client(
     server: SocketAddr,
     (connections, protocol): (Connections, Protocol),
-    stop: &AtomicBool,
+    (stop, completed): (&AtomicBool, &AtomicU64),
 ) -> anyhow::Result<ClientStats> {
     let mut stats = ClientStats::default();
     let mut line = String::new();
@@ -120,6 +123,7 @@ fn client(
         }
         stats.latencies.push(started.elapsed());
         stats.completed += 1;
+        completed.fetch_add(1, Ordering::Relaxed);
     }
     Ok(stats)
 }
@@ -146,13 +150,23 @@ impl ClosedLoop {
 
     fn spawn(server: SocketAddr, clients: usize, how: (Connections, Protocol)) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
+        let completed = Arc::new(AtomicU64::new(0));
         let clients = (0..clients)
             .map(|_| {
-                let stop = stop.clone();
-                std::thread::spawn(move || client(server, how, &stop))
+                let (stop, completed) = (stop.clone(), completed.clone());
+                std::thread::spawn(move || client(server, how, (&stop, &completed)))
             })
             .collect();
-        Self { stop, clients }
+        Self {
+            stop,
+            completed,
+            clients,
+        }
+    }
+
+    /// Requests completed so far, all clients together.
+    pub fn completed(&self) -> u64 {
+        self.completed.load(Ordering::Relaxed)
     }
 
     /// Stops every client and sums what they saw.

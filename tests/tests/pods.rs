@@ -20,7 +20,12 @@ use poolscope_tests::{
 /// Both pods listen here, as two replicas of one deployment do.
 const PORT: u16 = 8080;
 const SERVICE: Duration = Duration::from_millis(2);
-const LOAD: Duration = Duration::from_millis(1500);
+/// Requests each server's clients complete at least: a volume, not a duration, because
+/// a guest under emulation completes 63–98 of A's requests in 1.5 s here and fewer on a
+/// slower machine.
+const LOAD: u64 = 150;
+/// How long A serves on while B's series leave.
+const SERVE_ON: Duration = Duration::from_millis(1500);
 
 fn requests(metrics: &Metrics, service: &str) -> Option<f64> {
     metrics.value("poolscope_requests_total", &[("service", service)])
@@ -59,12 +64,13 @@ fn counted_apart(
             && m.has_label("backend", backend)
     })?;
     let (load_a, load_b) = start_loads()?;
-    // The load's duration, not synchronization.
-    std::thread::sleep(LOAD);
+    let loaded = wait_until(Duration::from_secs(60), || {
+        load_a.completed() >= LOAD && load_b.completed() >= LOAD
+    });
     let (sent_a, sent_b) = (load_a.stop()?.completed, load_b.stop()?.completed);
-    assert!(
-        sent_a > 50 && sent_b > 50,
-        "too little load to tell the servers apart"
+    anyhow::ensure!(
+        loaded,
+        "too little load to tell the servers apart: {sent_a} and {sent_b} requests in 60 s"
     );
     let metrics = scrape_until(&poolscope, |m| {
         requests(m, name_a) == Some(sent_a as f64)
@@ -411,7 +417,7 @@ fn a_pod_that_vanishes_while_scraped() -> anyhow::Result<()> {
             drop(server_b);
             drop(pod_b);
             // A serves on while B's series leave: the load's duration.
-            std::thread::sleep(LOAD);
+            std::thread::sleep(SERVE_ON);
             let sent = load.stop().map(|seen| seen.completed);
             done.store(true, std::sync::atomic::Ordering::Relaxed);
             let (scrapes, failures) = scraper.join().unwrap_or_default();
