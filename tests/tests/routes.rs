@@ -1,5 +1,6 @@
-//! Routes: every finished HTTP/1 request counts under its route (method, and path
-//! with its ids as `:id`, no query) and the class of its answer's status
+//! Routes: every finished HTTP/1 request counts under its route (method, and the
+//! service's template that names its path, else the path with its ids as `:id`, no
+//! query) and the class of its answer's status
 //! (`poolscope_route_requests_total`), with its route's queue time and duration
 //! histograms, on every backend. Truth: the server's own count and timing of what it
 //! served per route (`tests/http1/route_server.py`), and the clients' count of the
@@ -39,6 +40,19 @@ fn request(connection: usize, n: usize) -> (&'static str, String, &'static str, 
         ),
         6 => ("GET", "/fail".to_owned(), "", 500),
         _ => ("GET", "/missing/page".to_owned(), "", 404),
+    }
+}
+
+/// The service's one route template: it names `/missing/page`, which the default
+/// normalizer would keep as it is.
+const TEMPLATE: &str = "/missing/*";
+
+/// The route poolscope names a route of the server's (which knows no template).
+fn templated(route: &str) -> &str {
+    if route.starts_with("/missing/") {
+        TEMPLATE
+    } else {
+        route
     }
 }
 
@@ -103,13 +117,18 @@ fn mean_duration(metrics: &Metrics, service: &str, method: &str, route: &str) ->
     (count > 0.0).then(|| sum / count)
 }
 
-/// A poolscope watching a route server on `backend`, with `extra` config lines in
-/// `[limits]`; the server, the service's name and the poolscope.
-fn watched(backend: &str, limits: &str) -> anyhow::Result<(RouteServer, String, Poolscope)> {
+/// A poolscope watching a route server on `backend`, with `limits` config lines in
+/// `[limits]` and `target` lines in its `[[targets]]` entry; the server, the service's
+/// name and the poolscope.
+fn watched(
+    backend: &str,
+    limits: &str,
+    target: &str,
+) -> anyhow::Result<(RouteServer, String, Poolscope)> {
     let service = format!("routes-{backend}");
     let server = RouteServer::start()?;
     let config = format!(
-        "[probes]\nbackend = \"{backend}\"\nroutes = true\n[limits]\n{limits}\n{}",
+        "[probes]\nbackend = \"{backend}\"\nroutes = true\n[limits]\n{limits}\n{}{target}\n",
         pids_config(&service, &[server.pid()])
     );
     let poolscope = Poolscope::start(&config)?;
@@ -122,7 +141,7 @@ fn watched(backend: &str, limits: &str) -> anyhow::Result<(RouteServer, String, 
 /// The mix, from [`CONNECTIONS`] clients at once; what the server served, and
 /// poolscope's scrape once it counted every request.
 fn run_mix(backend: &str) -> anyhow::Result<(ServedRoutes, String, Metrics)> {
-    let (server, service, poolscope) = watched(backend, "")?;
+    let (server, service, poolscope) = watched(backend, "", &format!("routes = [{TEMPLATE:?}]"))?;
     let port = server.port;
     let clients: Vec<_> = (0..CONNECTIONS)
         .map(|connection| std::thread::spawn(move || ask_in_turn(port, connection)))
@@ -162,7 +181,11 @@ fn routes_counted(backend: &str) -> anyhow::Result<()> {
             anyhow::bail!("the server's route {key:?}");
         };
         expected.insert(
-            (method.to_owned(), route.to_owned(), class.to_owned()),
+            (
+                method.to_owned(),
+                templated(route).to_owned(),
+                class.to_owned(),
+            ),
             count as f64,
         );
     }
@@ -188,7 +211,7 @@ fn routes_counted(backend: &str) -> anyhow::Result<()> {
             anyhow::bail!("the server's route {key:?}");
         };
         let entry = by_route
-            .entry((method.to_owned(), route.to_owned()))
+            .entry((method.to_owned(), templated(route).to_owned()))
             .or_default();
         entry.0 += count;
         entry.1 += seconds;
@@ -267,6 +290,7 @@ fn attack_bounded(backend: &str) -> anyhow::Result<()> {
     let (server, service, poolscope) = watched(
         backend,
         &format!("routes_per_service = {ROUTES_PER_SERVICE}"),
+        "",
     )?;
     let port = server.port;
     let attackers: Vec<_> = (0..ATTACKERS)
@@ -330,7 +354,7 @@ fn distinct_paths_stay_within_the_route_cap() -> anyhow::Result<()> {
 /// route could be read, and the connection still served.
 fn bad_input(backend: &str) -> anyhow::Result<()> {
     let _serial = one_at_a_time();
-    let (server, service, poolscope) = watched(backend, "")?;
+    let (server, service, poolscope) = watched(backend, "", "")?;
     let port = server.port;
     // A request line split over two reads: the first read holds no route.
     let split = TcpStream::connect(("127.0.0.1", port))?;

@@ -12,10 +12,12 @@ use regex::Regex;
 
 mod limits;
 mod raw;
+mod route_patterns;
 mod validate;
 
 pub use limits::{Limits, ProfileLimits, ScrapeLimits};
 pub use raw::*;
+pub use route_patterns::RoutePatterns;
 use validate::validate;
 
 /// Environment variable prefix; nested keys use `__`, e.g. `POOLSCOPE_WEB__LISTEN_ADDRESS`.
@@ -162,8 +164,16 @@ pub struct TargetRule {
     pub exe: Option<Regex>,
     pub ports: Vec<u16>,
     pub cgroup: Option<String>,
+    pub options: ServiceOptions,
+}
+
+/// How a service is read, from the rule that named it (the defaults without one).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceOptions {
     /// See [`raw::RawTarget::http2_worker_threads`].
     pub http2_worker_threads: bool,
+    /// See [`raw::RawTarget::routes`].
+    pub routes: RoutePatterns,
 }
 
 impl Settings {

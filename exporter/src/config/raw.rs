@@ -350,6 +350,9 @@ pub struct RawTarget {
     /// The service hands each HTTP/2 stream to a thread of a pool until its response
     /// (a thread-per-stream server): its open streams no thread serves are waiting.
     pub http2_worker_threads: bool,
+    /// Route templates (`"/users/:id"`, `"/static/*"`), tried in order before the
+    /// default normalizer; the first that names a request's path is its route.
+    pub routes: Vec<String>,
 }
 
 /// `port = 8080` or `port = [8080, 8443]`.

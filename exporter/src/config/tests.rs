@@ -221,6 +221,42 @@ fn routes_are_read_within_their_caps_once_turned_on() -> Result<(), ConfigError>
 }
 
 #[test]
+fn a_targets_route_templates_are_checked() -> Result<(), ConfigError> {
+    let target = |routes: &str| {
+        format!(
+            "[probes]\nroutes = true\n[limits]\nroutes_per_service = 2\n\
+             [[targets]]\ncomm = \"^api$\"\nroutes = {routes}\n"
+        )
+    };
+    let settings = load_toml(&target(r#"["/users/:id", "/static/*"]"#))?;
+    let routes = &settings.targets[0].options.routes;
+    assert_eq!(routes.len(), 2);
+    assert_eq!(routes.route_of(b"users/7", false), Some("/users/:id"));
+    assert!(
+        load_toml(&target("[]"))?.targets[0]
+            .options
+            .routes
+            .is_empty()
+    );
+    for (routes, reason) in [
+        (r#"["users"]"#, "does not begin with /"),
+        (
+            r#"["/a", "/b", "/c"]"#,
+            "more than the 2 routes a service keeps",
+        ),
+    ] {
+        let error = error_of(&target(routes));
+        assert!(
+            error.contains("targets[0].routes") && error.contains(reason),
+            "{routes}: {error}"
+        );
+    }
+    let unread = error_of("[[targets]]\ncomm = \"^api$\"\nroutes = [\"/a\"]\n");
+    assert!(unread.contains("[probes] routes is false"), "{unread}");
+    Ok(())
+}
+
+#[test]
 fn stack_settings_are_checked() -> Result<(), ConfigError> {
     let settings = load_toml("")?;
     assert_eq!(settings.snapshots.sampling_hz, 49);

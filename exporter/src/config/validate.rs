@@ -8,7 +8,8 @@ use regex::Regex;
 
 use super::{
     ConfigError, Limits, MetricsSettings, OctavesPerBucket, ProfileLimits, RawConfig, RawProfiles,
-    RawTarget, RawWeb, ScrapeLimits, Settings, SnapshotSettings, TargetRule, source_name,
+    RawTarget, RawWeb, RoutePatterns, ScrapeLimits, ServiceOptions, Settings, SnapshotSettings,
+    TargetRule, source_name,
 };
 
 /// Most slots of the thread array: 152 bytes of kernel memory each (144 MiB here),
@@ -139,7 +140,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         .targets
         .iter()
         .enumerate()
-        .map(|(index, target)| validate_target(target, index, figment))
+        .map(|(index, target)| validate_target(target, index, raw, figment))
         .collect::<Result<_, _>>()?;
     Ok(Settings {
         listen_addresses,
@@ -309,6 +310,7 @@ fn validate_stacks(raw: &RawConfig, figment: &Figment) -> Result<SnapshotSetting
 fn validate_target(
     target: &RawTarget,
     index: usize,
+    raw: &RawConfig,
     figment: &Figment,
 ) -> Result<TargetRule, ConfigError> {
     let key = |field: &str| format!("targets[{index}].{field}");
@@ -326,7 +328,12 @@ fn validate_target(
         exe: regex("exe", &target.exe)?,
         ports: target.port.to_vec(),
         cgroup: target.cgroup.clone(),
-        http2_worker_threads: target.http2_worker_threads,
+        options: ServiceOptions {
+            http2_worker_threads: target.http2_worker_threads,
+            routes: validate_routes(&target.routes, raw).map_err(|reason| {
+                invalid(figment, "targets", format!("{}: {reason}", key("routes")))
+            })?,
+        },
     };
     if let Some(service) = &rule.service
         && (service.is_empty() || service.len() > 128)
@@ -360,6 +367,23 @@ fn validate_target(
         ));
     }
     Ok(rule)
+}
+
+/// A target's route templates: valid, no more than a service keeps, and read.
+fn validate_routes(templates: &[String], raw: &RawConfig) -> Result<RoutePatterns, String> {
+    let patterns = RoutePatterns::parse(templates)?;
+    let per_service = raw.limits.routes_per_service as usize;
+    if patterns.len() > per_service {
+        return Err(format!(
+            "{} templates, more than the {per_service} routes a service keeps \
+             ([limits] routes_per_service)",
+            patterns.len()
+        ));
+    }
+    if !patterns.is_empty() && !raw.probes.routes {
+        return Err("templates name routes, but [probes] routes is false: none is read".into());
+    }
+    Ok(patterns)
 }
 
 /// `ip:port`, or `:port` for every address (as Prometheus exporters take it): the

@@ -36,7 +36,7 @@
 use std::collections::HashMap;
 
 use crate::{
-    config::TargetRule,
+    config::{ServiceOptions, TargetRule},
     discovery::procfs::{ProcInfo, ProcSnapshot, container_id, systemd_service},
 };
 
@@ -46,9 +46,8 @@ pub struct Assignment {
     pub pid: u32,
     pub start_time: u64,
     pub service: String,
-    /// The rule that named it says the service serves HTTP/2 streams on worker
-    /// threads ([`TargetRule::http2_worker_threads`]).
-    pub http2_worker_threads: bool,
+    /// How the rule that named it says to read the service (the defaults without one).
+    pub options: ServiceOptions,
 }
 
 /// How deep to look for a matching ancestor (guards against ppid cycles in bad input).
@@ -164,9 +163,10 @@ fn direct_service(
     process: &ProcInfo,
     rules: &[TargetRule],
     snapshot: &ProcSnapshot,
-) -> Option<(String, bool)> {
+) -> Option<(String, ServiceOptions)> {
     if rules.is_empty() {
-        return (!process.listeners.is_empty()).then(|| (default_service_name(process), false));
+        return (!process.listeners.is_empty())
+            .then(|| (default_service_name(process), ServiceOptions::default()));
     }
     rules
         .iter()
@@ -176,7 +176,7 @@ fn direct_service(
                 .service
                 .clone()
                 .unwrap_or_else(|| default_service_name(process));
-            (name, rule.http2_worker_threads)
+            (name, rule.options.clone())
         })
 }
 
@@ -184,14 +184,14 @@ fn direct_service(
 /// exporter itself) and its descendants are never assigned.
 pub fn assign(snapshot: &ProcSnapshot, rules: &[TargetRule], exclude: u32) -> Vec<Assignment> {
     let by_pid: HashMap<u32, &ProcInfo> = snapshot.processes.iter().map(|p| (p.pid, p)).collect();
-    let direct: HashMap<u32, (String, bool)> = snapshot
+    let direct: HashMap<u32, (String, ServiceOptions)> = snapshot
         .processes
         .iter()
         .filter(|p| p.pid != exclude)
         .filter_map(|p| Some((p.pid, direct_service(p, rules, snapshot)?)))
         .collect();
 
-    let inherited = |process: &ProcInfo| -> Option<(String, bool)> {
+    let inherited = |process: &ProcInfo| -> Option<(String, ServiceOptions)> {
         let mut current = process;
         for _ in 0..MAX_ANCESTORS {
             if current.ppid <= 1 || current.ppid == exclude {
@@ -211,7 +211,7 @@ pub fn assign(snapshot: &ProcSnapshot, rules: &[TargetRule], exclude: u32) -> Ve
         .iter()
         .filter(|p| p.pid != exclude && p.pid > 1)
         .filter_map(|process| {
-            let (service, http2_worker_threads) = direct
+            let (service, options) = direct
                 .get(&process.pid)
                 .cloned()
                 .or_else(|| inherited(process))?;
@@ -219,7 +219,7 @@ pub fn assign(snapshot: &ProcSnapshot, rules: &[TargetRule], exclude: u32) -> Ve
                 pid: process.pid,
                 start_time: process.start_time,
                 service,
-                http2_worker_threads,
+                options,
             })
         })
         .collect()
@@ -305,7 +305,7 @@ mod tests {
             exe: None,
             ports: Vec::new(),
             cgroup: None,
-            http2_worker_threads: false,
+            options: ServiceOptions::default(),
         }
     }
 

@@ -13,6 +13,7 @@ use poolscope_shared::{Phase, ProcessEvent, ProcessEventKind, Watched, maps};
 
 use crate::{
     clock::monotonic_ns,
+    config::ServiceOptions,
     discovery::held::HeldListener,
     discovery::ids::DenseIds,
     discovery::procfs::{self, NetTables, ProcSnapshot},
@@ -243,7 +244,7 @@ impl Targets {
             // A reload may have changed its rule's key.
             let service = tracked.service;
             if self.ids.get(&assignment.service) == Some(service) {
-                self.flag_stream_workers(kernel, service, assignment.http2_worker_threads);
+                self.apply_options(kernel, service, &assignment.options);
             }
             return None;
         }
@@ -253,7 +254,7 @@ impl Targets {
             tracing::debug!(service = %assignment.service, "limits.max_services reached; not watched");
             return None;
         };
-        self.flag_stream_workers(kernel, service, assignment.http2_worker_threads);
+        self.apply_options(kernel, service, &assignment.options);
         let pid = assignment.pid;
         // A fork may have put it there already: keep that entry and its `since`.
         let since_ns = match kernel.watched(pid) {
@@ -326,8 +327,20 @@ impl Targets {
         }
     }
 
+    /// Tells the kernel how to read `service` (its rule's keys, which a reload may
+    /// change).
+    fn apply_options(
+        &mut self,
+        kernel: &mut dyn WatchTable,
+        service: u32,
+        options: &ServiceOptions,
+    ) {
+        self.flag_stream_workers(kernel, service, options.http2_worker_threads);
+        kernel.name_routes(service, &options.routes);
+    }
+
     /// Tells the kernel whether `service` hands HTTP/2 streams to worker threads, when
-    /// that changed (its rule's key, at a reload).
+    /// that changed.
     fn flag_stream_workers(&mut self, kernel: &mut dyn WatchTable, service: u32, on: bool) {
         if self.stream_workers.contains(&service) == on {
             return;

@@ -1,13 +1,16 @@
 //! The route table (DESIGN §3), the user-space half of the kernel's route records:
-//! each finished request the kernel handed over (`RouteEvent`: its first bytes, status and times) named by its route — the
-//! method and the path with each segment that names one object of many (a number, a
-//! UUID, a long hex id) as `:id`, the query left out — and counted per service and
+//! each finished request the kernel handed over (`RouteEvent`: its first bytes, status
+//! and times) named by its route — the method and the first of its service's templates
+//! (`[[targets]] routes`) that names its path, else the path with each segment that
+//! names one object of many (a number, a UUID, a long hex id) as `:id`, the query left
+//! out — and counted per service and
 //! route, by status class, with queue time and duration histograms. A service keeps
 //! at most `[limits] routes_per_service` routes and all together `[limits] routes`;
 //! beyond, requests count under [`OTHER_ROUTE`], and requests whose first bytes are no
 //! request line under [`UNKNOWN_ROUTE`].
 use std::collections::{BTreeMap, HashMap};
 
+use crate::config::RoutePatterns;
 use poolscope_shared::{
     Histogram, ROUTE_BYTES, RouteEvent, STATUS_CLASSES, StatusClass, histogram_bucket,
     route_line_bytes,
@@ -20,6 +23,9 @@ pub const UNKNOWN_ROUTE: &str = "unknown";
 pub const OTHER_ROUTE: &str = "other";
 /// Stands for the segments of a path past the bytes read ([`ROUTE_BYTES`]).
 pub const CUT_MARK: &str = "…";
+
+/// The templates of a service that has none.
+static NO_PATTERNS: RoutePatterns = RoutePatterns::NONE;
 
 /// Longest method read (`OPTIONS`, `PROPFIND`, `M-SEARCH` are all shorter).
 const MAX_METHOD_BYTES: usize = 16;
@@ -42,10 +48,11 @@ fn is_id(segment: &[u8]) -> bool {
 /// A route's label: its method (empty for the reserved routes) and route.
 pub type RouteLabel = (String, String);
 
-/// The method and route of the request line that begins with `line`; `None` if it is
-/// no request line (another protocol, binary bytes, the HTTP/2 preface, an absolute
-/// or authority target).
-pub fn route_label(line: &[u8]) -> Option<RouteLabel> {
+/// The method and route of the request line that begins with `line`, named by the
+/// first of `patterns` that names its path, else by the default normalizer; `None` if
+/// it is no request line (another protocol, binary bytes, the HTTP/2 preface, an
+/// absolute or authority target).
+pub fn route_label(line: &[u8], patterns: &RoutePatterns) -> Option<RouteLabel> {
     let space = line.iter().position(|&byte| byte == b' ')?;
     let (method, target) = (line.get(..space)?, line.get(space + 1..)?);
     let method_ok = !method.is_empty()
@@ -68,6 +75,9 @@ pub fn route_label(line: &[u8]) -> Option<RouteLabel> {
         Some(end) => (path.get(..end)?, false),
         None => (path, true),
     };
+    if let Some(template) = patterns.route_of(path, cut) {
+        return Some((method, template.to_owned()));
+    }
     let mut route = String::with_capacity(path.len() + 1);
     for segment in path.split(|&byte| byte == b'/') {
         route.push('/');
@@ -126,6 +136,8 @@ pub struct RouteCaps {
 pub struct RouteTable {
     caps: RouteCaps,
     services: HashMap<u32, BTreeMap<RouteLabel, RouteTotals>>,
+    /// The templates of services that have some.
+    patterns: HashMap<u32, RoutePatterns>,
     /// Routes kept over all services (the reserved ones not counted).
     kept: usize,
 }
@@ -135,6 +147,7 @@ impl RouteTable {
         Self {
             caps,
             services: HashMap::new(),
+            patterns: HashMap::new(),
             kept: 0,
         }
     }
@@ -142,9 +155,10 @@ impl RouteTable {
     /// Counts one finished request.
     pub fn add(&mut self, event: &RouteEvent) {
         let len = usize::from(event.line_len).min(ROUTE_BYTES);
+        let patterns = self.patterns.get(&event.service).unwrap_or(&NO_PATTERNS);
         let label = route_line_bytes(&event.line)
             .get(..len)
-            .and_then(route_label)
+            .and_then(|line| route_label(line, patterns))
             .unwrap_or_else(|| (String::new(), UNKNOWN_ROUTE.to_owned()));
         let routes = self.services.entry(event.service).or_default();
         let label = if label.0.is_empty() || routes.contains_key(&label) {
@@ -164,8 +178,23 @@ impl RouteTable {
         self.services.get(&service).cloned().unwrap_or_default()
     }
 
-    /// Forgets `service`'s routes (its id is to be reused).
+    /// The templates that name `service`'s routes.
+    pub fn patterns(&self, service: u32) -> &RoutePatterns {
+        self.patterns.get(&service).unwrap_or(&NO_PATTERNS)
+    }
+
+    /// Names `service`'s routes by `patterns` from now on.
+    pub fn set_patterns(&mut self, service: u32, patterns: RoutePatterns) {
+        if patterns.is_empty() {
+            self.patterns.remove(&service);
+        } else {
+            self.patterns.insert(service, patterns);
+        }
+    }
+
+    /// Forgets `service`'s routes and templates (its id is to be reused).
     pub fn reset_service(&mut self, service: u32) {
+        self.patterns.remove(&service);
         if let Some(routes) = self.services.remove(&service) {
             self.kept = self.kept.saturating_sub(kept_of(&routes));
         }
@@ -185,7 +214,7 @@ mod tests {
     use super::*;
 
     fn label(line: &str) -> Option<RouteLabel> {
-        route_label(line.as_bytes())
+        route_label(line.as_bytes(), &NO_PATTERNS)
     }
 
     fn named(method: &str, route: &str) -> Option<RouteLabel> {
@@ -223,6 +252,56 @@ mod tests {
     }
 
     #[test]
+    fn a_services_templates_name_its_routes_before_the_normalizer() {
+        let templates = ["/users/{name}".to_owned(), "/files/*".to_owned()];
+        let patterns = RoutePatterns::parse(&templates).expect("valid templates");
+        let mut table = RouteTable::new(RouteCaps {
+            per_service: 10,
+            total: 10,
+        });
+        table.set_patterns(1, patterns.clone());
+        for service in [1, 2] {
+            for line in [
+                "GET /users/alice HTTP/1.1",
+                "GET /users/42?x HTTP/1.1",
+                "PUT /files/a/b/c.txt HTTP/1.1",
+                "GET /orders/42 HTTP/1.1",
+            ] {
+                table.add(&event(service, line, 200, 1));
+            }
+        }
+        let routes = |service| -> Vec<(String, String, u64)> {
+            table
+                .service(service)
+                .into_iter()
+                .map(|((method, route), totals)| (method, route, totals.responses.iter().sum()))
+                .collect()
+        };
+        let owned = |method: &str, route: &str, count| (method.to_owned(), route.to_owned(), count);
+        assert_eq!(
+            routes(1),
+            [
+                owned("GET", "/orders/:id", 1),
+                owned("GET", "/users/{name}", 2),
+                owned("PUT", "/files/*", 1),
+            ]
+        );
+        assert_eq!(
+            routes(2),
+            [
+                owned("GET", "/orders/:id", 1),
+                owned("GET", "/users/:id", 1),
+                owned("GET", "/users/alice", 1),
+                owned("PUT", "/files/a/b/c.txt", 1),
+            ]
+        );
+        assert_eq!(table.patterns(1), &patterns);
+        // An id reused by another service starts without the old one's templates.
+        table.reset_service(1);
+        assert!(table.patterns(1).is_empty());
+    }
+
+    #[test]
     fn no_request_line_is_no_route() {
         for line in [
             &b""[..],
@@ -236,7 +315,7 @@ mod tests {
             b" / HTTP/1.1",
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
         ] {
-            assert_eq!(route_label(line), None, "{line:?}");
+            assert_eq!(route_label(line, &NO_PATTERNS), None, "{line:?}");
         }
     }
 

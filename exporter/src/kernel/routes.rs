@@ -14,7 +14,7 @@ use poolscope_shared::{RouteEvent, maps};
 
 use super::route_table::{RouteCaps, RouteLabel, RouteTable, RouteTotals};
 use super::{KernelError, MapSizes, decode_record, take};
-use crate::config::Limits;
+use crate::config::{Limits, RoutePatterns};
 
 /// How often the ring is drained: the kernel does not wake the reader (a wakeup per
 /// request would cost more than its record), so the ring holds what arrives in one
@@ -103,6 +103,16 @@ impl Routes {
         services
             .map(|service| (service, drained.table.service(service)))
             .collect()
+    }
+
+    /// Names `service`'s routes by `patterns` from the next record on (those before
+    /// are drained first: a reload's new templates do not name earlier requests).
+    pub fn name_routes(&self, service: u32, patterns: &RoutePatterns) {
+        let mut drained = self.lock();
+        if drained.table.patterns(service) != patterns {
+            drained.drain();
+            drained.table.set_patterns(service, patterns.clone());
+        }
     }
 
     /// Forgets `service`'s routes, after the records of its requests so far.

@@ -18,7 +18,7 @@ use super::{
     BPF_NOEXIST, Backend, Kernel, KernelError, MapSizes, ServedConnection, WatchTable,
     batch::BatchMap, mapping::SharedValues, reread::Reread, syscalls::syscall_number, take,
 };
-use crate::config::Limits;
+use crate::config::{Limits, RoutePatterns};
 
 /// The maps of the watched processes, their listeners, connections and requests.
 pub(super) struct Requests {
@@ -428,6 +428,10 @@ impl WatchTable for Kernel {
 
     fn set_stream_workers(&mut self, service: u32, on: bool) -> Result<(), MapError> {
         self.requests.stream_workers.set(service, u32::from(on), 0)
+    }
+
+    fn name_routes(&mut self, service: u32, patterns: &RoutePatterns) {
+        self.routes.name_routes(service, patterns);
     }
 
     fn reset_service(&mut self, service: u32) -> Result<(), MapError> {

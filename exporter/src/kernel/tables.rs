@@ -9,6 +9,7 @@ use aya::maps::MapError;
 use poolscope_shared::{ListenKey, Phase, Thread, Watched};
 
 use super::{Adopted, Backend};
+use crate::config::RoutePatterns;
 
 /// A connection that a process accepted from one of its own listeners and still
 /// holds open, as discovery found it in procfs (it may predate poolscope): what
@@ -95,6 +96,9 @@ pub trait WatchTable {
     /// Tells the scheduler programs whether `service` hands each HTTP/2 stream to a
     /// worker thread (`STREAM_WORKERS`).
     fn set_stream_workers(&mut self, service: u32, on: bool) -> Result<(), MapError>;
+
+    /// Names `service`'s routes by `patterns` from its next finished request on.
+    fn name_routes(&mut self, service: u32, patterns: &RoutePatterns);
 }
 
 /// The kernel's per-thread and per-pool tables, as the thread pools see them.
@@ -128,7 +132,10 @@ pub mod fake {
     use poolscope_shared::{ListenKey, Phase, Thread, Watched};
 
     use super::{ThreadTable, WatchTable};
-    use crate::kernel::{Adopted, Backend, ServedConnection};
+    use crate::{
+        config::RoutePatterns,
+        kernel::{Adopted, Backend, ServedConnection},
+    };
 
     #[derive(Debug)]
     pub struct FakeTables {
@@ -143,6 +150,8 @@ pub mod fake {
         pub services_reset: Vec<u32>,
         /// Services flagged in `STREAM_WORKERS`.
         pub stream_workers: BTreeSet<u32>,
+        /// Services whose routes have templates.
+        pub route_patterns: BTreeMap<u32, RoutePatterns>,
         pub threads: BTreeMap<u32, Thread>,
         pub thread_pools: BTreeMap<u32, u32>,
         pub pools_reset: BTreeSet<u32>,
@@ -159,6 +168,7 @@ pub mod fake {
                 connections: BTreeMap::new(),
                 services_reset: Vec::new(),
                 stream_workers: BTreeSet::new(),
+                route_patterns: BTreeMap::new(),
                 threads: BTreeMap::new(),
                 thread_pools: BTreeMap::new(),
                 pools_reset: BTreeSet::new(),
@@ -271,6 +281,14 @@ pub mod fake {
                 self.stream_workers.remove(&service);
             }
             Ok(())
+        }
+
+        fn name_routes(&mut self, service: u32, patterns: &RoutePatterns) {
+            if patterns.is_empty() {
+                self.route_patterns.remove(&service);
+            } else {
+                self.route_patterns.insert(service, patterns.clone());
+            }
         }
     }
 

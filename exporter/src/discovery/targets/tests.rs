@@ -4,7 +4,7 @@ use std::{fs, io, path::Path};
 use poolscope_shared::LossErrno;
 
 use super::*;
-use crate::kernel::fake::FakeTables;
+use crate::{config::RoutePatterns, kernel::fake::FakeTables};
 
 /// A procfs with `/proc/<pid>/stat` of each (pid, start time).
 fn procfs(processes: &[(u32, u64)]) -> io::Result<tempfile::TempDir> {
@@ -29,7 +29,7 @@ fn assigned(pid: u32, start_time: u64, service: &str) -> Assignment {
         pid,
         start_time,
         service: service.to_owned(),
-        http2_worker_threads: false,
+        options: ServiceOptions::default(),
     }
 }
 
@@ -59,12 +59,16 @@ fn names(views: &[ServiceView]) -> Vec<(&str, u64)> {
 }
 
 #[test]
-fn a_rule_flags_its_service_stream_workers_until_a_reload_unflags_it() -> io::Result<()> {
+fn a_rules_options_reach_the_kernel_until_a_reload_drops_them() -> io::Result<()> {
     let root = procfs(&[(100, 5), (200, 7)])?;
     let mut targets = Targets::new(root.path().to_owned(), 8);
     let mut tables = FakeTables::default();
+    let routes = RoutePatterns::parse(&["/calls/:id".to_owned()]).map_err(io::Error::other)?;
     let grpc = Assignment {
-        http2_worker_threads: true,
+        options: ServiceOptions {
+            http2_worker_threads: true,
+            routes: routes.clone(),
+        },
         ..assigned(100, 5, "grpc")
     };
     scan(
@@ -76,16 +80,18 @@ fn a_rule_flags_its_service_stream_workers_until_a_reload_unflags_it() -> io::Re
         panic!("both services get ids");
     };
     assert_eq!(tables.stream_workers, BTreeSet::from([id]));
+    assert_eq!(tables.route_patterns, BTreeMap::from([(id, routes)]));
     let views = targets.services(&watched(&tables));
     let flags: Vec<(u32, bool)> = views.iter().map(|v| (v.id, v.stream_workers)).collect();
     assert_eq!(flags, [(id, true), (web, false)]);
     // A reload drops the key: the running process's service is unflagged.
     let plain = Assignment {
-        http2_worker_threads: false,
+        options: ServiceOptions::default(),
         ..grpc
     };
     scan(&mut targets, &mut tables, &[plain, assigned(200, 7, "web")]);
     assert!(tables.stream_workers.is_empty());
+    assert!(tables.route_patterns.is_empty());
     assert!(!targets.services(&watched(&tables))[0].stream_workers);
     Ok(())
 }
