@@ -33,6 +33,8 @@ pub static SERVICE_EPOCHS: Array<u32> = Array::with_max_entries(MAX_SERVICES, 0)
 #[map]
 pub static STREAM_WORKERS: Array<u32> = Array::with_max_entries(MAX_SERVICES, 0);
 #[map]
+pub static ROUTE_SERVICES: Array<u32> = Array::with_max_entries(MAX_SERVICES, 0);
+#[map]
 pub static WATCHED_PORTS: Array<u64> = Array::with_max_entries(WATCHED_PORT_WORDS, 0);
 #[map]
 pub static ADOPT: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);

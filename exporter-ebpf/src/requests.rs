@@ -228,7 +228,7 @@ pub fn read(
     // After the phase changed: the request before was recorded (here, or where its
     // successor arrived), and this one is recorded only after its answer, which
     // follows this read.
-    if began && routes::reads_routes() {
+    if began {
         routes::began(conn, source, len);
     }
 }
@@ -466,7 +466,7 @@ pub fn record(
     add_to_shared_histogram(&mut times.queue, queue_ns);
     add_to_shared_histogram(&mut times.duration, duration_ns);
     add_to_shared_histogram(&mut times.latency, end_ns.saturating_sub(arrive_ns));
-    if routes::reads_routes() {
+    if routes::reads_routes(service) {
         routes::finished(service, status, queue_ns, duration_ns, line);
     }
     // Counted after the record (x86's atomic adds are seen in order, and the

@@ -8,29 +8,44 @@ use aya_ebpf::bindings::BPF_RB_NO_WAKEUP;
 use poolscope_shared::{Conn, LossErrno, LossSource, RouteEvent, RouteLine};
 
 use crate::{
-    maps::{ROUTE_EVENTS, count_loss},
+    maps::{ROUTE_EVENTS, ROUTE_SERVICES, count_loss},
     source::Source,
 };
 
-/// 1: requests' first bytes are read and every finished request is handed to user
-/// space (set at load time, `[probes] routes`). 0: neither.
+/// 1: some service's routes may be read (set at load time: `[probes] routes`, or a
+/// `[[targets]]` entry that reads them). 0: no program looks further.
 #[unsafe(no_mangle)]
 static READ_ROUTES: u32 = 1;
 
-/// Whether routes are read.
+/// Whether any service's routes may be read (else the verifier drops the rest).
 #[inline(always)]
-pub fn reads_routes() -> bool {
+fn any_read() -> bool {
     // SAFETY: a load-time constant; volatile so that the compiler does not fold it.
     unsafe { core::ptr::read_volatile(&READ_ROUTES) != 0 }
 }
 
+/// Whether `service`'s routes are read: its first bytes kept, its finished requests
+/// handed over.
+#[inline(always)]
+pub fn reads_routes(service: u32) -> bool {
+    any_read() && ROUTE_SERVICES.get(service).is_some_and(|&read| read != 0)
+}
+
 /// The read of `len` bytes at `source` began `conn`'s current request: its first
-/// bytes become the request's line (none if they cannot be read).
+/// bytes become the request's line (none if they cannot be read, or if its service's
+/// routes are not read: its record, if they are by then, has no line left over).
 #[inline(always)]
 pub fn began(conn: &mut Conn, source: impl FnOnce() -> Option<Source>, len: u64) {
-    conn.line_len = source()
-        .and_then(|source| source.read_first(&mut conn.line, len))
-        .unwrap_or(0);
+    if !any_read() {
+        return;
+    }
+    conn.line_len = if reads_routes(conn.service) {
+        source()
+            .and_then(|source| source.read_first(&mut conn.line, len))
+            .unwrap_or(0)
+    } else {
+        0
+    };
 }
 
 /// The first bytes of a request, as [`began`] kept them.

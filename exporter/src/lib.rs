@@ -130,7 +130,8 @@ pub fn run(overrides: Overrides) -> anyhow::Result<()> {
         settings.bpf_stats,
         kernel::Reads {
             response_status: settings.response_status,
-            routes: settings.routes,
+            routes: settings.any_routes_read(),
+            routes_by_default: settings.routes,
         },
     )?;
     let backend = kernel.backend();

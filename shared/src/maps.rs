@@ -73,6 +73,9 @@ pub const LOSSES: &str = "LOSSES";
 pub const PROCESS_EVENTS: &str = "PROCESS_EVENTS";
 /// ring buffer of [`crate::RouteEvent`]: every finished request, for its route.
 pub const ROUTE_EVENTS: &str = "ROUTE_EVENTS";
+/// array, service → 1 if its routes are read (`[probes] routes`, `[[targets]] routes`):
+/// its requests' first bytes are kept and each finished one goes to [`ROUTE_EVENTS`].
+pub const ROUTE_SERVICES: &str = "ROUTE_SERVICES";
 /// array, index [`crate::thread_slot`] → [`crate::Thread`], mmap-able: the threads
 /// of watched processes and what each is doing since when, one per slot, owned as
 /// [`THREAD_OWNERS`] says. The scheduler programs reach an entry with two inlined

@@ -117,47 +117,77 @@ fn mean_duration(metrics: &Metrics, service: &str, method: &str, route: &str) ->
     (count > 0.0).then(|| sum / count)
 }
 
-/// A poolscope watching a route server on `backend`, with `limits` config lines in
-/// `[limits]` and `target` lines in its `[[targets]]` entry; the server, the service's
-/// name and the poolscope.
+/// A poolscope watching a route server on `backend` whose routes its target's
+/// `routes` value reads (`[probes] routes` left off), with `limits` config lines in
+/// `[limits]`, and, as `plain`, other servers whose routes are not read; the server,
+/// the service's name and the poolscope.
 fn watched(
     backend: &str,
     limits: &str,
-    target: &str,
+    routes: &str,
+    plain: &[(&str, u32)],
 ) -> anyhow::Result<(RouteServer, String, Poolscope)> {
     let service = format!("routes-{backend}");
     let server = RouteServer::start()?;
-    let config = format!(
-        "[probes]\nbackend = \"{backend}\"\nroutes = true\n[limits]\n{limits}\n{}{target}\n",
+    let mut config = format!(
+        "[probes]\nbackend = \"{backend}\"\n[limits]\n{limits}\n{}routes = {routes}\n",
         pids_config(&service, &[server.pid()])
     );
+    for (name, pid) in plain {
+        config.push_str(&format!(
+            "[[targets]]\nservice = \"{name}\"\npids = [{pid}]\n"
+        ));
+    }
     let poolscope = Poolscope::start(&config)?;
     scrape_until(&poolscope, |m| {
-        m.value("poolscope_targets", &[("service", &service)]) == Some(1.0)
+        [service.as_str()]
+            .iter()
+            .chain(plain.iter().map(|(name, _)| name))
+            .all(|name| m.value("poolscope_targets", &[("service", name)]) == Some(1.0))
     })?;
     Ok((server, service, poolscope))
 }
 
 /// The mix, from [`CONNECTIONS`] clients at once; what the server served, and
-/// poolscope's scrape once it counted every request.
+/// poolscope's scrape once it counted every request. Meanwhile a server whose routes
+/// are not read serves the mix on one connection: counted, with no route.
 fn run_mix(backend: &str) -> anyhow::Result<(ServedRoutes, String, Metrics)> {
-    let (server, service, poolscope) = watched(backend, "", &format!("routes = [{TEMPLATE:?}]"))?;
+    let unread = RouteServer::start()?;
+    let unread_service = format!("unread-{backend}");
+    let (server, service, poolscope) = watched(
+        backend,
+        "",
+        &format!("[{TEMPLATE:?}]"),
+        &[(&unread_service, unread.pid())],
+    )?;
     let port = server.port;
+    let unread_port = unread.port;
     let clients: Vec<_> = (0..CONNECTIONS)
         .map(|connection| std::thread::spawn(move || ask_in_turn(port, connection)))
+        .chain([std::thread::spawn(move || ask_in_turn(unread_port, 0))])
         .collect();
-    let mut read = 0;
+    let mut read: Vec<u64> = Vec::new();
     for client in clients {
         let by_status = client
             .join()
             .map_err(|_| anyhow::anyhow!("a client panicked"))??;
-        read += by_status.values().sum::<u64>();
+        read.push(by_status.values().sum::<u64>());
     }
+    let unread_made = read.pop().unwrap_or_default();
+    let read: u64 = read.iter().sum();
     // The clients hang up; each connection's last request ends at its close.
     let metrics = scrape_until(&poolscope, |m| {
-        requests_settled(m, &service, read) && m.connection_entries() == Some(0.0)
+        requests_settled(m, &service, read)
+            && requests_settled(m, &unread_service, unread_made)
+            && m.connection_entries() == Some(0.0)
     })
     .with_context(|| format!("{service}: {read} requests"))?;
+    let unread_routes = route_counts(&metrics, &unread_service);
+    anyhow::ensure!(
+        unread_routes.is_empty(),
+        "{unread_service}, whose routes are not read, has routes {unread_routes:?}"
+    );
+    drop(unread);
     let served = server.finish()?;
     let made: u64 = served.values().map(|(count, _)| count).sum();
     anyhow::ensure!(
@@ -290,7 +320,8 @@ fn attack_bounded(backend: &str) -> anyhow::Result<()> {
     let (server, service, poolscope) = watched(
         backend,
         &format!("routes_per_service = {ROUTES_PER_SERVICE}"),
-        "",
+        "true",
+        &[],
     )?;
     let port = server.port;
     let attackers: Vec<_> = (0..ATTACKERS)
@@ -354,7 +385,7 @@ fn distinct_paths_stay_within_the_route_cap() -> anyhow::Result<()> {
 /// route could be read, and the connection still served.
 fn bad_input(backend: &str) -> anyhow::Result<()> {
     let _serial = one_at_a_time();
-    let (server, service, poolscope) = watched(backend, "", "")?;
+    let (server, service, poolscope) = watched(backend, "", "true", &[])?;
     let port = server.port;
     // A request line split over two reads: the first read holds no route.
     let split = TcpStream::connect(("127.0.0.1", port))?;

@@ -17,7 +17,7 @@ mod validate;
 
 pub use limits::{Limits, ProfileLimits, ScrapeLimits};
 pub use raw::*;
-pub use route_patterns::RoutePatterns;
+pub use route_patterns::{RoutePatterns, ServiceRoutes};
 use validate::validate;
 
 /// Environment variable prefix; nested keys use `__`, e.g. `POOLSCOPE_WEB__LISTEN_ADDRESS`.
@@ -173,10 +173,20 @@ pub struct ServiceOptions {
     /// See [`raw::RawTarget::http2_worker_threads`].
     pub http2_worker_threads: bool,
     /// See [`raw::RawTarget::routes`].
-    pub routes: RoutePatterns,
+    pub routes: ServiceRoutes,
 }
 
 impl Settings {
+    /// Whether any service's routes may be read: `[probes] routes`, or a rule that
+    /// reads them. The programs look no further when none may.
+    pub fn any_routes_read(&self) -> bool {
+        self.routes
+            || self
+                .targets
+                .iter()
+                .any(|rule| matches!(rule.options.routes, ServiceRoutes::Read(_)))
+    }
+
     /// The keys whose values differ from the `running` settings' and take effect only
     /// on restart (the programs and the listener are set up once).
     pub fn restart_changes(&self, running: &Settings) -> Vec<&'static str> {
@@ -209,6 +219,10 @@ impl Settings {
                 self.response_status != running.response_status,
             ),
             ("probes.routes", self.routes != running.routes),
+            (
+                "targets.routes (the first service whose routes are read)",
+                self.any_routes_read() && !running.any_routes_read(),
+            ),
             (
                 "probes.sampling_hz",
                 self.snapshots.sampling_hz != running.snapshots.sampling_hz,

@@ -350,9 +350,18 @@ pub struct RawTarget {
     /// The service hands each HTTP/2 stream to a thread of a pool until its response
     /// (a thread-per-stream server): its open streams no thread serves are waiting.
     pub http2_worker_threads: bool,
-    /// Route templates (`"/users/:id"`, `"/static/*"`), tried in order before the
-    /// default normalizer; the first that names a request's path is its route.
-    pub routes: Vec<String>,
+    /// Whether the service's routes are read (`true`, `false`; unset: as `[probes]
+    /// routes`), or the route templates (`"/users/:id"`, `"/static/*"`) that name them
+    /// first, which reads them.
+    pub routes: Option<RawRoutes>,
+}
+
+/// `routes = true` or `routes = ["/users/:id"]`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum RawRoutes {
+    Read(bool),
+    Templates(Vec<String>),
 }
 
 /// `port = 8080` or `port = [8080, 8443]`.

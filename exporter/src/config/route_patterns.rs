@@ -1,6 +1,6 @@
-//! Route templates a `[[targets]]` entry names (`routes = ["/users/:id", ...]`):
-//! parsed and checked here, matched by the route table against each request's path
-//! before the default normalizer. A segment is a literal, `:name` or `{name}` (any one
+//! Whether a `[[targets]]` entry's service has its routes read, and the templates
+//! that name them (`routes = ["/users/:id", ...]`): parsed and checked here, matched by
+//! the route table against each request's path before the default normalizer. A segment is a literal, `:name` or `{name}` (any one
 //! non-empty segment), or, last only, `*` (the rest of the path, one segment or more).
 use std::sync::Arc;
 
@@ -101,6 +101,18 @@ fn is_placeholder(part: &str) -> bool {
             .and_then(|rest| rest.strip_suffix('}'))
     });
     name.is_some_and(|name| !name.is_empty() && !name.contains(['*', '{', '}', ':']))
+}
+
+/// Whether a rule's service has its routes read (`[[targets]] routes`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ServiceRoutes {
+    /// As `[probes] routes` says for every service (no `routes` key).
+    #[default]
+    AsProbes,
+    /// `routes = false`.
+    Off,
+    /// `routes = true` (no template) or a list of templates.
+    Read(RoutePatterns),
 }
 
 /// A service's templates, in the order given (the first that matches names the route).

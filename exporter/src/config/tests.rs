@@ -221,23 +221,39 @@ fn routes_are_read_within_their_caps_once_turned_on() -> Result<(), ConfigError>
 }
 
 #[test]
-fn a_targets_route_templates_are_checked() -> Result<(), ConfigError> {
-    let target = |routes: &str| {
+fn a_target_reads_its_routes_or_not_with_its_templates() -> Result<(), ConfigError> {
+    let target = |probes: bool, routes: &str| {
         format!(
-            "[probes]\nroutes = true\n[limits]\nroutes_per_service = 2\n\
-             [[targets]]\ncomm = \"^api$\"\nroutes = {routes}\n"
+            "[probes]\nroutes = {probes}\n[limits]\nroutes_per_service = 2\n\
+             [[targets]]\ncomm = \"^api$\"\nroutes = {routes}\n\
+             [[targets]]\ncomm = \"^web$\"\n"
         )
     };
-    let settings = load_toml(&target(r#"["/users/:id", "/static/*"]"#))?;
-    let routes = &settings.targets[0].options.routes;
-    assert_eq!(routes.len(), 2);
-    assert_eq!(routes.route_of(b"users/7", false), Some("/users/:id"));
-    assert!(
-        load_toml(&target("[]"))?.targets[0]
-            .options
-            .routes
-            .is_empty()
+    // Templates read the routes of their service alone, [probes] routes off.
+    let settings = load_toml(&target(false, r#"["/users/:id", "/static/*"]"#))?;
+    let ServiceRoutes::Read(patterns) = &settings.targets[0].options.routes else {
+        panic!("templates read routes: {:?}", settings.targets[0]);
+    };
+    assert_eq!(patterns.len(), 2);
+    assert_eq!(patterns.route_of(b"users/7", false), Some("/users/:id"));
+    assert_eq!(settings.targets[1].options.routes, ServiceRoutes::AsProbes);
+    assert!(settings.any_routes_read());
+    let read = ServiceRoutes::Read(RoutePatterns::NONE);
+    assert_eq!(
+        load_toml(&target(false, "[]"))?.targets[0].options.routes,
+        read
     );
+    assert_eq!(
+        load_toml(&target(false, "true"))?.targets[0].options.routes,
+        read
+    );
+    let off = load_toml(&target(true, "false"))?;
+    assert_eq!(off.targets[0].options.routes, ServiceRoutes::Off);
+    assert!(
+        off.any_routes_read(),
+        "[probes] routes reads the other service's"
+    );
+    assert!(!load_toml(&target(false, "false"))?.any_routes_read());
     for (routes, reason) in [
         (r#"["users"]"#, "does not begin with /"),
         (
@@ -245,14 +261,19 @@ fn a_targets_route_templates_are_checked() -> Result<(), ConfigError> {
             "more than the 2 routes a service keeps",
         ),
     ] {
-        let error = error_of(&target(routes));
+        let error = error_of(&target(false, routes));
         assert!(
             error.contains("targets[0].routes") && error.contains(reason),
             "{routes}: {error}"
         );
     }
-    let unread = error_of("[[targets]]\ncomm = \"^api$\"\nroutes = [\"/a\"]\n");
-    assert!(unread.contains("[probes] routes is false"), "{unread}");
+    // The first service whose routes are read needs the programs that read them.
+    let running = load_toml(&target(false, "false"))?;
+    let changes = load_toml(&target(false, "true"))?.restart_changes(&running);
+    assert!(
+        changes.iter().any(|key| key.starts_with("targets.routes")),
+        "{changes:?}"
+    );
     Ok(())
 }
 

@@ -8,8 +8,8 @@ use regex::Regex;
 
 use super::{
     ConfigError, Limits, MetricsSettings, OctavesPerBucket, ProfileLimits, RawConfig, RawProfiles,
-    RawTarget, RawWeb, RoutePatterns, ScrapeLimits, ServiceOptions, Settings, SnapshotSettings,
-    TargetRule, source_name,
+    RawRoutes, RawTarget, RawWeb, RoutePatterns, ScrapeLimits, ServiceOptions, ServiceRoutes,
+    Settings, SnapshotSettings, TargetRule, source_name,
 };
 
 /// Most slots of the thread array: 152 bytes of kernel memory each (144 MiB here),
@@ -330,7 +330,7 @@ fn validate_target(
         cgroup: target.cgroup.clone(),
         options: ServiceOptions {
             http2_worker_threads: target.http2_worker_threads,
-            routes: validate_routes(&target.routes, raw).map_err(|reason| {
+            routes: validate_routes(target.routes.as_ref(), raw).map_err(|reason| {
                 invalid(figment, "targets", format!("{}: {reason}", key("routes")))
             })?,
         },
@@ -369,8 +369,15 @@ fn validate_target(
     Ok(rule)
 }
 
-/// A target's route templates: valid, no more than a service keeps, and read.
-fn validate_routes(templates: &[String], raw: &RawConfig) -> Result<RoutePatterns, String> {
+/// Whether a target's routes are read; its templates valid and no more than a
+/// service keeps.
+fn validate_routes(routes: Option<&RawRoutes>, raw: &RawConfig) -> Result<ServiceRoutes, String> {
+    let templates = match routes {
+        None => return Ok(ServiceRoutes::AsProbes),
+        Some(RawRoutes::Read(false)) => return Ok(ServiceRoutes::Off),
+        Some(RawRoutes::Read(true)) => return Ok(ServiceRoutes::Read(RoutePatterns::NONE)),
+        Some(RawRoutes::Templates(templates)) => templates,
+    };
     let patterns = RoutePatterns::parse(templates)?;
     let per_service = raw.limits.routes_per_service as usize;
     if patterns.len() > per_service {
@@ -380,10 +387,7 @@ fn validate_routes(templates: &[String], raw: &RawConfig) -> Result<RoutePattern
             patterns.len()
         ));
     }
-    if !patterns.is_empty() && !raw.probes.routes {
-        return Err("templates name routes, but [probes] routes is false: none is read".into());
-    }
-    Ok(patterns)
+    Ok(ServiceRoutes::Read(patterns))
 }
 
 /// `ip:port`, or `:port` for every address (as Prometheus exporters take it): the

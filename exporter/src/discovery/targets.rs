@@ -336,7 +336,10 @@ impl Targets {
         options: &ServiceOptions,
     ) {
         self.flag_stream_workers(kernel, service, options.http2_worker_threads);
-        kernel.name_routes(service, &options.routes);
+        if let Err(error) = kernel.name_routes(service, &options.routes) {
+            self.map_errors.count(maps::ROUTE_SERVICES, &error);
+            tracing::warn!(service, %error, "cannot turn a service's route reading on or off");
+        }
     }
 
     /// Tells the kernel whether `service` hands HTTP/2 streams to worker threads, when

@@ -100,8 +100,10 @@ fn map_sizes(limits: &Limits) -> impl Iterator<Item = (&'static str, u32)> {
 pub struct Reads {
     /// The status line of each answer.
     pub response_status: bool,
-    /// The first bytes of each request, for its route.
+    /// The first bytes of each request, for its route: whether any service's may be
+    /// read, and whether a service's are when no rule says.
     pub routes: bool,
+    pub routes_by_default: bool,
 }
 
 /// Loads the object with its maps sized by `limits` (as each part sizes its own)

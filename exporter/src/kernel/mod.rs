@@ -207,7 +207,7 @@ impl Kernel {
         let pools = Pools::take(&mut ebpf, &limits)?;
         let locks = Locks::take(&mut ebpf)?;
         let stacks = Stacks::take(&mut ebpf)?;
-        let routes = Routes::take(&mut ebpf, &limits, reads.routes)?;
+        let routes = Routes::take(&mut ebpf, &limits, reads)?;
         let health = Health::take(&ebpf)?;
         let kernel = Self {
             ebpf,

@@ -1,20 +1,21 @@
-//! The routes part of [`Kernel`](super::Kernel) ([`Routes`]): the `ROUTE_EVENTS`
-//! ring, drained into the [`RouteTable`] on a thread of its own and at each read.
+//! The routes part of [`Kernel`](super::Kernel) ([`Routes`]): which services' routes
+//! the programs read (`ROUTE_SERVICES`), and the `ROUTE_EVENTS` ring, drained into the
+//! [`RouteTable`] on a thread of its own and at each read.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashSet},
     sync::{Arc, Mutex, MutexGuard, PoisonError, Weak},
     time::Duration,
 };
 
 use aya::{
     Ebpf,
-    maps::{MapData, RingBuf},
+    maps::{Array, MapData, MapError, RingBuf},
 };
 use poolscope_shared::{RouteEvent, maps};
 
 use super::route_table::{RouteCaps, RouteLabel, RouteTable, RouteTotals};
-use super::{KernelError, MapSizes, decode_record, take};
-use crate::config::{Limits, RoutePatterns};
+use super::{KernelError, MapSizes, Reads, decode_record, take};
+use crate::config::{Limits, RoutePatterns, ServiceRoutes};
 
 /// How often the ring is drained: the kernel does not wake the reader (a wakeup per
 /// request would cost more than its record), so the ring holds what arrives in one
@@ -41,12 +42,19 @@ impl Drained {
     }
 }
 
-/// The route table, filled from the ring.
+/// The route table, filled from the ring, and the services whose routes are read.
 pub(super) struct Routes {
     drained: Arc<Mutex<Drained>>,
-    /// Whether the programs hand over requests (`[probes] routes`): else nothing is
-    /// drained.
+    /// Whether the programs may hand over requests (any service's routes read): else
+    /// nothing is drained.
     enabled: bool,
+    /// Whether a service's routes are read when its rule does not say
+    /// (`[probes] routes`).
+    by_default: bool,
+    /// Service → 1 if its routes are read, as the programs check it.
+    services: Array<MapData, u32>,
+    /// The services set to 1 there.
+    read: HashSet<u32>,
 }
 
 impl Routes {
@@ -63,7 +71,7 @@ impl Routes {
     }
 
     /// Takes the ring out of `ebpf`; [`Routes::start_draining`] starts its thread.
-    pub fn take(ebpf: &mut Ebpf, limits: &Limits, enabled: bool) -> Result<Self, KernelError> {
+    pub fn take(ebpf: &mut Ebpf, limits: &Limits, reads: Reads) -> Result<Self, KernelError> {
         let drained = Arc::new(Mutex::new(Drained {
             ring: take(ebpf, maps::ROUTE_EVENTS)?,
             table: RouteTable::new(RouteCaps {
@@ -71,7 +79,13 @@ impl Routes {
                 total: limits.routes as usize,
             }),
         }));
-        Ok(Self { drained, enabled })
+        Ok(Self {
+            drained,
+            enabled: reads.routes,
+            by_default: reads.routes_by_default,
+            services: take(ebpf, maps::ROUTE_SERVICES)?,
+            read: HashSet::new(),
+        })
     }
 
     /// Starts the thread that drains the ring, if the programs fill it. Called once
@@ -105,21 +119,44 @@ impl Routes {
             .collect()
     }
 
-    /// Names `service`'s routes by `patterns` from the next record on (those before
-    /// are drained first: a reload's new templates do not name earlier requests).
-    pub fn name_routes(&self, service: u32, patterns: &RoutePatterns) {
+    /// Reads `service`'s routes or not, as its rule says (`[probes] routes` if it does
+    /// not), named by its templates from the next record on (the records before are
+    /// drained first: a reload's new templates do not name earlier requests).
+    pub fn name_routes(&mut self, service: u32, routes: &ServiceRoutes) -> Result<(), MapError> {
+        let (read, patterns) = match routes {
+            ServiceRoutes::AsProbes => (self.by_default, &RoutePatterns::NONE),
+            ServiceRoutes::Off => (false, &RoutePatterns::NONE),
+            ServiceRoutes::Read(patterns) => (true, patterns),
+        };
+        // Programs that read no route have no reading to turn on.
+        let read = read && self.enabled;
+        if self.read.contains(&service) != read {
+            self.services.set(service, u32::from(read), 0)?;
+            if read {
+                self.read.insert(service);
+            } else {
+                self.read.remove(&service);
+            }
+        }
         let mut drained = self.lock();
         if drained.table.patterns(service) != patterns {
             drained.drain();
             drained.table.set_patterns(service, patterns.clone());
         }
+        Ok(())
     }
 
-    /// Forgets `service`'s routes, after the records of its requests so far.
-    pub fn reset_service(&self, service: u32) {
+    /// Forgets `service`'s routes, after the records of its requests so far, and
+    /// stops reading them until its id's next service says.
+    pub fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
+        if self.read.contains(&service) {
+            self.services.set(service, 0, 0)?;
+            self.read.remove(&service);
+        }
         let mut drained = self.lock();
         drained.drain();
         drained.table.reset_service(service);
+        Ok(())
     }
 }
 

@@ -18,7 +18,7 @@ use super::{
     BPF_NOEXIST, Backend, Kernel, KernelError, MapSizes, ServedConnection, WatchTable,
     batch::BatchMap, mapping::SharedValues, reread::Reread, syscalls::syscall_number, take,
 };
-use crate::config::{Limits, RoutePatterns};
+use crate::config::{Limits, ServiceRoutes};
 
 /// The maps of the watched processes, their listeners, connections and requests.
 pub(super) struct Requests {
@@ -430,8 +430,8 @@ impl WatchTable for Kernel {
         self.requests.stream_workers.set(service, u32::from(on), 0)
     }
 
-    fn name_routes(&mut self, service: u32, patterns: &RoutePatterns) {
-        self.routes.name_routes(service, patterns);
+    fn name_routes(&mut self, service: u32, routes: &ServiceRoutes) -> Result<(), MapError> {
+        self.routes.name_routes(service, routes)
     }
 
     fn reset_service(&mut self, service: u32) -> Result<(), MapError> {
@@ -449,7 +449,7 @@ impl WatchTable for Kernel {
             .service_epochs
             .set(service, epoch.wrapping_add(1), 0)?;
         self.requests.stream_workers.set(service, 0, 0)?;
-        self.routes.reset_service(service);
+        self.routes.reset_service(service)?;
         // The times before their count: a record landing in between then leaves
         // times ahead of the count (read again when it moves), never behind it.
         self.requests.request_times.reset(service);

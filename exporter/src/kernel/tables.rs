@@ -9,7 +9,7 @@ use aya::maps::MapError;
 use poolscope_shared::{ListenKey, Phase, Thread, Watched};
 
 use super::{Adopted, Backend};
-use crate::config::RoutePatterns;
+use crate::config::ServiceRoutes;
 
 /// A connection that a process accepted from one of its own listeners and still
 /// holds open, as discovery found it in procfs (it may predate poolscope): what
@@ -97,8 +97,9 @@ pub trait WatchTable {
     /// worker thread (`STREAM_WORKERS`).
     fn set_stream_workers(&mut self, service: u32, on: bool) -> Result<(), MapError>;
 
-    /// Names `service`'s routes by `patterns` from its next finished request on.
-    fn name_routes(&mut self, service: u32, patterns: &RoutePatterns);
+    /// Reads `service`'s routes or not (`ROUTE_SERVICES`), named by its templates,
+    /// from its next request on.
+    fn name_routes(&mut self, service: u32, routes: &ServiceRoutes) -> Result<(), MapError>;
 }
 
 /// The kernel's per-thread and per-pool tables, as the thread pools see them.
@@ -133,7 +134,7 @@ pub mod fake {
 
     use super::{ThreadTable, WatchTable};
     use crate::{
-        config::RoutePatterns,
+        config::ServiceRoutes,
         kernel::{Adopted, Backend, ServedConnection},
     };
 
@@ -150,8 +151,8 @@ pub mod fake {
         pub services_reset: Vec<u32>,
         /// Services flagged in `STREAM_WORKERS`.
         pub stream_workers: BTreeSet<u32>,
-        /// Services whose routes have templates.
-        pub route_patterns: BTreeMap<u32, RoutePatterns>,
+        /// Services whose rule says whether their routes are read.
+        pub route_services: BTreeMap<u32, ServiceRoutes>,
         pub threads: BTreeMap<u32, Thread>,
         pub thread_pools: BTreeMap<u32, u32>,
         pub pools_reset: BTreeSet<u32>,
@@ -168,7 +169,7 @@ pub mod fake {
                 connections: BTreeMap::new(),
                 services_reset: Vec::new(),
                 stream_workers: BTreeSet::new(),
-                route_patterns: BTreeMap::new(),
+                route_services: BTreeMap::new(),
                 threads: BTreeMap::new(),
                 thread_pools: BTreeMap::new(),
                 pools_reset: BTreeSet::new(),
@@ -283,12 +284,13 @@ pub mod fake {
             Ok(())
         }
 
-        fn name_routes(&mut self, service: u32, patterns: &RoutePatterns) {
-            if patterns.is_empty() {
-                self.route_patterns.remove(&service);
+        fn name_routes(&mut self, service: u32, routes: &ServiceRoutes) -> Result<(), MapError> {
+            if *routes == ServiceRoutes::AsProbes {
+                self.route_services.remove(&service);
             } else {
-                self.route_patterns.insert(service, patterns.clone());
+                self.route_services.insert(service, routes.clone());
             }
+            Ok(())
         }
     }
 

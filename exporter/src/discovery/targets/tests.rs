@@ -4,7 +4,10 @@ use std::{fs, io, path::Path};
 use poolscope_shared::LossErrno;
 
 use super::*;
-use crate::{config::RoutePatterns, kernel::fake::FakeTables};
+use crate::{
+    config::{RoutePatterns, ServiceRoutes},
+    kernel::fake::FakeTables,
+};
 
 /// A procfs with `/proc/<pid>/stat` of each (pid, start time).
 fn procfs(processes: &[(u32, u64)]) -> io::Result<tempfile::TempDir> {
@@ -67,7 +70,7 @@ fn a_rules_options_reach_the_kernel_until_a_reload_drops_them() -> io::Result<()
     let grpc = Assignment {
         options: ServiceOptions {
             http2_worker_threads: true,
-            routes: routes.clone(),
+            routes: ServiceRoutes::Read(routes.clone()),
         },
         ..assigned(100, 5, "grpc")
     };
@@ -80,7 +83,10 @@ fn a_rules_options_reach_the_kernel_until_a_reload_drops_them() -> io::Result<()
         panic!("both services get ids");
     };
     assert_eq!(tables.stream_workers, BTreeSet::from([id]));
-    assert_eq!(tables.route_patterns, BTreeMap::from([(id, routes)]));
+    assert_eq!(
+        tables.route_services,
+        BTreeMap::from([(id, ServiceRoutes::Read(routes))])
+    );
     let views = targets.services(&watched(&tables));
     let flags: Vec<(u32, bool)> = views.iter().map(|v| (v.id, v.stream_workers)).collect();
     assert_eq!(flags, [(id, true), (web, false)]);
@@ -91,7 +97,7 @@ fn a_rules_options_reach_the_kernel_until_a_reload_drops_them() -> io::Result<()
     };
     scan(&mut targets, &mut tables, &[plain, assigned(200, 7, "web")]);
     assert!(tables.stream_workers.is_empty());
-    assert!(tables.route_patterns.is_empty());
+    assert!(tables.route_services.is_empty());
     assert!(!targets.services(&watched(&tables))[0].stream_workers);
     Ok(())
 }
