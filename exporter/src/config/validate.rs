@@ -7,9 +7,9 @@ use poolscope_shared::OVERFLOW_STACK;
 use regex::Regex;
 
 use super::{
-    ConfigError, Limits, MetricsSettings, OctavesPerBucket, ProfileLimits, RawConfig, RawProfiles,
-    RawRoutes, RawTarget, RawWeb, RoutePatterns, ScrapeLimits, ServiceOptions, ServiceRoutes,
-    Settings, SnapshotSettings, TargetRule, source_name,
+    ConfigError, Limits, MetricsSettings, OctavesPerBucket, ProfileLimits, RawConfig, RawLimits,
+    RawProfiles, RawRoutes, RawTarget, RawWeb, RoutePatterns, ScrapeLimits, ServiceOptions,
+    ServiceRoutes, Settings, SnapshotSettings, TargetRule, source_name,
 };
 
 /// Most slots of the thread array: 152 bytes of kernel memory each (144 MiB here),
@@ -140,7 +140,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         .targets
         .iter()
         .enumerate()
-        .map(|(index, target)| validate_target(target, index, raw, figment))
+        .map(|(index, target)| validate_target(target, index, &raw.limits, figment))
         .collect::<Result<_, _>>()?;
     Ok(Settings {
         listen_addresses,
@@ -310,7 +310,7 @@ fn validate_stacks(raw: &RawConfig, figment: &Figment) -> Result<SnapshotSetting
 fn validate_target(
     target: &RawTarget,
     index: usize,
-    raw: &RawConfig,
+    limits: &RawLimits,
     figment: &Figment,
 ) -> Result<TargetRule, ConfigError> {
     let key = |field: &str| format!("targets[{index}].{field}");
@@ -330,9 +330,9 @@ fn validate_target(
         cgroup: target.cgroup.clone(),
         options: ServiceOptions {
             http2_worker_threads: target.http2_worker_threads,
-            routes: validate_routes(target.routes.as_ref(), raw).map_err(|reason| {
-                invalid(figment, "targets", format!("{}: {reason}", key("routes")))
-            })?,
+            routes: validate_routes(target.routes.as_ref(), limits.routes_per_service).map_err(
+                |reason| invalid(figment, "targets", format!("{}: {reason}", key("routes"))),
+            )?,
         },
     };
     if let Some(service) = &rule.service
@@ -371,7 +371,7 @@ fn validate_target(
 
 /// Whether a target's routes are read; its templates valid and no more than a
 /// service keeps.
-fn validate_routes(routes: Option<&RawRoutes>, raw: &RawConfig) -> Result<ServiceRoutes, String> {
+fn validate_routes(routes: Option<&RawRoutes>, per_service: u32) -> Result<ServiceRoutes, String> {
     let templates = match routes {
         None => return Ok(ServiceRoutes::AsProbes),
         Some(RawRoutes::Read(false)) => return Ok(ServiceRoutes::Off),
@@ -379,8 +379,7 @@ fn validate_routes(routes: Option<&RawRoutes>, raw: &RawConfig) -> Result<Servic
         Some(RawRoutes::Templates(templates)) => templates,
     };
     let patterns = RoutePatterns::parse(templates)?;
-    let per_service = raw.limits.routes_per_service as usize;
-    if patterns.len() > per_service {
+    if patterns.len() > per_service as usize {
         return Err(format!(
             "{} templates, more than the {per_service} routes a service keeps \
              ([limits] routes_per_service)",
