@@ -201,6 +201,7 @@ mod tests {
             name: "api".into(),
             processes: 1,
             stream_workers: false,
+            workload: None,
             corrections: Corrections::default(),
         }];
         let pools = [PoolRow {
@@ -426,6 +427,7 @@ mod tests {
             name: "api".into(),
             processes: 1,
             stream_workers: false,
+            workload: None,
             corrections: Corrections::default(),
         }];
         let listeners = [services::ServiceListener {

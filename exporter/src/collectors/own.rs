@@ -24,6 +24,9 @@ pub struct SelfStats {
     pub namespace_tables_read: u64,
     /// Processes whose open files rescans read so far.
     pub process_fds_read: u64,
+    /// Listings of the kubelet's log links read, and refreshes that failed.
+    pub pod_log_listings: u64,
+    pub pod_log_failures: u64,
     pub reload: ReloadStatus,
 }
 
@@ -270,6 +273,18 @@ fn families(
              process once a minute); with the syscall backend every process at each rescan.",
         )
         .with(&[], stats.process_fds_read as f64),
+    );
+    families.push(
+        Family::new(
+            "discovery_pod_log_listings",
+            Kind::Counter,
+            "Listings of the kubelet's container log links (discovery.pod_logs_dir), which \
+             name pod containers: read by a rescan after the directory changed \
+             (result=\"read\"), or not readable (result=\"failed\": the names listed \
+             before stay).",
+        )
+        .with(&[("result", "read")], stats.pod_log_listings as f64)
+        .with(&[("result", "failed")], stats.pod_log_failures as f64),
     );
     let mut duration = Family::new(
         "scrape_duration_seconds",

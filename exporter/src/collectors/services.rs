@@ -303,6 +303,12 @@ pub fn service_families(
         "Finished requests by the class of their final answer's status (1xx to 5xx; \
          unknown: no status read).",
     );
+    let mut kubernetes = Family::new(
+        "kubernetes_info",
+        Kind::Gauge,
+        "The Kubernetes namespace, workload and container a service is named after \
+         (`<namespace>/<workload>/<container>`), for selecting and joining; always 1.",
+    );
     let mut time = Family::new(
         "request_time_seconds",
         Kind::Counter,
@@ -320,6 +326,17 @@ pub fn service_families(
         let service = input.view;
         let labels = [("service", service.name.as_str())];
         targets.push(&labels, service.processes as f64);
+        if let Some(workload) = &service.workload {
+            kubernetes.push(
+                &[
+                    ("service", service.name.as_str()),
+                    ("namespace", workload.namespace.as_str()),
+                    ("workload", workload.workload.as_str()),
+                    ("container", workload.container.as_str()),
+                ],
+                1.0,
+            );
+        }
         let counters = input.counters;
         accepted.push(&labels, counters.accepted.get() as f64);
         let gauges = gauges(
@@ -389,6 +406,7 @@ pub fn service_families(
         responses,
         accepted,
         targets,
+        kubernetes,
         listen_depth,
         limit,
         time,

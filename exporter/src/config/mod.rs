@@ -72,6 +72,9 @@ pub struct Settings {
     pub log_format: LogFormat,
     pub rescan_interval: Duration,
     pub procfs_root: PathBuf,
+    /// The kubelet's container log links (`<pod>_<namespace>_<container>-<id>.log`),
+    /// which name pod containers.
+    pub pod_logs_dir: PathBuf,
     /// The cgroup v2 hierarchy the paths in procfs's `cgroup` files are under (CPU
     /// quotas, for capacity).
     pub cgroupfs_root: PathBuf,
@@ -211,6 +214,10 @@ impl Settings {
             (
                 "discovery.procfs_root",
                 self.procfs_root != running.procfs_root,
+            ),
+            (
+                "discovery.pod_logs_dir",
+                self.pod_logs_dir != running.pod_logs_dir,
             ),
             ("probes.backend", self.backend != running.backend),
             ("probes.bpf_stats", self.bpf_stats != running.bpf_stats),

@@ -39,6 +39,7 @@ impl Default for RawConfig {
             discovery: RawDiscovery {
                 rescan_interval: Duration::from_secs(5),
                 procfs_root: PathBuf::from("/proc"),
+                pod_logs_dir: PathBuf::from("/var/log/containers"),
                 cgroupfs_root: PathBuf::from("/sys/fs/cgroup"),
             },
             probes: RawProbes {
@@ -168,6 +169,7 @@ pub struct RawDiscovery {
     pub rescan_interval: Duration,
     pub procfs_root: PathBuf,
     pub cgroupfs_root: PathBuf,
+    pub pod_logs_dir: PathBuf,
 }
 
 /// Who may use `/debug/*` (`[web] debug_endpoints`): stacks, thread and lock

@@ -151,6 +151,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         log_format: raw.log.format,
         rescan_interval: raw.discovery.rescan_interval,
         procfs_root: raw.discovery.procfs_root.clone(),
+        pod_logs_dir: raw.discovery.pod_logs_dir.clone(),
         cgroupfs_root: raw.discovery.cgroupfs_root.clone(),
         backend: raw.probes.backend,
         bpf_stats: raw.probes.bpf_stats,

@@ -10,10 +10,15 @@
 //!   scope by sshd is not part of sshd). pid 1 is never an ancestor service: every
 //!   process descends from it.
 //!
-//! **Kubernetes workloads.** A pod container's process is named after its workload,
-//! so that the replicas of a Deployment on a node are one service whose name survives
-//! rollouts. The workload is guessed from the pod name (`procfs` reads it from the
-//! container's environment) by the suffixes the controllers append:
+//! **Kubernetes workloads.** A pod container's process is named after its namespace,
+//! workload and container, `<namespace>/<workload>/<container>` (`prod/web/web`,
+//! `prod/web/istio-proxy`), so that the replicas of a Deployment on a node are one
+//! service whose name survives rollouts and restarts, a sidecar is a service apart
+//! from its application, and `api` in two namespaces is two services. The names come
+//! from the kubelet's log links (`pod_logs`); where the node does not list the
+//! container, the service is the workload alone, from the pod name in the container's
+//! environment (`procfs`). The workload is guessed from the pod name by the suffixes
+//! the controllers append:
 //! - Deployment: `<name>-<pod-template-hash>-<5 random>` (`web-7d9f8c6b5-x2k4q` →
 //!   `web`); the hash is 5 to 10 characters of the alphabet Kubernetes draws random
 //!   names from (`bcdfghjklmnpqrstvwxz2456789`: no vowels, no 0, 1, 3).
@@ -29,15 +34,16 @@
 //! pods become `proxy`); pods of controllers with other schemes keep a changing name
 //! (OpenShift's `<dc>-<version>-<5>` becomes `<dc>-<version>`); names cut to fit 63
 //! characters (long workload names) lose the `-` before their suffix and stay whole;
-//! a pod that sets `spec.hostname` is named by it. Workloads of the same name in
-//! different namespaces on one node, and every container of one pod (sidecars too),
-//! are one service: the cgroup and the environment do not say the namespace or the
-//! container's name. Target rules name services explicitly where that matters.
+//! a pod named from its environment that sets `spec.hostname` is named by it. Named
+//! from the environment, workloads of the same name in different namespaces on one
+//! node, and every container of one pod (sidecars too), are one service: the cgroup
+//! and the environment do not say the namespace or the container's name. Target
+//! rules name services explicitly where that matters.
 use std::collections::HashMap;
 
 use crate::{
     config::{ServiceOptions, TargetRule},
-    discovery::procfs::{ProcInfo, ProcSnapshot, container_id, systemd_service},
+    discovery::procfs::{PodNames, ProcInfo, ProcSnapshot, container_id, systemd_service},
 };
 
 /// One process and the service it belongs to.
@@ -48,19 +54,58 @@ pub struct Assignment {
     pub service: String,
     /// How the rule that named it says to read the service (the defaults without one).
     pub options: ServiceOptions,
+    /// The Kubernetes pod container it was named after, if any.
+    pub workload: Option<Workload>,
+}
+
+/// The Kubernetes namespace, workload and container a service is named after.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Workload {
+    pub namespace: String,
+    pub workload: String,
+    pub container: String,
+}
+
+impl Workload {
+    /// The workload of a pod container the kubelet named.
+    fn of(process: &ProcInfo) -> Option<Self> {
+        let Some(PodNames::Kubelet(names)) = &process.pod else {
+            return None;
+        };
+        Some(Self {
+            namespace: names.namespace.clone(),
+            workload: workload_name(&names.pod).to_owned(),
+            container: names.container.clone(),
+        })
+    }
+
+    fn service_name(&self) -> String {
+        format!("{}/{}/{}", self.namespace, self.workload, self.container)
+    }
+}
+
+/// A service's name and options as a rule, or the default naming, gives them.
+#[derive(Clone, Debug)]
+struct Named {
+    service: String,
+    options: ServiceOptions,
+    workload: Option<Workload>,
 }
 
 /// How deep to look for a matching ancestor (guards against ppid cycles in bad input).
 const MAX_ANCESTORS: usize = 64;
 
 /// The service name of a process found without a named rule: its Kubernetes
+/// namespace, workload and container (pod containers the kubelet lists), else its
 /// workload (pod containers whose pod name is known), else its systemd unit, else
 /// `container-<short id>` (other containers, and pod containers whose pod name is not
 /// known), else its comm. The workload comes before the unit: a unit inside a pod's
 /// container is one of the workload's parts.
 pub fn default_service_name(process: &ProcInfo) -> String {
-    if let Some(pod) = &process.pod_name {
-        workload_name(pod).to_owned()
+    if let Some(workload) = Workload::of(process) {
+        workload.service_name()
+    } else if let Some(pod) = &process.pod {
+        workload_name(pod.pod()).to_owned()
     } else if let Some(unit) = systemd_service(&process.cgroup) {
         unit.to_owned()
     } else if let Some(id) = container_id(&process.cgroup) {
@@ -163,20 +208,25 @@ fn direct_service(
     process: &ProcInfo,
     rules: &[TargetRule],
     snapshot: &ProcSnapshot,
-) -> Option<(String, ServiceOptions)> {
+) -> Option<Named> {
+    let by_default = |options: ServiceOptions| Named {
+        service: default_service_name(process),
+        options,
+        workload: Workload::of(process),
+    };
     if rules.is_empty() {
-        return (!process.listeners.is_empty())
-            .then(|| (default_service_name(process), ServiceOptions::default()));
+        return (!process.listeners.is_empty()).then(|| by_default(ServiceOptions::default()));
     }
     rules
         .iter()
         .find(|rule| rule_matches(rule, process, snapshot))
-        .map(|rule| {
-            let name = rule
-                .service
-                .clone()
-                .unwrap_or_else(|| default_service_name(process));
-            (name, rule.options.clone())
+        .map(|rule| match &rule.service {
+            Some(service) => Named {
+                service: service.clone(),
+                options: rule.options.clone(),
+                workload: None,
+            },
+            None => by_default(rule.options.clone()),
         })
 }
 
@@ -184,14 +234,14 @@ fn direct_service(
 /// exporter itself) and its descendants are never assigned.
 pub fn assign(snapshot: &ProcSnapshot, rules: &[TargetRule], exclude: u32) -> Vec<Assignment> {
     let by_pid: HashMap<u32, &ProcInfo> = snapshot.processes.iter().map(|p| (p.pid, p)).collect();
-    let direct: HashMap<u32, (String, ServiceOptions)> = snapshot
+    let direct: HashMap<u32, Named> = snapshot
         .processes
         .iter()
         .filter(|p| p.pid != exclude)
         .filter_map(|p| Some((p.pid, direct_service(p, rules, snapshot)?)))
         .collect();
 
-    let inherited = |process: &ProcInfo| -> Option<(String, ServiceOptions)> {
+    let inherited = |process: &ProcInfo| -> Option<Named> {
         let mut current = process;
         for _ in 0..MAX_ANCESTORS {
             if current.ppid <= 1 || current.ppid == exclude {
@@ -211,15 +261,16 @@ pub fn assign(snapshot: &ProcSnapshot, rules: &[TargetRule], exclude: u32) -> Ve
         .iter()
         .filter(|p| p.pid != exclude && p.pid > 1)
         .filter_map(|process| {
-            let (service, options) = direct
+            let named = direct
                 .get(&process.pid)
                 .cloned()
                 .or_else(|| inherited(process))?;
             Some(Assignment {
                 pid: process.pid,
                 start_time: process.start_time,
-                service,
-                options,
+                service: named.service,
+                options: named.options,
+                workload: named.workload,
             })
         })
         .collect()
@@ -241,7 +292,7 @@ mod tests {
             comm: comm.into(),
             exe: Some(format!("/usr/bin/{comm}").into()),
             cgroup: cgroup.into(),
-            pod_name: None,
+            pod: None,
             listeners: listeners.to_vec(),
         }
     }
@@ -446,10 +497,10 @@ mod tests {
              cri-containerd-{id}.scope"
         );
         let mut replica = process(600, 1, "web", &pod_cgroup, &[60]);
-        replica.pod_name = Some("web-7d9f8c6b5-x2k4q".into());
+        replica.pod = Some(PodNames::Hostname("web-7d9f8c6b5-x2k4q".into()));
         assert_eq!(default_service_name(&replica), "web");
         // The pod name could not be read (or was not trusted): the container's id.
-        replica.pod_name = None;
+        replica.pod = None;
         assert_eq!(default_service_name(&replica), "container-4f1c2a9be0d7");
         let docker = process(
             700,
@@ -478,9 +529,9 @@ mod tests {
             process(601, 600, "web-worker", &a, &[]),
             process(700, 1, "web", &b, &[70]),
         ];
-        replicas[0].pod_name = Some("web-7d9f8c6b5-x2k4q".into());
-        replicas[1].pod_name = Some("web-7d9f8c6b5-x2k4q".into());
-        replicas[2].pod_name = Some("web-7d9f8c6b5-p9zmt".into());
+        replicas[0].pod = Some(PodNames::Hostname("web-7d9f8c6b5-x2k4q".into()));
+        replicas[1].pod = Some(PodNames::Hostname("web-7d9f8c6b5-x2k4q".into()));
+        replicas[2].pod = Some(PodNames::Hostname("web-7d9f8c6b5-p9zmt".into()));
         let snapshot = ProcSnapshot {
             processes: replicas,
             listen_sockets: [
@@ -494,5 +545,66 @@ mod tests {
             services(&assign(&snapshot, &[], 1)),
             vec![(600, "web"), (601, "web"), (700, "web")]
         );
+    }
+
+    /// With the kubelet's names: replicas stay one service, a sidecar and a workload
+    /// of the same name in another namespace are services apart, each with its
+    /// workload; a rule that names the service gives none.
+    #[test]
+    fn kubelet_names_tell_containers_and_namespaces_apart() {
+        let in_pod = |pid: u32, listener: u64, pod: &str, namespace: &str, container: &str| {
+            let mut process = process(
+                pid,
+                1,
+                container,
+                "/kubepods/besteffort/podx/c",
+                &[listener],
+            );
+            process.pod = Some(PodNames::Kubelet(std::sync::Arc::new(
+                crate::discovery::pod_logs::ContainerNames {
+                    pod: pod.into(),
+                    namespace: namespace.into(),
+                    container: container.into(),
+                },
+            )));
+            process
+        };
+        let snapshot = ProcSnapshot {
+            processes: vec![
+                in_pod(600, 60, "api-7d9f8c6b5-x2k4q", "prod", "api"),
+                in_pod(601, 61, "api-7d9f8c6b5-x2k4q", "prod", "istio-proxy"),
+                in_pod(700, 70, "api-7d9f8c6b5-p9zmt", "prod", "api"),
+                in_pod(800, 80, "api-5f6c7d8b9-h7vwn", "staging", "api"),
+            ],
+            listen_sockets: [60, 61, 70, 80]
+                .map(|inode| (inode, "0.0.0.0:8080".parse().expect("addr")))
+                .into(),
+            ..ProcSnapshot::default()
+        };
+        let assigned = assign(&snapshot, &[], 1);
+        assert_eq!(
+            services(&assigned),
+            vec![
+                (600, "prod/api/api"),
+                (601, "prod/api/istio-proxy"),
+                (700, "prod/api/api"),
+                (800, "staging/api/api"),
+            ]
+        );
+        assert_eq!(
+            assigned[1].workload,
+            Some(Workload {
+                namespace: "prod".into(),
+                workload: "api".into(),
+                container: "istio-proxy".into(),
+            })
+        );
+        let named = TargetRule {
+            pids: vec![800],
+            ..rule(Some("checkout"))
+        };
+        let assigned = assign(&snapshot, &[named], 1);
+        assert_eq!(services(&assigned), vec![(800, "checkout")]);
+        assert_eq!(assigned[0].workload, None);
     }
 }

@@ -17,7 +17,7 @@ use crate::{
     discovery::held::HeldListener,
     discovery::ids::DenseIds,
     discovery::procfs::{self, NetTables, ProcSnapshot},
-    discovery::rules::Assignment,
+    discovery::rules::{Assignment, Workload},
     kernel::{MapErrors, WatchTable},
 };
 
@@ -41,6 +41,8 @@ pub struct ServiceView {
     /// It hands each HTTP/2 stream to a worker thread (`[[targets]]
     /// http2_worker_threads`): its open streams no thread serves are waiting.
     pub stream_workers: bool,
+    /// The Kubernetes pod container it is named after, if any.
+    pub workload: Option<Workload>,
     /// What user space moved in or out of the gauges without a kernel event.
     pub corrections: Corrections,
 }
@@ -83,6 +85,8 @@ pub struct Targets {
     corrections: HashMap<u32, Corrections>,
     /// Services flagged in the kernel's `STREAM_WORKERS`.
     stream_workers: HashSet<u32>,
+    /// The pod container each service named after one is named after.
+    workloads: HashMap<u32, Workload>,
     /// Connections in the kernel's `ADOPT` map: socket inode → (pid, service).
     adoptions: HashMap<u64, (u32, u32)>,
     /// Listening socket inode → service name, from the last scan.
@@ -117,6 +121,7 @@ impl Targets {
             processes: HashMap::new(),
             corrections: HashMap::new(),
             stream_workers: HashSet::new(),
+            workloads: HashMap::new(),
             adoptions: HashMap::new(),
             listeners: HashMap::new(),
             known_listen_sockets: HashSet::new(),
@@ -245,6 +250,7 @@ impl Targets {
             let service = tracked.service;
             if self.ids.get(&assignment.service) == Some(service) {
                 self.apply_options(kernel, service, &assignment.options);
+                self.name_workload(service, assignment.workload.as_ref());
             }
             return None;
         }
@@ -255,6 +261,7 @@ impl Targets {
             return None;
         };
         self.apply_options(kernel, service, &assignment.options);
+        self.name_workload(service, assignment.workload.as_ref());
         let pid = assignment.pid;
         // A fork may have put it there already: keep that entry and its `since`.
         let since_ns = match kernel.watched(pid) {
@@ -342,6 +349,20 @@ impl Targets {
         }
     }
 
+    /// Keeps the pod container `service` is named after (a name is made of it, so
+    /// one name has one; a reload may name it by a rule instead).
+    fn name_workload(&mut self, service: u32, workload: Option<&Workload>) {
+        match workload {
+            Some(workload) if self.workloads.get(&service) != Some(workload) => {
+                self.workloads.insert(service, workload.clone());
+            }
+            Some(_) => {}
+            None => {
+                self.workloads.remove(&service);
+            }
+        }
+    }
+
     /// Tells the kernel whether `service` hands HTTP/2 streams to worker threads, when
     /// that changed.
     fn flag_stream_workers(&mut self, kernel: &mut dyn WatchTable, service: u32, on: bool) {
@@ -384,6 +405,7 @@ impl Targets {
                     self.ids.free(id);
                     self.corrections.remove(&id);
                     self.stream_workers.remove(&id);
+                    self.workloads.remove(&id);
                 }
                 Err(error) => tracing::warn!(id, %error, "cannot reset counters of a service"),
             }
@@ -482,6 +504,7 @@ impl Targets {
                     name: self.ids.key(id)?.clone(),
                     processes,
                     stream_workers: self.stream_workers.contains(&id),
+                    workload: self.workloads.get(&id).cloned(),
                     corrections: self.corrections.get(&id).copied().unwrap_or_default(),
                 })
             })

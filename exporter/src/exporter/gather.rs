@@ -311,6 +311,10 @@ impl Exporter {
             None => self.health.last(),
         }
         .degraded();
+        let (pod_log_listings, pod_log_failures) = {
+            let pod_logs = lock_or_recover(&self.pod_logs);
+            (pod_logs.listings, pod_logs.failures)
+        };
         let stats = SelfStats {
             version: env!("CARGO_PKG_VERSION"),
             revision: crate::revision::REVISION,
@@ -320,6 +324,8 @@ impl Exporter {
             lock_probe_processes: locked.lock_probe_processes,
             namespace_tables_read: self.namespace_tables_read.load(Ordering::Relaxed),
             process_fds_read: self.process_fds_read.load(Ordering::Relaxed),
+            pod_log_listings,
+            pod_log_failures,
             reload: *lock_or_recover(&self.reload_status),
         };
         let own = OwnReading {

@@ -40,6 +40,7 @@ use crate::{
     config::Settings,
     discovery::cpus::{self, CpuLimits},
     discovery::lock_probes::LockProbes,
+    discovery::pod_logs::PodLogs,
     discovery::pools::Pools,
     discovery::procfs,
     discovery::rules,
@@ -96,6 +97,8 @@ pub struct Exporter {
     process_fds_read: std::sync::atomic::AtomicU64,
     /// The CPUs each service may use, read every few seconds outside the core lock.
     cpu_limits: Mutex<CpuLimits>,
+    /// The kubelet's names of pod containers, read by rescans (fixed directory).
+    pod_logs: Mutex<PodLogs>,
 }
 
 /// Listeners by network namespace (inode number) and by process, and the kernel's
@@ -133,6 +136,7 @@ impl Exporter {
             .collect();
         let tracker = HealthTracker::new(settings.degraded_for, capacities);
         let procfs_root = settings.procfs_root.clone();
+        let pod_logs_dir = settings.pod_logs_dir.clone();
         let core = Core {
             targets: Targets::new(procfs_root.clone(), settings.limits.max_services),
             pools: Pools::new(procfs_root.clone(), settings.limits.max_pools),
@@ -158,6 +162,7 @@ impl Exporter {
             namespace_tables_read: std::sync::atomic::AtomicU64::new(0),
             process_fds_read: std::sync::atomic::AtomicU64::new(0),
             cpu_limits: Mutex::new(CpuLimits::default()),
+            pod_logs: Mutex::new(PodLogs::new(pod_logs_dir)),
         }
     }
 
@@ -217,8 +222,15 @@ impl Exporter {
         let settings = self.settings();
         let started_ns = monotonic_ns();
         let (known, changes, reused) = self.known_listeners();
+        let pods = {
+            let mut pod_logs = lock_or_recover(&self.pod_logs);
+            if let Err(error) = pod_logs.refresh() {
+                tracing::debug!(dir = %pod_logs.dir().display(), %error, "cannot list the kubelet's log links");
+            }
+            pod_logs.index()
+        };
         let mut snapshot =
-            procfs::scan(&self.procfs_root, known).map_err(|source| ScanError::Procfs {
+            procfs::scan(&self.procfs_root, known, &pods).map_err(|source| ScanError::Procfs {
                 root: self.procfs_root.display().to_string(),
                 source,
             })?;
@@ -416,9 +428,10 @@ impl Exporter {
         }
         execs.sort_unstable();
         execs.dedup();
+        let pods = lock_or_recover(&self.pod_logs).index();
         let processes: Vec<_> = execs
             .into_iter()
-            .filter_map(|pid| procfs::read_process(&self.procfs_root, pid))
+            .filter_map(|pid| procfs::read_process(&self.procfs_root, pid, &pods))
             .collect();
         let snapshot = procfs::ProcSnapshot {
             processes,

@@ -21,6 +21,7 @@ fn view(id: u32, name: &str, corrections: Corrections) -> ServiceView {
         name: name.into(),
         processes: 2,
         stream_workers: false,
+        workload: None,
         corrections,
     }
 }

@@ -43,7 +43,7 @@ pub fn container_id(cgroup: &str) -> Option<&str> {
     })
 }
 
-/// The short id of the container when `cgroup` is a Kubernetes pod container's: a pod
+/// The id (64 hex digits) of the container when `cgroup` is a Kubernetes pod container's: a pod
 /// cgroup followed by the container's own, as kubelet and the runtimes lay them out:
 /// - systemd driver: `/kubepods.slice/kubepods-burstable.slice/
 ///   kubepods-burstable-pod<uid with _>.slice/cri-containerd-<id>.scope` (`crio-`,
@@ -97,7 +97,7 @@ fn is_pod_cgroup(path: &[&str]) -> bool {
     in_kubepods && component.strip_prefix("pod").is_some_and(is_pod_uid)
 }
 
-/// The short id of a container cgroup's name inside a pod cgroup. CRI-O's `conmon`
+/// The id of a container cgroup's name inside a pod cgroup. CRI-O's `conmon`
 /// monitor has a scope of its own there (`crio-conmon-<id>.scope`) and is not the
 /// container.
 fn pod_container_component_id(component: &str) -> Option<&str> {
@@ -106,7 +106,7 @@ fn pod_container_component_id(component: &str) -> Option<&str> {
         .iter()
         .find_map(|prefix| name.strip_prefix(prefix))
         .unwrap_or(name);
-    (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| &id[..12])
+    (id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
 }
 
 /// How much of `/proc/<pid>/environ` is read: the runtime puts HOSTNAME among the
@@ -279,7 +279,7 @@ mod tests {
             format!("/kubepods/burstable/pod{uid}/{id}/init"),
         ];
         for cgroup in &pods {
-            assert_eq!(pod_container_id(cgroup), Some("4f1c2a9be0d7"), "{cgroup}");
+            assert_eq!(pod_container_id(cgroup), Some(id), "{cgroup}");
         }
         let not_pods = [
             format!("/system.slice/docker-{id}.scope"),

@@ -2,10 +2,12 @@
 //! pure functions over file contents (tested on fixtures); `scan` walks a root such as
 //! `/proc`, or a fixture tree in tests, and tolerates processes vanishing mid-scan.
 //!
-//! A process in a Kubernetes pod's container also gets its pod's name: the container
-//! runtime (containerd, CRI-O, cri-dockerd) puts `HOSTNAME=<pod hostname>` in every
+//! A process in a Kubernetes pod's container also gets its pod's names: the kubelet's
+//! (pod, namespace and container, from its log link: `pod_logs`) where the node lists
+//! the container, else its pod's name from its environment: the container runtime
+//! (containerd, CRI-O, cri-dockerd) puts `HOSTNAME=<pod hostname>` in every
 //! container's environment, and the pod hostname is the pod name unless the pod sets
-//! `spec.hostname` (kubelet cuts it to 63 characters). It is only trusted when the
+//! `spec.hostname` (kubelet cuts it to 63 characters). That is only trusted when the
 //! process has a UTS namespace of its own: a `hostNetwork` pod shares the host's, and
 //! its HOSTNAME is the node's name.
 use std::{
@@ -13,6 +15,7 @@ use std::{
     fs, io,
     net::SocketAddr,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 mod containers;
@@ -21,7 +24,10 @@ mod own;
 mod sockets;
 mod tasks;
 
-use crate::discovery::sockdiag::ListenQueue;
+use crate::discovery::{
+    pod_logs::{ContainerNames, PodIndex},
+    sockdiag::ListenQueue,
+};
 use containers::read_pod_name;
 pub use containers::*;
 pub use mappings::*;
@@ -41,11 +47,31 @@ pub struct ProcInfo {
     pub exe: Option<PathBuf>,
     /// cgroup v2 path (`0::<path>`), or the systemd v1 hierarchy's path.
     pub cgroup: String,
-    /// The Kubernetes pod's hostname (its name, normally) when the cgroup is a pod
-    /// container's and the environment says it (see the module comment).
-    pub pod_name: Option<String>,
+    /// The names of its Kubernetes pod container, when its cgroup is one's and they
+    /// are known (see the module comment).
+    pub pod: Option<PodNames>,
     /// Inodes of the listening TCP sockets among its open fds.
     pub listeners: Vec<u64>,
+}
+
+/// What is known of a pod container's names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodNames {
+    /// The kubelet's: pod, namespace and container.
+    Kubelet(Arc<ContainerNames>),
+    /// The pod's hostname from the container's environment: its name, unless the pod
+    /// sets `spec.hostname`.
+    Hostname(String),
+}
+
+impl PodNames {
+    /// The pod's name.
+    pub fn pod(&self) -> &str {
+        match self {
+            Self::Kubelet(names) => &names.pod,
+            Self::Hostname(name) => name,
+        }
+    }
 }
 
 /// One scan of a procfs root.
@@ -156,8 +182,9 @@ pub fn parse_stat(content: &str) -> Option<Stat> {
     })
 }
 
-/// Reads one process; `None` if it vanished or is a kernel thread.
-pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
+/// Reads one process, its pod container's names from `pods`; `None` if it
+/// vanished or is a kernel thread.
+pub fn read_process(root: &Path, pid: u32, pods: &PodIndex) -> Option<ProcInfo> {
     let dir = root.join(pid.to_string());
     let stat = parse_stat(&read_lossy(&dir.join("stat"))?)?;
     // A zombie has exited (its parent has not reaped it yet): nothing to watch, and
@@ -173,9 +200,12 @@ pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
     let cgroup = fs::read_to_string(dir.join("cgroup"))
         .map(|content| parse_cgroup(&content))
         .unwrap_or_else(|_| "/".to_owned());
-    // Only pod containers' environments are read: the read costs, and elsewhere a
-    // HOSTNAME means nothing.
-    let pod_name = pod_container_id(&cgroup).and_then(|_| read_pod_name(root, pid));
+    // Only pod containers' environments are read, and only those the kubelet's links
+    // do not name: the read costs, and elsewhere a HOSTNAME means nothing.
+    let pod = pod_container_id(&cgroup).and_then(|id| match pods.get(id) {
+        Some(names) => Some(PodNames::Kubelet(names)),
+        None => read_pod_name(root, pid).map(PodNames::Hostname),
+    });
     Some(ProcInfo {
         pid,
         ppid: stat.ppid,
@@ -183,7 +213,7 @@ pub fn read_process(root: &Path, pid: u32) -> Option<ProcInfo> {
         comm: stat.comm,
         exe,
         cgroup,
-        pod_name,
+        pod,
         listeners: Vec::new(),
     })
 }
@@ -198,7 +228,7 @@ pub fn start_time(root: &Path, pid: u32) -> Option<u64> {
 /// read once per network namespace, through a process inside it; those of a namespace
 /// in `known` are taken from it instead, as are the sockets of a process in `known`
 /// (the same pid started at the same time).
-pub fn scan(root: &Path, mut known: Known) -> io::Result<ProcSnapshot> {
+pub fn scan(root: &Path, mut known: Known, pods: &PodIndex) -> io::Result<ProcSnapshot> {
     let mut snapshot = ProcSnapshot::default();
     let mut namespaces_seen = HashSet::new();
     let mut pids: Vec<u32> = Vec::new();
@@ -214,7 +244,7 @@ pub fn scan(root: &Path, mut known: Known) -> io::Result<ProcSnapshot> {
     // In pid order, as /proc lists them, whatever the root's file system does.
     pids.sort_unstable();
     for pid in pids {
-        let Some(mut process) = read_process(root, pid) else {
+        let Some(mut process) = read_process(root, pid, pods) else {
             continue;
         };
         let dir = root.join(pid.to_string());

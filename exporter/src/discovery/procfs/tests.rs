@@ -1,7 +1,10 @@
 //! The parsers on fixtures, and scans of fixture procfs trees.
 use super::mappings::libc_of;
 use super::*;
-use crate::discovery::procfs::containers::ENVIRON_READ_LIMIT;
+use crate::discovery::{
+    pod_logs::{ContainerNames, PodLogs},
+    procfs::containers::ENVIRON_READ_LIMIT,
+};
 
 /// A /proc/<pid>/maps fixture: a binary, an anonymous mapping, glibc.
 pub(crate) const MAPS: &str = "\
@@ -190,10 +193,47 @@ fn pod_name_of_fixture_processes() -> io::Result<()> {
     // pid 1 cannot be read (a sandbox hides it): the exporter's own namespace.
     fs::create_dir_all(root.path().join("self/ns"))?;
     std::os::unix::fs::symlink(HOST_UTS, root.path().join("self/ns/uts"))?;
+    let no_links = PodIndex::default();
     for (pid, _, _, _, pod_name) in processes {
-        let process = read_process(root.path(), pid).expect("fixture process");
-        assert_eq!(process.pod_name.as_deref(), pod_name, "pid {pid}");
+        let process = read_process(root.path(), pid, &no_links).expect("fixture process");
+        assert_eq!(
+            process.pod.as_ref().map(PodNames::pod),
+            pod_name,
+            "pid {pid}"
+        );
     }
+    // Where the kubelet lists the container, its names, whatever the environment
+    // says (pid 14's is no pod name) and whatever its UTS namespace (pid 11 shares
+    // the host's).
+    let logs_dir = tempfile::tempdir()?;
+    fs::write(
+        logs_dir
+            .path()
+            .join(format!("web-7d9f8c6b5-x2k4q_prod_web-{CONTAINER}.log")),
+        "",
+    )?;
+    let mut pod_logs = PodLogs::new(logs_dir.path().to_owned());
+    pod_logs.refresh()?;
+    let listed = ContainerNames {
+        pod: "web-7d9f8c6b5-x2k4q".into(),
+        namespace: "prod".into(),
+        container: "web".into(),
+    };
+    for pid in [10, 11, 14] {
+        let process = read_process(root.path(), pid, &pod_logs.index()).expect("fixture process");
+        assert_eq!(
+            process.pod,
+            Some(PodNames::Kubelet(listed.clone().into())),
+            "pid {pid}"
+        );
+    }
+    // Not a pod container's cgroup: not looked up.
+    assert_eq!(
+        read_process(root.path(), 13, &pod_logs.index())
+            .expect("fixture process")
+            .pod,
+        None
+    );
     // With pid 1 readable, pid 1's namespace is the host's.
     make_fixture_process(
         root.path(),
@@ -204,13 +244,13 @@ fn pod_name_of_fixture_processes() -> io::Result<()> {
             environ: b"",
         },
     )?;
-    assert_eq!(read_process(root.path(), 10).expect("pod").pod_name, None);
     assert_eq!(
-        read_process(root.path(), 11)
-            .expect("pod")
-            .pod_name
-            .as_deref(),
-        Some("node-1")
+        read_process(root.path(), 10, &no_links).expect("pod").pod,
+        None
+    );
+    assert_eq!(
+        read_process(root.path(), 11, &no_links).expect("pod").pod,
+        Some(PodNames::Hostname("node-1".into()))
     );
     Ok(())
 }
@@ -265,7 +305,7 @@ fn a_scan_takes_over_the_sockets_of_processes_it_knows() -> io::Result<()> {
     fixture_listener_process(root.path(), 10, 1, "web", &[None, Some(777)])?;
     fixture_listener_process(root.path(), 11, 10, "web worker", &[None, Some(777)])?;
     fixture_listener_process(root.path(), 12, 1, "client", &[Some(900)])?;
-    let first = scan(root.path(), Known::default())?;
+    let first = scan(root.path(), Known::default(), &PodIndex::default())?;
     assert_eq!(first.fds_read, 3);
     let listening_at_fd_1 = |pid: u32| HeldSockets {
         start_time: 1000 + u64::from(pid),
@@ -301,6 +341,7 @@ fn a_scan_takes_over_the_sockets_of_processes_it_knows() -> io::Result<()> {
             processes: first.held,
             ..Known::default()
         },
+        &PodIndex::default(),
     )?;
     assert_eq!(second.fds_read, 1, "only the reused pid's fds are read");
     let listeners = |pid| {
@@ -350,7 +391,7 @@ fn scan_fixture_root() -> io::Result<()> {
         namespaces: namespaces.clone(),
         ..Known::default()
     };
-    let snapshot = scan(root.path(), known)?;
+    let snapshot = scan(root.path(), known, &PodIndex::default())?;
     assert_eq!(snapshot.namespace_listeners, namespaces);
     assert_eq!(snapshot.tables_read, 0);
     assert_eq!(snapshot.listen_sockets.len(), 1, "{snapshot:?}");
@@ -367,7 +408,7 @@ fn scan_fixture_root() -> io::Result<()> {
         namespaces: HashMap::from([(4026531841, listening)]),
         ..Known::default()
     };
-    let mut snapshot = scan(root.path(), elsewhere)?;
+    let mut snapshot = scan(root.path(), elsewhere, &PodIndex::default())?;
     snapshot.processes.sort_by_key(|p| p.pid);
     assert_eq!(
         snapshot.listen_sockets.get(&777),

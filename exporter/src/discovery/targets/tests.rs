@@ -33,6 +33,7 @@ fn assigned(pid: u32, start_time: u64, service: &str) -> Assignment {
         start_time,
         service: service.to_owned(),
         options: ServiceOptions::default(),
+        workload: None,
     }
 }
 
@@ -99,6 +100,34 @@ fn a_rules_options_reach_the_kernel_until_a_reload_drops_them() -> io::Result<()
     assert!(tables.stream_workers.is_empty());
     assert!(tables.route_services.is_empty());
     assert!(!targets.services(&watched(&tables))[0].stream_workers);
+    Ok(())
+}
+
+/// A service named after a pod container shows its workload while it lives; an id
+/// the next service reuses starts without it.
+#[test]
+fn a_services_workload_lives_with_it() -> io::Result<()> {
+    let root = procfs(&[(100, 5), (200, 7)])?;
+    let mut targets = Targets::new(root.path().to_owned(), 8);
+    let mut tables = FakeTables::default();
+    let workload = Workload {
+        namespace: "prod".into(),
+        workload: "api".into(),
+        container: "api".into(),
+    };
+    let api = Assignment {
+        workload: Some(workload.clone()),
+        ..assigned(100, 5, "prod/api/api")
+    };
+    scan(&mut targets, &mut tables, &[api]);
+    let views = targets.services(&watched(&tables));
+    assert_eq!(views[0].workload, Some(workload));
+    let id = views[0].id;
+    scan(&mut targets, &mut tables, &[]);
+    scan(&mut targets, &mut tables, &[assigned(200, 7, "web")]);
+    let views = targets.services(&watched(&tables));
+    assert_eq!(views[0].id, id, "the freed id is reused");
+    assert_eq!(views[0].workload, None);
     Ok(())
 }
 
