@@ -1129,10 +1129,19 @@ fn daemonset_run_args(
         let source = if volume["configMap"].is_object() {
             config.display().to_string()
         } else {
-            volume["hostPath"]["path"]
-                .as_str()
-                .with_context(|| format!("volume {volume} is neither a ConfigMap nor a hostPath"))?
-                .to_owned()
+            let path = volume["hostPath"]["path"].as_str().with_context(|| {
+                format!("volume {volume} is neither a ConfigMap nor a hostPath")
+            })?;
+            // A directory every node has that this machine, no kubelet node, may lack
+            // (/var/log/containers): an empty one beside the config stands in.
+            if Path::new(path).exists() {
+                path.to_owned()
+            } else {
+                let stand_in =
+                    config.with_file_name(path.trim_start_matches('/').replace('/', "-"));
+                std::fs::create_dir_all(&stand_in)?;
+                stand_in.display().to_string()
+            }
         };
         let read_only = if mount["readOnly"] == true { ":ro" } else { "" };
         let target = mount["mountPath"].as_str().context("a mountPath")?;

@@ -37,6 +37,8 @@ const USAGE: &str = "usage: cargo xtask <command>
 const TEST_PACKAGES: &[&str] = &[
     "prometheus",
     "nginx",
+    // tests/tests/kubernetes.rs: nginx's stream proxy is the mesh test's sidecar.
+    "libnginx-mod-stream",
     "wrk",
     "tomcat10-common",
     "gunicorn",

@@ -307,7 +307,7 @@ pub fn service_families(
         "kubernetes_info",
         Kind::Gauge,
         "The Kubernetes namespace, workload and container a service is named after \
-         (`<namespace>/<workload>/<container>`), for selecting and joining; always 1.",
+         (`<namespace>.<workload>.<container>`), for selecting and joining; always 1.",
     );
     let mut time = Family::new(
         "request_time_seconds",

@@ -11,14 +11,16 @@
 //!   process descends from it.
 //!
 //! **Kubernetes workloads.** A pod container's process is named after its namespace,
-//! workload and container, `<namespace>/<workload>/<container>` (`prod/web/web`,
-//! `prod/web/istio-proxy`), so that the replicas of a Deployment on a node are one
+//! workload and container, `<namespace>.<workload>.<container>` (`prod.web.web`,
+//! `prod.web.istio-proxy`), so that the replicas of a Deployment on a node are one
 //! service whose name survives rollouts and restarts, a sidecar is a service apart
 //! from its application, and `api` in two namespaces is two services. The names come
 //! from the kubelet's log links (`pod_logs`); where the node does not list the
 //! container, the service is the workload alone, from the pod name in the container's
-//! environment (`procfs`). The workload is guessed from the pod name by the suffixes
-//! the controllers append:
+//! environment (`procfs`). Dots join the parts: a Kubernetes label value may hold
+//! them (an HPA selects by one), and the name reads back whole, since neither a
+//! namespace nor a container name holds a dot. The workload is guessed from the pod
+//! name by the suffixes the controllers append:
 //! - Deployment: `<name>-<pod-template-hash>-<5 random>` (`web-7d9f8c6b5-x2k4q` →
 //!   `web`); the hash is 5 to 10 characters of the alphabet Kubernetes draws random
 //!   names from (`bcdfghjklmnpqrstvwxz2456789`: no vowels, no 0, 1, 3).
@@ -80,7 +82,7 @@ impl Workload {
     }
 
     fn service_name(&self) -> String {
-        format!("{}/{}/{}", self.namespace, self.workload, self.container)
+        format!("{}.{}.{}", self.namespace, self.workload, self.container)
     }
 }
 
@@ -585,10 +587,10 @@ mod tests {
         assert_eq!(
             services(&assigned),
             vec![
-                (600, "prod/api/api"),
-                (601, "prod/api/istio-proxy"),
-                (700, "prod/api/api"),
-                (800, "staging/api/api"),
+                (600, "prod.api.api"),
+                (601, "prod.api.istio-proxy"),
+                (700, "prod.api.api"),
+                (800, "staging.api.api"),
             ]
         );
         assert_eq!(

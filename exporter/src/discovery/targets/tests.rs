@@ -117,7 +117,7 @@ fn a_services_workload_lives_with_it() -> io::Result<()> {
     };
     let api = Assignment {
         workload: Some(workload.clone()),
-        ..assigned(100, 5, "prod/api/api")
+        ..assigned(100, 5, "prod.api.api")
     };
     scan(&mut targets, &mut tables, &[api]);
     let views = targets.services(&watched(&tables));
