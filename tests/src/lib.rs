@@ -22,6 +22,7 @@ pub mod kernel_maps;
 pub mod load;
 pub mod profiles;
 pub mod prometheus;
+pub mod quota;
 pub mod scorecard;
 pub mod servers;
 pub mod steady;

@@ -18,7 +18,7 @@
 //!
 //! The numbers go to stderr (`--nocapture`).
 use std::{
-    path::{Path, PathBuf},
+    path::Path,
     time::{Duration, Instant},
 };
 
@@ -28,7 +28,9 @@ use poolscope_tests::{
     downstream::{self, Backend, Kind},
     free_port,
     load::{ClosedLoop, Connections, OpenLoop},
-    one_at_a_time, privileged, scorecard,
+    one_at_a_time, privileged,
+    quota::QuotaCgroup,
+    scorecard,
     servers::{Kind as ServerKind, RealServer, pin_to_first_cpu, wrk},
     skip,
 };
@@ -236,53 +238,6 @@ fn capacity_falls_within_a_window_when_the_backend_slows() -> anyhow::Result<()>
     );
     drop(server);
     Ok(())
-}
-
-/// A cgroup with a CPU quota, removed when dropped.
-struct QuotaCgroup {
-    dir: PathBuf,
-}
-
-impl QuotaCgroup {
-    /// Half a CPU, on the hierarchy that has the `cpu` controller: v2 if its root
-    /// delegates `cpu`, else v1's `cpu` mount.
-    fn half_cpu() -> anyhow::Result<Option<Self>> {
-        let root = Path::new("/sys/fs/cgroup");
-        let name = format!("poolscope-capacity-{}", std::process::id());
-        let v2_controllers = std::fs::read_to_string(root.join("cgroup.subtree_control"));
-        let dir = if v2_controllers.is_ok_and(|c| c.split_whitespace().any(|c| c == "cpu")) {
-            let dir = root.join(&name);
-            std::fs::create_dir(&dir)?;
-            std::fs::write(dir.join("cpu.max"), "50000 100000")?;
-            dir
-        } else if root.join("cpu/cpu.cfs_quota_us").exists() {
-            let dir = root.join("cpu").join(&name);
-            std::fs::create_dir(&dir)?;
-            std::fs::write(dir.join("cpu.cfs_period_us"), "100000")?;
-            std::fs::write(dir.join("cpu.cfs_quota_us"), "50000")?;
-            dir
-        } else {
-            return Ok(None);
-        };
-        Ok(Some(Self { dir }))
-    }
-
-    fn add(&self, pid: u32) -> anyhow::Result<()> {
-        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string())
-            .with_context(|| format!("moving {pid} into {}", self.dir.display()))
-    }
-}
-
-impl Drop for QuotaCgroup {
-    fn drop(&mut self) {
-        // Its processes are gone by now (dropped first); rmdir fails while any is left.
-        for _ in 0..50 {
-            if std::fs::remove_dir(&self.dir).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
 }
 
 #[test]

@@ -22,6 +22,7 @@ use poolscope_tests::{
     load::{ClosedLoop, Connections},
     one_at_a_time, privileged,
     profiles::http_get,
+    quota::QuotaCgroup,
     skip, wait_until,
 };
 use serde_json::Value;
@@ -1233,7 +1234,15 @@ fn the_image_runs_with_the_daemonsets_settings_and_measures() -> anyhow::Result<
         archive.display()
     );
 
-    let server = PoolServer::start(2, std::time::Duration::from_millis(5))?;
+    // CPU-bound (5 ms of CPU a request) under half a CPU of quota: its capacity is
+    // the quota's (100/s), not its 2 threads' (400/s), once poolscope reads the quota
+    // through the DaemonSet's mount of the host's cgroups.
+    let Some(quota) = QuotaCgroup::half_cpu()? else {
+        skip(test, "no cgroup hierarchy with the cpu controller");
+        return Ok(());
+    };
+    let server = PoolServer::start_styled(2, std::time::Duration::from_millis(5), "spin")?;
+    quota.add(server.pid())?;
     let port = free_port()?;
     let name = format!("poolscope-image-test-{}", std::process::id());
     let mut args = daemonset_run_args(pod, container, &config, &seccomp, port)?;
@@ -1261,8 +1270,21 @@ fn the_image_runs_with_the_daemonsets_settings_and_measures() -> anyhow::Result<
             .collect();
         ensure!(detached.is_empty(), "probes not attached: {detached:?}");
         let clients = ClosedLoop::start(server.port, 2, Connections::KeepAlive);
-        std::thread::sleep(std::time::Duration::from_secs(2));
+        const CAPACITY: &str = "poolscope_pool_capacity_requests_per_second";
+        let quota_bound = [("service", "poolserver"), ("limit", "cpu_quota")];
+        let bounded = wait_until(std::time::Duration::from_secs(30), || {
+            scrape().is_some_and(|m| m.value(CAPACITY, &quota_bound).is_some())
+        });
         let seen = clients.stop()?;
+        ensure!(
+            bounded,
+            "the half-CPU quota does not bound the capacity: {:?}",
+            scrape().map(|m| m
+                .samples
+                .into_iter()
+                .filter(|s| s.name == CAPACITY)
+                .collect::<Vec<_>>())
+        );
         ensure!(seen.completed > 0, "the clients completed nothing");
         let counted = wait_until(std::time::Duration::from_secs(10), || {
             scrape().is_some_and(|m| {
@@ -1282,7 +1304,8 @@ fn the_image_runs_with_the_daemonsets_settings_and_measures() -> anyhow::Result<
     let completed = measured.with_context(|| format!("the container's log:\n{logs}"))?;
     removed?;
     println!(
-        "{}: {image} counted all {completed} requests under the DaemonSet's settings",
+        "{}: {image} counted all {completed} requests under the DaemonSet's settings, \
+         its capacity bound by the container's CPU quota",
         archive.display()
     );
     Ok(())

@@ -6,8 +6,9 @@
 //! over configurable procfs and cgroupfs roots, tested on fixtures; read every
 //! [`REFRESH`] per service, not at every scrape (a few files per service).
 use std::{
-    collections::{BTreeMap, BTreeSet},
-    path::Path,
+    collections::{BTreeMap, BTreeSet, HashMap},
+    fs,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -130,19 +131,95 @@ fn quota_in(dir: &Path, v1: bool) -> Option<f64> {
     (quota > 0.0 && period > 0.0).then(|| quota / period)
 }
 
+/// How deep under a hierarchy's root [`NamespaceRoot`] looks for an ancestor of
+/// poolscope's cgroup namespace root (a pod's container sits at depth 4 under the
+/// systemd driver: `kubepods.slice/kubepods-<qos>.slice/kubepods-<qos>-pod<uid>.slice/
+/// cri-containerd-<id>.scope`, so its ancestors at 3 or less).
+const ANCESTOR_DEPTH: usize = 4;
+
+/// Where poolscope's own cgroup namespace sits in the host's hierarchies. A process
+/// outside that namespace (the host's and other pods', seen from a pod with a cgroup
+/// namespace of its own: cgroup v2's default) shows its cgroup from the namespace's
+/// root: up to the common ancestor, then down
+/// (`/../../kubepods-besteffort-pod<uid>.slice/cri-containerd-<id>.scope`). With the
+/// host's hierarchy mounted at the cgroupfs root, the ancestor `n` levels up is the
+/// shallowest directory that holds the first component after the `..`s; found once
+/// per hierarchy and `n` (the namespace root never moves), and looked for again when
+/// a path through it is missing.
+#[derive(Debug, Default)]
+pub struct NamespaceRoot {
+    /// (v1 mount or `None` for v2, levels up) → the ancestor, relative to the
+    /// hierarchy's root.
+    ancestors: HashMap<(Option<String>, usize), PathBuf>,
+}
+
+impl NamespaceRoot {
+    /// `cgroup`'s directory relative to its hierarchy's root (mounted at
+    /// `hierarchy`); `None` if its ancestor cannot be found there.
+    fn locate(&mut self, hierarchy: &Path, cgroup: &CpuCgroup) -> Option<PathBuf> {
+        let components: Vec<&str> = cgroup.path.split('/').filter(|c| !c.is_empty()).collect();
+        let up = components.iter().take_while(|&&c| c == "..").count();
+        let below = &components[up..];
+        if up == 0 {
+            return Some(below.iter().collect());
+        }
+        let first = below.first()?;
+        let key = (cgroup.v1_mount.clone(), up);
+        if let Some(ancestor) = self.ancestors.get(&key) {
+            let dir: PathBuf = below.iter().fold(ancestor.clone(), |dir, c| dir.join(c));
+            if hierarchy.join(&dir).is_dir() {
+                return Some(dir);
+            }
+        }
+        let ancestor = shallowest_parent_of(hierarchy, first)?;
+        let dir: PathBuf = below.iter().fold(ancestor.clone(), |dir, c| dir.join(c));
+        self.ancestors.insert(key, ancestor);
+        Some(dir)
+    }
+}
+
+/// The shallowest directory under `hierarchy` (relative to it, at most
+/// [`ANCESTOR_DEPTH`] deep) with a directory `child`.
+fn shallowest_parent_of(hierarchy: &Path, child: &str) -> Option<PathBuf> {
+    let mut level = vec![PathBuf::new()];
+    for _ in 0..=ANCESTOR_DEPTH {
+        let mut next = Vec::new();
+        for dir in &level {
+            let absolute = hierarchy.join(dir);
+            if absolute.join(child).is_dir() {
+                return Some(dir.clone());
+            }
+            let Ok(entries) = fs::read_dir(&absolute) else {
+                continue;
+            };
+            next.extend(
+                entries
+                    .flatten()
+                    .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|entry| dir.join(entry.file_name())),
+            );
+        }
+        level = next;
+    }
+    None
+}
+
 /// The quota in CPUs of `cgroup`: the smallest of it and its ancestors under
-/// `cgroupfs_root` (the root has none).
-pub fn cgroup_quota(cgroupfs_root: &Path, cgroup: &CpuCgroup) -> Option<f64> {
-    let mut dir = match &cgroup.v1_mount {
+/// `cgroupfs_root` (the root has none); `None` also where its directory cannot be
+/// found.
+pub fn cgroup_quota(
+    cgroupfs_root: &Path,
+    cgroup: &CpuCgroup,
+    namespace: &mut NamespaceRoot,
+) -> Option<f64> {
+    let hierarchy = match &cgroup.v1_mount {
         Some(mount) => cgroupfs_root.join(mount),
         None => cgroupfs_root.to_path_buf(),
     };
+    let path = namespace.locate(&hierarchy, cgroup)?;
+    let mut dir = hierarchy;
     let mut quota: Option<f64> = None;
-    for component in cgroup
-        .path
-        .split('/')
-        .filter(|c| !c.is_empty() && *c != "..")
-    {
+    for component in &path {
         dir.push(component);
         if let Some(cpus) = quota_in(&dir, cgroup.v1_mount.is_some()) {
             quota = Some(quota.map_or(cpus, |q| q.min(cpus)));
@@ -156,8 +233,8 @@ pub fn cgroup_quota(cgroupfs_root: &Path, cgroup: &CpuCgroup) -> Option<f64> {
 /// the host's (`host`, [`host_cpus`]); whichever is least. `None` if no process could
 /// be read.
 pub fn service_cpus(
-    procfs_root: &Path,
-    cgroupfs_root: &Path,
+    (procfs_root, cgroupfs_root): (&Path, &Path),
+    namespace: &mut NamespaceRoot,
     host: u32,
     pids: &[u32],
 ) -> Option<CpuLimit> {
@@ -190,7 +267,7 @@ pub fn service_cpus(
     }
     let quotas: Option<f64> = cgroups
         .keys()
-        .map(|cgroup| cgroup_quota(cgroupfs_root, cgroup))
+        .map(|cgroup| cgroup_quota(cgroupfs_root, cgroup, namespace))
         .sum();
     if let Some(quota) = quotas
         && quota < limit.cpus
@@ -287,7 +364,12 @@ mod tests {
             let (proc, cgroup) = fixture(cpus, processes, quotas)?;
             let pids: Vec<u32> = processes.iter().map(|(pid, ..)| *pid).collect();
             let host = host_cpus(proc.path()).unwrap_or(0);
-            std::io::Result::Ok(service_cpus(proc.path(), cgroup.path(), host, &pids))
+            std::io::Result::Ok(service_cpus(
+                (proc.path(), cgroup.path()),
+                &mut NamespaceRoot::default(),
+                host,
+                &pids,
+            ))
         };
         let host = |cpus| CpuLimit {
             cpus,
@@ -356,7 +438,12 @@ mod tests {
         fs::write(dir.join("cpu.cfs_quota_us"), "150000\n")?;
         fs::write(dir.join("cpu.cfs_period_us"), "100000\n")?;
         assert_eq!(
-            service_cpus(proc.path(), cgroup.path(), 4, &[10]),
+            service_cpus(
+                (proc.path(), cgroup.path()),
+                &mut NamespaceRoot::default(),
+                4,
+                &[10]
+            ),
             Some(CpuLimit {
                 cpus: 1.5,
                 bound: CpuBound::Quota
@@ -364,7 +451,12 @@ mod tests {
         );
         fs::write(dir.join("cpu.cfs_quota_us"), "-1\n")?;
         assert_eq!(
-            service_cpus(proc.path(), cgroup.path(), 4, &[10]),
+            service_cpus(
+                (proc.path(), cgroup.path()),
+                &mut NamespaceRoot::default(),
+                4,
+                &[10]
+            ),
             Some(CpuLimit {
                 cpus: 4.0,
                 bound: CpuBound::Host
@@ -372,6 +464,62 @@ mod tests {
         );
         // Processes gone: nothing to say.
         assert_eq!(limit(4, &[], &[])?, None);
+        Ok(())
+    }
+
+    /// Seen from a pod with a cgroup namespace of its own (poolscope's container at
+    /// `kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-podP.slice/
+    /// cri-containerd-own.scope`), with the host's hierarchy mounted at the cgroupfs
+    /// root: another pod's container, a sidecar in poolscope's own pod and a host
+    /// service each read their own quota.
+    #[test]
+    fn paths_from_a_pods_own_cgroup_namespace_find_their_quota() -> std::io::Result<()> {
+        let pod = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-podA.slice";
+        let own_pod = "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-podP.slice";
+        let (proc, cgroup) = fixture(
+            4,
+            &[
+                (
+                    10,
+                    "/../../../kubepods-burstable.slice/kubepods-burstable-podA.slice/cri-containerd-a.scope",
+                    "0-3",
+                ),
+                (
+                    11,
+                    "/../../../kubepods-burstable.slice/kubepods-burstable-podA.slice/cri-containerd-b.scope",
+                    "0-3",
+                ),
+                (20, "/../cri-containerd-sidecar.scope", "0-3"),
+                (30, "/../../../../system.slice/api.service", "0-3"),
+            ],
+            &[
+                (pod, "max 100000"),
+                (&format!("{pod}/cri-containerd-a.scope"), "50000 100000"),
+                (&format!("{pod}/cri-containerd-b.scope"), "150000 100000"),
+                (&format!("{own_pod}/cri-containerd-own.scope"), "max 100000"),
+                (
+                    &format!("{own_pod}/cri-containerd-sidecar.scope"),
+                    "25000 100000",
+                ),
+                ("/system.slice/api.service", "200000 100000"),
+            ],
+        )?;
+        let mut namespace = NamespaceRoot::default();
+        let quota = |namespace: &mut NamespaceRoot, pid: u32| {
+            service_cpus((proc.path(), cgroup.path()), namespace, 4, &[pid]).map(|l| l.cpus)
+        };
+        assert_eq!(quota(&mut namespace, 10), Some(0.5));
+        // The ancestor found for the first is kept, and holds for the second.
+        assert_eq!(quota(&mut namespace, 11), Some(1.5));
+        assert_eq!(quota(&mut namespace, 20), Some(0.25));
+        assert_eq!(quota(&mut namespace, 30), Some(2.0));
+        assert_eq!(namespace.ancestors.len(), 3);
+        // A path under no directory of the hierarchy: no quota, the host's CPUs.
+        fs::write(
+            proc.path().join("10/cgroup"),
+            "0::/../../../kubepods-burstable.slice/kubepods-burstable-podGone.slice/x.scope\n",
+        )?;
+        assert_eq!(quota(&mut namespace, 10), Some(4.0));
         Ok(())
     }
 

@@ -97,6 +97,9 @@ pub struct Exporter {
     process_fds_read: std::sync::atomic::AtomicU64,
     /// The CPUs each service may use, read every few seconds outside the core lock.
     cpu_limits: Mutex<CpuLimits>,
+    /// Where poolscope's cgroup namespace sits in the hierarchies, for the CPU limits'
+    /// reads (kept apart: scrapes read `cpu_limits` meanwhile).
+    cgroup_namespace: Mutex<cpus::NamespaceRoot>,
     /// The kubelet's names of pod containers, read by rescans (fixed directory).
     pod_logs: Mutex<PodLogs>,
 }
@@ -162,6 +165,7 @@ impl Exporter {
             namespace_tables_read: std::sync::atomic::AtomicU64::new(0),
             process_fds_read: std::sync::atomic::AtomicU64::new(0),
             cpu_limits: Mutex::new(CpuLimits::default()),
+            cgroup_namespace: Mutex::new(cpus::NamespaceRoot::default()),
             pod_logs: Mutex::new(PodLogs::new(pod_logs_dir)),
         }
     }
@@ -372,13 +376,20 @@ impl Exporter {
             return;
         };
         let cgroupfs_root = self.settings().cgroupfs_root.clone();
+        let mut namespace = lock_or_recover(&self.cgroup_namespace);
         let read: Vec<(u32, Option<cpus::CpuLimit>)> = due
             .into_iter()
             .map(|(service, pids)| {
-                let limit = cpus::service_cpus(&self.procfs_root, &cgroupfs_root, host, &pids);
+                let limit = cpus::service_cpus(
+                    (&self.procfs_root, &cgroupfs_root),
+                    &mut namespace,
+                    host,
+                    &pids,
+                );
                 (service, limit)
             })
             .collect();
+        drop(namespace);
         let mut limits = lock_or_recover(&self.cpu_limits);
         for (service, limit) in read {
             limits.store(service, now, limit);
