@@ -104,6 +104,27 @@ impl Drop for Cgroups {
     }
 }
 
+/// Moves the calling process into the cgroup whose `cgroup.procs` is `procs` ("0":
+/// the writer itself), between fork and exec: a process started so never runs
+/// elsewhere, and what it starts is there too. Only system calls, on a buffer made
+/// before the fork.
+fn join_cgroup(procs: &CString) -> std::io::Result<()> {
+    // SAFETY: a NUL-terminated path, a one-byte buffer, and an fd closed here.
+    unsafe {
+        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let written = libc::write(fd, c"0".as_ptr().cast(), 1);
+        let error = std::io::Error::last_os_error();
+        libc::close(fd);
+        if written != 1 {
+            return Err(error);
+        }
+    }
+    Ok(())
+}
+
 /// A `testserver` started in a pod-shaped cgroup; killed when dropped.
 struct PodServer {
     child: Child,
@@ -141,17 +162,7 @@ impl PodServer {
         // write, close, unshare, sethostname) on buffers prepared before the fork.
         unsafe {
             command.pre_exec(move || {
-                // "0" moves the writer itself: the server never runs elsewhere.
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let written = libc::write(fd, c"0".as_ptr().cast(), 1);
-                let error = std::io::Error::last_os_error();
-                libc::close(fd);
-                if written != 1 {
-                    return Err(error);
-                }
+                join_cgroup(&procs)?;
                 if let Some(name) = &uts_hostname
                     && (libc::unshare(libc::CLONE_NEWUTS) != 0
                         || libc::sethostname(name.as_ptr(), name.as_bytes().len()) != 0)
@@ -395,19 +406,7 @@ stream {{
         // SAFETY: between fork and exec the closure only makes system calls (open,
         // write, close) on a buffer prepared before the fork.
         unsafe {
-            command.pre_exec(move || {
-                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let written = libc::write(fd, c"0".as_ptr().cast(), 1);
-                let error = std::io::Error::last_os_error();
-                libc::close(fd);
-                if written != 1 {
-                    return Err(error);
-                }
-                Ok(())
-            });
+            command.pre_exec(move || join_cgroup(&procs));
         }
         let child = command
             .spawn()
