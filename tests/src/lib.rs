@@ -20,6 +20,7 @@ pub mod http1;
 pub mod http2;
 pub mod kernel_maps;
 pub mod load;
+pub mod pods;
 pub mod profiles;
 pub mod prometheus;
 pub mod quota;

@@ -22,7 +22,9 @@ use poolscope_tests::{
     downstream::{self, Backend, Kind},
     http1::{StatusLoad, StatusServer},
     load::{ClosedLoop, Connections},
-    one_at_a_time, parse_tids, privileged,
+    one_at_a_time, parse_tids,
+    pods::{Cgroups, cgroup_mounts, container_id, log_link, move_into, systemd_driver_path},
+    privileged,
     prometheus::Prometheus,
     requests_settled, scrape_until, wait_until,
 };
@@ -36,6 +38,9 @@ const RATE_INTERVAL: &str = "10s";
 
 /// Scrapes to wait for before querying: more than a rate window's worth.
 const MIN_SCRAPES: f64 = 12.0;
+
+/// The service the kubelet's log links name in the live test.
+const CHECKOUT: &str = "shop.checkout.checkout";
 
 /// Grafana's built-in variables the dashboards may use.
 const BUILTIN_VARIABLES: [&str; 4] = ["__rate_interval", "__interval", "__range", "__interval_ms"];
@@ -1173,7 +1178,23 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     // waits), `locked`, 3 workers contending one mutex (lock waits, CPU), and
     // `calling`, 2 Python workers that call a 10 ms backend (downstream waits), and
     // `answering`, an HTTP/1.1 server answering one request in ten with a 503 (status
-    // classes, the 5xx share).
+    // classes, the 5xx share), and `shop.checkout.checkout`, a pod container the
+    // kubelet's log links name (the namespace and workload pickers).
+    let mounts = cgroup_mounts()?;
+    // Dropped after the servers (declared before them): the cgroup is empty then.
+    let mut cgroups = Cgroups::default();
+    let pod_path = systemd_driver_path("burstable", 21, "cri-containerd-");
+    let pod_dir = cgroups.make(&mounts.unified, &pod_path)?;
+    let pod_logs = tempfile::tempdir()?;
+    log_link(
+        pod_logs.path(),
+        "checkout-7d9f8c6b5-x2k4q",
+        "shop",
+        "checkout",
+        &container_id(21),
+    )?;
+    let checkout = PoolServer::start(2, Duration::from_millis(5))?;
+    move_into(&pod_dir, checkout.pid())?;
     let pooled = PoolServer::start(2, Duration::from_millis(5))?;
     let mut locked = Program::start("lockserver", &["3".to_owned(), "2000".to_owned()])?;
     let locked_port: u16 = locked.line("port")?.parse()?;
@@ -1183,11 +1204,15 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     let calling_port: u16 = calling.line("port")?.parse()?;
     let answering = StatusServer::start()?;
     let config = format!(
-        "[discovery]\nrescan_interval = \"500ms\"\n[probes]\nbpf_stats = true\nroutes = true\n\
+        "[discovery]\nrescan_interval = \"500ms\"\npod_logs_dir = \"{}\"\n\
+         [probes]\nbpf_stats = true\nroutes = true\n\
+         [[targets]]\npids = [{}]\n\
          [[targets]]\nservice = \"pooled\"\npids = [{}]\n\
          [[targets]]\nservice = \"locked\"\npids = [{}]\n\
          [[targets]]\nservice = \"calling\"\npids = [{}]\n\
          [[targets]]\nservice = \"answering\"\npids = [{}]\n",
+        pod_logs.path().display(),
+        checkout.pid(),
         pooled.pid(),
         locked.pid(),
         calling.pid(),
@@ -1195,11 +1220,12 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     );
     let poolscope = Poolscope::start(&config)?;
     scrape_until(&poolscope, |m| {
-        ["pooled", "locked", "calling", "answering"]
+        ["pooled", "locked", "calling", "answering", CHECKOUT]
             .iter()
             .all(|service| m.value("poolscope_targets", &[("service", service)]) == Some(1.0))
     })?;
     let pool_clients = ClosedLoop::start(pooled.port, 4, Connections::KeepAlive);
+    let checkout_clients = ClosedLoop::start(checkout.port, 2, Connections::KeepAlive);
     let lock_clients = ClosedLoop::start(locked_port, 6, Connections::PerRequest);
     let calling_clients = ClosedLoop::start(calling_port, 2, Connections::PerRequest);
     let answering_client = StatusLoad::start(answering.port, ONE_IN_TEN_FAILS);
@@ -1302,6 +1328,8 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
         ("__interval_ms", "1000"),
         ("__range", "1m"),
         ("instance", instance.as_str()),
+        ("namespace", ".*"),
+        ("workload", ".*"),
         ("service", ".+"),
         ("pool", ".+"),
     ]
@@ -1343,8 +1371,34 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
                 problems.push(format!("{error:#}"));
             }
         }
+        // Picking the pod's namespace and workload leaves its service alone.
+        for (name, query) in variable_queries(&board) {
+            let (Some((selector, label)), "service") = (label_values(&query), name.as_str()) else {
+                continue;
+            };
+            let mut picked = values.clone();
+            picked.insert("namespace", "shop".to_owned());
+            picked.insert("workload", "checkout".to_owned());
+            let (_, result) = prometheus.query(&format!(
+                "count by ({label}) ({})",
+                substitute(selector, &picked)?
+            ))?;
+            let listed: Vec<&str> = result
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|series| series["metric"]["service"].as_str())
+                .collect();
+            if listed != [CHECKOUT] {
+                problems.push(format!(
+                    "{file}: namespace shop, workload checkout list services {listed:?}"
+                ));
+            }
+        }
     }
 
+    let checkout_load = checkout_clients.stop()?;
+    ensure!(checkout_load.completed > 0, "no load on {CHECKOUT}");
     let pool_load = pool_clients.stop()?;
     let lock_load = lock_clients.stop()?;
     let calling_load = calling_clients.stop()?;
