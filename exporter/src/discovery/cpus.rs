@@ -159,20 +159,20 @@ impl NamespaceRoot {
     fn locate(&mut self, hierarchy: &Path, cgroup: &CpuCgroup) -> Option<PathBuf> {
         let components: Vec<&str> = cgroup.path.split('/').filter(|c| !c.is_empty()).collect();
         let up = components.iter().take_while(|&&c| c == "..").count();
-        let below = &components[up..];
+        let below: PathBuf = components[up..].iter().collect();
         if up == 0 {
-            return Some(below.iter().collect());
+            return Some(below);
         }
-        let first = below.first()?;
+        let first = components.get(up)?;
         let key = (cgroup.v1_mount.clone(), up);
         if let Some(ancestor) = self.ancestors.get(&key) {
-            let dir: PathBuf = below.iter().fold(ancestor.clone(), |dir, c| dir.join(c));
+            let dir = ancestor.join(&below);
             if hierarchy.join(&dir).is_dir() {
                 return Some(dir);
             }
         }
         let ancestor = shallowest_parent_of(hierarchy, first)?;
-        let dir: PathBuf = below.iter().fold(ancestor.clone(), |dir, c| dir.join(c));
+        let dir = ancestor.join(&below);
         self.ancestors.insert(key, ancestor);
         Some(dir)
     }

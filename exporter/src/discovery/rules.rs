@@ -211,10 +211,15 @@ fn direct_service(
     rules: &[TargetRule],
     snapshot: &ProcSnapshot,
 ) -> Option<Named> {
-    let by_default = |options: ServiceOptions| Named {
-        service: default_service_name(process),
-        options,
-        workload: Workload::of(process),
+    let by_default = |options: ServiceOptions| {
+        let workload = Workload::of(process);
+        Named {
+            service: workload
+                .as_ref()
+                .map_or_else(|| default_service_name(process), Workload::service_name),
+            options,
+            workload,
+        }
     };
     if rules.is_empty() {
         return (!process.listeners.is_empty()).then(|| by_default(ServiceOptions::default()));
