@@ -1,12 +1,13 @@
-//! HTTP/2 over cleartext TCP, socket backend (DESIGN §3): a connection whose first
-//! bytes are the client preface leaves the one-request-at-a-time machine of
-//! `requests.rs` (its `Conn` becomes `Multiplexed`) and is followed here frame by
-//! frame. A request is a stream: it starts when the server reads the client's HEADERS
-//! that open it and ends at the server's END_STREAM (finished) or at an RST_STREAM
-//! from either side, or the connection's end (reset).
+//! HTTP/2 over cleartext TCP (DESIGN §3): a connection whose first bytes are the client
+//! preface leaves the one-request-at-a-time machine of `requests.rs` (its `Conn`
+//! becomes `Multiplexed`) and is followed here frame by frame. A request is a stream:
+//! it starts when the server reads the client's HEADERS that open it and ends at the
+//! server's END_STREAM (finished) or at an RST_STREAM from either side, or the
+//! connection's end (reset). Fed by each read and write at its return with its length:
+//! the socket backend's tracepoints (`sock.rs`), or the tcp backend's fexit programs
+//! where the kernel has them (`tcp_h2.rs`).
 //!
-//! The socket tracepoints carry no buffer: the bytes are read from the syscall's own
-//! buffer, found through the calling thread's saved registers (read, recvfrom,
+//! Neither hook carries a buffer: the bytes are read from the syscall's own buffer, found through the calling thread's saved registers (read, recvfrom,
 //! readv, recvmsg and their write twins, iovecs included). Only frame headers are
 //! read (9 bytes a frame; a payload is skipped by its length, whatever wrote it).
 //! Parse state lives in the socket (`H2_CONNS`) since a header may span reads,
@@ -23,7 +24,7 @@ use aya_ebpf::{
 };
 use poolscope_shared::{
     CallWalk, Conn, FrameCursor, H2_FRAME_HEADER, H2_PREFACE, H2_STREAM_SLOTS, H2Conn, LossErrno,
-    LossSource, SyscallSlot,
+    LossSource, Phase, SyscallSlot,
 };
 
 use self::streams::{
@@ -31,7 +32,8 @@ use self::streams::{
     received, sent, settings, streams_ended,
 };
 use crate::{
-    maps::{H2_CONNS, count_loss, swap, update_service},
+    clock::now_ns,
+    maps::{H2_CONNS, TCP_HTTP2, count_loss, swap, update_service},
     requests,
     source::{Source, preface_prefix, read_user},
 };
@@ -152,18 +154,79 @@ pub fn unfollowed(regs: *const u8, slot: SyscallSlot, conn: &mut Conn, len: i64)
         && refused(conn, LossSource::Http2SyscallBackend)
 }
 
-/// Tcp backend: the first read of connection `conn` (`Unserved`), seen from inside the
-/// call that copies its bytes. Its hook gives no length: the preface is compared
-/// with as much of it as the call's first buffer holds (a client writes the whole
-/// preface at once; fewer bytes read than the preface's first 18 could not have
-/// matched an HTTP/1 request anyway). As the syscall backend, this backend sees no
-/// write's buffer and does not follow streams: the connection counts nothing
-/// (`Http2TcpBackend`). `true` if so.
+/// Tcp backend, the tracepoint's read (`tcp_read`, from inside the call that copies
+/// the bytes, whose length it does not know), in `phase`: whether the read is HTTP/2's,
+/// not the HTTP/1 machine's. A connection's first read (`Unserved`) that begins the
+/// client preface is left to `tcp_h2.rs`'s program at the call's return, which knows
+/// its length and walks it as the socket backend does; where those programs are not
+/// attached (no fexit: `TCP_HTTP2` is 0), the connection is refused and counts nothing
+/// (`Http2TcpBackend`). With them, the first read of a second request (after an
+/// `Upgrade: h2c`) that begins the preface is left to them too; checked once per
+/// connection. The preface is compared with as much of it as the call's first buffer
+/// holds: a client writes the whole preface at once, and fewer bytes read than the
+/// preface's first 18 could not have matched an HTTP/1 request anyway.
 #[inline(never)]
-pub fn unfollowed_here(conn: &mut Conn) -> bool {
-    Source::of_current_call()
-        .is_some_and(|source| source.begins_with_preface(H2_PREFACE.len() as i64))
-        && refused(conn, LossSource::Http2TcpBackend)
+pub fn left_by_tcp_read(conn: &mut Conn, phase: Phase) -> bool {
+    let followed = TCP_HTTP2.get(0).copied().unwrap_or(0) != 0;
+    let preface = || {
+        Source::of_current_call()
+            .is_some_and(|source| source.begins_with_preface(H2_PREFACE.len() as i64))
+    };
+    if phase == Phase::Unserved {
+        return preface() && (followed || refused(conn, LossSource::Http2TcpBackend));
+    }
+    if followed && preface() {
+        // `after_read` checks it again at the call's return, and marks it checked.
+        return true;
+    }
+    conn.upgrade_checked = 1;
+    false
+}
+
+/// A read that returned `len` bytes on connection `sk` (`conn`), at its return, by the
+/// reading thread (socket backend: `sock_recv`; tcp backend: `tcp_h2_read`): followed
+/// here if the connection is multiplexed or these bytes open it (its first read, or its
+/// second request's after an `Upgrade: h2c`, checked once). `false` if the read is
+/// HTTP/1's.
+#[inline(always)]
+pub fn after_read(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
+    match requests::phase(conn) {
+        Phase::Multiplexed => {}
+        Phase::Unserved => {
+            if !opens(sk, conn, len) {
+                return false;
+            }
+        }
+        // A connection's second request may begin with the preface: checked once, so
+        // that the requests after cost nothing.
+        Phase::Responded | Phase::Waiting if conn.upgrade_checked == 0 && conn.start_ns != 0 => {
+            conn.upgrade_checked = 1;
+            if !opens(sk, conn, len) {
+                return false;
+            }
+        }
+        _ => return false,
+    }
+    transferred(sk, conn.service, Direction::Received, len, now_ns());
+    true
+}
+
+/// A write that sent `len` bytes on connection `sk` (`conn`), at its return, by the
+/// writing thread: followed here if the connection is multiplexed (`true`); before any
+/// read, it may be an HTTP/2 server's greeting (`greeting`).
+#[inline(always)]
+pub fn after_write(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
+    match requests::phase(conn) {
+        Phase::Multiplexed => {
+            transferred(sk, conn.service, Direction::Sent, len, now_ns());
+            true
+        }
+        Phase::Unserved => {
+            greeting(conn, len);
+            false
+        }
+        _ => false,
+    }
 }
 
 /// An HTTP/2 connection a backend does not follow becomes `Multiplexed`, counts
@@ -468,6 +531,9 @@ impl Walk<'_> {
 /// connection's entry for [`opens`].
 #[inline(never)]
 pub fn greeting(conn: &mut Conn, len: i32) {
+    // What `opens` takes as sent before the preface, where the write's transmit is
+    // seen only later (tcp backend) or not at all.
+    conn.greeted = 1;
     if len < H2_FRAME_HEADER as i32 || conn.greeting_limit_set != 0 {
         return;
     }

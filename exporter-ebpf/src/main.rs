@@ -12,10 +12,11 @@
 //! - `routes` (a request's first bytes, handed to user space with its record) above
 //!   `source`; `requests`, the request state machine that the three request backends
 //!   (`sock`, `tcp`, `syscalls`) share, and `h2`, which follows HTTP/2 connections'
-//!   streams instead (socket backend);
+//!   streams instead (socket backend, and tcp backend where fexit attaches);
 //! - the programs of each subsystem: `sched` (switches and wakeups drive threads,
 //!   stacks and locks), `stacks` and `sessions` (samples and off-CPU blocks),
-//!   `process` (lifecycle), `sock`, `tcp` (which uses `sock`'s storage) and `syscalls`.
+//!   `process` (lifecycle), `sock`, `tcp` and `tcp_h2` (which use `sock`'s storage)
+//!   and `syscalls`.
 #![no_std]
 #![no_main]
 // The BPF target has no `AtomicU64`; the intrinsic compiles to BPF's atomic add.
@@ -40,6 +41,7 @@ mod stackmaps;
 mod stacks;
 mod syscalls;
 mod tcp;
+mod tcp_h2;
 mod threads;
 
 #[cfg(not(test))]

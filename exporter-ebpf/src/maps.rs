@@ -41,6 +41,8 @@ pub static ADOPT: HashMap<u64, Conn> = HashMap::with_max_entries(65536, 0);
 #[map]
 pub static ADOPTING: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
+pub static TCP_HTTP2: Array<u32> = Array::with_max_entries(1, 0);
+#[map]
 pub static LISTEN_CHANGES: Array<u64> = Array::with_max_entries(1, 0);
 #[map]
 pub static LISTEN_PORTS: HashMap<ListenKey, u32> = HashMap::with_max_entries(MAX_LISTEN_PORTS, 0);

@@ -26,7 +26,7 @@ use poolscope_shared::{
 
 use crate::{
     clock::now_ns,
-    h2::{self, Direction},
+    h2,
     maps::{
         ADOPT, ADOPTING, LISTEN_CHANGES, LISTEN_PORTS, SERVICE_EPOCHS, SOCK_CONNS, WATCHED_PORTS,
         atomic_add, count_entries, count_loss,
@@ -372,28 +372,12 @@ pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn(sk) {
         // SAFETY: as above.
         let conn = unsafe { &mut *conn };
-        match requests::phase(conn) {
-            Phase::Multiplexed => {
-                h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
-            }
-            // A connection's first bytes tell HTTP/2 (the client preface) from the rest.
-            Phase::Unserved if h2::opens(sk, conn, ret) => {
-                h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
-            }
-            _ if conn.adopted != 0 && h2::adopted_mid_stream(conn, ret) => {}
-            // A connection's second request may begin with the preface (after an
-            // `Upgrade: h2c`): checked once, so that the requests after cost nothing.
-            Phase::Responded | Phase::Waiting
-                if conn.upgrade_checked == 0 && conn.start_ns != 0 =>
-            {
-                conn.upgrade_checked = 1;
-                if h2::opens(sk, conn, ret) {
-                    h2::transferred(sk, conn.service, Direction::Received, ret, now_ns());
-                } else {
-                    read(conn, ret);
-                }
-            }
-            _ => read(conn, ret),
+        // HTTP/2's (a connection's first bytes tell it: the client preface), or
+        // adopted mid-stream, or HTTP/1's.
+        if !h2::after_read(sk, conn, ret)
+            && !(conn.adopted != 0 && h2::adopted_mid_stream(conn, ret))
+        {
+            read(conn, ret);
         }
     }
     0
@@ -422,18 +406,9 @@ pub fn sock_send(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn(sk) {
         // SAFETY: as above.
         let conn = unsafe { &mut *conn };
-        match requests::phase(conn) {
-            Phase::Multiplexed => {
-                h2::transferred(sk, conn.service, Direction::Sent, ret, now_ns());
-            }
-            _ if conn.adopted != 0 && h2::adopted_mid_stream(conn, ret) => {}
-            phase => {
-                // A server that writes first may be an HTTP/2 one announcing its limits.
-                if phase == Phase::Unserved {
-                    h2::greeting(conn, ret);
-                }
-                requests::wrote_from(conn, now_ns(), ret as u32, Source::of_current_write);
-            }
+        if !h2::after_write(sk, conn, ret) && !(conn.adopted != 0 && h2::adopted_mid_stream(conn, ret))
+        {
+            requests::wrote_from(conn, now_ns(), ret as u32, Source::of_current_write);
         }
     }
     0

@@ -11,6 +11,9 @@
 //!   seen when it is transmitted rather than when it is written (the same instant
 //!   unless the peer's window or congestion holds it back).
 //!
+//! HTTP/2 connections are followed by `tcp_h2.rs` where the kernel lets its fexit
+//! programs attach; these hooks then only leave them to it (and give their arrivals).
+//!
 //! The socket's own sequence numbers tell data from bare acknowledgements: a
 //! received segment carries data when its sequence range exceeds its SYN and FIN;
 //! a transmit is a write's when the socket holds data written and not yet sent
@@ -19,7 +22,7 @@
 use aya_ebpf::{
     helpers::bpf_get_current_pid_tgid, macros::btf_tracepoint, programs::BtfTracePointContext,
 };
-use poolscope_shared::{Conn, Phase, ROUTE_BYTES};
+use poolscope_shared::{Conn, H2_FRAME_HEADER, Phase, ROUTE_BYTES};
 
 use crate::{
     clock::now_ns,
@@ -71,9 +74,9 @@ pub fn tcp_segment_received(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn_on_watched_port(sk) {
         // SAFETY: a live entry, changed by compare-and-swap.
         let conn = unsafe { &mut *conn };
-        // An HTTP/2 connection is not followed by this backend (`h2::unfollowed_here`).
         match requests::phase(conn) {
-            Phase::Multiplexed => {}
+            // Followed by `tcp_h2.rs` where it runs, else refused and counting nothing.
+            Phase::Multiplexed => h2::arrived(sk, now_ns()),
             Phase::Serving => {
                 let now = now_ns();
                 if response_sent_unseen(sk, conn) {
@@ -106,8 +109,20 @@ pub fn tcp_read(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn(sk) {
         // SAFETY: as above.
         let conn = unsafe { &mut *conn };
-        // A connection's first bytes tell HTTP/2 (the client preface), not followed here.
-        if requests::phase(conn) == Phase::Unserved && h2::unfollowed_here(conn) {
+        // A connection's first bytes tell HTTP/2 (the client preface), and so may its
+        // second request's (after an `Upgrade: h2c`): not counted here.
+        let phase = requests::phase(conn);
+        let first = phase == Phase::Unserved
+            || (matches!(phase, Phase::Responded | Phase::Waiting)
+                && conn.upgrade_checked == 0
+                && conn.start_ns != 0);
+        if first && h2::left_by_tcp_read(conn, phase) {
+            return 0;
+        }
+        // Adopted mid-stream: its first read tells HTTP/2 frames (counting nothing)
+        // from HTTP/1; a read copies at least a frame header's worth in nearly all
+        // cases, and the bytes read first are the call's own.
+        if conn.adopted != 0 && h2::adopted_mid_stream(conn, H2_FRAME_HEADER as i32) {
             return 0;
         }
         // The length read is not known here: the route takes what the buffer holds,

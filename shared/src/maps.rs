@@ -55,6 +55,11 @@ pub const ADOPT: &str = "ADOPT";
 /// sockets of no watched service skip the inode read when there is nothing to
 /// adopt.
 pub const ADOPTING: &str = "ADOPTING";
+/// Array of one u32: non-zero once the tcp backend's HTTP/2 programs (`tcp_h2.rs`:
+/// fexit on `tcp_recvmsg` and `tcp_sendmsg`) are attached, set by user space after
+/// their attach. Until then, and on kernels without fexit, an HTTP/2 connection on the
+/// tcp backend is refused (counted) rather than left to programs that do not run.
+pub const TCP_HTTP2: &str = "TCP_HTTP2";
 /// array (one for all CPUs: atomic adds; mmap-able), index service id →
 /// [`crate::RequestTimes`].
 pub const REQUEST_TIMES: &str = "REQUEST_TIMES";

@@ -7,16 +7,20 @@
 //!   calls in flight on one channel, which reports its calls and their latencies;
 //! - [`h2raw`] and [`OldConnection`]: tests/http2/h2raw.py, the `h2` library's bytes
 //!   on a raw socket (resets, closes under open streams, hostile input, a connection
-//!   older than poolscope), which reports the streams the server answered.
+//!   older than poolscope), which reports the streams the server answered;
+//! - [`PlainH2Server`] and [`plain_streams`]: tests/src/bin/h2server.rs and a client
+//!   here, both the standard library alone (they run in the test guests, which have
+//!   no Python, nginx or nghttp2), each counting its streams.
 //!
 //! The Python scripts run under Debian's `/usr/bin/python3`, the interpreter that
 //! python3-grpcio and python3-h2 install for (a `python3` earlier on PATH, pyenv's,
 //! has neither).
 use std::{
-    io::Write as _,
+    io::{Read as _, Write as _},
     net::TcpStream,
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    thread,
     time::Duration,
 };
 
@@ -608,6 +612,158 @@ impl OldConnection {
         self.program.finish("closed")?;
         Ok(())
     }
+}
+
+/// tests/src/bin/h2server.rs: each stream answered after a fixed service time, on a
+/// thread of its own.
+pub struct PlainH2Server {
+    program: Program,
+    port: u16,
+}
+
+/// What `h2server` counted itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlainServed {
+    pub answered: u64,
+    pub open: i64,
+}
+
+impl PlainH2Server {
+    pub fn start(service: Duration) -> anyhow::Result<Self> {
+        let mut program = Program::start("h2server", &[service.as_millis().to_string()])?;
+        let port = program.line("port")?.parse().context("h2server's port")?;
+        Ok(Self { program, port })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.program.pid()
+    }
+
+    /// Stops it; what it counted.
+    pub fn finish(mut self) -> anyhow::Result<PlainServed> {
+        let line = self.program.finish("served")?;
+        let numbers: Vec<&str> = line.split(' ').collect();
+        let [answered, open] = numbers[..] else {
+            bail!("h2server said {line:?}");
+        };
+        Ok(PlainServed {
+            answered: answered.parse()?,
+            open: open.parse()?,
+        })
+    }
+}
+
+/// HTTP/2 frame types and flags the plain client sends and reads.
+const H2_HEADERS: u8 = 1;
+const H2_SETTINGS: u8 = 4;
+const H2_END_STREAM: u8 = 0x1;
+const H2_END_HEADERS: u8 = 0x4;
+const H2_ACK: u8 = 0x1;
+/// A request's header block: HPACK's static `:method GET`, `:scheme http`, `:path /`.
+const H2_REQUEST_BLOCK: [u8; 3] = [0x82, 0x86, 0x84];
+
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    bytes.extend_from_slice(&[kind, flags]);
+    bytes.extend_from_slice(&stream.to_be_bytes());
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
+/// One h2c connection's client side: streams opened in turn (1, 3, 5, ...).
+struct PlainConnection {
+    socket: TcpStream,
+    next_stream: u32,
+}
+
+impl PlainConnection {
+    fn open(port: u16) -> anyhow::Result<Self> {
+        let mut socket = TcpStream::connect(("127.0.0.1", port))?;
+        socket.set_read_timeout(Some(Duration::from_secs(30)))?;
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
+        socket.write_all(&hello)?;
+        Ok(Self {
+            socket,
+            next_stream: 1,
+        })
+    }
+
+    fn request(&mut self) -> anyhow::Result<()> {
+        let flags = H2_END_STREAM | H2_END_HEADERS;
+        let frame = h2_frame(H2_HEADERS, flags, self.next_stream, &H2_REQUEST_BLOCK);
+        self.next_stream += 2;
+        self.socket.write_all(&frame)?;
+        Ok(())
+    }
+
+    /// Reads frames until a stream ends (acknowledging the server's settings).
+    fn answer(&mut self) -> anyhow::Result<()> {
+        loop {
+            let mut header = [0u8; 9];
+            self.socket.read_exact(&mut header)?;
+            let length = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+            let mut payload = vec![0u8; length];
+            self.socket.read_exact(&mut payload)?;
+            let (kind, flags) = (header[3], header[4]);
+            if kind == H2_SETTINGS && flags & H2_ACK == 0 {
+                self.socket
+                    .write_all(&h2_frame(H2_SETTINGS, H2_ACK, 0, &[]))?;
+            } else if kind == H2_HEADERS && flags & H2_END_STREAM != 0 {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// A closed loop of `connections` h2c connections to 127.0.0.1:`port`, each keeping
+/// `open` streams open until it made `per_connection`; `during` runs meanwhile (from
+/// the moment every connection has its streams open). The streams answered.
+pub fn plain_streams<T>(
+    port: u16,
+    connections: u32,
+    open: u32,
+    per_connection: u32,
+    during: impl FnOnce() -> T,
+) -> anyhow::Result<(u64, T)> {
+    let mut sockets = Vec::new();
+    for _ in 0..connections {
+        let mut connection = PlainConnection::open(port)?;
+        for _ in 0..open.min(per_connection) {
+            connection.request()?;
+        }
+        sockets.push(connection);
+    }
+    let clients: Vec<_> = sockets
+        .into_iter()
+        .map(|mut connection| {
+            thread::spawn(move || -> anyhow::Result<u64> {
+                let mut made = u64::from(open.min(per_connection));
+                let mut answered = 0;
+                while answered < made {
+                    connection.answer()?;
+                    answered += 1;
+                    if made < u64::from(per_connection) {
+                        connection.request()?;
+                        made += 1;
+                    }
+                }
+                Ok(answered)
+            })
+        })
+        .collect();
+    let during = during();
+    let mut answered = 0;
+    for client in clients {
+        answered += client
+            .join()
+            .map_err(|_| anyhow::anyhow!("an h2c client thread panicked"))??;
+    }
+    Ok((answered, during))
 }
 
 #[cfg(test)]

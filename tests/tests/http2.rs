@@ -20,10 +20,12 @@
 //!   request one byte per send, a request cut inside its HEADERS frame header at
 //!   each offset: never more requests than nginx answered, and each valid request
 //!   counted exactly unless an `http2_*` loss says its connection was given up;
-//! - HTTP/1.1 and h2c in one service; an h2c connection older than poolscope.
+//! - HTTP/1.1 and h2c in one service; an h2c connection older than poolscope;
+//! - a plain server of the standard library (a thread per stream), which also runs in
+//!   the test guests: streams, in flight and durations against its own count.
 //!
-//! Only the socket backend follows HTTP/2 for now ([`HTTP2_BACKENDS`]). The tables go
-//! to stderr (`--nocapture`).
+//! The socket backend follows HTTP/2, and the tcp backend where fexit attaches
+//! ([`http2_capable`]). The tables go to stderr (`--nocapture`).
 use std::{
     collections::BTreeMap,
     time::{Duration, Instant},
@@ -31,19 +33,29 @@ use std::{
 
 use anyhow::Context as _;
 use poolscope_tests::{
-    Metrics, Poolscope, backend_config, backends, free_port,
+    Metrics, Poolscope, backend_config, backends, emulation_allowance, free_port,
     http2::{
-        Amount, GrpcClient, GrpcServer, OldConnection, UpgradeServer, curl_upgrade, h2load,
-        h2load_grpc, h2load_h1, h2raw,
+        Amount, GrpcClient, GrpcServer, OldConnection, PlainH2Server, UpgradeServer,
+        curl_upgrade, h2load, h2load_grpc, h2load_h1, h2raw, plain_streams,
     },
     one_at_a_time, privileged, scorecard, scrape_until,
     servers::{Kind, RealServer, pin_to_first_cpu},
     skip,
 };
 
-/// The request backends that follow HTTP/2 frame by frame. The syscall backend is one
-/// line away: add "syscall" here.
-const HTTP2_BACKENDS: &[&str] = &["socket"];
+/// The request backends that follow HTTP/2 frame by frame: the socket backend, and the
+/// tcp backend where the kernel lets its fexit programs attach (`tcp_h2.rs`), which
+/// `POOLSCOPE_TEST_TCP_HTTP2` says (`cargo xtask vm-test` sets it in the 6.1 guest;
+/// this host's kernel refuses fexit). The syscall backend is one line away.
+fn http2_capable() -> Vec<&'static str> {
+    let mut capable = vec!["socket"];
+    if std::env::var_os(TCP_HTTP2_ENV).is_some() {
+        capable.push("tcp");
+    }
+    capable
+}
+/// Set where the kernel lets fexit programs attach (see [`http2_capable`]).
+const TCP_HTTP2_ENV: &str = "POOLSCOPE_TEST_TCP_HTTP2";
 
 const REQUESTS: &str = "poolscope_requests_total";
 const IN_FLIGHT: &str = "poolscope_requests_in_flight";
@@ -54,11 +66,12 @@ const AT_LIMIT: &str = "poolscope_http2_connections_at_stream_limit";
 const DURATION_SUM: &str = "poolscope_request_duration_seconds_sum";
 const DURATION_COUNT: &str = "poolscope_request_duration_seconds_count";
 
-/// [`HTTP2_BACKENDS`] this kernel has (the socket backend needs Linux 6.3), for
+/// [`http2_capable`] backends this kernel has (the socket backend needs Linux 6.3), for
 /// `test`; none is a skip of `test` (a failure under CI=true), never a pass.
 fn http2_backends(test: &str) -> Vec<&'static str> {
     let available = backends();
-    let chosen: Vec<&'static str> = HTTP2_BACKENDS
+    let capable = http2_capable();
+    let chosen: Vec<&'static str> = capable
         .iter()
         .copied()
         .filter(|backend| available.contains(backend))
@@ -66,9 +79,7 @@ fn http2_backends(test: &str) -> Vec<&'static str> {
     if chosen.is_empty() {
         skip(
             test,
-            &format!(
-                "no backend here follows HTTP/2 ({HTTP2_BACKENDS:?} do; {available:?} tested here)"
-            ),
+            &format!("no backend here follows HTTP/2 ({capable:?} do; {available:?} tested here)"),
         );
     }
     chosen
@@ -1054,6 +1065,87 @@ fn nginx_hostile_input() -> anyhow::Result<()> {
     ensure_none("hostile input", &failures)
 }
 
+/// A server that serves every open stream at once (tests/src/bin/h2server.rs: a thread
+/// per stream, 100 ms each; the standard library alone, so that it runs in the test
+/// guests, the 6.1 one on the tcp backend) under 3 connections that each keep 4 streams
+/// open, 100 streams each: every stream the client saw answered and the server counted
+/// is counted, the in-flight gauge reads the 12 streams the server holds while the load
+/// runs (but for the instants between an answer and the next request) and 0 after, and
+/// each stream lasts the server's service time.
+#[test]
+fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
+    if !privileged("plain_server_streams_counted_exactly") {
+        return Ok(());
+    }
+    const SERVICE: Duration = Duration::from_millis(100);
+    const CONNECTIONS: u32 = 3;
+    const OPEN: u32 = 4;
+    const PER_CONNECTION: u32 = 100;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    for backend in http2_backends("plain_server_streams_counted_exactly") {
+        let server = PlainH2Server::start(SERVICE)?;
+        let service = format!("h2server-{backend}");
+        let poolscope = watch(backend, &service, &[server.pid()])?;
+        let before = Counts::scrape(&poolscope, &service)?;
+        let (answered, samples) =
+            plain_streams(server.port(), CONNECTIONS, OPEN, PER_CONNECTION, || {
+                (0..4)
+                    .map(|_| {
+                        std::thread::sleep(Duration::from_millis(200));
+                        Counts::scrape(&poolscope, &service).map(|counts| counts.in_flight)
+                    })
+                    .collect::<anyhow::Result<Vec<f64>>>()
+            })?;
+        let samples = samples?;
+        let streams = u64::from(CONNECTIONS * PER_CONNECTION);
+        // Before the server stops: its series go with it.
+        let delta = settle_on(&poolscope, &service, &before, streams, 0)?;
+        let served = server.finish()?;
+        let held = f64::from(CONNECTIONS * OPEN);
+        let mean_ms = delta.mean_duration() * 1e3;
+        eprintln!(
+            "{backend}: {streams} streams, client answered {answered}, server answered {} \
+             ({} open at its end): requests_total +{}, in flight while held {samples:?} \
+             (truth {held}), mean duration {mean_ms:.2} ms (service {} ms), lost {}",
+            served.answered,
+            served.open,
+            delta.requests,
+            SERVICE.as_millis(),
+            delta.lost_sources()
+        );
+        let what = format!("{backend}: h2server");
+        if answered != streams || served.answered != streams || served.open != 0 {
+            failures.push(format!(
+                "{what}: the truth disagrees with itself: client {answered}, server {} ({} \
+                 open), made {streams}",
+                served.answered, served.open
+            ));
+        }
+        Expect {
+            what: &what,
+            requests: streams,
+            resets: 0,
+            connections: Some(u64::from(CONNECTIONS)),
+        }
+        .check(&delta, &mut failures);
+        if samples.iter().any(|&sample| sample > held) || !samples.contains(&held) {
+            failures.push(format!(
+                "{what}: in flight while {held} streams were held: {samples:?}"
+            ));
+        }
+        let service_ms = SERVICE.as_secs_f64() * 1e3;
+        let slack_ms = 5.0 + emulation_allowance().as_secs_f64() * 1e3;
+        if !(service_ms..service_ms + slack_ms).contains(&mean_ms) {
+            failures.push(format!(
+                "{what}: mean duration {mean_ms:.2} ms, the server sleeps {service_ms} ms \
+                 (allowed up to {slack_ms} ms more for its wake-up and write)"
+            ));
+        }
+    }
+    ensure_none("plain_server_streams_counted_exactly", &failures)
+}
+
 /// HTTP/1.1 and h2c in one service at once: nginx's h2c port and its HTTP/1.1 port
 /// (one server block, one worker), each under h2load: the service counts both loads'
 /// requests exactly, and only the h2c connections as HTTP/2 ones. One port serving
@@ -1211,9 +1303,10 @@ fn backends_without_streams_count_no_http2_request() -> anyhow::Result<()> {
     }
     const REQUESTS: u64 = 2000;
     let _serial = one_at_a_time();
+    let capable = http2_capable();
     let without_streams: Vec<&str> = backends()
         .into_iter()
-        .filter(|backend| !HTTP2_BACKENDS.contains(backend))
+        .filter(|backend| !capable.contains(backend))
         .collect();
     if without_streams.is_empty() {
         skip(

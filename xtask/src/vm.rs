@@ -80,8 +80,9 @@ const KERNELS: [GuestKernel; 2] = [
 /// The keep-alive controlled pool (queue time and in-flight against a pool kept full)
 /// stays out too: under emulation a worker is between requests long enough to read
 /// 3.8 in flight for 4 (6.12, tcp backend) and Little's law 4.4 % off on 6.1.
-/// Tests whose servers are Python scripts (`interim`, `statuses`) stay out: the
-/// guest image has no Python.
+/// Tests whose servers are Python scripts (`interim`, `statuses`) or nginx stay out:
+/// the guest image has neither; HTTP/2 runs there with the standard library's
+/// `h2server` and client.
 const GUEST_TESTS: &[(&str, &[&str])] = &[
     (
         "foundation",
@@ -105,6 +106,7 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("threads", &["two_spinners_on_one_cpu_wait_half_the_time"]),
+    ("http2", &["plain_server_streams_counted_exactly"]),
     ("pods", &["same_port_in_two_namespaces_both_watched"]),
     (
         "adoption",
@@ -269,6 +271,8 @@ echo $? > poolscope.exit
 # comparisons for the scorecard.
 export CI=true
 export POOLSCOPE_TEST_BACKENDS={}
+# Both guests' kernels have fexit trampolines: the tcp backend follows HTTP/2 there.
+export POOLSCOPE_TEST_TCP_HTTP2=1
 export {}=/poolscope/work/scorecard.log
 ",
         kernel.test_backends,

@@ -5,7 +5,7 @@
 use aya::{
     Btf, Ebpf,
     programs::{
-        BtfTracePoint, PerfEvent, ProgramError, RawTracePoint,
+        BtfTracePoint, FExit, PerfEvent, ProgramError, RawTracePoint,
         perf_event::{
             PerfEventConfig, PerfEventLinkId, PerfEventScope, SamplePolicy, SoftwareEvent,
         },
@@ -123,6 +123,13 @@ pub(super) const TCP_ATTACHMENTS: [Attachment; 4] = [
     btf_tracepoint("tcp_transmit", "net", "net_dev_queue"),
 ];
 
+/// The tcp backend's HTTP/2 programs (`tcp_h2.rs`): (program, kernel function), each
+/// at the function's return.
+pub(super) const TCP_HTTP2_PROGRAMS: [(&str, &str); 2] = [
+    ("tcp_h2_read", "tcp_recvmsg"),
+    ("tcp_h2_write", "tcp_sendmsg"),
+];
+
 pub(super) const SYSCALL_ATTACHMENTS: [Attachment; 2] = [
     raw_tracepoint("sys_enter", "raw_syscalls", "sys_enter"),
     raw_tracepoint("sys_exit", "raw_syscalls", "sys_exit"),
@@ -199,6 +206,10 @@ pub enum Skip {
     /// Its own program attached, but another of its request backend's could not: a
     /// backend counts with all of its probes or not at all.
     BackendIncomplete,
+    /// The kernel does not let the tcp backend's HTTP/2 programs run (no fexit, no
+    /// `bpf_loop` before 5.17, or no BTF of the functions): HTTP/2 connections are then
+    /// refused and counted (`http2_tcp_backend`) when they come, not before.
+    NoHttp2Hooks,
 }
 
 impl Skip {
@@ -210,6 +221,7 @@ impl Skip {
             Self::LoadRefused => "load_refused",
             Self::AttachRefused => "attach_refused",
             Self::BackendIncomplete => "backend_incomplete",
+            Self::NoHttp2Hooks => "no_http2_hooks",
         }
     }
 }
@@ -508,6 +520,55 @@ pub(super) fn attach_backend(
         }
     }
     Ok(None)
+}
+
+/// Loads and attaches the tcp backend's HTTP/2 programs, both or neither: the probes,
+/// and whether they attached. `btf` is `None` where the kernel's BTF lacks what they
+/// read. A refusal (this host's kernel has no fexit) is a probe skipped, not an error.
+pub(super) fn attach_tcp_http2(
+    ebpf: &mut Ebpf,
+    btf: Option<&Btf>,
+) -> Result<(Vec<Probe>, bool), KernelError> {
+    let name = |function: &str| format!("fexit/{function}");
+    let skip_all = |ebpf: &mut Ebpf, detail: &dyn std::fmt::Display| {
+        let mut probes = Vec::new();
+        for (program, function) in TCP_HTTP2_PROGRAMS {
+            // Unloading a program that did not load is a no-op error: ignored.
+            if let Ok(loaded) = typed_program::<FExit>(ebpf, program) {
+                let _ = loaded.unload();
+            }
+            probes.push(Probe::skipped(
+                name(function),
+                program,
+                Skip::NoHttp2Hooks,
+                detail,
+            ));
+        }
+        probes
+    };
+    let Some(btf) = btf else {
+        let detail = "the kernel's BTF lacks tcp_recvmsg's arguments (logged)";
+        return Ok((skip_all(ebpf, &detail), false));
+    };
+    for (program, function) in TCP_HTTP2_PROGRAMS {
+        let fexit: &mut FExit = typed_program(ebpf, program)?;
+        let outcome = fexit
+            .load(function, btf)
+            .map_err(Refusal::Load)
+            .and_then(|()| fexit.attach().map(drop).map_err(Refusal::Attach));
+        if let Err(Refusal::Load(error) | Refusal::Attach(error)) = outcome {
+            let detail = format!("{program} on {function}: {error}");
+            return Ok((skip_all(ebpf, &detail), false));
+        }
+    }
+    let probes = TCP_HTTP2_PROGRAMS
+        .iter()
+        .map(|&(_, function)| Probe {
+            name: name(function),
+            state: ProbeState::Attached,
+        })
+        .collect();
+    Ok((probes, true))
 }
 
 /// Detaches and unloads the program of `attachment`.

@@ -22,6 +22,10 @@ pub enum BtfError {
     Bitfield(String),
     #[error("no tracepoint {0} (no typedef btf_trace_{0} of a function pointer)")]
     NoTracepoint(String),
+    #[error("no function {0} (or it has no prototype)")]
+    NoFunction(String),
+    #[error("function {function} has no argument {param}")]
+    NoParam { function: String, param: String },
 }
 
 const MAGIC: u16 = 0xeb9f;
@@ -29,6 +33,7 @@ const KIND_PTR: u32 = 2;
 const KIND_STRUCT: u32 = 4;
 const KIND_UNION: u32 = 5;
 const KIND_TYPEDEF: u32 = 8;
+const KIND_FUNC: u32 = 12;
 const KIND_FUNC_PROTO: u32 = 13;
 
 fn u32_at(data: &[u8], at: usize) -> Option<u32> {
@@ -155,6 +160,28 @@ pub fn tracepoint_args(btf: &[u8], event: &str) -> Result<u32, BtfError> {
     params.checked_sub(1).ok_or_else(missing)
 }
 
+/// The position (from 0) of argument `param` of kernel function `function`.
+pub fn function_param(btf: &[u8], function: &str, param: &str) -> Result<u32, BtfError> {
+    let types = Types::parse(btf)?;
+    let missing = || BtfError::NoFunction(function.to_owned());
+    let func = types.named(KIND_FUNC, function).ok_or_else(missing)?;
+    let proto = types
+        .referenced(func)
+        .filter(|&at| types.kind(at) == Some(KIND_FUNC_PROTO))
+        .ok_or_else(missing)?;
+    let params = u32_at(types.types, proto + 4).ok_or(BtfError::Truncated(proto))? & 0xffff;
+    (0..params)
+        .find(|&index| {
+            // Each parameter is (name, type) after the 12-byte head.
+            u32_at(types.types, proto + 12 + 8 * index as usize)
+                .is_some_and(|name| name_at(types.strings, name) == param.as_bytes())
+        })
+        .ok_or_else(|| BtfError::NoParam {
+            function: function.to_owned(),
+            param: param.to_owned(),
+        })
+}
+
 /// Member lookup through anonymous structs and unions, as C sees their members.
 impl Types<'_> {
     /// The bit offset of `member` in the struct or union whose record starts at `at`,
@@ -221,7 +248,7 @@ mod tests {
     /// A BTF blob with `int` and `struct task { int a; int pid; }` (plus a union and
     /// an enum to skip), built as the kernel lays it out.
     fn fixture() -> Vec<u8> {
-        let strings = b"\0int\0task\0a\0pid\0u\0e\0x\0btf_trace_ev\0";
+        let strings = b"\0int\0task\0a\0pid\0u\0e\0x\0btf_trace_ev\0recv\0";
         let name = |s: &str| {
             let needle = format!("\0{s}\0");
             strings
@@ -258,6 +285,9 @@ mod tests {
         push(&[0, (13 << 24) | 2, 0, 0, 0, 0, 1]);
         push(&[0, 2 << 24, 5]);
         push(&[name("btf_trace_ev"), 8 << 24, 6]);
+        // [8] func_proto (int a, int pid) returning int; [9] func recv of it.
+        push(&[0, (13 << 24) | 2, 1, name("a"), 1, name("pid"), 1]);
+        push(&[name("recv"), 12 << 24, 8]);
         let mut blob = Vec::new();
         blob.extend_from_slice(&MAGIC.to_le_bytes());
         blob.extend_from_slice(&[1, 0]);
@@ -300,6 +330,25 @@ mod tests {
         assert_eq!(
             tracepoint_args(&blob, "task"),
             Err(BtfError::NoTracepoint("task".into()))
+        );
+    }
+
+    #[test]
+    fn finds_a_functions_argument_by_name() {
+        let blob = fixture();
+        assert_eq!(function_param(&blob, "recv", "a"), Ok(0));
+        assert_eq!(function_param(&blob, "recv", "pid"), Ok(1));
+        assert_eq!(
+            function_param(&blob, "recv", "flags"),
+            Err(BtfError::NoParam {
+                function: "recv".into(),
+                param: "flags".into()
+            })
+        );
+        // A typedef is no function.
+        assert_eq!(
+            function_param(&blob, "btf_trace_ev", "a"),
+            Err(BtfError::NoFunction("btf_trace_ev".into()))
         );
     }
 
@@ -349,6 +398,13 @@ mod tests {
         assert!(matches!(
             tracepoint_args(&vmlinux, "no_such_event"),
             Err(BtfError::NoTracepoint(_))
+        ));
+        // tcp_recvmsg(sk, msg, len, flags, addr_len) since 5.19; (sk, msg, len,
+        // nonblock, flags, addr_len) before.
+        assert_eq!(function_param(&vmlinux, "tcp_recvmsg", "sk"), Ok(0));
+        assert!(matches!(
+            function_param(&vmlinux, "tcp_recvmsg", "flags"),
+            Ok(3 | 4)
         ));
     }
 }

@@ -15,13 +15,13 @@ use super::{
     Backend, KernelError, Probe, Sampling,
     attach::{
         MUTEX_PROBES, PROCESS_ATTACHMENTS, SESSION_SAMPLERS, THREAD_ATTACHMENTS, WAKEUP_PROGRAM,
-        attach_backend, attach_sampler, attach_tracepoint, load_on_demand,
+        attach_backend, attach_sampler, attach_tcp_http2, attach_tracepoint, load_on_demand,
     },
     locks::Locks,
     offsets::{
         BTF_VMLINUX, downstream_offsets, exit_has_group_dead, run_delay_offsets,
         socket_inode_offsets, socket_namespace_offsets, socket_offsets, task_pid_offset,
-        tcp_offsets, vmlinux_btf,
+        tcp_http2_arguments, tcp_offsets, vmlinux_btf,
     },
     routes::Routes,
     services::Requests,
@@ -46,6 +46,8 @@ pub(super) struct KernelLayout {
     pub socket_inode: Option<(u32, u32, u32)>,
     socket: Option<[(&'static str, u32); 6]>,
     tcp: Option<[(&'static str, u32); 7]>,
+    /// Where `tcp_h2.rs` finds `tcp_recvmsg`'s flags; `None`: not attached.
+    tcp_http2: Option<[(&'static str, u32); 1]>,
     downstream: Option<[(&'static str, u32); 12]>,
     run_delay: Option<[(&'static str, u32); 5]>,
 }
@@ -60,6 +62,7 @@ impl KernelLayout {
         let socket_inode = vmlinux.as_deref().and_then(socket_inode_offsets);
         let socket = vmlinux.as_deref().and_then(socket_offsets);
         let tcp = vmlinux.as_deref().and_then(tcp_offsets);
+        let tcp_http2 = vmlinux.as_deref().and_then(tcp_http2_arguments);
         let downstream = vmlinux.as_deref().and_then(downstream_offsets);
         let run_delay = vmlinux.as_deref().and_then(run_delay_offsets);
         let btf = match socket {
@@ -80,6 +83,7 @@ impl KernelLayout {
             socket_inode,
             socket,
             tcp,
+            tcp_http2,
             downstream,
             run_delay,
         }
@@ -136,7 +140,8 @@ pub(super) fn open(
     // socket programs are skipped.
     let globals = (layout.downstream.iter().flatten())
         .chain(layout.socket.iter().flatten())
-        .chain(layout.tcp.iter().flatten());
+        .chain(layout.tcp.iter().flatten())
+        .chain(layout.tcp_http2.iter().flatten());
     for (name, offset) in globals.chain(layout.run_delay.iter().flatten()) {
         loader.override_global(name, offset, true);
     }
@@ -274,6 +279,16 @@ pub(super) fn attach_tracepoints(
         let names: Vec<_> = backends.iter().map(|backend| backend.name()).collect();
         KernelError::NoBackend(names.join(", "))
     })?;
+    if backend == Backend::Tcp {
+        let (http2, followed) = attach_tcp_http2(
+            ebpf,
+            layout.btf.as_ref().filter(|_| layout.tcp_http2.is_some()),
+        )?;
+        probes.extend(http2);
+        if followed {
+            fill(ebpf, maps::TCP_HTTP2, [(0, 1)])?;
+        }
+    }
     Ok((probes, backend))
 }
 

@@ -102,6 +102,19 @@ pub(super) fn tcp_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 7]> {
     )
 }
 
+/// Where the tcp backend's HTTP/2 programs (`tcp_h2.rs`) find `tcp_recvmsg`'s flags
+/// among its arguments: a `nonblock` argument came before them until Linux 5.19.
+pub(super) fn tcp_http2_arguments(vmlinux: &[u8]) -> Option<[(&'static str, u32); 1]> {
+    found(
+        || {
+            let flags = btf::function_param(vmlinux, "tcp_recvmsg", "flags")?;
+            Ok::<_, btf::BtfError>([("TCP_RECVMSG_FLAGS_ARG", flags)])
+        },
+        "tcp_recvmsg's arguments",
+        "HTTP/2 is not followed on the tcp backend",
+    )
+}
+
 /// Where the socket backend finds a socket's network namespace: the offset of the
 /// `struct net *` in `struct sock` (`__sk_common.skc_net`, a `possible_net_t` whose
 /// only member is that pointer), and of the inode number in `struct net` (`ns.inum`).

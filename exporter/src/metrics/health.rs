@@ -144,9 +144,11 @@ pub fn losses(inputs: &LossInputs<'_>) -> Vec<Loss> {
     for (kind, count) in kernel.chain(user) {
         *counts.entry(kind).or_default() += count;
     }
+    // A kernel without the tcp backend's HTTP/2 hooks loses nothing until an HTTP/2
+    // connection comes, which is then counted (`http2_tcp_backend`).
     for probe in inputs.probes {
         if let ProbeState::Skipped(skip) = probe.state
-            && skip != Skip::Off
+            && !matches!(skip, Skip::Off | Skip::NoHttp2Hooks)
         {
             let kind = LossKind::ProbeSkipped {
                 probe: probe.name.clone(),
