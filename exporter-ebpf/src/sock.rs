@@ -374,9 +374,9 @@ pub fn sock_recv(ctx: BtfTracePointContext) -> i32 {
         let conn = unsafe { &mut *conn };
         // HTTP/2's (a connection's first bytes tell it: the client preface), or
         // adopted mid-stream, or HTTP/1's.
-        if !h2::after_read(sk, conn, ret)
-            && !(conn.adopted != 0 && h2::adopted_mid_stream(conn, ret))
-        {
+        let http2 = h2::after_read(sk, conn, ret)
+            || (conn.adopted != 0 && h2::adopted_mid_stream(conn, ret));
+        if !http2 {
             read(conn, ret);
         }
     }
@@ -406,8 +406,9 @@ pub fn sock_send(ctx: BtfTracePointContext) -> i32 {
     if let Some(conn) = conn(sk) {
         // SAFETY: as above.
         let conn = unsafe { &mut *conn };
-        if !h2::after_write(sk, conn, ret) && !(conn.adopted != 0 && h2::adopted_mid_stream(conn, ret))
-        {
+        let http2 = h2::after_write(sk, conn, ret)
+            || (conn.adopted != 0 && h2::adopted_mid_stream(conn, ret));
+        if !http2 {
             requests::wrote_from(conn, now_ns(), ret as u32, Source::of_current_write);
         }
     }

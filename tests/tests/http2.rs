@@ -35,8 +35,8 @@ use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, Poolscope, backend_config, backends, emulation_allowance, free_port,
     http2::{
-        Amount, GrpcClient, GrpcServer, OldConnection, PlainH2Server, UpgradeServer,
-        curl_upgrade, h2load, h2load_grpc, h2load_h1, h2raw, plain_streams,
+        Amount, GrpcClient, GrpcServer, OldConnection, PlainH2Server, UpgradeServer, curl_upgrade,
+        h2load, h2load_grpc, h2load_h1, h2raw, plain_streams,
     },
     one_at_a_time, privileged, scorecard, scrape_until,
     servers::{Kind, RealServer, pin_to_first_cpu},
