@@ -46,11 +46,15 @@ pub fn tcp_h2_read(ctx: FExitContext) -> i32 {
 /// The `flags` argument of `tcp_recvmsg`, where this kernel passes it.
 #[inline(always)]
 fn flags(ctx: &FExitContext) -> i32 {
-    // A load-time constant: the verifier keeps only the branch taken.
+    // Both read first, each at a constant offset, as the verifier wants a context read;
+    // chosen after by the load-time constant (a branch around the reads would let the
+    // compiler make one read at a computed offset, which the verifier refuses).
+    let third: i32 = ctx.arg(3);
+    let fourth: i32 = ctx.arg(4);
     if offset(&TCP_RECVMSG_FLAGS_ARG) == 4 {
-        ctx.arg(4)
+        fourth
     } else {
-        ctx.arg(3)
+        third
     }
 }
 
