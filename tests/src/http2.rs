@@ -626,6 +626,8 @@ pub struct PlainH2Server {
 pub struct PlainServed {
     pub answered: u64,
     pub open: i64,
+    /// Its own mean time per stream, from its HEADERS read to its answer written.
+    pub mean: Duration,
 }
 
 impl PlainH2Server {
@@ -647,12 +649,13 @@ impl PlainH2Server {
     pub fn finish(mut self) -> anyhow::Result<PlainServed> {
         let line = self.program.finish("served")?;
         let numbers: Vec<&str> = line.split(' ').collect();
-        let [answered, open] = numbers[..] else {
+        let [answered, open, mean_ns] = numbers[..] else {
             bail!("h2server said {line:?}");
         };
         Ok(PlainServed {
             answered: answered.parse()?,
             open: open.parse()?,
+            mean: Duration::from_nanos(mean_ns.parse()?),
         })
     }
 }

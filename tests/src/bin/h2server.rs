@@ -8,16 +8,19 @@
 //! 200`, one byte), which is all poolscope reads of them: frame headers.
 //!
 //! Usage: `h2server <service_ms>`; prints `port <n>`, then serves until stdin closes,
-//! then prints `served <streams answered> <streams open>`.
+//! then prints `served <streams answered> <streams open> <mean ns>`: the mean of its own
+//! measure of each stream, from the read that returned its HEADERS (the frame parsed
+//! from a buffered read, microseconds after its return) to the return of the write of
+//! its answer, where poolscope takes a stream's start and end.
 use std::{
-    io::{Read as _, Write as _},
+    io::{BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
     sync::{
         Arc, Mutex,
         atomic::{AtomicI64, AtomicU64, Ordering},
     },
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use poolscope_tests::wait_for_stdin_close;
@@ -38,6 +41,8 @@ const STATUS_200: u8 = 0x88;
 struct Counts {
     answered: AtomicU64,
     open: AtomicI64,
+    /// Each answered stream's time, summed.
+    served_ns: AtomicU64,
 }
 
 fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
@@ -58,8 +63,9 @@ fn send(writer: &Mutex<TcpStream>, bytes: &[u8]) -> std::io::Result<()> {
         .write_all(bytes)
 }
 
-fn serve(mut reader: TcpStream, service: Duration, counts: &Arc<Counts>) -> std::io::Result<()> {
-    let writer = Arc::new(Mutex::new(reader.try_clone()?));
+fn serve(socket: TcpStream, service: Duration, counts: &Arc<Counts>) -> std::io::Result<()> {
+    let writer = Arc::new(Mutex::new(socket.try_clone()?));
+    let mut reader = BufReader::with_capacity(1 << 16, socket);
     let mut preface = [0u8; 24];
     reader.read_exact(&mut preface)?;
     if &preface != PREFACE {
@@ -81,16 +87,18 @@ fn serve(mut reader: TcpStream, service: Duration, counts: &Arc<Counts>) -> std:
             PING if flags & ACK == 0 => send(&writer, &frame(PING, ACK, 0, &payload))?,
             GOAWAY => return Ok(()),
             HEADERS if flags & END_STREAM != 0 => {
+                let started = Instant::now();
                 counts.open.fetch_add(1, Ordering::SeqCst);
                 let (writer, counts) = (Arc::clone(&writer), Arc::clone(counts));
                 thread::spawn(move || {
                     thread::sleep(service);
                     let answer = frame(HEADERS, END_HEADERS | END_STREAM, stream, &[STATUS_200]);
-                    // Counted before the write: a client that saw the answer may ask for
-                    // the count at once.
-                    counts.answered.fetch_add(1, Ordering::SeqCst);
+                    if send(&writer, &answer).is_ok() {
+                        let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                        counts.served_ns.fetch_add(took, Ordering::SeqCst);
+                        counts.answered.fetch_add(1, Ordering::SeqCst);
+                    }
                     counts.open.fetch_sub(1, Ordering::SeqCst);
-                    let _ = send(&writer, &answer);
                 });
             }
             _ => {}
@@ -117,10 +125,11 @@ fn main() -> std::io::Result<()> {
         });
     }
     wait_for_stdin_close()?;
+    let answered = counts.answered.load(Ordering::SeqCst);
     println!(
-        "served {} {}",
-        counts.answered.load(Ordering::SeqCst),
-        counts.open.load(Ordering::SeqCst)
+        "served {answered} {} {}",
+        counts.open.load(Ordering::SeqCst),
+        counts.served_ns.load(Ordering::SeqCst) / answered.max(1)
     );
     Ok(())
 }
