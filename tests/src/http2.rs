@@ -632,7 +632,16 @@ pub struct PlainServed {
 
 impl PlainH2Server {
     pub fn start(service: Duration) -> anyhow::Result<Self> {
-        let mut program = Program::start("h2server", &[service.as_millis().to_string()])?;
+        Self::start_with(&[service.as_millis().to_string()])
+    }
+
+    /// [`Self::start`] announcing `SETTINGS_MAX_CONCURRENT_STREAMS` = `max_streams`.
+    pub fn start_with_stream_limit(service: Duration, max_streams: u32) -> anyhow::Result<Self> {
+        Self::start_with(&[service.as_millis().to_string(), max_streams.to_string()])
+    }
+
+    fn start_with(args: &[String]) -> anyhow::Result<Self> {
+        let mut program = Program::start("h2server", args)?;
         let port = program.line("port")?.parse().context("h2server's port")?;
         Ok(Self { program, port })
     }
@@ -677,14 +686,15 @@ fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     bytes
 }
 
-/// One h2c connection's client side: streams opened in turn (1, 3, 5, ...).
-struct PlainConnection {
+/// One h2c connection's client side: streams opened in turn (1, 3, 5, ...); closed
+/// when dropped.
+pub struct PlainConnection {
     socket: TcpStream,
     next_stream: u32,
 }
 
 impl PlainConnection {
-    fn open(port: u16) -> anyhow::Result<Self> {
+    pub fn open(port: u16) -> anyhow::Result<Self> {
         let mut socket = TcpStream::connect(("127.0.0.1", port))?;
         socket.set_read_timeout(Some(Duration::from_secs(30)))?;
         let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
@@ -696,7 +706,8 @@ impl PlainConnection {
         })
     }
 
-    fn request(&mut self) -> anyhow::Result<()> {
+    /// Opens a stream with a request that ends it.
+    pub fn request(&mut self) -> anyhow::Result<()> {
         let flags = H2_END_STREAM | H2_END_HEADERS;
         let frame = h2_frame(H2_HEADERS, flags, self.next_stream, &H2_REQUEST_BLOCK);
         self.next_stream += 2;
@@ -705,7 +716,7 @@ impl PlainConnection {
     }
 
     /// Reads frames until a stream ends (acknowledging the server's settings).
-    fn answer(&mut self) -> anyhow::Result<()> {
+    pub fn answer(&mut self) -> anyhow::Result<()> {
         loop {
             let mut header = [0u8; 9];
             self.socket.read_exact(&mut header)?;

@@ -22,7 +22,9 @@
 //!   counted exactly unless an `http2_*` loss says its connection was given up;
 //! - HTTP/1.1 and h2c in one service; an h2c connection older than poolscope;
 //! - a plain server of the standard library (a thread per stream), which also runs in
-//!   the test guests: streams, in flight and durations against its own count.
+//!   the test guests: streams, in flight and durations against its own count; its
+//!   stream limit, a client's close under open streams, a connection older than
+//!   poolscope.
 //!
 //! The socket backend follows HTTP/2, and the tcp backend where fexit attaches
 //! ([`http2_capable`]). The tables go to stderr (`--nocapture`).
@@ -35,8 +37,8 @@ use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, Poolscope, backend_config, backends, free_port,
     http2::{
-        Amount, GrpcClient, GrpcServer, OldConnection, PlainH2Server, UpgradeServer, curl_upgrade,
-        h2load, h2load_grpc, h2load_h1, h2raw, plain_streams,
+        Amount, GrpcClient, GrpcServer, OldConnection, PlainConnection, PlainH2Server,
+        UpgradeServer, curl_upgrade, h2load, h2load_grpc, h2load_h1, h2raw, plain_streams,
     },
     one_at_a_time, privileged, scorecard, scrape_until,
     servers::{Kind, RealServer, pin_to_first_cpu},
@@ -1149,6 +1151,99 @@ fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
         }
     }
     ensure_none("plain_server_streams_counted_exactly", &failures)
+}
+
+/// The same plain server (tests/src/bin/h2server.rs, 600 ms a stream, a limit of 4
+/// streams a connection) with what a connection does besides answered streams, each
+/// against its truth: a connection opened before poolscope, which cannot be followed
+/// (its further requests uncounted, `http2_adopted` +1); a connection holding the
+/// server's 4 streams (`http2_connections_at_stream_limit` 1 while held, 0 after, 4
+/// requests); a client that closes with 3 streams open (3 resets, no request).
+#[test]
+fn plain_server_limits_closes_and_old_connections() -> anyhow::Result<()> {
+    if !privileged("plain_server_limits_closes_and_old_connections") {
+        return Ok(());
+    }
+    const SERVICE: Duration = Duration::from_millis(600);
+    const LIMIT: u32 = 4;
+    const CLOSED_OPEN: u32 = 3;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    for backend in http2_backends("plain_server_limits_closes_and_old_connections") {
+        let server = PlainH2Server::start_with_stream_limit(SERVICE, LIMIT)?;
+        let mut old = PlainConnection::open(server.port())?;
+        old.request()?;
+        old.answer()?;
+        let service = format!("h2server-edges-{backend}");
+        let poolscope = watch(backend, &service, &[server.pid()])?;
+        let before = Counts::scrape(&poolscope, &service)?;
+        // The old connection's requests go uncounted.
+        old.request()?;
+        old.answer()?;
+        // A connection at the server's limit.
+        let mut full = PlainConnection::open(server.port())?;
+        for _ in 0..LIMIT {
+            full.request()?;
+        }
+        let at_limit = scrape_until(&poolscope, |m| {
+            m.value(AT_LIMIT, &[("service", &service)]) == Some(1.0)
+        })
+        .is_ok();
+        for _ in 0..LIMIT {
+            full.answer()?;
+        }
+        // A client that closes under open streams, once the server has read them.
+        let mut closing = PlainConnection::open(server.port())?;
+        for _ in 0..CLOSED_OPEN {
+            closing.request()?;
+        }
+        scrape_until(&poolscope, |m| {
+            m.value(IN_FLIGHT, &[("service", &service)]) == Some(f64::from(CLOSED_OPEN))
+        })?;
+        drop(closing);
+        drop(full);
+        drop(old);
+        let delta = settle_on(&poolscope, &service, &before, u64::from(LIMIT), 3)?;
+        let after_limit = poolscope
+            .scrape()?
+            .value(AT_LIMIT, &[("service", &service)])
+            .unwrap_or(0.0);
+        let served = server.finish()?;
+        eprintln!(
+            "{backend}: old connection 1 request after the watch, {LIMIT} streams at the \
+             limit ({}: at_limit 1 seen {at_limit}, {after_limit} after), {CLOSED_OPEN} open \
+             at a close: requests_total +{}, resets +{}, connections +{}, lost {}",
+            served.answered,
+            delta.requests,
+            delta.resets,
+            delta.connections,
+            delta.lost_sources()
+        );
+        let what = format!("{backend}: h2server edges");
+        if !at_limit || after_limit != 0.0 {
+            failures.push(format!(
+                "{what}: http2_connections_at_stream_limit: 1 while {LIMIT} streams were held \
+                 seen {at_limit}, {after_limit} after (expected 0)"
+            ));
+        }
+        if delta.requests != f64::from(LIMIT) || delta.resets != f64::from(CLOSED_OPEN) {
+            failures.push(format!(
+                "{what}: requests_total +{} (truth {LIMIT}), resets +{} (truth {CLOSED_OPEN})",
+                delta.requests, delta.resets
+            ));
+        }
+        let adopted = delta.losses.get("http2_adopted").copied().unwrap_or(0.0);
+        if adopted != 1.0 || delta.losses.len() != 1 {
+            failures.push(format!(
+                "{what}: losses {} (expected http2_adopted +1 only: the old connection)",
+                delta.lost_sources()
+            ));
+        }
+        if delta.in_flight != 0.0 {
+            failures.push(format!("{what}: {} in flight at the end", delta.in_flight));
+        }
+    }
+    ensure_none("plain_server_limits_closes_and_old_connections", &failures)
 }
 
 /// HTTP/1.1 and h2c in one service at once: nginx's h2c port and its HTTP/1.1 port

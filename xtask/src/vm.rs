@@ -106,7 +106,13 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("threads", &["two_spinners_on_one_cpu_wait_half_the_time"]),
-    ("http2", &["plain_server_streams_counted_exactly"]),
+    (
+        "http2",
+        &[
+            "plain_server_streams_counted_exactly",
+            "plain_server_limits_closes_and_old_connections",
+        ],
+    ),
     ("pods", &["same_port_in_two_namespaces_both_watched"]),
     (
         "adoption",
