@@ -7,8 +7,9 @@
 //! the socket backend's tracepoints (`sock.rs`), or the tcp backend's fexit programs
 //! where the kernel has them (`tcp_h2.rs`).
 //!
-//! Neither hook carries a buffer: the bytes are read from the syscall's own buffer, found through the calling thread's saved registers (read, recvfrom,
-//! readv, recvmsg and their write twins, iovecs included). Only frame headers are
+//! Neither hook carries a buffer: the bytes are read from the syscall's own buffer,
+//! found through the calling thread's saved registers (read, recvfrom, readv, recvmsg
+//! and their write twins, iovecs included). Only frame headers are
 //! read (9 bytes a frame; a payload is skipped by its length, whatever wrote it).
 //! Parse state lives in the socket (`H2_CONNS`) since a header may span reads,
 //! writes and buffers. Where the frame stream cannot be followed (bytes that break

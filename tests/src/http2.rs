@@ -669,19 +669,24 @@ impl PlainH2Server {
     }
 }
 
-/// HTTP/2 frame types and flags the plain client sends and reads.
-const H2_HEADERS: u8 = 1;
-const H2_SETTINGS: u8 = 4;
-const H2_END_STREAM: u8 = 0x1;
-const H2_END_HEADERS: u8 = 0x4;
-const H2_ACK: u8 = 0x1;
+/// HTTP/2 frame types and flags that the plain server and client send and read.
+pub const H2_HEADERS: u8 = 1;
+pub const H2_SETTINGS: u8 = 4;
+pub const H2_PING: u8 = 6;
+pub const H2_GOAWAY: u8 = 7;
+pub const H2_END_STREAM: u8 = 0x1;
+pub const H2_END_HEADERS: u8 = 0x4;
+pub const H2_ACK: u8 = 0x1;
+/// The client preface.
+pub const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// A request's header block: HPACK's static `:method GET`, `:scheme http`, `:path /`.
 const H2_REQUEST_BLOCK: [u8; 3] = [0x82, 0x86, 0x84];
 
-fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+/// A frame's bytes: its 9-byte header (length, type, flags, stream) and `payload`.
+pub fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     let mut bytes = (payload.len() as u32).to_be_bytes()[1..].to_vec();
     bytes.extend_from_slice(&[kind, flags]);
-    bytes.extend_from_slice(&stream.to_be_bytes());
+    bytes.extend_from_slice(&(stream & 0x7fff_ffff).to_be_bytes());
     bytes.extend_from_slice(payload);
     bytes
 }
@@ -697,13 +702,42 @@ impl PlainConnection {
     pub fn open(port: u16) -> anyhow::Result<Self> {
         let mut socket = TcpStream::connect(("127.0.0.1", port))?;
         socket.set_read_timeout(Some(Duration::from_secs(30)))?;
-        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        let mut hello = H2_PREFACE.to_vec();
         hello.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
         socket.write_all(&hello)?;
         Ok(Self {
             socket,
             next_stream: 1,
         })
+    }
+
+    /// Connects with an HTTP/1.1 request for `Upgrade: h2c`, and once it is answered
+    /// `101` speaks HTTP/2, reading the upgraded request's answer on stream 1.
+    pub fn upgraded(port: u16) -> anyhow::Result<Self> {
+        let mut socket = TcpStream::connect(("127.0.0.1", port))?;
+        socket.set_read_timeout(Some(Duration::from_secs(30)))?;
+        socket.write_all(
+            b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\n\
+              Upgrade: h2c\r\nHTTP2-Settings: \r\n\r\n",
+        )?;
+        // Byte by byte, so that no frame after the head is taken with it.
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut byte = [0u8];
+            socket.read_exact(&mut byte)?;
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8_lossy(&head);
+        anyhow::ensure!(head.starts_with("HTTP/1.1 101"), "no upgrade: {head:?}");
+        let mut hello = H2_PREFACE.to_vec();
+        hello.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
+        socket.write_all(&hello)?;
+        let mut connection = Self {
+            socket,
+            next_stream: 3,
+        };
+        connection.answer()?;
+        Ok(connection)
     }
 
     /// Opens a stream with a request that ends it.

@@ -24,7 +24,7 @@
 //! - a plain server of the standard library (a thread per stream), which also runs in
 //!   the test guests: streams, in flight and durations against its own count; its
 //!   stream limit, a client's close under open streams, a connection older than
-//!   poolscope.
+//!   poolscope, the `Upgrade: h2c` path.
 //!
 //! The socket backend follows HTTP/2, and the tcp backend where fexit attaches
 //! ([`http2_capable`]). The tables go to stderr (`--nocapture`).
@@ -1244,6 +1244,59 @@ fn plain_server_limits_closes_and_old_connections() -> anyhow::Result<()> {
         }
     }
     ensure_none("plain_server_limits_closes_and_old_connections", &failures)
+}
+
+/// The `Upgrade: h2c` path with the plain server (tests/src/bin/h2server.rs, which
+/// runs in the guests, the 6.1 one on the tcp backend): the upgrade request is one
+/// HTTP/1.1 request (answered `101`, then on stream 1), and each of 20 streams after it
+/// on the connection one more: 21, as the server answered.
+#[test]
+fn plain_server_h2c_upgrade_counts_the_upgrade_and_every_stream() -> anyhow::Result<()> {
+    const TEST: &str = "plain_server_h2c_upgrade_counts_the_upgrade_and_every_stream";
+    if !privileged(TEST) {
+        return Ok(());
+    }
+    const STREAMS: u32 = 20;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    for backend in http2_backends(TEST) {
+        let server = PlainH2Server::start(Duration::from_millis(5))?;
+        let service = format!("h2server-upgrade-{backend}");
+        let poolscope = watch(backend, &service, &[server.pid()])?;
+        let before = Counts::scrape(&poolscope, &service)?;
+        let mut connection = PlainConnection::upgraded(server.port())?;
+        for _ in 0..STREAMS {
+            connection.request()?;
+            connection.answer()?;
+        }
+        drop(connection);
+        let truth = u64::from(STREAMS) + 1;
+        let delta = settle_on(&poolscope, &service, &before, truth, 0)?;
+        let served = server.finish()?;
+        eprintln!(
+            "{backend}: an upgrade and {STREAMS} streams, server answered {}: requests_total \
+             +{}, connections +{}, lost {}",
+            served.answered,
+            delta.requests,
+            delta.connections,
+            delta.lost_sources()
+        );
+        let what = format!("{backend}: h2server upgrade");
+        if served.answered != truth {
+            failures.push(format!(
+                "{what}: the server answered {} (expected {truth})",
+                served.answered
+            ));
+        }
+        Expect {
+            what: &what,
+            requests: truth,
+            resets: 0,
+            connections: Some(1),
+        }
+        .check(&delta, &mut failures);
+    }
+    ensure_none(TEST, &failures)
 }
 
 /// HTTP/1.1 and h2c in one service at once: nginx's h2c port and its HTTP/1.1 port

@@ -111,6 +111,7 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
         &[
             "plain_server_streams_counted_exactly",
             "plain_server_limits_closes_and_old_connections",
+            "plain_server_h2c_upgrade_counts_the_upgrade_and_every_stream",
         ],
     ),
     ("pods", &["same_port_in_two_namespaces_both_watched"]),

@@ -7,17 +7,20 @@
 //! Header blocks are not decoded (the answer's block is the static table's `:status
 //! 200`, one byte), which is all poolscope reads of them: frame headers.
 //!
+//! A connection may also begin with an HTTP/1.1 request for `Upgrade: h2c`: answered
+//! `101`, then on stream 1.
+//!
 //! When a client closes, the connection's streams still open are not answered (the
 //! socket is shut down at once): they end with the connection, as resets.
 //!
 //! Usage: `h2server <service_ms> [max_streams]` (`max_streams`: announced as
-//! `SETTINGS_MAX_CONCURRENT_STREAMS` in its first SETTINGS); prints `port <n>`, then serves until stdin closes,
-//! then prints `served <streams answered> <streams open> <mean ns>`: the mean of its own
+//! `SETTINGS_MAX_CONCURRENT_STREAMS` in its first SETTINGS); prints `port <n>`, then
+//! serves until stdin closes, then prints `served <streams answered> <streams open> <mean ns>`: the mean of its own
 //! measure of each stream, from the read that returned its HEADERS (the frame parsed
 //! from a buffered read, microseconds after its return) to the return of the write of
 //! its answer, where poolscope takes a stream's start and end.
 use std::{
-    io::{BufReader, Read as _, Write as _},
+    io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
     sync::{
         Arc, Mutex,
@@ -27,38 +30,31 @@ use std::{
     time::{Duration, Instant},
 };
 
-use poolscope_tests::wait_for_stdin_close;
+use poolscope_tests::{
+    http2::{
+        H2_ACK as ACK, H2_END_HEADERS as END_HEADERS, H2_END_STREAM as END_STREAM,
+        H2_GOAWAY as GOAWAY, H2_HEADERS as HEADERS, H2_PING as PING, H2_PREFACE as PREFACE,
+        H2_SETTINGS as SETTINGS, h2_frame as frame,
+    },
+    wait_for_stdin_close,
+};
 
-const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-const HEADERS: u8 = 1;
-const SETTINGS: u8 = 4;
-const PING: u8 = 6;
-const GOAWAY: u8 = 7;
-const END_STREAM: u8 = 0x1;
-const ACK: u8 = 0x1;
-const END_HEADERS: u8 = 0x4;
-/// The SETTINGS parameter of a stream limit.
-const MAX_CONCURRENT_STREAMS: u16 = 0x3;
 /// HPACK: the static table's entry 8, `:status 200`.
 const STATUS_200: u8 = 0x88;
+/// The answer to an HTTP/1.1 request for h2c.
+const SWITCHING: &[u8] =
+    b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n";
+/// The SETTINGS parameter of a stream limit.
+const MAX_CONCURRENT_STREAMS: u16 = 0x3;
 
 /// What the server counts itself.
 #[derive(Default)]
 struct Counts {
     answered: AtomicU64,
     open: AtomicI64,
-    /// Each answered stream's time, summed.
+    /// Each timed answered stream's time, summed, and how many.
     served_ns: AtomicU64,
-}
-
-fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-    let length = payload.len() as u32;
-    let mut bytes = Vec::with_capacity(9 + payload.len());
-    bytes.extend_from_slice(&length.to_be_bytes()[1..]);
-    bytes.extend_from_slice(&[kind, flags]);
-    bytes.extend_from_slice(&(stream & 0x7fff_ffff).to_be_bytes());
-    bytes.extend_from_slice(payload);
-    bytes
+    timed: AtomicU64,
 }
 
 /// Writes `bytes` whole, one writer at a time.
@@ -67,6 +63,32 @@ fn send(writer: &Mutex<TcpStream>, bytes: &[u8]) -> std::io::Result<()> {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .write_all(bytes)
+}
+
+/// Stream `stream`'s answer, after `service`, from a thread of its own; timed from
+/// `started` where given.
+fn answer_later(
+    connection: &Arc<Connection>,
+    counts: &Arc<Counts>,
+    stream: u32,
+    service: Duration,
+    started: Option<Instant>,
+) {
+    counts.open.fetch_add(1, Ordering::SeqCst);
+    let (connection, counts) = (Arc::clone(connection), Arc::clone(counts));
+    thread::spawn(move || {
+        thread::sleep(service);
+        let answer = frame(HEADERS, END_HEADERS | END_STREAM, stream, &[STATUS_200]);
+        if !connection.closed.load(Ordering::SeqCst) && send(&connection.writer, &answer).is_ok() {
+            if let Some(started) = started {
+                let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                counts.served_ns.fetch_add(took, Ordering::SeqCst);
+                counts.timed.fetch_add(1, Ordering::SeqCst);
+            }
+            counts.answered.fetch_add(1, Ordering::SeqCst);
+        }
+        counts.open.fetch_sub(1, Ordering::SeqCst);
+    });
 }
 
 /// What a connection's threads share.
@@ -88,17 +110,39 @@ fn serve(
     });
     let writer = &connection.writer;
     let mut reader = BufReader::with_capacity(1 << 16, socket);
-    let mut preface = [0u8; 24];
-    reader.read_exact(&mut preface)?;
-    if &preface != PREFACE {
-        return Ok(());
-    }
     let settings: Vec<u8> = max_streams.map_or_else(Vec::new, |limit| {
         let mut parameter = MAX_CONCURRENT_STREAMS.to_be_bytes().to_vec();
         parameter.extend_from_slice(&limit.to_be_bytes());
         parameter
     });
-    send(writer, &frame(SETTINGS, 0, 0, &settings))?;
+    let mut preface = [0u8; 24];
+    reader.read_exact(&mut preface)?;
+    if &preface != PREFACE {
+        // An HTTP/1.1 request asking for h2c (RFC 7540 §3.2): answered `101`, then in
+        // HTTP/2, its answer on stream 1 (not timed: its time began as HTTP/1's); the
+        // client's preface follows.
+        let mut head = preface.to_vec();
+        while !head.ends_with(b"\r\n\r\n") {
+            if reader.read_until(b'\n', &mut head)? == 0 {
+                return Ok(());
+            }
+        }
+        if !String::from_utf8_lossy(&head)
+            .to_ascii_lowercase()
+            .contains("upgrade: h2c")
+        {
+            return Ok(());
+        }
+        send(writer, SWITCHING)?;
+        send(writer, &frame(SETTINGS, 0, 0, &settings))?;
+        answer_later(&connection, counts, 1, service, None);
+        reader.read_exact(&mut preface)?;
+        if &preface != PREFACE {
+            return Ok(());
+        }
+    } else {
+        send(writer, &frame(SETTINGS, 0, 0, &settings))?;
+    }
     loop {
         let mut header = [0u8; 9];
         if reader.read_exact(&mut header).is_err() {
@@ -116,21 +160,7 @@ fn serve(
             PING if flags & ACK == 0 => send(writer, &frame(PING, ACK, 0, &payload))?,
             GOAWAY => return Ok(()),
             HEADERS if flags & END_STREAM != 0 => {
-                let started = Instant::now();
-                counts.open.fetch_add(1, Ordering::SeqCst);
-                let (connection, counts) = (Arc::clone(&connection), Arc::clone(counts));
-                thread::spawn(move || {
-                    thread::sleep(service);
-                    let answer = frame(HEADERS, END_HEADERS | END_STREAM, stream, &[STATUS_200]);
-                    if !connection.closed.load(Ordering::SeqCst)
-                        && send(&connection.writer, &answer).is_ok()
-                    {
-                        let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                        counts.served_ns.fetch_add(took, Ordering::SeqCst);
-                        counts.answered.fetch_add(1, Ordering::SeqCst);
-                    }
-                    counts.open.fetch_sub(1, Ordering::SeqCst);
-                });
+                answer_later(&connection, counts, stream, service, Some(Instant::now()));
             }
             _ => {}
         }
@@ -161,7 +191,7 @@ fn main() -> std::io::Result<()> {
     println!(
         "served {answered} {} {}",
         counts.open.load(Ordering::SeqCst),
-        counts.served_ns.load(Ordering::SeqCst) / answered.max(1)
+        counts.served_ns.load(Ordering::SeqCst) / counts.timed.load(Ordering::SeqCst).max(1)
     );
     Ok(())
 }
