@@ -105,6 +105,18 @@ fn release_at_least(release: &str, wanted: (u32, u32)) -> bool {
     (major, minor) >= wanted
 }
 
+/// Whether this kernel lets the tcp backend's HTTP/2 programs (fexit on `tcp_recvmsg`
+/// and `tcp_sendmsg`) attach, as `POOLSCOPE_TEST_TCP_HTTP2` says: `cargo xtask vm-test`
+/// sets it in its guests, whose kernels have fexit trampolines; CI's host kernel
+/// refuses fexit. Where it is set, the tcp backend is tested on HTTP/2 and its probes
+/// must attach.
+pub fn tcp_follows_http2() -> bool {
+    std::env::var_os("POOLSCOPE_TEST_TCP_HTTP2").is_some()
+}
+
+/// The tcp backend's HTTP/2 probes, as `poolscope_probe_attached` names them.
+pub const TCP_HTTP2_PROBES: [&str; 2] = ["fexit/tcp_recvmsg", "fexit/tcp_sendmsg"];
+
 /// What software emulation puts between a request's duration as poolscope measures it
 /// (from the read's return to the write's return, in the kernel) and as the server's
 /// own clock does (the same, in user space): there each syscall costs ~0.4 ms more and

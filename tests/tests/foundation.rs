@@ -3,8 +3,8 @@
 use std::{io::Write as _, net::TcpStream, time::Duration};
 
 use poolscope_tests::{
-    Poolscope, TestServer, backend_config, backends, pids_config, privileged, scorecard,
-    scrape_until,
+    Poolscope, TCP_HTTP2_PROBES, TestServer, backend_config, backends, pids_config, privileged,
+    scorecard, scrape_until, tcp_follows_http2,
 };
 
 /// A testserver watched (by pid) as `service`, once poolscope reports it.
@@ -324,12 +324,34 @@ fn every_probe_attaches_on_this_kernel() -> anyhow::Result<()> {
             })
             .collect();
         println!("{backend} backend: {attached:?}");
+        // The tcp backend's HTTP/2 probes attach where the kernel has fexit (they
+        // must where the tests are told so); elsewhere both are skipped, with the
+        // reason that says why, and nothing else is.
+        let http2_hooks = |(name, _): &&(&str, f64)| TCP_HTTP2_PROBES.contains(name);
+        let hooks: Vec<f64> = attached
+            .iter()
+            .filter(http2_hooks)
+            .map(|&(_, up)| up)
+            .collect();
+        let hooks_skipped = backend == "tcp" && !tcp_follows_http2() && hooks == [0.0, 0.0];
+        if backend == "tcp" {
+            assert!(
+                hooks == [1.0, 1.0] || hooks_skipped,
+                "tcp: HTTP/2 probes {hooks:?} (both attached, or both skipped where \
+                 POOLSCOPE_TEST_TCP_HTTP2 is unset)"
+            );
+        }
         let skipped: Vec<&str> = metrics
             .text
             .lines()
             .filter(|l| l.starts_with("poolscope_probe_skipped{"))
+            .filter(|l| !(hooks_skipped && l.contains("reason=\"no_http2_hooks\"")))
             .collect();
         assert!(skipped.is_empty(), "{backend}: {skipped:?}");
+        let attached: Vec<(&str, f64)> = attached
+            .into_iter()
+            .filter(|probe| !(hooks_skipped && http2_hooks(&probe)))
+            .collect();
         assert!(attached.len() >= 8, "{backend}: {attached:?}");
         // Where the kernel counts run-queue waits itself (CONFIG_SCHED_INFO, which
         // /proc/<pid>/schedstat stands for), they are read from it and the wakeup
