@@ -191,25 +191,32 @@ pub fn left_by_tcp_read(conn: &mut Conn, phase: Phase) -> bool {
 /// HTTP/1's.
 #[inline(always)]
 pub fn after_read(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
-    match requests::phase(conn) {
-        Phase::Multiplexed => {}
-        Phase::Unserved => {
-            if !opens(sk, conn, len) {
-                return false;
-            }
+    let phase = requests::phase(conn);
+    if phase != Phase::Multiplexed {
+        if !may_open(conn, phase) {
+            return false;
         }
-        // A connection's second request may begin with the preface: checked once, so
-        // that the requests after cost nothing.
-        Phase::Responded | Phase::Waiting if conn.upgrade_checked == 0 && conn.start_ns != 0 => {
+        // A second request is checked once, so that the requests after cost nothing.
+        if phase != Phase::Unserved {
             conn.upgrade_checked = 1;
-            if !opens(sk, conn, len) {
-                return false;
-            }
         }
-        _ => return false,
+        if !opens(sk, conn, len) {
+            return false;
+        }
     }
     transferred(sk, conn.service, Direction::Received, len, now_ns());
     true
+}
+
+/// Whether a read of connection `conn` in `phase` may begin the client preface: the
+/// connection's first read, or the first of its second request (after an HTTP/1.1
+/// request, which may have asked for `Upgrade: h2c`) until that was checked.
+#[inline(always)]
+pub fn may_open(conn: &Conn, phase: Phase) -> bool {
+    phase == Phase::Unserved
+        || (matches!(phase, Phase::Responded | Phase::Waiting)
+            && conn.upgrade_checked == 0
+            && conn.start_ns != 0)
 }
 
 /// A write that sent `len` bytes on connection `sk` (`conn`), at its return, by the

@@ -112,11 +112,7 @@ pub fn tcp_read(ctx: BtfTracePointContext) -> i32 {
         // A connection's first bytes tell HTTP/2 (the client preface), and so may its
         // second request's (after an `Upgrade: h2c`): not counted here.
         let phase = requests::phase(conn);
-        let first = phase == Phase::Unserved
-            || (matches!(phase, Phase::Responded | Phase::Waiting)
-                && conn.upgrade_checked == 0
-                && conn.start_ns != 0);
-        if first && h2::left_by_tcp_read(conn, phase) {
+        if h2::may_open(conn, phase) && h2::left_by_tcp_read(conn, phase) {
             return 0;
         }
         // Adopted mid-stream: its first read tells HTTP/2 frames (counting nothing)

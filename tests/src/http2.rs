@@ -700,22 +700,32 @@ pub struct PlainConnection {
 
 impl PlainConnection {
     pub fn open(port: u16) -> anyhow::Result<Self> {
-        let mut socket = TcpStream::connect(("127.0.0.1", port))?;
-        socket.set_read_timeout(Some(Duration::from_secs(30)))?;
-        let mut hello = H2_PREFACE.to_vec();
-        hello.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
-        socket.write_all(&hello)?;
+        let mut socket = Self::connect(port)?;
+        Self::greet(&mut socket)?;
         Ok(Self {
             socket,
             next_stream: 1,
         })
     }
 
+    fn connect(port: u16) -> anyhow::Result<TcpStream> {
+        let socket = TcpStream::connect(("127.0.0.1", port))?;
+        socket.set_read_timeout(Some(Duration::from_secs(30)))?;
+        Ok(socket)
+    }
+
+    /// The client preface and an empty SETTINGS frame.
+    fn greet(socket: &mut TcpStream) -> anyhow::Result<()> {
+        let mut hello = H2_PREFACE.to_vec();
+        hello.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
+        socket.write_all(&hello)?;
+        Ok(())
+    }
+
     /// Connects with an HTTP/1.1 request for `Upgrade: h2c`, and once it is answered
     /// `101` speaks HTTP/2, reading the upgraded request's answer on stream 1.
     pub fn upgraded(port: u16) -> anyhow::Result<Self> {
-        let mut socket = TcpStream::connect(("127.0.0.1", port))?;
-        socket.set_read_timeout(Some(Duration::from_secs(30)))?;
+        let mut socket = Self::connect(port)?;
         socket.write_all(
             b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\n\
               Upgrade: h2c\r\nHTTP2-Settings: \r\n\r\n",
@@ -729,9 +739,7 @@ impl PlainConnection {
         }
         let head = String::from_utf8_lossy(&head);
         anyhow::ensure!(head.starts_with("HTTP/1.1 101"), "no upgrade: {head:?}");
-        let mut hello = H2_PREFACE.to_vec();
-        hello.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
-        socket.write_all(&hello)?;
+        Self::greet(&mut socket)?;
         let mut connection = Self {
             socket,
             next_stream: 3,
