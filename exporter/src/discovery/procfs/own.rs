@@ -233,35 +233,37 @@ mod tests {
 
     /// Another process's descriptors (ours change as other tests run): its
     /// directory's entries, and at least stdin, stdout, stderr and the four its
-    /// shell opened before becoming `sleep` (it may inherit more from the harness).
+    /// shell opened (it may inherit more from the harness). The shell says when it
+    /// has opened them and then blocks in its builtin `read`, so nothing opens or
+    /// closes a descriptor while the two ways count (a program it exec'd would: the
+    /// dynamic loader opens its libraries after the new `comm` shows).
     #[test]
     fn open_descriptors_are_the_ones_a_process_holds() -> std::io::Result<()> {
+        use std::io::BufRead as _;
         let mut child = std::process::Command::new("sh")
             .args([
                 "-c",
-                "exec 3</dev/null 4</dev/null 5</dev/null 6</dev/null; exec sleep 30",
+                "exec 3</dev/null 4</dev/null 5</dev/null 6</dev/null; echo opened; read held",
             ])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()?;
         let proc_dir = std::path::PathBuf::from(format!("/proc/{}", child.id()));
-        let started = std::time::Instant::now();
         // No early return before the kill below: a child left behind would outlive
         // the test.
-        while std::fs::read_to_string(proc_dir.join("comm"))
-            .unwrap_or_default()
-            .trim()
-            != "sleep"
-            && started.elapsed() < std::time::Duration::from_secs(10)
-        {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        let mut said = String::new();
+        let read = match child.stdout.take() {
+            Some(stdout) => std::io::BufReader::new(stdout).read_line(&mut said),
+            None => Ok(0),
+        };
         let counted = open_fds(&proc_dir.join("fd"), false);
         let listed = listed_fds(&proc_dir.join("fd"), false);
         let on_procfs = is_on_procfs(&proc_dir);
         child.kill()?;
         child.wait()?;
+        read?;
+        assert_eq!(said, "opened\n");
         assert!(
             counted == listed && listed >= Some(7),
             "counted {counted:?}, listed {listed:?}"
