@@ -21,11 +21,14 @@ use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
     bindings::BPF_SK_STORAGE_GET_F_CREATE,
-    helpers::generated::{bpf_loop, bpf_sk_storage_get},
+    helpers::{
+        bpf_get_current_pid_tgid,
+        generated::{bpf_loop, bpf_sk_storage_get},
+    },
 };
 use poolscope_shared::{
     CallWalk, Conn, FrameCursor, H2_FRAME_HEADER, H2_PREFACE, H2_STREAM_SLOTS, H2Conn, LossErrno,
-    LossSource, Phase, SyscallSlot,
+    LossSource, Phase, STREAM_ANSWERER, STREAM_READER, SyscallSlot,
 };
 
 use self::streams::{
@@ -37,6 +40,7 @@ use crate::{
     maps::{H2_CONNS, TCP_HTTP2, count_loss, swap, update_service},
     requests,
     source::{Source, preface_prefix, read_user},
+    threads,
 };
 
 mod streams;
@@ -281,8 +285,32 @@ pub fn transferred(sk: *const u8, service: u32, direction: Direction, len: i32, 
         now,
         arrive: if arrived != 0 { arrived } else { now },
     };
-    if let Err(lost) = follow(h2, direction, len as u32, moment) {
-        lose(h2, service, lost);
+    match follow(h2, direction, len as u32, moment) {
+        Ok(answered) => took_part(service, direction, answered),
+        Err(lost) => lose(h2, service, lost),
+    }
+}
+
+/// The calling thread read (`Received`) or wrote a connection's frames that answered
+/// `answered` streams: whether streams are handed to it (it answers them and never
+/// reads one) tells how the service serves them (DESIGN §3). Counted once a call,
+/// outside the frame walk, whose verification a branch per frame would multiply.
+#[inline(always)]
+fn took_part(service: u32, direction: Direction, answered: u32) {
+    let Some(thread) = threads::thread(bpf_get_current_pid_tgid() as u32) else {
+        return;
+    };
+    match direction {
+        Direction::Received => thread.streams |= STREAM_READER,
+        Direction::Sent if answered > 0 => {
+            if thread.is_stream_worker() {
+                update_service(service, |c| {
+                    c.streams_answered_by_workers.add(u64::from(answered));
+                });
+            }
+            thread.streams |= STREAM_ANSWERER;
+        }
+        Direction::Sent => {}
     }
 }
 
@@ -326,6 +354,7 @@ fn end_all(h2: &mut H2Conn, service: u32, reset: bool) {
     let limit = streams_ended(h2, ended);
     update_service(service, |c| {
         c.serving_left.add(ended);
+        c.streams_ended.add(ended);
         if reset {
             c.streams_reset.add(ended);
         }
@@ -344,19 +373,21 @@ fn cursor(h2: &mut H2Conn, direction: Direction) -> &mut FrameCursor {
 
 /// Follows `total` bytes of the current call through the frames of `direction`, one
 /// step per `bpf_loop` iteration: the verifier checks a step until its states
-/// converge, where a bounded loop of this body would exceed its budget.
+/// converge, where a bounded loop of this body would exceed its budget. The streams
+/// the call answered.
 #[inline(always)]
 fn follow(
     h2: &mut H2Conn,
     direction: Direction,
     total: u32,
     moment: Moment,
-) -> Result<(), LossSource> {
+) -> Result<u32, LossSource> {
     cursor(h2, direction).call = CallWalk {
         total,
         done: 0,
         outcome: GOING,
         found: 0,
+        answered: 0,
         source: 0,
         iovecs: 0,
         buffer: 0,
@@ -380,7 +411,7 @@ fn follow(
     }
     match cursor(walk.h2, direction).call.outcome {
         GOING => Err(LossSource::Http2FrameBound),
-        DONE => Ok(()),
+        DONE => Ok(cursor(walk.h2, direction).call.answered),
         UNREADABLE => Err(LossSource::Http2Unreadable),
         // UNPARSABLE, the only other value `step` stores.
         _ => Err(LossSource::Http2Unparsable),
@@ -526,7 +557,9 @@ impl Walk<'_> {
                     (GOAWAY, Some(at)) => goaway(self.h2, at, self.moment.service),
                     _ => {}
                 }
-                sent(self.h2, &frame, &self.moment);
+                if sent(self.h2, &frame, &self.moment) {
+                    self.h2.send.call.answered += 1;
+                }
             }
         }
         Ok(true)

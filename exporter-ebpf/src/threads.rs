@@ -9,8 +9,9 @@ use core::ptr::{read_volatile, write_volatile};
 
 use aya_ebpf::bindings::{BPF_EXIST, BPF_NOEXIST};
 use poolscope_shared::{
-    Activity, NO_POOL, Peer, SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Serving, THREAD_SLOTS, Thread,
-    histogram_bucket, slot_claimant, slot_claiming, slot_overflow, slot_owner,
+    Activity, NO_POOL, Peer, SLOT_CLAIMING, SLOT_OVERFLOW_ONE, Serving, StreamWorkers,
+    THREAD_SLOTS, Thread, histogram_bucket, slot_claimant, slot_claiming, slot_overflow,
+    slot_owner,
 };
 
 use crate::{
@@ -280,9 +281,15 @@ pub fn exits(tid: u32, thread: &mut Thread) {
 #[inline(always)]
 pub fn serving(thread: &Thread) -> Serving {
     if thread.serving == 0 || thread.hands_off != 0 {
-        // A worker of a thread-per-stream HTTP/2 service holds streams that another
-        // thread read.
-        if STREAM_WORKERS.get(thread.service).copied().unwrap_or(0) != 0 {
+        // A worker that HTTP/2 streams are handed to serves streams another thread
+        // read.
+        let workers = STREAM_WORKERS.get(thread.service).copied().unwrap_or(0);
+        let streams = if workers == StreamWorkers::Detect as u32 {
+            thread.is_stream_worker()
+        } else {
+            workers == StreamWorkers::Every as u32
+        };
+        if streams {
             Serving::Streams
         } else {
             Serving::Nothing

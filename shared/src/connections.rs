@@ -209,6 +209,16 @@ pub struct ServiceCounters {
     /// HTTP/2 streams ended by RST_STREAM (either side) or by their connection's end
     /// before the server's END_STREAM: they leave `serving` and are not `finished`.
     pub streams_reset: Count,
+    /// HTTP/2 streams opened (the client's HEADERS read) and ended, however they
+    /// ended: their difference is the streams open, apart from HTTP/1 requests.
+    pub streams_opened: Count,
+    pub streams_ended: Count,
+    /// HTTP/2 streams the server ended with END_STREAM (answered), and those of them
+    /// answered by a thread that had answered one before and never read a stream
+    /// ([`crate::Thread::is_stream_worker`]): how user space tells a service that
+    /// hands streams to a pool of workers from one that serves them all at once.
+    pub streams_answered: Count,
+    pub streams_answered_by_workers: Count,
     /// HTTP/2 connections whose open streams reached the server's
     /// `SETTINGS_MAX_CONCURRENT_STREAMS`, and that fell below it again (or closed).
     pub at_limit_entered: Count,
@@ -244,6 +254,12 @@ impl ServiceCounters {
             },
             multiplexed: self.multiplexed.plus(other.multiplexed),
             streams_reset: self.streams_reset.plus(other.streams_reset),
+            streams_opened: self.streams_opened.plus(other.streams_opened),
+            streams_ended: self.streams_ended.plus(other.streams_ended),
+            streams_answered: self.streams_answered.plus(other.streams_answered),
+            streams_answered_by_workers: self
+                .streams_answered_by_workers
+                .plus(other.streams_answered_by_workers),
             at_limit_entered: self.at_limit_entered.plus(other.at_limit_entered),
             at_limit_left: self.at_limit_left.plus(other.at_limit_left),
             max_streams: if self.max_streams > other.max_streams {
@@ -305,5 +321,5 @@ const _: () = assert!(
         && core::mem::align_of::<Conn>() == 8
 );
 const _: () = assert!(core::mem::size_of::<PendingCall>() == 16);
-const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 104 + 8 * STATUS_CLASSES);
+const _: () = assert!(core::mem::size_of::<ServiceCounters>() == 136 + 8 * STATUS_CLASSES);
 const _: () = assert!(core::mem::size_of::<RequestTimes>() == 3 * (HISTOGRAM_BUCKETS + 1) * 8);

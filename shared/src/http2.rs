@@ -50,6 +50,10 @@ pub struct CallWalk {
     pub outcome: u32,
     /// Whether the call's buffers were found (at its first frame header).
     pub found: u32,
+    /// Streams the call's frames answered (server END_STREAMs that ended one); kept
+    /// here, not on the walk's stack, where a count would give the verifier a new
+    /// state at every step.
+    pub answered: u32,
     /// The call's buffer, or its iovec array and their count (0 for one buffer).
     pub source: u64,
     pub iovecs: u64,
@@ -107,9 +111,9 @@ pub struct H2Conn {
     pub streams: [H2Stream; H2_STREAM_SLOTS as usize],
 }
 
-const _: () = assert!(core::mem::size_of::<CallWalk>() == 64);
-const _: () = assert!(core::mem::size_of::<FrameCursor>() == 48 + 64);
+const _: () = assert!(core::mem::size_of::<CallWalk>() == 72);
+const _: () = assert!(core::mem::size_of::<FrameCursor>() == 48 + 72);
 const _: () = assert!(core::mem::size_of::<H2Stream>() == 24);
 const _: () =
-    assert!(core::mem::size_of::<H2Conn>() == 2 * (48 + 64) + 40 + H2_STREAM_SLOTS as usize * 24);
+    assert!(core::mem::size_of::<H2Conn>() == 2 * (48 + 72) + 40 + H2_STREAM_SLOTS as usize * 24);
 const _: () = assert!(H2_STREAM_SLOTS.is_power_of_two());

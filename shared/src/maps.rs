@@ -16,10 +16,10 @@ pub const SOCK_CONNS: &str = "SOCK_CONNS";
 /// bytes are the client preface, freed with the socket; unbounded by design, as
 /// [`SOCK_CONNS`].
 pub const H2_CONNS: &str = "H2_CONNS";
-/// array, index service id → u32, set by user space: 1 for a service that hands
-/// each HTTP/2 stream to a worker thread (`[[targets]] http2_worker_threads`), whose
-/// threads holding no request of their own are busy unless they wait for work
-/// ([`crate::Serving::Streams`]).
+/// array, index service id → [`crate::StreamWorkers`] as u32, set by user space from
+/// `[[targets]] http2_worker_threads`: which of the service's threads that hold no
+/// request of their own may be serving HTTP/2 streams that another thread read, and
+/// so are busy unless they wait for work ([`crate::Serving::Streams`]).
 pub const STREAM_WORKERS: &str = "STREAM_WORKERS";
 /// per-CPU array, index [`CountedMap`] → i64: the entries the kernel made in that
 /// map less those it removed, on this CPU. User space adds its own inserts and

@@ -158,10 +158,10 @@ pub enum Serving {
     /// A request, and it once held two at once: an event loop, whose poll waits for
     /// whichever of its connections is ready.
     Multiplexing,
-    /// No request of its own, in a service that hands each HTTP/2 stream to a worker
-    /// thread ([`crate::maps::STREAM_WORKERS`]): the thread may be serving a stream
-    /// another thread read, so its waits are busy unless they wait for work (epoll
-    /// and the like, or a futex wait: its pool's queue, or a lock).
+    /// No request of its own, but a worker that answers HTTP/2 streams another thread
+    /// read ([`StreamWorkers`]): the thread may be serving one, so its waits are busy
+    /// unless they wait for work (epoll and the like, or a futex wait: its pool's
+    /// queue, or a lock).
     Streams,
 }
 
@@ -265,6 +265,11 @@ pub struct Thread {
     /// How many blocks the captured one stands for: 1, or
     /// [`crate::OffcpuCaptures`]' sampling ratio once its CPU is past the full rate.
     pub offcpu_weight: u32,
+    /// What it did on followed HTTP/2 connections: [`STREAM_READER`] once it read
+    /// one's bytes, [`STREAM_ANSWERER`] once it wrote a stream's END_STREAM. A thread
+    /// that answers streams and never reads one is a worker that other threads hand
+    /// streams to ([`Thread::is_stream_worker`]).
+    pub streams: u32,
     /// When the thread last blocked (request boundaries cut `since_ns`, not this).
     pub blocked_since_ns: u64,
     /// When the thread last blocked: its run queue's clock less the kernel's total
@@ -274,6 +279,23 @@ pub struct Thread {
     /// since, less this, is when the thread was woken by our clock (see `sched.rs`).
     pub clock_offset_at_block: u64,
 }
+
+/// How a service's threads that hold no request are read (`STREAM_WORKERS`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamWorkers {
+    /// Not configured: the threads that answer streams and never read one
+    /// ([`Thread::is_stream_worker`]) serve streams.
+    Detect = 0,
+    /// Configured on: every such thread may serve a stream.
+    Every = 1,
+    /// Configured off: none does.
+    None = 2,
+}
+
+/// [`Thread::streams`] bits.
+pub const STREAM_READER: u32 = 1;
+pub const STREAM_ANSWERER: u32 = 2;
 
 /// [`Thread::clock_offset_at_block`] of a thread whose block was not seen.
 pub const BLOCK_UNSEEN: u64 = u64::MAX;
@@ -288,6 +310,7 @@ impl Thread {
             hands_off: 0,
             multiplexes: 0,
             served: 0,
+            streams: 0,
             pool: crate::NO_POOL,
             downstream: Peer::NONE,
             pool_epoch: 0,
@@ -310,6 +333,12 @@ impl Thread {
             blocked_since_ns: 0,
             clock_offset_at_block: BLOCK_UNSEEN,
         }
+    }
+
+    /// It answers HTTP/2 streams that other threads read: a worker of a pool that a
+    /// reading thread hands each stream to (grpcio's executor).
+    pub const fn is_stream_worker(&self) -> bool {
+        self.streams == STREAM_ANSWERER
     }
 }
 
@@ -392,7 +421,7 @@ impl PoolStats {
 
 const _: () = assert!(Activity::COUNT.is_power_of_two() && Activity::ALL.len() == Activity::COUNT);
 const _: () = assert!(THREAD_SLOTS.is_power_of_two());
-const _: () = assert!(core::mem::size_of::<Thread>() == 160);
+const _: () = assert!(core::mem::size_of::<Thread>() == 168);
 const _: () = assert!(core::mem::size_of::<Peer>() == 20);
 const _: () = assert!(core::mem::size_of::<DownstreamKey>() == 24);
 const _: () = assert!(core::mem::size_of::<DownstreamWait>() == 16);

@@ -465,7 +465,7 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
             // serves every stream at once, on goroutines.
             let (server, keys) = match run.workers {
                 0 => (GrpcServer::start_go()?, ""),
-                workers => (GrpcServer::start(workers)?, "http2_worker_threads = true\n"),
+                workers => (GrpcServer::start(workers)?, ""),
             };
             let service = format!("grpc-{backend}");
             let poolscope = watch_with(backend, &service, &[server.pid()], keys)?;

@@ -97,20 +97,25 @@ pub(super) fn received(h2: &mut H2Conn, frame: &Frame, moment: &Moment) {
                 open(h2, frame.stream, moment);
             }
         }
-        RST_STREAM => end(h2, frame.stream, End::Reset, moment),
+        RST_STREAM => {
+            end(h2, frame.stream, End::Reset, moment);
+        }
         _ => {}
     }
 }
 
-/// A frame the server sent.
+/// A frame the server sent; whether it answered a stream (its END_STREAM).
 #[inline(always)]
-pub(super) fn sent(h2: &mut H2Conn, frame: &Frame, moment: &Moment) {
+pub(super) fn sent(h2: &mut H2Conn, frame: &Frame, moment: &Moment) -> bool {
     match frame.kind {
         DATA | HEADERS if frame.flags & END_STREAM != 0 => {
-            end(h2, frame.stream, End::Finished, moment);
+            end(h2, frame.stream, End::Finished, moment)
         }
-        RST_STREAM => end(h2, frame.stream, End::Reset, moment),
-        _ => {}
+        RST_STREAM => {
+            end(h2, frame.stream, End::Reset, moment);
+            false
+        }
+        _ => false,
     }
 }
 
@@ -133,35 +138,39 @@ pub(super) fn open(h2: &mut H2Conn, id: u32, moment: &Moment) {
     let limit = limit_change(h2);
     update_service(moment.service, |c| {
         c.serving_entered.add(1);
+        c.streams_opened.add(1);
         limit.count(c);
     });
 }
 
 /// Stream `id` ends; nothing if it is not open (a server push, one not followed, or
 /// one another CPU ended first: the server's END_STREAM and the client's RST_STREAM
-/// may cross).
+/// may cross). Whether it ended here.
 #[inline(always)]
-pub(super) fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) {
+pub(super) fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) -> bool {
     let Some(stream) = h2.streams.get_mut(h2_stream_slot(id)) else {
-        return;
+        return false;
     };
     // Read before the slot is freed: a stream opening there may then overwrite them.
     let (arrive, start) = (stream.arrive_ns, stream.start_ns);
     if id == 0 || !compare_and_swap(&mut stream.id, u64::from(id), 0) {
-        return;
+        return false;
     }
     let limit = streams_ended(h2, 1);
     update_service(moment.service, |c| {
         c.serving_left.add(1);
+        c.streams_ended.add(1);
         limit.count(c);
-        if how == End::Reset {
-            c.streams_reset.add(1);
+        match how {
+            End::Reset => c.streams_reset.add(1),
+            End::Finished => c.streams_answered.add(1),
         }
     });
     if how == End::Finished {
         // `:status` is HPACK-coded: not read (0).
         requests::record(moment.service, arrive, start, moment.now, 0, None);
     }
+    true
 }
 
 /// `ended` streams whose slots the caller freed leave the count.
@@ -227,6 +236,7 @@ pub(super) fn goaway(h2: &mut H2Conn, at: u64, service: u32) {
                 let limit = streams_ended(h2, 1);
                 update_service(service, |c| {
                     c.serving_left.add(1);
+                    c.streams_ended.add(1);
                     c.streams_reset.add(1);
                     limit.count(c);
                 });

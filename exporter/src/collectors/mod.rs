@@ -200,7 +200,7 @@ mod tests {
             id: 2,
             name: "api".into(),
             processes: 1,
-            stream_workers: false,
+            http2_worker_threads: None,
             workload: None,
             corrections: Corrections::default(),
         }];
@@ -426,7 +426,7 @@ mod tests {
             id: 2,
             name: "api".into(),
             processes: 1,
-            stream_workers: false,
+            http2_worker_threads: None,
             workload: None,
             corrections: Corrections::default(),
         }];

@@ -15,6 +15,9 @@ use crate::{
     encode::{Family, Kind, Value},
     kernel::Backend,
     metrics::pools::{COMPONENTS, sum_of},
+    metrics::stream_model::{
+        ModelSource, StreamModel, StreamThreads, stream_model, waiting_streams,
+    },
     metrics::window::{ClassicBuckets, PARTS, QUANTILES, WindowDelta},
 };
 
@@ -35,8 +38,8 @@ pub struct ServiceInput<'a> {
     pub window: Option<&'a WindowDelta>,
     /// Request time by what the serving thread did, ns per [`COMPONENTS`] entry.
     pub components: [u64; COMPONENTS.len()],
-    /// The service's threads busy now (every pool's `pool_threads_busy`).
-    pub threads_busy: u64,
+    /// The service's threads now, for its HTTP/2 streams (every pool's).
+    pub stream_threads: StreamThreads,
 }
 
 /// The three request gauges of a service; see DESIGN §3.
@@ -50,30 +53,17 @@ pub struct Gauges {
 }
 
 /// The gauges of a service; one that hands each HTTP/2 stream to a worker thread
-/// (`stream_workers`) also waits for its `threads_busy`, see [`waiting_streams`].
+/// ([`StreamModel::Workers`]) also has its streams that wait for a worker, see
+/// [`waiting_streams`].
 pub fn gauges(
     counters: &ServiceCounters,
     corrections: &Corrections,
-    stream_workers: Option<u64>,
+    model: StreamModel,
+    threads: StreamThreads,
 ) -> Gauges {
     let mut gauges = socket_gauges(counters, corrections);
-    if let Some(threads_busy) = stream_workers {
-        gauges.waiting += waiting_streams(counters, gauges.in_flight, threads_busy);
-    }
+    gauges.waiting += waiting_streams(counters, model, threads);
     gauges
-}
-
-/// Open HTTP/2 streams that no thread serves, in a service that hands each stream to
-/// a worker thread of a pool (DESIGN §3): its HTTP/2 library reads every frame at
-/// once, so a stream read is not a stream served. Each busy thread serves one
-/// request, so the streams beyond the busy threads wait for one (a pool whose
-/// workers are all busy: in flight less the pool; one with idle workers: none). 0
-/// for a service with no HTTP/2 connection.
-pub fn waiting_streams(counters: &ServiceCounters, in_flight: u64, threads_busy: u64) -> u64 {
-    if counters.multiplexed.get() == 0 {
-        return 0;
-    }
-    in_flight.saturating_sub(threads_busy)
 }
 
 /// The gauges as the kernel's connection phases count them.
@@ -133,8 +123,13 @@ pub fn queue_depths(
         .map(|(view, counters)| {
             let backlog = backlog_of.get(view.name.as_str()).copied().unwrap_or(0);
             // Without the pools' threads: streams that wait for a worker are not in it.
-            let (_, depth) =
-                queue_depth(backend, &gauges(counters, &view.corrections, None), backlog);
+            let socket_only = gauges(
+                counters,
+                &view.corrections,
+                StreamModel::EveryStream,
+                StreamThreads::default(),
+            );
+            let (_, depth) = queue_depth(backend, &socket_only, backlog);
             (view.name.clone(), depth)
         })
         .collect()
@@ -219,13 +214,16 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
     let no_counters = ServiceCounters::default();
     let no_times = RequestTimes::default();
     let mut components: BTreeMap<u32, [u64; COMPONENTS.len()]> = BTreeMap::new();
-    let mut threads_busy: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut stream_threads: BTreeMap<u32, StreamThreads> = BTreeMap::new();
     for row in reading.pools {
         let sums = components.entry(row.view.service).or_default();
         for (sum, (_, activities)) in sums.iter_mut().zip(COMPONENTS) {
             *sum += sum_of(&row.totals.request_ns, activities);
         }
-        *threads_busy.entry(row.view.service).or_default() += row.totals.threads_busy;
+        let threads = stream_threads.entry(row.view.service).or_default();
+        threads.busy += row.totals.threads_busy;
+        threads.workers += row.totals.stream_workers;
+        threads.workers_busy += row.totals.stream_workers_busy;
     }
     let kernel = reading.kernel;
     let inputs: Vec<ServiceInput<'_>> = reading
@@ -241,7 +239,7 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
                 .unwrap_or(&no_times),
             window: reading.windows.get(&view.id),
             components: components.get(&view.id).copied().unwrap_or_default(),
-            threads_busy: threads_busy.get(&view.id).copied().unwrap_or_default(),
+            stream_threads: stream_threads.get(&view.id).copied().unwrap_or_default(),
         })
         .collect();
     let no_syscalls = BTreeMap::new();
@@ -339,11 +337,8 @@ pub fn service_families(
         }
         let counters = input.counters;
         accepted.push(&labels, counters.accepted.get() as f64);
-        let gauges = gauges(
-            counters,
-            &service.corrections,
-            service.stream_workers.then_some(input.threads_busy),
-        );
+        let (model, source) = stream_model(service.http2_worker_threads, counters);
+        let gauges = gauges(counters, &service.corrections, model, input.stream_threads);
         let backlog = backlog_of.get(service.name.as_str()).copied().unwrap_or(0);
         let (unserved_now, depth_now) = queue_depth(backend, &gauges, backlog);
         unserved.push(&labels, unserved_now as f64);
@@ -363,7 +358,7 @@ pub fn service_families(
             );
         }
         request_families.push(&labels, input.times, input.window);
-        http2.push(&labels, counters);
+        http2.push(&service.name, counters, (model, source));
         for ((id, syscall), calls) in syscalls.range((service.id, "")..) {
             if *id != service.id {
                 break;
@@ -436,7 +431,7 @@ fn push_responses(family: &mut Family, service: &str, counters: &ServiceCounters
 /// The HTTP/2 families of the services that had an HTTP/2 connection (others get no
 /// series).
 struct Http2Families {
-    families: [Family; 4],
+    families: [Family; 5],
 }
 
 impl Http2Families {
@@ -468,23 +463,51 @@ impl Http2Families {
                     "The highest SETTINGS_MAX_CONCURRENT_STREAMS the service announced (0: \
                      none seen, no limit).",
                 ),
+                Family::new(
+                    "http2_stream_model",
+                    Kind::Gauge,
+                    "How the service was read to serve its HTTP/2 streams (model: workers, \
+                     each stream handed to a worker of a pool, its streams beyond the busy \
+                     workers waiting; every_stream, all open streams served at once), and \
+                     from what (source: configured, detected, undecided); always 1.",
+                ),
             ],
         }
     }
 
-    fn push(&mut self, labels: &[(&'static str, &str)], counters: &ServiceCounters) {
+    fn push(
+        &mut self,
+        service: &str,
+        counters: &ServiceCounters,
+        (model, source): (StreamModel, ModelSource),
+    ) {
         if counters.multiplexed.get() == 0 {
             return;
         }
+        let labels = &[("service", service)];
         let at_limit = counters
             .at_limit_entered
             .get()
             .saturating_sub(counters.at_limit_left.get());
-        let [connections, reset, at_stream_limit, max_streams] = &mut self.families;
+        let [
+            connections,
+            reset,
+            at_stream_limit,
+            max_streams,
+            stream_model,
+        ] = &mut self.families;
         connections.push(labels, counters.multiplexed.get() as f64);
         reset.push(labels, counters.streams_reset.get() as f64);
         at_stream_limit.push(labels, at_limit as f64);
         max_streams.push(labels, counters.max_streams as f64);
+        stream_model.push(
+            &[
+                ("service", service),
+                ("model", model.label()),
+                ("source", source.label()),
+            ],
+            1.0,
+        );
     }
 }
 

@@ -173,8 +173,8 @@ pub struct TargetRule {
 /// How a service is read, from the rule that named it (the defaults without one).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceOptions {
-    /// See [`raw::RawTarget::http2_worker_threads`].
-    pub http2_worker_threads: bool,
+    /// See [`raw::RawTarget::http2_worker_threads`]; `None`: detected.
+    pub http2_worker_threads: Option<bool>,
     /// See [`raw::RawTarget::routes`].
     pub routes: ServiceRoutes,
 }

@@ -349,9 +349,11 @@ pub struct RawTarget {
     pub exe: Option<String>,
     pub port: Ports,
     pub cgroup: Option<String>,
-    /// The service hands each HTTP/2 stream to a thread of a pool until its response
-    /// (a thread-per-stream server): its open streams no thread serves are waiting.
-    pub http2_worker_threads: bool,
+    /// Whether the service hands each HTTP/2 stream to a thread of a pool until its
+    /// response, so that its open streams no worker serves are waiting (`true`), or
+    /// serves every open stream at once (`false`). Unset: detected from which threads
+    /// answer its streams.
+    pub http2_worker_threads: Option<bool>,
     /// Whether the service's routes are read (`true`, `false`; unset: as `[probes]
     /// routes`), or the route templates (`"/users/:id"`, `"/static/*"`) that name them
     /// first, which reads them.

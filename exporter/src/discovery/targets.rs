@@ -9,7 +9,7 @@ use std::{
     path::PathBuf,
 };
 
-use poolscope_shared::{Phase, ProcessEvent, ProcessEventKind, Watched, maps};
+use poolscope_shared::{Phase, ProcessEvent, ProcessEventKind, StreamWorkers, Watched, maps};
 
 use crate::{
     clock::monotonic_ns,
@@ -38,9 +38,9 @@ pub struct ServiceView {
     pub id: u32,
     pub name: String,
     pub processes: u64,
-    /// It hands each HTTP/2 stream to a worker thread (`[[targets]]
-    /// http2_worker_threads`): its open streams no thread serves are waiting.
-    pub stream_workers: bool,
+    /// Whether it hands each HTTP/2 stream to a worker thread, as its rule says
+    /// (`[[targets]] http2_worker_threads`); `None`: detected.
+    pub http2_worker_threads: Option<bool>,
     /// The Kubernetes pod container it is named after, if any.
     pub workload: Option<Workload>,
     /// What user space moved in or out of the gauges without a kernel event.
@@ -83,8 +83,9 @@ pub struct Targets {
     changes: Vec<WatchChange>,
     processes: HashMap<u32, Tracked>,
     corrections: HashMap<u32, Corrections>,
-    /// Services flagged in the kernel's `STREAM_WORKERS`.
-    stream_workers: HashSet<u32>,
+    /// Services whose rule says whether they hand HTTP/2 streams to worker threads,
+    /// as the kernel's `STREAM_WORKERS` has it (the others are detected).
+    stream_workers: HashMap<u32, bool>,
     /// The pod container each service named after one is named after.
     workloads: HashMap<u32, Workload>,
     /// Connections in the kernel's `ADOPT` map: socket inode → (pid, service).
@@ -120,7 +121,7 @@ impl Targets {
             changes: Vec::new(),
             processes: HashMap::new(),
             corrections: HashMap::new(),
-            stream_workers: HashSet::new(),
+            stream_workers: HashMap::new(),
             workloads: HashMap::new(),
             adoptions: HashMap::new(),
             listeners: HashMap::new(),
@@ -363,19 +364,31 @@ impl Targets {
         }
     }
 
-    /// Tells the kernel whether `service` hands HTTP/2 streams to worker threads, when
-    /// that changed.
-    fn flag_stream_workers(&mut self, kernel: &mut dyn WatchTable, service: u32, on: bool) {
-        if self.stream_workers.contains(&service) == on {
+    /// Tells the kernel whether `service` hands HTTP/2 streams to worker threads
+    /// (`None`: detect it), when that changed.
+    fn flag_stream_workers(
+        &mut self,
+        kernel: &mut dyn WatchTable,
+        service: u32,
+        configured: Option<bool>,
+    ) {
+        if self.stream_workers.get(&service).copied() == configured {
             return;
         }
-        match kernel.set_stream_workers(service, on) {
-            Ok(()) if on => {
-                self.stream_workers.insert(service);
-            }
-            Ok(()) => {
-                self.stream_workers.remove(&service);
-            }
+        let workers = match configured {
+            None => StreamWorkers::Detect,
+            Some(true) => StreamWorkers::Every,
+            Some(false) => StreamWorkers::None,
+        };
+        match kernel.set_stream_workers(service, workers) {
+            Ok(()) => match configured {
+                Some(on) => {
+                    self.stream_workers.insert(service, on);
+                }
+                None => {
+                    self.stream_workers.remove(&service);
+                }
+            },
             Err(error) => {
                 self.map_errors.count(maps::STREAM_WORKERS, &error);
                 tracing::warn!(service, %error, "cannot flag a service's HTTP/2 worker threads");
@@ -503,7 +516,7 @@ impl Targets {
                     id,
                     name: self.ids.key(id)?.clone(),
                     processes,
-                    stream_workers: self.stream_workers.contains(&id),
+                    http2_worker_threads: self.stream_workers.get(&id).copied(),
                     workload: self.workloads.get(&id).cloned(),
                     corrections: self.corrections.get(&id).copied().unwrap_or_default(),
                 })

@@ -8,8 +8,8 @@ use aya::{
     maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuValues},
 };
 use poolscope_shared::{
-    Conn, ListenKey, PendingCall, Phase, RequestTimes, ServiceCounters, SyscallSlot, Watched,
-    conn_key_tgid, fd_conn_key,
+    Conn, ListenKey, PendingCall, Phase, RequestTimes, ServiceCounters, StreamWorkers, SyscallSlot,
+    Watched, conn_key_tgid, fd_conn_key,
     maps::{self, CountedMap},
     syscall_counter_index, watched_port_bit,
 };
@@ -426,8 +426,8 @@ impl WatchTable for Kernel {
         purged
     }
 
-    fn set_stream_workers(&mut self, service: u32, on: bool) -> Result<(), MapError> {
-        self.requests.stream_workers.set(service, u32::from(on), 0)
+    fn set_stream_workers(&mut self, service: u32, workers: StreamWorkers) -> Result<(), MapError> {
+        self.requests.stream_workers.set(service, workers as u32, 0)
     }
 
     fn name_routes(&mut self, service: u32, routes: &ServiceRoutes) -> Result<(), MapError> {

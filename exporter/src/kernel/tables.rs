@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use aya::maps::MapError;
-use poolscope_shared::{ListenKey, Phase, Thread, Watched};
+use poolscope_shared::{ListenKey, Phase, StreamWorkers, Thread, Watched};
 
 use super::{Adopted, Backend};
 use crate::config::ServiceRoutes;
@@ -93,9 +93,9 @@ pub trait WatchTable {
     /// is reused for another service.
     fn reset_service(&mut self, service: u32) -> Result<(), MapError>;
 
-    /// Tells the scheduler programs whether `service` hands each HTTP/2 stream to a
-    /// worker thread (`STREAM_WORKERS`).
-    fn set_stream_workers(&mut self, service: u32, on: bool) -> Result<(), MapError>;
+    /// Tells the scheduler programs which threads of `service` HTTP/2 streams are
+    /// handed to (`STREAM_WORKERS`).
+    fn set_stream_workers(&mut self, service: u32, workers: StreamWorkers) -> Result<(), MapError>;
 
     /// Reads `service`'s routes or not (`ROUTE_SERVICES`), named by its templates,
     /// from its next request on.
@@ -130,7 +130,7 @@ pub mod fake {
     use std::collections::{BTreeMap, BTreeSet};
 
     use aya::{maps::MapError, sys::SyscallError};
-    use poolscope_shared::{ListenKey, Phase, Thread, Watched};
+    use poolscope_shared::{ListenKey, Phase, StreamWorkers, Thread, Watched};
 
     use super::{ThreadTable, WatchTable};
     use crate::{
@@ -149,8 +149,8 @@ pub mod fake {
         /// Connections (pid, fd) with their service and phase (syscall backend).
         pub connections: BTreeMap<(u32, u32), (u32, Phase)>,
         pub services_reset: Vec<u32>,
-        /// Services flagged in `STREAM_WORKERS`.
-        pub stream_workers: BTreeSet<u32>,
+        /// Services whose `STREAM_WORKERS` entry is not `Detect`.
+        pub stream_workers: BTreeMap<u32, StreamWorkers>,
         /// Services whose rule says whether their routes are read.
         pub route_services: BTreeMap<u32, ServiceRoutes>,
         pub threads: BTreeMap<u32, Thread>,
@@ -168,7 +168,7 @@ pub mod fake {
                 listen_ports: BTreeMap::new(),
                 connections: BTreeMap::new(),
                 services_reset: Vec::new(),
-                stream_workers: BTreeSet::new(),
+                stream_workers: BTreeMap::new(),
                 route_services: BTreeMap::new(),
                 threads: BTreeMap::new(),
                 thread_pools: BTreeMap::new(),
@@ -275,11 +275,15 @@ pub mod fake {
             Ok(())
         }
 
-        fn set_stream_workers(&mut self, service: u32, on: bool) -> Result<(), MapError> {
-            if on {
-                self.stream_workers.insert(service);
-            } else {
+        fn set_stream_workers(
+            &mut self,
+            service: u32,
+            workers: StreamWorkers,
+        ) -> Result<(), MapError> {
+            if workers == StreamWorkers::Detect {
                 self.stream_workers.remove(&service);
+            } else {
+                self.stream_workers.insert(service, workers);
             }
             Ok(())
         }

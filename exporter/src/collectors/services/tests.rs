@@ -20,7 +20,7 @@ fn view(id: u32, name: &str, corrections: Corrections) -> ServiceView {
         id,
         name: name.into(),
         processes: 2,
-        stream_workers: false,
+        http2_worker_threads: None,
         workload: None,
         corrections,
     }
@@ -48,7 +48,12 @@ fn gauges_are_entered_minus_left_minus_purged() {
         serving: 2,
         adopted_unserved: 0,
     };
-    let open = gauges(&counters(), &purged, None);
+    let open = gauges(
+        &counters(),
+        &purged,
+        StreamModel::EveryStream,
+        StreamThreads::default(),
+    );
     assert_eq!(
         open,
         Gauges {
@@ -62,7 +67,16 @@ fn gauges_are_entered_minus_left_minus_purged() {
         adopted_unserved: 2,
         ..purged
     };
-    assert_eq!(gauges(&counters(), &adopted, None).unserved, 5);
+    assert_eq!(
+        gauges(
+            &counters(),
+            &adopted,
+            StreamModel::EveryStream,
+            StreamThreads::default()
+        )
+        .unserved,
+        5
+    );
     // Syscall backend: the backlog is not in the kernel's count.
     assert_eq!(queue_depth(Backend::Syscall, &open, 4), (3, 10));
     // Socket backend: it is (the count starts at the handshake).
@@ -72,25 +86,30 @@ fn gauges_are_entered_minus_left_minus_purged() {
 }
 
 #[test]
-fn streams_beyond_the_busy_threads_wait_in_a_stream_worker_service() {
+fn streams_waiting_for_a_worker_add_to_the_sockets_waiting() {
     let h2 = ServiceCounters {
         multiplexed: Count::new(1),
+        waiting_entered: Count::new(1),
         serving_entered: Count::new(16),
+        streams_opened: Count::new(16),
         ..ServiceCounters::default()
     };
     let corrections = Corrections::default();
-    // 16 open streams, a pool of 4 all busy: 12 wait for a worker.
-    assert_eq!(gauges(&h2, &corrections, Some(4)).waiting, 12);
-    // Fewer open streams than busy threads (a thread between two): none waits.
-    assert_eq!(gauges(&h2, &corrections, Some(20)).waiting, 0);
-    // Not flagged: only what the socket shows.
-    assert_eq!(gauges(&h2, &corrections, None).waiting, 0);
-    // No HTTP/2 connection: thread-per-request HTTP/1 has its own waiting.
-    let h1 = ServiceCounters {
-        serving_entered: Count::new(16),
-        ..ServiceCounters::default()
+    let pool = StreamThreads {
+        busy: 5,
+        workers: 4,
+        workers_busy: 4,
     };
-    assert_eq!(gauges(&h1, &corrections, Some(4)).waiting, 0);
+    // 16 open streams, a pool of 4 all busy: 12 wait for a worker, beside the one
+    // request whose bytes wait in a socket.
+    assert_eq!(
+        gauges(&h2, &corrections, StreamModel::Workers, pool).waiting,
+        13
+    );
+    assert_eq!(
+        gauges(&h2, &corrections, StreamModel::EveryStream, pool).waiting,
+        1
+    );
 }
 
 #[test]
@@ -115,7 +134,7 @@ fn http2_families_only_for_services_with_http2_connections() {
         times: &times,
         window: None,
         components: [0; COMPONENTS.len()],
-        threads_busy: 0,
+        stream_threads: StreamThreads::default(),
     };
     let families = service_families(
         Backend::Socket,
@@ -130,6 +149,7 @@ fn http2_families_only_for_services_with_http2_connections() {
         "poolscope_http2_streams_reset_total{service=\"grpc\"} 2\n",
         "poolscope_http2_connections_at_stream_limit{service=\"grpc\"} 1\n",
         "poolscope_http2_max_concurrent_streams{service=\"grpc\"} 100\n",
+        "poolscope_http2_stream_model{service=\"grpc\",model=\"every_stream\",source=\"undecided\"} 1\n",
     ] {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
@@ -156,7 +176,7 @@ fn service_families_render_each_metric() {
         times: &times,
         window: window.as_ref(),
         components: [0; COMPONENTS.len()],
-        threads_busy: 0,
+        stream_threads: StreamThreads::default(),
     }];
     let mut syscalls = BTreeMap::new();
     syscalls.insert((3, "read"), 7);

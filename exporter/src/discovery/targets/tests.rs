@@ -70,7 +70,7 @@ fn a_rules_options_reach_the_kernel_until_a_reload_drops_them() -> io::Result<()
     let routes = RoutePatterns::parse(&["/calls/:id".to_owned()]).map_err(io::Error::other)?;
     let grpc = Assignment {
         options: ServiceOptions {
-            http2_worker_threads: true,
+            http2_worker_threads: Some(true),
             routes: ServiceRoutes::Read(routes.clone()),
         },
         ..assigned(100, 5, "grpc")
@@ -83,15 +83,34 @@ fn a_rules_options_reach_the_kernel_until_a_reload_drops_them() -> io::Result<()
     let (Some(id), Some(web)) = (targets.service_id("grpc"), targets.service_id("web")) else {
         panic!("both services get ids");
     };
-    assert_eq!(tables.stream_workers, BTreeSet::from([id]));
+    assert_eq!(
+        tables.stream_workers,
+        BTreeMap::from([(id, StreamWorkers::Every)])
+    );
     assert_eq!(
         tables.route_services,
         BTreeMap::from([(id, ServiceRoutes::Read(routes))])
     );
     let views = targets.services(&watched(&tables));
-    let flags: Vec<(u32, bool)> = views.iter().map(|v| (v.id, v.stream_workers)).collect();
-    assert_eq!(flags, [(id, true), (web, false)]);
-    // A reload drops the key: the running process's service is unflagged.
+    let flags: Vec<(u32, Option<bool>)> = views
+        .iter()
+        .map(|v| (v.id, v.http2_worker_threads))
+        .collect();
+    assert_eq!(flags, [(id, Some(true)), (web, None)]);
+    // A reload turns the key off: the running process's service is read so.
+    let off = Assignment {
+        options: ServiceOptions {
+            http2_worker_threads: Some(false),
+            ..ServiceOptions::default()
+        },
+        ..grpc.clone()
+    };
+    scan(&mut targets, &mut tables, &[off, assigned(200, 7, "web")]);
+    assert_eq!(
+        tables.stream_workers,
+        BTreeMap::from([(id, StreamWorkers::None)])
+    );
+    // A reload drops the key: the service's model is detected again.
     let plain = Assignment {
         options: ServiceOptions::default(),
         ..grpc
@@ -99,7 +118,10 @@ fn a_rules_options_reach_the_kernel_until_a_reload_drops_them() -> io::Result<()
     scan(&mut targets, &mut tables, &[plain, assigned(200, 7, "web")]);
     assert!(tables.stream_workers.is_empty());
     assert!(tables.route_services.is_empty());
-    assert!(!targets.services(&watched(&tables))[0].stream_workers);
+    assert_eq!(
+        targets.services(&watched(&tables))[0].http2_worker_threads,
+        None
+    );
     Ok(())
 }
 

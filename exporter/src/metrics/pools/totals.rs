@@ -28,6 +28,10 @@ pub struct PoolTotals {
     pub lock_waits: LockWaits,
     pub threads: u64,
     pub threads_busy: u64,
+    /// Live threads that answer HTTP/2 streams other threads read
+    /// (`Thread::is_stream_worker`), and those of them busy.
+    pub stream_workers: u64,
+    pub stream_workers_busy: u64,
     /// Live threads that have read a request (`Thread::served`).
     pub threads_served: u64,
     /// Threads that exited after reading one (`PoolStats::served_exits`).
@@ -60,6 +64,8 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
                 lock_waits: readout.lock_waits.get(pool).cloned().unwrap_or_default(),
                 threads: 0,
                 threads_busy: 0,
+                stream_workers: 0,
+                stream_workers_busy: 0,
                 threads_served: 0,
                 served_exits: stats.served_exits,
             };
@@ -76,8 +82,11 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
         pool_totals.request_ns[activity as usize] += open * u64::from(thread.serving);
         pool_totals.threads += 1;
         pool_totals.threads_served += u64::from(thread.served != 0);
+        let stream_worker = thread.is_stream_worker();
+        pool_totals.stream_workers += u64::from(stream_worker);
         if activity.is_busy() {
             pool_totals.threads_busy += 1;
+            pool_totals.stream_workers_busy += u64::from(stream_worker);
         }
     }
     totals
