@@ -640,6 +640,16 @@ impl PlainH2Server {
         Self::start_with(&[service.as_millis().to_string(), max_streams.to_string()])
     }
 
+    /// [`Self::start`] with a pool of `workers` threads that the reader hands each
+    /// stream to, as grpcio's executor does.
+    pub fn start_pool(service: Duration, workers: u32) -> anyhow::Result<Self> {
+        Self::start_with(&[
+            service.as_millis().to_string(),
+            "0".to_owned(),
+            workers.to_string(),
+        ])
+    }
+
     fn start_with(args: &[String]) -> anyhow::Result<Self> {
         let mut program = Program::start("h2server", args)?;
         let port = program.line("port")?.parse().context("h2server's port")?;
@@ -652,6 +662,12 @@ impl PlainH2Server {
 
     pub fn pid(&self) -> u32 {
         self.program.pid()
+    }
+
+    /// The streams in its pool's queue that no worker has taken yet, now.
+    pub fn queued(&mut self) -> anyhow::Result<i64> {
+        self.program.send("queued")?;
+        Ok(self.program.line("queued")?.parse()?)
     }
 
     /// Stops it; what it counted.

@@ -639,6 +639,21 @@ impl Metrics {
             .map(|s| s.value)
     }
 
+    /// Label `key` of the one sample named `name` whose labels include `labels`.
+    pub fn label(&self, name: &str, labels: &[(&str, &str)], key: &str) -> Option<&str> {
+        self.samples
+            .iter()
+            .find(|s| {
+                s.name == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| s.labels.iter().any(|(sk, sv)| sk == k && sv == v))
+            })?
+            .labels
+            .iter()
+            .find_map(|(k, v)| (k == key).then_some(v.as_str()))
+    }
+
     /// True if any sample carries label `key` = `value`.
     pub fn has_label(&self, key: &str, value: &str) -> bool {
         self.samples

@@ -1107,6 +1107,7 @@ fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
         let streams = u64::from(CONNECTIONS * PER_CONNECTION);
         // Before the server stops: its series go with it.
         let delta = settle_on(&poolscope, &service, &before, streams, 0)?;
+        let model = stream_model(&poolscope.scrape()?, &service);
         let served = server.finish()?;
         let held = f64::from(CONNECTIONS * OPEN);
         let mean_ms = delta.mean_duration() * 1e3;
@@ -1142,6 +1143,12 @@ fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
                 "{what}: in flight while {held} streams were held: {samples:?}"
             ));
         }
+        // A new thread answers each stream once: no pool.
+        if model != "every_stream/detected" {
+            failures.push(format!(
+                "{what}: a thread per stream read as {model}, not every_stream/detected"
+            ));
+        }
         let server_ms = served.mean.as_secs_f64() * 1e3;
         if (mean_ms - server_ms).abs() > server_ms * DURATION_BOUND {
             failures.push(format!(
@@ -1152,6 +1159,134 @@ fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
         }
     }
     ensure_none("plain_server_streams_counted_exactly", &failures)
+}
+
+/// `model/source` of a service's `http2_stream_model`, `none/none` without one.
+fn stream_model(metrics: &Metrics, service: &str) -> String {
+    let label = |key| {
+        metrics
+            .label("poolscope_http2_stream_model", &[("service", service)], key)
+            .unwrap_or("none")
+            .to_owned()
+    };
+    format!("{}/{}", label("model"), label("source"))
+}
+
+/// The plain server with a pool of 4 workers that its reader hands each stream to
+/// (tests/src/bin/h2server.rs, as grpcio's executor; 300 ms a stream), under 4
+/// connections that each keep 4 streams open, with nothing configured: read as
+/// `workers` (detected), and `requests_waiting` and `queue_depth` read the streams in
+/// the pool's queue, by the server's own count at each sample (mean within
+/// [`WAITING_TOLERANCE`]: a worker may take a stream between the scrape and the
+/// server's count); every stream counted, none waiting once the load is done.
+#[test]
+fn plain_server_pool_streams_wait_for_a_worker() -> anyhow::Result<()> {
+    if !privileged("plain_server_pool_streams_wait_for_a_worker") {
+        return Ok(());
+    }
+    const SERVICE: Duration = Duration::from_millis(300);
+    const WORKERS: u32 = 4;
+    const CONNECTIONS: u32 = 4;
+    const OPEN: u32 = 4;
+    const PER_CONNECTION: u32 = 24;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    let mut table = vec![
+        "| backend | model | queued (server, per sample) | requests_waiting | queue_depth |"
+            .to_owned(),
+    ];
+    for backend in http2_backends("plain_server_pool_streams_wait_for_a_worker") {
+        let mut server = PlainH2Server::start_pool(SERVICE, WORKERS)?;
+        let service = format!("h2pool-{backend}");
+        let poolscope = watch(backend, &service, &[server.pid()])?;
+        let before = Counts::scrape(&poolscope, &service)?;
+        let port = server.port();
+        let (answered, samples) = plain_streams(port, CONNECTIONS, OPEN, PER_CONNECTION, || {
+            // The model is read from 32 answered streams: 16 are answered every
+            // 1.2 s. Then 8 samples, 250 ms apart, well before the load's end
+            // (96 streams: 7.2 s).
+            std::thread::sleep(Duration::from_millis(3500));
+            let mut samples = Vec::new();
+            for _ in 0..8 {
+                let metrics = poolscope.scrape()?;
+                let queued = server.queued()?;
+                let gauge = |name| {
+                    metrics
+                        .value(name, &[("service", &service)])
+                        .unwrap_or(f64::NAN)
+                };
+                samples.push((
+                    queued as f64,
+                    gauge("poolscope_requests_waiting"),
+                    gauge("poolscope_queue_depth"),
+                    stream_model(&metrics, &service),
+                ));
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            anyhow::Ok(samples)
+        })?;
+        let samples = samples?;
+        let streams = u64::from(CONNECTIONS * PER_CONNECTION);
+        let delta = settle_on(&poolscope, &service, &before, streams, 0)?;
+        let after = poolscope.scrape()?;
+        let waiting_after = after
+            .value("poolscope_requests_waiting", &[("service", &service)])
+            .unwrap_or(f64::NAN);
+        let served = server.finish()?;
+        let what = format!("{backend}: h2server, a pool of {WORKERS}");
+        if answered != streams || served.answered != streams {
+            failures.push(format!(
+                "{what}: the truth disagrees with itself: client {answered}, server {}, made \
+                 {streams}",
+                served.answered
+            ));
+        }
+        Expect {
+            what: &what,
+            requests: streams,
+            resets: 0,
+            connections: Some(u64::from(CONNECTIONS)),
+        }
+        .check(&delta, &mut failures);
+        let count = samples.len() as f64;
+        let mean = |part: fn(&(f64, f64, f64, String)) -> f64| {
+            samples.iter().map(part).sum::<f64>() / count
+        };
+        let (queued, waiting, depth) = (mean(|s| s.0), mean(|s| s.1), mean(|s| s.2));
+        let models: Vec<&str> = samples.iter().map(|s| s.3.as_str()).collect();
+        table.push(format!(
+            "| {backend} | {models:?} | {queued:.2} {:?} | {waiting:.2} {:?} | {depth:.2} |",
+            samples.iter().map(|s| s.0).collect::<Vec<_>>(),
+            samples.iter().map(|s| s.1).collect::<Vec<_>>(),
+        ));
+        if models.iter().any(|model| *model != "workers/detected") {
+            failures.push(format!("{what}: read as {models:?}, not workers/detected"));
+        }
+        if (waiting - queued).abs().is_nan()
+            || (waiting - queued).abs() > WAITING_TOLERANCE
+            || (depth - waiting).abs() > WAITING_TOLERANCE
+        {
+            failures.push(format!(
+                "{what}: requests_waiting {waiting:.2}, queue_depth {depth:.2} (mean) vs the \
+                 server's {queued:.2} streams queued for a worker, beyond \
+                 ±{WAITING_TOLERANCE}"
+            ));
+        } else {
+            scorecard::difference(
+                "requests_waiting, HTTP/2 streams waiting for a worker of a pool, nothing configured (mean of 8 scrapes)",
+                "the server's own count of streams in its pool's queue at each scrape",
+                backend,
+                (waiting, queued),
+                WAITING_TOLERANCE,
+                "streams",
+            );
+        }
+        if waiting_after != 0.0 {
+            failures.push(format!("{what}: {waiting_after} waiting after the load"));
+        }
+    }
+    eprintln!("{}", table.join("\n"));
+    ensure_none("plain_server_pool_streams_wait_for_a_worker", &failures)
 }
 
 /// The same plain server (tests/src/bin/h2server.rs, 600 ms a stream, a limit of 4

@@ -110,6 +110,7 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
         "http2",
         &[
             "plain_server_streams_counted_exactly",
+            "plain_server_pool_streams_wait_for_a_worker",
             "plain_server_limits_closes_and_old_connections",
             "plain_server_h2c_upgrade_counts_the_upgrade_and_every_stream",
         ],

@@ -13,30 +13,34 @@
 //! When a client closes, the connection's streams still open are not answered (the
 //! socket is shut down at once): they end with the connection, as resets.
 //!
-//! Usage: `h2server <service_ms> [max_streams]` (`max_streams`: announced as
-//! `SETTINGS_MAX_CONCURRENT_STREAMS` in its first SETTINGS); prints `port <n>`, then
-//! serves until stdin closes, then prints `served <streams answered> <streams open> <mean ns>`: the mean of its own
-//! measure of each stream, from the read that returned its HEADERS (the frame parsed
-//! from a buffered read, microseconds after its return) to the return of the write of
-//! its answer, where poolscope takes a stream's start and end.
+//! With `workers` above 0 it serves as grpcio's executor does instead: the reader
+//! hands each stream to a pool of that many threads, which answer one stream at a
+//! time in the order they were read; the others wait in the pool's queue.
+//!
+//! Usage: `h2server <service_ms> [max_streams [workers]]` (`max_streams`: announced as
+//! `SETTINGS_MAX_CONCURRENT_STREAMS` in its first SETTINGS, 0 for none); prints `port
+//! <n>`, then serves until stdin closes, then prints `served <streams answered>
+//! <streams open> <mean ns>`: the mean of its own measure of each stream, from the
+//! read that returned its HEADERS (the frame parsed from a buffered read, microseconds
+//! after its return) to the return of the write of its answer, where poolscope takes
+//! a stream's start and end. Each stdin line `queued` is answered `queued <n>`: the
+//! streams in the pool's queue that no worker has taken yet.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering},
+        mpsc::{Receiver, Sender, channel},
     },
     thread,
     time::{Duration, Instant},
 };
 
-use poolscope_tests::{
-    http2::{
-        H2_ACK as ACK, H2_END_HEADERS as END_HEADERS, H2_END_STREAM as END_STREAM,
-        H2_GOAWAY as GOAWAY, H2_HEADERS as HEADERS, H2_PING as PING, H2_PREFACE as PREFACE,
-        H2_SETTINGS as SETTINGS, h2_frame as frame,
-    },
-    wait_for_stdin_close,
+use poolscope_tests::http2::{
+    H2_ACK as ACK, H2_END_HEADERS as END_HEADERS, H2_END_STREAM as END_STREAM, H2_GOAWAY as GOAWAY,
+    H2_HEADERS as HEADERS, H2_PING as PING, H2_PREFACE as PREFACE, H2_SETTINGS as SETTINGS,
+    h2_frame as frame,
 };
 
 /// HPACK: the static table's entry 8, `:status 200`.
@@ -65,22 +69,70 @@ fn send(writer: &Mutex<TcpStream>, bytes: &[u8]) -> std::io::Result<()> {
         .write_all(bytes)
 }
 
-/// Stream `stream`'s answer, after `service`, from a thread of its own; timed from
-/// `started` where given.
-fn answer_later(
-    connection: &Arc<Connection>,
-    counts: &Arc<Counts>,
+/// A stream to answer: its connection and id, when its HEADERS were read (where it
+/// is timed).
+struct Job {
+    connection: Arc<Connection>,
     stream: u32,
-    service: Duration,
     started: Option<Instant>,
-) {
-    counts.open.fetch_add(1, Ordering::SeqCst);
-    let (connection, counts) = (Arc::clone(connection), Arc::clone(counts));
-    thread::spawn(move || {
-        thread::sleep(service);
-        let answer = frame(HEADERS, END_HEADERS | END_STREAM, stream, &[STATUS_200]);
-        if !connection.closed.load(Ordering::SeqCst) && send(&connection.writer, &answer).is_ok() {
-            if let Some(started) = started {
+}
+
+/// Who answers the streams.
+enum Answerers {
+    /// A thread of its own each.
+    ThreadPerStream,
+    /// A pool's threads, which take jobs from this queue.
+    Pool(Sender<Job>),
+}
+
+/// What every connection shares: the counts, the service time and the answerers.
+struct Server {
+    counts: Counts,
+    service: Duration,
+    answerers: Answerers,
+    /// Jobs handed to the pool and not taken by a worker yet.
+    queued: AtomicI64,
+}
+
+impl Server {
+    /// Stream `stream`'s answer, after the service time, from a thread of its own or a
+    /// worker of the pool; timed from `started` where given.
+    fn answer_later(
+        self: &Arc<Self>,
+        connection: &Arc<Connection>,
+        stream: u32,
+        started: Option<Instant>,
+    ) {
+        self.counts.open.fetch_add(1, Ordering::SeqCst);
+        let job = Job {
+            connection: Arc::clone(connection),
+            stream,
+            started,
+        };
+        match &self.answerers {
+            Answerers::ThreadPerStream => {
+                let server = Arc::clone(self);
+                thread::spawn(move || server.answer(&job));
+            }
+            Answerers::Pool(queue) => {
+                self.queued.fetch_add(1, Ordering::SeqCst);
+                if queue.send(job).is_err() {
+                    self.queued.fetch_sub(1, Ordering::SeqCst);
+                    self.counts.open.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+        }
+    }
+
+    /// Serves `job` for the service time, then writes its answer.
+    fn answer(&self, job: &Job) {
+        thread::sleep(self.service);
+        let answer = frame(HEADERS, END_HEADERS | END_STREAM, job.stream, &[STATUS_200]);
+        let counts = &self.counts;
+        if !job.connection.closed.load(Ordering::SeqCst)
+            && send(&job.connection.writer, &answer).is_ok()
+        {
+            if let Some(started) = job.started {
                 let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
                 counts.served_ns.fetch_add(took, Ordering::SeqCst);
                 counts.timed.fetch_add(1, Ordering::SeqCst);
@@ -88,7 +140,22 @@ fn answer_later(
             counts.answered.fetch_add(1, Ordering::SeqCst);
         }
         counts.open.fetch_sub(1, Ordering::SeqCst);
-    });
+    }
+
+    /// A worker of the pool: takes the jobs in turn until the queue is gone.
+    fn work(&self, jobs: &Mutex<Receiver<Job>>) {
+        loop {
+            let job = jobs
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .recv();
+            let Ok(job) = job else {
+                return;
+            };
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            self.answer(&job);
+        }
+    }
 }
 
 /// What a connection's threads share.
@@ -98,12 +165,7 @@ struct Connection {
     closed: AtomicBool,
 }
 
-fn serve(
-    socket: TcpStream,
-    service: Duration,
-    max_streams: Option<u32>,
-    counts: &Arc<Counts>,
-) -> std::io::Result<()> {
+fn serve(socket: TcpStream, max_streams: Option<u32>, server: &Arc<Server>) -> std::io::Result<()> {
     let connection = Arc::new(Connection {
         writer: Mutex::new(socket.try_clone()?),
         closed: AtomicBool::new(false),
@@ -135,7 +197,7 @@ fn serve(
         }
         send(writer, SWITCHING)?;
         send(writer, &frame(SETTINGS, 0, 0, &settings))?;
-        answer_later(&connection, counts, 1, service, None);
+        server.answer_later(&connection, 1, None);
         reader.read_exact(&mut preface)?;
         if &preface != PREFACE {
             return Ok(());
@@ -160,7 +222,7 @@ fn serve(
             PING if flags & ACK == 0 => send(writer, &frame(PING, ACK, 0, &payload))?,
             GOAWAY => return Ok(()),
             HEADERS if flags & END_STREAM != 0 => {
-                answer_later(&connection, counts, stream, service, Some(Instant::now()));
+                server.answer_later(&connection, stream, Some(Instant::now()));
             }
             _ => {}
         }
@@ -168,25 +230,51 @@ fn serve(
 }
 
 fn main() -> std::io::Result<()> {
-    let service_ms: u64 = std::env::args()
-        .nth(1)
-        .and_then(|arg| arg.parse().ok())
-        .unwrap_or(10);
-    let service = Duration::from_millis(service_ms);
-    let max_streams: Option<u32> = std::env::args().nth(2).and_then(|arg| arg.parse().ok());
+    let arg = |n: usize| {
+        std::env::args()
+            .nth(n)
+            .and_then(|arg| arg.parse::<u64>().ok())
+    };
+    let service = Duration::from_millis(arg(1).unwrap_or(10));
+    let max_streams = arg(2)
+        .filter(|limit| *limit > 0)
+        .and_then(|limit| u32::try_from(limit).ok());
+    let workers = arg(3).unwrap_or(0);
+    let (answerers, jobs) = if workers > 0 {
+        let (queue, jobs) = channel();
+        (Answerers::Pool(queue), Some(Arc::new(Mutex::new(jobs))))
+    } else {
+        (Answerers::ThreadPerStream, None)
+    };
+    let server = Arc::new(Server {
+        counts: Counts::default(),
+        service,
+        answerers,
+        queued: AtomicI64::new(0),
+    });
+    if let Some(jobs) = jobs {
+        for _ in 0..workers {
+            let (server, jobs) = (Arc::clone(&server), Arc::clone(&jobs));
+            thread::spawn(move || server.work(&jobs));
+        }
+    }
     let listener = TcpListener::bind("127.0.0.1:0")?;
     println!("port {}", listener.local_addr()?.port());
-    let counts = Arc::new(Counts::default());
     {
-        let counts = Arc::clone(&counts);
+        let server = Arc::clone(&server);
         thread::spawn(move || {
             for stream in listener.incoming().flatten() {
-                let counts = Arc::clone(&counts);
-                thread::spawn(move || serve(stream, service, max_streams, &counts));
+                let server = Arc::clone(&server);
+                thread::spawn(move || serve(stream, max_streams, &server));
             }
         });
     }
-    wait_for_stdin_close()?;
+    for line in std::io::stdin().lock().lines() {
+        if line?.trim() == "queued" {
+            println!("queued {}", server.queued.load(Ordering::SeqCst));
+        }
+    }
+    let counts = &server.counts;
     let answered = counts.answered.load(Ordering::SeqCst);
     println!(
         "served {answered} {} {}",
