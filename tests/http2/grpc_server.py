@@ -8,8 +8,10 @@ Methods of service `poolscope.Test` (requests are ASCII decimal numbers):
 - `Stream` (server streaming): yields that many 100-byte messages;
 - `Abort` (unary): aborts with INVALID_ARGUMENT, a trailers-only response.
 
-Prints `port N` once it serves on 127.0.0.1; serves until stdin closes, then prints
-`served SLEEP STREAM ABORT` (handlers run to their end, cancelled ones included).
+Prints `port N` once it serves on 127.0.0.1; answers each stdin line `queued` with
+`queued N`, the calls waiting in its executor's queue for a worker; serves until
+stdin closes, then prints `served SLEEP STREAM ABORT` (handlers run to their end,
+cancelled ones included).
 Run by Debian's /usr/bin/python3 (python3-grpcio).
 """
 import sys
@@ -60,16 +62,17 @@ def main():
             "Abort": grpc.unary_unary_rpc_method_handler(abort),
         },
     )
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=workers), handlers=[handler], options=options
-    )
+    executor = ThreadPoolExecutor(max_workers=workers)
+    server = grpc.server(executor, handlers=[handler], options=options)
     port = server.add_insecure_port("127.0.0.1:0")
     if port == 0:
         sys.exit("could not bind 127.0.0.1:0")
     server.start()
     print(f"port {port}", flush=True)
-    for _ in sys.stdin:
-        pass
+    for line in sys.stdin:
+        if line.strip() == "queued":
+            # Work items submitted and not yet taken by a worker thread.
+            print(f"queued {executor._work_queue.qsize()}", flush=True)
     server.stop(grace=2).wait()
     with lock:
         print(f"served {served['Sleep']} {served['Stream']} {served['Abort']}", flush=True)

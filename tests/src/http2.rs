@@ -10,7 +10,10 @@
 //!   older than poolscope), which reports the streams the server answered;
 //! - [`PlainH2Server`] and [`plain_streams`]: tests/src/bin/h2server.rs and a client
 //!   here, both the standard library alone (they run in the test guests, which have
-//!   no Python, nginx or nghttp2), each counting its streams.
+//!   no Python, nginx or nghttp2), each counting its streams; the server with a
+//!   thread per stream or a pool of workers that counts the streams it has queued;
+//! - [`NodeH2Server`]: tests/http2/node_server.js, Node.js's HTTP/2 server, which
+//!   counts the streams it answered.
 //!
 //! The Python scripts run under Debian's `/usr/bin/python3`, the interpreter that
 //! python3-grpcio and python3-h2 install for (a `python3` earlier on PATH, pyenv's,
@@ -291,6 +294,12 @@ impl GrpcServer {
 
     pub fn pid(&self) -> u32 {
         self.program.pid()
+    }
+
+    /// The calls waiting in the Python server's executor queue for a worker, now.
+    pub fn queued(&mut self) -> anyhow::Result<f64> {
+        self.program.send("queued")?;
+        Ok(self.program.line("queued")?.parse()?)
     }
 
     /// Stops it (closes its stdin: it stops with a grace period) and returns its
@@ -614,6 +623,43 @@ impl OldConnection {
     }
 }
 
+/// The server of tests/http2/node_server.js: Node.js's own HTTP/2 server, each
+/// stream answered after a fixed service time from its event loop; killed when
+/// dropped.
+pub struct NodeH2Server {
+    program: Program,
+    port: u16,
+}
+
+impl NodeH2Server {
+    pub fn start(service: Duration) -> anyhow::Result<Self> {
+        let argv = [
+            script("node_server.js").display().to_string(),
+            service.as_millis().to_string(),
+        ];
+        let mut program = Program::start_path(Path::new("/usr/bin/node"), &argv)
+            .context("starting the Node.js HTTP/2 server (Debian package nodejs)")?;
+        let port = program
+            .line("port")?
+            .parse()
+            .context("the Node.js server's port")?;
+        Ok(Self { program, port })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.program.pid()
+    }
+
+    /// Stops it; the streams it answered.
+    pub fn finish(mut self) -> anyhow::Result<u64> {
+        Ok(self.program.finish("served")?.parse()?)
+    }
+}
+
 /// tests/src/bin/h2server.rs: each stream answered after a fixed service time, on a
 /// thread of its own.
 pub struct PlainH2Server {
@@ -695,8 +741,12 @@ pub const H2_END_HEADERS: u8 = 0x4;
 pub const H2_ACK: u8 = 0x1;
 /// The client preface.
 pub const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-/// A request's header block: HPACK's static `:method GET`, `:scheme http`, `:path /`.
-const H2_REQUEST_BLOCK: [u8; 3] = [0x82, 0x86, 0x84];
+/// A request's header block: HPACK's static `:method GET`, `:scheme http`, `:path /`,
+/// and `:authority localhost` as a literal not indexed (Node.js resets a request
+/// without one).
+const H2_REQUEST_BLOCK: [u8; 14] = [
+    0x82, 0x86, 0x84, 0x01, 0x09, b'l', b'o', b'c', b'a', b'l', b'h', b'o', b's', b't',
+];
 
 /// A frame's bytes: its 9-byte header (length, type, flags, stream) and `payload`.
 pub fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {

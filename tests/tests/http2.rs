@@ -37,8 +37,9 @@ use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, Poolscope, backend_config, backends, free_port,
     http2::{
-        Amount, GrpcClient, GrpcServer, OldConnection, PlainConnection, PlainH2Server,
-        UpgradeServer, curl_upgrade, h2load, h2load_grpc, h2load_h1, h2raw, plain_streams,
+        Amount, GrpcClient, GrpcServer, NodeH2Server, OldConnection, PlainConnection,
+        PlainH2Server, UpgradeServer, curl_upgrade, h2load, h2load_grpc, h2load_h1, h2raw,
+        plain_streams,
     },
     one_at_a_time, privileged, scorecard, scrape_until,
     servers::{Kind, RealServer, pin_to_first_cpu},
@@ -372,6 +373,10 @@ struct GrpcRun {
     concurrency: u32,
     sleep_ms: u64,
     seconds: u64,
+    /// The service's `http2_worker_threads`; `None`: not configured.
+    configured: Option<bool>,
+    /// `model/source` of its `http2_stream_model`.
+    model: &'static str,
 }
 
 const GRPC_RUNS: &[GrpcRun] = &[
@@ -381,6 +386,8 @@ const GRPC_RUNS: &[GrpcRun] = &[
         concurrency: 4,
         sleep_ms: 20,
         seconds: 4,
+        configured: None,
+        model: "workers/detected",
     },
     GrpcRun {
         name: "past saturation",
@@ -388,6 +395,8 @@ const GRPC_RUNS: &[GrpcRun] = &[
         concurrency: 16,
         sleep_ms: 20,
         seconds: 4,
+        configured: None,
+        model: "workers/detected",
     },
     GrpcRun {
         name: "Go, a goroutine per call",
@@ -395,6 +404,18 @@ const GRPC_RUNS: &[GrpcRun] = &[
         concurrency: 16,
         sleep_ms: 20,
         seconds: 4,
+        configured: None,
+        model: "every_stream/detected",
+    },
+    // The rule wins over what is detected: its streams count as served at once.
+    GrpcRun {
+        name: "past saturation, http2_worker_threads = false",
+        workers: 4,
+        concurrency: 16,
+        sleep_ms: 20,
+        seconds: 4,
+        configured: Some(false),
+        model: "every_stream/configured",
     },
 ];
 
@@ -440,8 +461,12 @@ const LITTLE_TOLERANCE: f64 = 0.15;
 
 /// A gRPC server (Python, a pool of W workers) under a closed loop of C calls on one
 /// channel, below (C = 4 ≤ W = 8) and past (C = 16 > W = 4: 12 calls wait for a
-/// worker, their streams open) saturation: requests counted exactly, and the mean in
-/// flight as Little's law on the client's timings has it.
+/// worker, their streams open) saturation, and grpc-go (a goroutine per call), with
+/// nothing configured: requests counted exactly, the mean in flight as Little's law
+/// on the client's timings has it, the model each is read as, and the calls waiting
+/// for a worker as the server counts them in its executor's queue at each sample
+/// (grpc-go: none). With `http2_worker_threads = false` the saturated pool counts
+/// none waiting: the rule wins.
 #[test]
 fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
     if !privileged("grpc_unary_calls_and_littles_law") {
@@ -455,7 +480,8 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
             .to_owned(),
     ];
     let mut waiting_table = vec![
-        "| backend | run | W | C | waiting: closed form | requests_waiting | queue_depth |"
+        "| backend | run | W | C | model | waiting: server's queue | closed form | \
+         requests_waiting | queue_depth |"
             .to_owned(),
     ];
     for backend in http2_backends("grpc_unary_calls_and_littles_law") {
@@ -463,12 +489,16 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
             let what = format!("{backend}, {}", run.name);
             // grpcio hands each stream to a worker of its ThreadPoolExecutor; grpc-go
             // serves every stream at once, on goroutines.
-            let (server, keys) = match run.workers {
-                0 => (GrpcServer::start_go()?, ""),
-                workers => (GrpcServer::start(workers)?, ""),
+            let mut server = match run.workers {
+                0 => GrpcServer::start_go()?,
+                workers => GrpcServer::start(workers)?,
             };
+            let keys = run
+                .configured
+                .map(|on| format!("http2_worker_threads = {on}\n"))
+                .unwrap_or_default();
             let service = format!("grpc-{backend}");
-            let poolscope = watch_with(backend, &service, &[server.pid()], keys)?;
+            let poolscope = watch_with(backend, &service, &[server.pid()], &keys)?;
             let before = Counts::scrape(&poolscope, &service)?;
             let client = GrpcClient::start(
                 server.port,
@@ -482,13 +512,21 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
             let mut samples = Vec::new();
             let mut waiting = Vec::new();
             let mut depths = Vec::new();
+            let mut queued = Vec::new();
+            let mut models = Vec::new();
             for _ in 0..IN_FLIGHT_SAMPLES {
                 let started = Instant::now();
                 let metrics = poolscope.scrape()?;
+                // The server's own count right after: the Go server has no queue.
+                queued.push(match run.workers {
+                    0 => 0.0,
+                    _ => server.queued()?,
+                });
                 let gauge = |name| metrics.value(name, &[("service", &service)]);
                 samples.push(Counts::of(&metrics, &service).in_flight);
                 waiting.push(gauge("poolscope_requests_waiting").unwrap_or(f64::NAN));
                 depths.push(gauge("poolscope_queue_depth").unwrap_or(f64::NAN));
+                models.push(stream_model(&metrics, &service));
                 std::thread::sleep(SAMPLE_EVERY.saturating_sub(started.elapsed()));
             }
             let result = client.finish()?;
@@ -499,31 +537,43 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
             let delta = settle_on(&poolscope, &service, &before, result.completed, 0)?;
             let sampled = median(&samples);
             let little = result.mean_in_flight();
-            // Closed form: the pool serves min(in flight, W) calls; the rest wait. Go
-            // serves them all.
-            let truth_waiting = match run.workers {
+            // The server's count of calls in its executor's queue, but where the rule
+            // says every stream is served at once; the closed form (the pool serves
+            // min(in flight, W) calls, the rest wait) for comparison.
+            let truth_waiting = match run.configured {
+                Some(false) => 0.0,
+                _ => mean(&queued),
+            };
+            let closed_form = match run.workers {
                 0 => 0.0,
                 workers => (little - f64::from(workers)).max(0.0),
             };
             let (waiting, depth) = (mean(&waiting), mean(&depths));
             waiting_table.push(format!(
-                "| {backend} | {} | {} | {} | {truth_waiting:.2} | {waiting:.2} | {depth:.2} |",
-                run.name, run.workers, run.concurrency
+                "| {backend} | {} | {} | {} | {:?} | {truth_waiting:.2} | {closed_form:.2} | \
+                 {waiting:.2} | {depth:.2} |",
+                run.name, run.workers, run.concurrency, models[0]
             ));
+            if models.iter().any(|model| model != run.model) {
+                failures.push(format!(
+                    "{what}: read as {models:?}, not {} at every sample",
+                    run.model
+                ));
+            }
             if (waiting - truth_waiting).abs().is_nan()
                 || (waiting - truth_waiting).abs() > WAITING_TOLERANCE
                 || (depth - waiting).abs() > WAITING_TOLERANCE
             {
                 failures.push(format!(
                     "{what}: requests_waiting {waiting:.2}, queue_depth {depth:.2} (sampled) vs \
-                     {truth_waiting:.2} calls waiting for one of {} workers (closed form on the \
-                     client's in flight), beyond ±{WAITING_TOLERANCE}",
+                     {truth_waiting:.2} calls waiting for one of {} workers (the server's \
+                     executor queue {queued:?}), beyond ±{WAITING_TOLERANCE}",
                     run.workers
                 ));
-            } else {
+            } else if run.configured.is_none() {
                 scorecard::difference(
-                    "requests_waiting, gRPC calls waiting for a worker (mean of 15 scrapes)",
-                    "calls in flight by Little's law on the client's timings, less the W workers",
+                    "requests_waiting, gRPC calls waiting for a worker, nothing configured (mean of 15 scrapes)",
+                    "the server's own count of calls in its executor's queue at each scrape",
                     backend,
                     (waiting, truth_waiting),
                     WAITING_TOLERANCE,
@@ -1170,6 +1220,89 @@ fn stream_model(metrics: &Metrics, service: &str) -> String {
             .to_owned()
     };
     format!("{}/{}", label("model"), label("source"))
+}
+
+/// Node.js's HTTP/2 server (tests/http2/node_server.js: each stream answered from a
+/// timer on its one event loop, 50 ms after it opened) under 4 connections that each
+/// keep 4 streams open, with nothing configured: every stream counted, read as
+/// `every_stream` (detected: the thread that reads answers), and no stream waiting,
+/// though 16 are in flight and its one thread is mostly idle.
+#[test]
+fn node_server_serves_every_stream_at_once() -> anyhow::Result<()> {
+    if !privileged("node_server_serves_every_stream_at_once") {
+        return Ok(());
+    }
+    const SERVICE: Duration = Duration::from_millis(50);
+    const CONNECTIONS: u32 = 4;
+    const OPEN: u32 = 4;
+    const PER_CONNECTION: u32 = 250;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    for backend in http2_backends("node_server_serves_every_stream_at_once") {
+        let server = NodeH2Server::start(SERVICE)?;
+        let service = format!("node-h2-{backend}");
+        let poolscope = watch(backend, &service, &[server.pid()])?;
+        let before = Counts::scrape(&poolscope, &service)?;
+        let (answered, samples) =
+            plain_streams(server.port(), CONNECTIONS, OPEN, PER_CONNECTION, || {
+                // 32 streams are answered within 0.1 s; the load lasts ~3 s.
+                std::thread::sleep(Duration::from_millis(500));
+                let mut samples = Vec::new();
+                for _ in 0..8 {
+                    let metrics = poolscope.scrape()?;
+                    let gauge = |name| {
+                        metrics
+                            .value(name, &[("service", &service)])
+                            .unwrap_or(f64::NAN)
+                    };
+                    samples.push((
+                        gauge("poolscope_requests_in_flight"),
+                        gauge("poolscope_requests_waiting"),
+                        stream_model(&metrics, &service),
+                    ));
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                anyhow::Ok(samples)
+            })?;
+        let samples = samples?;
+        let streams = u64::from(CONNECTIONS * PER_CONNECTION);
+        let delta = settle_on(&poolscope, &service, &before, streams, 0)?;
+        let served = server.finish()?;
+        let what = format!("{backend}: Node.js");
+        eprintln!(
+            "{what}: {streams} streams, client {answered}, server {served}, samples (in flight, waiting, model) {samples:?}, requests_total +{}",
+            delta.requests
+        );
+        if answered != streams || served != streams {
+            failures.push(format!(
+                "{what}: the truth disagrees with itself: client {answered}, server {served}, \
+                 made {streams}"
+            ));
+        }
+        Expect {
+            what: &what,
+            requests: streams,
+            resets: 0,
+            connections: Some(u64::from(CONNECTIONS)),
+        }
+        .check(&delta, &mut failures);
+        if samples
+            .iter()
+            .any(|(_, _, model)| model != "every_stream/detected")
+        {
+            failures.push(format!(
+                "{what}: read as {samples:?}, not every_stream/detected"
+            ));
+        }
+        let waiting = samples.iter().map(|(_, waiting, _)| waiting).sum::<f64>() / 8.0;
+        if waiting.is_nan() || waiting > WAITING_TOLERANCE {
+            failures.push(format!(
+                "{what}: requests_waiting {waiting:.2} (mean) while every stream is served \
+                 at once: {samples:?}"
+            ));
+        }
+    }
+    ensure_none("node_server_serves_every_stream_at_once", &failures)
 }
 
 /// The plain server with a pool of 4 workers that its reader hands each stream to
