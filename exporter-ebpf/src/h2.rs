@@ -294,23 +294,25 @@ pub fn transferred(sk: *const u8, service: u32, direction: Direction, len: i32, 
 /// The calling thread read (`Received`) or wrote a connection's frames that answered
 /// `answered` streams: whether streams are handed to it (it answers them and never
 /// reads one) tells how the service serves them (DESIGN §3). Counted once a call,
-/// outside the frame walk, whose verification a branch per frame would multiply.
+/// outside the frame walk, whose verification a branch per frame would multiply; a
+/// write that answers nothing looks nothing up, and a thread's mark is stored once.
 #[inline(always)]
 fn took_part(service: u32, direction: Direction, answered: u32) {
+    let mark = match direction {
+        Direction::Received => STREAM_READER,
+        Direction::Sent if answered > 0 => STREAM_ANSWERER,
+        Direction::Sent => return,
+    };
     let Some(thread) = threads::thread(bpf_get_current_pid_tgid() as u32) else {
         return;
     };
-    match direction {
-        Direction::Received => thread.streams |= STREAM_READER,
-        Direction::Sent if answered > 0 => {
-            if thread.is_stream_worker() {
-                update_service(service, |c| {
-                    c.streams_answered_by_workers.add(u64::from(answered));
-                });
-            }
-            thread.streams |= STREAM_ANSWERER;
-        }
-        Direction::Sent => {}
+    if mark == STREAM_ANSWERER && thread.is_stream_worker() {
+        update_service(service, |c| {
+            c.streams_answered_by_workers.add(u64::from(answered));
+        });
+    }
+    if thread.streams & mark == 0 {
+        thread.streams |= mark;
     }
 }
 

@@ -480,8 +480,8 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
             .to_owned(),
     ];
     let mut waiting_table = vec![
-        "| backend | run | W | C | model | waiting: server's queue | closed form | \
-         requests_waiting | queue_depth |"
+        "| backend | run | W | C | model | answered by stream workers | waiting: server's \
+         queue | closed form | requests_waiting | queue_depth |"
             .to_owned(),
     ];
     for backend in http2_backends("grpc_unary_calls_and_littles_law") {
@@ -534,6 +534,7 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
                 result.failed == 0 && result.completed == result.ok && result.completed > 0,
                 "{what}: the gRPC client's calls failed: {result:?}"
             );
+            let split = answered_by_workers(&poolscope.scrape()?, &service);
             let delta = settle_on(&poolscope, &service, &before, result.completed, 0)?;
             let sampled = median(&samples);
             let little = result.mean_in_flight();
@@ -550,8 +551,8 @@ fn grpc_unary_calls_and_littles_law() -> anyhow::Result<()> {
             };
             let (waiting, depth) = (mean(&waiting), mean(&depths));
             waiting_table.push(format!(
-                "| {backend} | {} | {} | {} | {:?} | {truth_waiting:.2} | {closed_form:.2} | \
-                 {waiting:.2} | {depth:.2} |",
+                "| {backend} | {} | {} | {} | {:?} | {split} | {truth_waiting:.2} | \
+                 {closed_form:.2} | {waiting:.2} | {depth:.2} |",
                 run.name, run.workers, run.concurrency, models[0]
             ));
             if models.iter().any(|model| model != run.model) {
@@ -1157,7 +1158,11 @@ fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
         let streams = u64::from(CONNECTIONS * PER_CONNECTION);
         // Before the server stops: its series go with it.
         let delta = settle_on(&poolscope, &service, &before, streams, 0)?;
-        let model = stream_model(&poolscope.scrape()?, &service);
+        let metrics = poolscope.scrape()?;
+        let (model, split) = (
+            stream_model(&metrics, &service),
+            answered_by_workers(&metrics, &service),
+        );
         let served = server.finish()?;
         let held = f64::from(CONNECTIONS * OPEN);
         let mean_ms = delta.mean_duration() * 1e3;
@@ -1165,7 +1170,7 @@ fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
             "{backend}: {streams} streams, client answered {answered}, server answered {} \
              ({} open at its end): requests_total +{}, in flight while held {samples:?} \
              (truth {held}), mean duration {mean_ms:.2} ms (server's own {:.2} ms, service \
-             {} ms), lost {}",
+             {} ms), {model}, answered by stream workers {split}, lost {}",
             served.answered,
             served.open,
             delta.requests,
@@ -1209,6 +1214,20 @@ fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
         }
     }
     ensure_none("plain_server_streams_counted_exactly", &failures)
+}
+
+/// A service's answered streams, `by stream workers/all`, what its model is read from.
+fn answered_by_workers(metrics: &Metrics, service: &str) -> String {
+    let answered = |answerer| {
+        metrics
+            .value(
+                "poolscope_http2_streams_answered_total",
+                &[("service", service), ("answerer", answerer)],
+            )
+            .unwrap_or(0.0)
+    };
+    let workers = answered("stream_worker");
+    format!("{workers}/{}", workers + answered("other"))
 }
 
 /// `model/source` of a service's `http2_stream_model`, `none/none` without one.
@@ -1267,10 +1286,13 @@ fn node_server_serves_every_stream_at_once() -> anyhow::Result<()> {
         let samples = samples?;
         let streams = u64::from(CONNECTIONS * PER_CONNECTION);
         let delta = settle_on(&poolscope, &service, &before, streams, 0)?;
+        let split = answered_by_workers(&poolscope.scrape()?, &service);
         let served = server.finish()?;
         let what = format!("{backend}: Node.js");
         eprintln!(
-            "{what}: {streams} streams, client {answered}, server {served}, samples (in flight, waiting, model) {samples:?}, requests_total +{}",
+            "{what}: {streams} streams, client {answered}, server {served}, samples (in \
+             flight, waiting, model) {samples:?}, answered by stream workers {split}, \
+             requests_total +{}",
             delta.requests
         );
         if answered != streams || served != streams {
@@ -1325,7 +1347,8 @@ fn plain_server_pool_streams_wait_for_a_worker() -> anyhow::Result<()> {
     let _serial = one_at_a_time();
     let mut failures = Vec::new();
     let mut table = vec![
-        "| backend | model | queued (server, per sample) | requests_waiting | queue_depth |"
+        "| backend | model | answered by stream workers | queued (server, per sample) | \
+         requests_waiting | queue_depth |"
             .to_owned(),
     ];
     for backend in http2_backends("plain_server_pool_streams_wait_for_a_worker") {
@@ -1365,6 +1388,7 @@ fn plain_server_pool_streams_wait_for_a_worker() -> anyhow::Result<()> {
         let waiting_after = after
             .value("poolscope_requests_waiting", &[("service", &service)])
             .unwrap_or(f64::NAN);
+        let split = answered_by_workers(&after, &service);
         let served = server.finish()?;
         let what = format!("{backend}: h2server, a pool of {WORKERS}");
         if answered != streams || served.answered != streams {
@@ -1388,7 +1412,8 @@ fn plain_server_pool_streams_wait_for_a_worker() -> anyhow::Result<()> {
         let (queued, waiting, depth) = (mean(|s| s.0), mean(|s| s.1), mean(|s| s.2));
         let models: Vec<&str> = samples.iter().map(|s| s.3.as_str()).collect();
         table.push(format!(
-            "| {backend} | {models:?} | {queued:.2} {:?} | {waiting:.2} {:?} | {depth:.2} |",
+            "| {backend} | {models:?} | {split} | {queued:.2} {:?} | {waiting:.2} {:?} | \
+             {depth:.2} |",
             samples.iter().map(|s| s.0).collect::<Vec<_>>(),
             samples.iter().map(|s| s.1).collect::<Vec<_>>(),
         ));

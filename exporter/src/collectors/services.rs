@@ -431,7 +431,7 @@ fn push_responses(family: &mut Family, service: &str, counters: &ServiceCounters
 /// The HTTP/2 families of the services that had an HTTP/2 connection (others get no
 /// series).
 struct Http2Families {
-    families: [Family; 5],
+    families: [Family; 6],
 }
 
 impl Http2Families {
@@ -464,6 +464,13 @@ impl Http2Families {
                      none seen, no limit).",
                 ),
                 Family::new(
+                    "http2_streams_answered",
+                    Kind::Counter,
+                    "HTTP/2 streams the server ended with END_STREAM, by who wrote it \
+                     (answerer: stream_worker, a thread that answered one before and never \
+                     read one; other): what the stream model is detected from.",
+                ),
+                Family::new(
                     "http2_stream_model",
                     Kind::Gauge,
                     "How the service was read to serve its HTTP/2 streams (model: workers, \
@@ -494,12 +501,26 @@ impl Http2Families {
             reset,
             at_stream_limit,
             max_streams,
+            answered,
             stream_model,
         ] = &mut self.families;
         connections.push(labels, counters.multiplexed.get() as f64);
         reset.push(labels, counters.streams_reset.get() as f64);
         at_stream_limit.push(labels, at_limit as f64);
         max_streams.push(labels, counters.max_streams as f64);
+        let by_workers = counters.streams_answered_by_workers.get();
+        for (answerer, count) in [
+            ("stream_worker", by_workers),
+            (
+                "other",
+                counters.streams_answered.get().saturating_sub(by_workers),
+            ),
+        ] {
+            answered.push(
+                &[("service", service), ("answerer", answerer)],
+                count as f64,
+            );
+        }
         stream_model.push(
             &[
                 ("service", service),

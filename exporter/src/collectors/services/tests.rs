@@ -125,6 +125,8 @@ fn http2_families_only_for_services_with_http2_connections() {
         at_limit_entered: Count::new(5),
         at_limit_left: Count::new(4),
         max_streams: 100,
+        streams_answered: Count::new(40),
+        streams_answered_by_workers: Count::new(30),
         ..counters()
     };
     let h1_counters = counters();
@@ -149,7 +151,9 @@ fn http2_families_only_for_services_with_http2_connections() {
         "poolscope_http2_streams_reset_total{service=\"grpc\"} 2\n",
         "poolscope_http2_connections_at_stream_limit{service=\"grpc\"} 1\n",
         "poolscope_http2_max_concurrent_streams{service=\"grpc\"} 100\n",
-        "poolscope_http2_stream_model{service=\"grpc\",model=\"every_stream\",source=\"undecided\"} 1\n",
+        "poolscope_http2_streams_answered_total{service=\"grpc\",answerer=\"stream_worker\"} 30\n",
+        "poolscope_http2_streams_answered_total{service=\"grpc\",answerer=\"other\"} 10\n",
+        "poolscope_http2_stream_model{service=\"grpc\",model=\"workers\",source=\"detected\"} 1\n",
     ] {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
