@@ -626,29 +626,24 @@ impl Metrics {
             .find_map(|map| self.value("poolscope_map_entries", &[("map", map)]))
     }
 
+    /// The first sample named `name` whose labels include `labels`.
+    fn sample(&self, name: &str, labels: &[(&str, &str)]) -> Option<&Sample> {
+        self.samples.iter().find(|s| {
+            s.name == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.iter().any(|(sk, sv)| sk == k && sv == v))
+        })
+    }
+
     /// The value of the one sample named `name` whose labels include `labels`.
     pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-        self.samples
-            .iter()
-            .find(|s| {
-                s.name == name
-                    && labels
-                        .iter()
-                        .all(|(k, v)| s.labels.iter().any(|(sk, sv)| sk == k && sv == v))
-            })
-            .map(|s| s.value)
+        self.sample(name, labels).map(|s| s.value)
     }
 
     /// Label `key` of the one sample named `name` whose labels include `labels`.
     pub fn label(&self, name: &str, labels: &[(&str, &str)], key: &str) -> Option<&str> {
-        self.samples
-            .iter()
-            .find(|s| {
-                s.name == name
-                    && labels
-                        .iter()
-                        .all(|(k, v)| s.labels.iter().any(|(sk, sv)| sk == k && sv == v))
-            })?
+        self.sample(name, labels)?
             .labels
             .iter()
             .find_map(|(k, v)| (k == key).then_some(v.as_str()))

@@ -1179,20 +1179,13 @@ fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
             delta.lost_sources()
         );
         let what = format!("{backend}: h2server");
-        if answered != streams || served.answered != streams || served.open != 0 {
-            failures.push(format!(
-                "{what}: the truth disagrees with itself: client {answered}, server {} ({} \
-                 open), made {streams}",
-                served.answered, served.open
-            ));
-        }
-        Expect {
-            what: &what,
-            requests: streams,
-            resets: 0,
-            connections: Some(u64::from(CONNECTIONS)),
-        }
-        .check(&delta, &mut failures);
+        let answers = Answers {
+            made: streams,
+            client: answered,
+            server: served.answered,
+            server_open: served.open,
+        };
+        answers.check(&what, &delta, CONNECTIONS, &mut failures);
         if samples.iter().any(|&sample| sample > held) || !samples.contains(&held) {
             failures.push(format!(
                 "{what}: in flight while {held} streams were held: {samples:?}"
@@ -1214,6 +1207,41 @@ fn plain_server_streams_counted_exactly() -> anyhow::Result<()> {
         }
     }
     ensure_none("plain_server_streams_counted_exactly", &failures)
+}
+
+/// The streams a closed loop made, as its client and server each counted them.
+struct Answers {
+    made: u64,
+    client: u64,
+    server: u64,
+    /// Streams the server still held when it stopped.
+    server_open: i64,
+}
+
+impl Answers {
+    /// Both sides answered every stream made, and poolscope counted each, no reset, on
+    /// `connections` connections.
+    fn check(&self, what: &str, delta: &Delta, connections: u32, failures: &mut Vec<String>) {
+        let Self {
+            made,
+            client,
+            server,
+            server_open,
+        } = *self;
+        if client != made || server != made || server_open != 0 {
+            failures.push(format!(
+                "{what}: the truth disagrees with itself: client {client}, server {server} \
+                 ({server_open} open), made {made}"
+            ));
+        }
+        Expect {
+            what,
+            requests: made,
+            resets: 0,
+            connections: Some(u64::from(connections)),
+        }
+        .check(delta, failures);
+    }
 }
 
 /// A service's answered streams, `by stream workers/all`, what its model is read from.
@@ -1295,19 +1323,13 @@ fn node_server_serves_every_stream_at_once() -> anyhow::Result<()> {
              requests_total +{}",
             delta.requests
         );
-        if answered != streams || served != streams {
-            failures.push(format!(
-                "{what}: the truth disagrees with itself: client {answered}, server {served}, \
-                 made {streams}"
-            ));
-        }
-        Expect {
-            what: &what,
-            requests: streams,
-            resets: 0,
-            connections: Some(u64::from(CONNECTIONS)),
-        }
-        .check(&delta, &mut failures);
+        let answers = Answers {
+            made: streams,
+            client: answered,
+            server: served,
+            server_open: 0,
+        };
+        answers.check(&what, &delta, CONNECTIONS, &mut failures);
         if samples
             .iter()
             .any(|(_, _, model)| model != "every_stream/detected")
@@ -1391,20 +1413,13 @@ fn plain_server_pool_streams_wait_for_a_worker() -> anyhow::Result<()> {
         let split = answered_by_workers(&after, &service);
         let served = server.finish()?;
         let what = format!("{backend}: h2server, a pool of {WORKERS}");
-        if answered != streams || served.answered != streams {
-            failures.push(format!(
-                "{what}: the truth disagrees with itself: client {answered}, server {}, made \
-                 {streams}",
-                served.answered
-            ));
-        }
-        Expect {
-            what: &what,
-            requests: streams,
-            resets: 0,
-            connections: Some(u64::from(CONNECTIONS)),
-        }
-        .check(&delta, &mut failures);
+        let answers = Answers {
+            made: streams,
+            client: answered,
+            server: served.answered,
+            server_open: served.open,
+        };
+        answers.check(&what, &delta, CONNECTIONS, &mut failures);
         let count = samples.len() as f64;
         let mean = |part: fn(&(f64, f64, f64, String)) -> f64| {
             samples.iter().map(part).sum::<f64>() / count
