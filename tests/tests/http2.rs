@@ -1338,7 +1338,12 @@ fn node_server_serves_every_stream_at_once() -> anyhow::Result<()> {
                 "{what}: read as {samples:?}, not every_stream/detected"
             ));
         }
-        let waiting = samples.iter().map(|(_, waiting, _)| waiting).sum::<f64>() / 8.0;
+        let waiting = mean(
+            &samples
+                .iter()
+                .map(|(_, waiting, _)| *waiting)
+                .collect::<Vec<_>>(),
+        );
         if waiting.is_nan() || waiting > WAITING_TOLERANCE {
             failures.push(format!(
                 "{what}: requests_waiting {waiting:.2} (mean) while every stream is served \
@@ -1420,17 +1425,20 @@ fn plain_server_pool_streams_wait_for_a_worker() -> anyhow::Result<()> {
             server_open: served.open,
         };
         answers.check(&what, &delta, CONNECTIONS, &mut failures);
-        let count = samples.len() as f64;
-        let mean = |part: fn(&(f64, f64, f64, String)) -> f64| {
-            samples.iter().map(part).sum::<f64>() / count
+        let column = |part: fn(&(f64, f64, f64, String)) -> f64| -> Vec<f64> {
+            samples.iter().map(part).collect()
         };
-        let (queued, waiting, depth) = (mean(|s| s.0), mean(|s| s.1), mean(|s| s.2));
+        let (queued_samples, waiting_samples) = (column(|s| s.0), column(|s| s.1));
+        let (queued, waiting, depth) = (
+            mean(&queued_samples),
+            mean(&waiting_samples),
+            mean(&column(|s| s.2)),
+        );
         let models: Vec<&str> = samples.iter().map(|s| s.3.as_str()).collect();
         table.push(format!(
             "| {backend} | {models:?} | {split} | {queued:.2} {:?} | {waiting:.2} {:?} | \
              {depth:.2} |",
-            samples.iter().map(|s| s.0).collect::<Vec<_>>(),
-            samples.iter().map(|s| s.1).collect::<Vec<_>>(),
+            queued_samples, waiting_samples,
         ));
         if models.iter().any(|model| *model != "workers/detected") {
             failures.push(format!("{what}: read as {models:?}, not workers/detected"));
