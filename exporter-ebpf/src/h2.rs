@@ -27,8 +27,8 @@ use aya_ebpf::{
     },
 };
 use poolscope_shared::{
-    CallWalk, Conn, FrameCursor, H2_FRAME_HEADER, H2_PREFACE, H2_STREAM_SLOTS, H2Conn, LossErrno,
-    LossSource, Phase, STREAM_ANSWERER, STREAM_READER, SyscallSlot,
+    CallWalk, Conn, FrameCursor, H2_BLOCK_BYTES, H2_FRAME_HEADER, H2_PREFACE, H2_STREAM_SLOTS,
+    H2Conn, LossErrno, LossSource, Phase, STREAM_ANSWERER, STREAM_READER, SyscallSlot,
 };
 
 use self::streams::{
@@ -43,6 +43,7 @@ use crate::{
     threads,
 };
 
+mod blocks;
 mod streams;
 
 /// Steps one program run takes through a call's bytes: a frame header, a payload
@@ -111,6 +112,7 @@ pub fn opens(sk: *const u8, conn: &mut Conn, len: i32) -> bool {
     }
     // SAFETY: as in `stored`.
     let h2 = unsafe { &mut *h2.cast::<H2Conn>() };
+    h2.key = blocks::key(now_ns());
     h2.recv.preface_left = H2_PREFACE.len() as u32;
     h2.send.frames = u32::from(sent_before);
     if let Some(limit) = greeted_limit {
@@ -324,6 +326,7 @@ pub fn closed(sk: *const u8, service: u32) {
     };
     if h2.lost == 0 {
         end_all(h2, service, true);
+        blocks::gone(h2.key, service);
     }
 }
 
@@ -334,6 +337,7 @@ fn lose(h2: &mut H2Conn, service: u32, lost: LossSource) {
     // Plus one: 0 is "followed".
     h2.lost = lost as u32 + 1;
     end_all(h2, service, false);
+    blocks::gone(h2.key, service);
     count_loss(lost, LossErrno::None);
 }
 
@@ -454,6 +458,7 @@ impl Walk<'_> {
     /// call's bytes are all walked; the outcome that stopped it on an error.
     #[inline(always)]
     fn step(&mut self) -> Result<bool, u32> {
+        let key = self.h2.key;
         let cursor = cursor(self.h2, self.direction);
         let call = &mut cursor.call;
         if call.done >= call.total {
@@ -461,8 +466,9 @@ impl Walk<'_> {
         }
         let left = call.total - call.done;
         // A payload passes by its length: no byte of it is read, so a payload that
-        // no user buffer holds (sendfile) costs nothing.
-        if cursor.payload_left > 0 {
+        // no user buffer holds (sendfile) costs nothing. A header block handed to
+        // user space is read below, where its buffer is found.
+        if cursor.payload_left > 0 && cursor.block == 0 {
             let skipped = cursor.payload_left.min(left);
             cursor.payload_left -= skipped;
             call.done += skipped;
@@ -492,6 +498,18 @@ impl Walk<'_> {
             return Ok(true);
         }
         let in_buffer = call.size - call.at;
+        if cursor.payload_left > 0 {
+            let take = cursor
+                .payload_left
+                .min(left)
+                .min(in_buffer.min(H2_BLOCK_BYTES as u64) as u32);
+            let sent = self.direction == Direction::Sent;
+            blocks::hand_over(cursor, key, self.moment.service, sent, take);
+            cursor.payload_left -= take;
+            cursor.call.done += take;
+            cursor.call.at += u64::from(take);
+            return Ok(true);
+        }
         let want = if cursor.preface_left > 0 {
             cursor.preface_left
         } else {
@@ -549,6 +567,7 @@ impl Walk<'_> {
         let payload_at = (frame.length <= call.total - call.done
             && u64::from(frame.length) <= call.size - call.at)
             .then_some(call.base + call.at);
+        blocks::frame_begins(cursor, &frame, self.moment.service);
         match self.direction {
             Direction::Received => received(self.h2, &frame, &self.moment),
             Direction::Sent => {

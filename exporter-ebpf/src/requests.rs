@@ -20,7 +20,7 @@ use crate::{
         CONNS, REQUEST_TIMES, add_to_shared_histogram, compare_and_swap, count_loss,
         insert_counted, remove_counted, update_service,
     },
-    routes::{self, Line},
+    routes::{self, Line, Named},
     serving::{self, End},
     source::Source,
 };
@@ -439,23 +439,15 @@ fn finish(conn: &Conn) {
         conn.start_ns,
         conn.end_ns,
         conn.status,
-        Some(line),
+        Named::Line(line),
     );
 }
 
 /// Records a request of `service` that arrived, started and ended at these times in
 /// its histograms, then counts it finished, under the class of its answer's `status`
-/// (0: not read); its `line` (`None`: an HTTP/2 stream) goes to user space for its
-/// route.
+/// (0: not read); what names it goes to user space for its route.
 #[inline(always)]
-pub fn record(
-    service: u32,
-    arrive_ns: u64,
-    start_ns: u64,
-    end_ns: u64,
-    status: u16,
-    line: Option<Line>,
-) {
+pub fn record(service: u32, arrive_ns: u64, start_ns: u64, end_ns: u64, status: u16, named: Named) {
     let Some(times) = REQUEST_TIMES.get_ptr_mut(service) else {
         return;
     };
@@ -467,7 +459,7 @@ pub fn record(
     add_to_shared_histogram(&mut times.duration, duration_ns);
     add_to_shared_histogram(&mut times.latency, end_ns.saturating_sub(arrive_ns));
     if routes::reads_routes(service) {
-        routes::finished(service, status, queue_ns, duration_ns, line);
+        routes::finished(service, status, queue_ns, duration_ns, named);
     }
     // Counted after the record (x86's atomic adds are seen in order, and the
     // compiler keeps them before the counters' lookup, a call that may read them):

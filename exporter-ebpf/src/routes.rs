@@ -5,7 +5,7 @@
 //! over the bytes and no per-route map here, so the cost is one user read at a
 //! request's start and one ring record at its end.
 use aya_ebpf::bindings::BPF_RB_NO_WAKEUP;
-use poolscope_shared::{Conn, LossErrno, LossSource, RouteEvent, RouteLine};
+use poolscope_shared::{Conn, LossErrno, LossSource, RouteEvent, RouteLine, RouteRecord};
 
 use crate::{
     maps::{ROUTE_EVENTS, ROUTE_SERVICES, count_loss},
@@ -54,10 +54,20 @@ pub struct Line<'a> {
     pub len: u16,
 }
 
+/// What names a finished request's route.
+pub enum Named<'a> {
+    /// An HTTP/1 request's first bytes.
+    Line(Line<'a>),
+    /// HTTP/2 stream `id` of connection `conn` (its `H2Conn::key`), whose header
+    /// blocks user space decodes; `trailers` if the server's END_STREAM was on a
+    /// HEADERS frame, whose block follows.
+    Stream { conn: u64, id: u32, trailers: bool },
+}
+
 /// Hands a finished request of `service` to user space: its answer's `status`, its
-/// times and its `line` (`None`: an HTTP/2 stream, whose route is not read).
+/// times and what names its route.
 #[inline(always)]
-pub fn finished(service: u32, status: u16, queue_ns: u64, duration_ns: u64, line: Option<Line>) {
+pub fn finished(service: u32, status: u16, queue_ns: u64, duration_ns: u64, named: Named) {
     let Some(mut entry) = ROUTE_EVENTS.reserve::<RouteEvent>(0) else {
         count_loss(LossSource::RouteEvents, LossErrno::None);
         return;
@@ -66,16 +76,23 @@ pub fn finished(service: u32, status: u16, queue_ns: u64, duration_ns: u64, line
     // SAFETY: the reserved record, ours until submitted; every field user space reads
     // is written (the line up to `line_len`).
     unsafe {
+        (*event).record = RouteRecord::Finished as u32;
         (*event).service = service;
         (*event).status = status;
         (*event).queue_ns = queue_ns;
         (*event).duration_ns = duration_ns;
-        match line {
-            Some(line) => {
+        match named {
+            Named::Line(line) => {
                 (*event).line_len = line.len;
+                (*event).h2_stream = 0;
                 copy_words(&mut (*event).line, line.bytes);
             }
-            None => (*event).line_len = 0,
+            Named::Stream { conn, id, trailers } => {
+                (*event).line_len = 0;
+                (*event).h2_stream = id;
+                (*event).h2_conn = conn;
+                (*event).h2_trailers = u32::from(trailers);
+            }
         }
     }
     // User space drains the ring on a timer: a wakeup per request would cost more

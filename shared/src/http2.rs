@@ -33,6 +33,15 @@ pub struct FrameCursor {
     /// Frames seen, capped: the first of each side must be SETTINGS.
     pub frames: u32,
     pub bytes: [u8; 32],
+    /// 1 while the current frame's payload is a header block handed to user space
+    /// (its service's routes are read), and that frame's stream, type and flags.
+    pub block: u32,
+    pub block_stream: u32,
+    pub block_kind: u32,
+    pub block_flags: u32,
+    /// Its length, and [`crate::H2Block`] records of this direction so far.
+    pub block_len: u32,
+    pub block_records: u32,
     /// The call being walked: kept here, where the verifier does not track values,
     /// rather than on the stack, where it would tell every step's state apart.
     pub call: CallWalk,
@@ -97,6 +106,8 @@ pub struct H2Conn {
     /// 1 + the last stream id of the server's GOAWAY (0: none sent): streams above
     /// it were not and will not be processed.
     pub goaway: u32,
+    /// The connection's key in user space's records ([`crate::H2Block::conn`]).
+    pub key: u64,
     /// Streams in flight (slots in use). Changed by atomic adds only: a server may
     /// read on one thread and write on another (grpc-go does), so two CPUs open and
     /// end its streams at once.
@@ -112,8 +123,8 @@ pub struct H2Conn {
 }
 
 const _: () = assert!(core::mem::size_of::<CallWalk>() == 72);
-const _: () = assert!(core::mem::size_of::<FrameCursor>() == 48 + 72);
+const _: () = assert!(core::mem::size_of::<FrameCursor>() == 72 + 72);
 const _: () = assert!(core::mem::size_of::<H2Stream>() == 24);
 const _: () =
-    assert!(core::mem::size_of::<H2Conn>() == 2 * (48 + 72) + 40 + H2_STREAM_SLOTS as usize * 24);
+    assert!(core::mem::size_of::<H2Conn>() == 2 * (72 + 72) + 48 + H2_STREAM_SLOTS as usize * 24);
 const _: () = assert!(H2_STREAM_SLOTS.is_power_of_two());

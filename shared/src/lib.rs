@@ -45,6 +45,7 @@ mod pod {
     unsafe impl aya::Pod for super::ServiceCounters {}
     unsafe impl aya::Pod for super::ProcessEvent {}
     unsafe impl aya::Pod for super::RouteEvent {}
+    unsafe impl aya::Pod for super::H2Block {}
     unsafe impl aya::Pod for super::RequestTimes {}
     unsafe impl aya::Pod for super::Thread {}
     unsafe impl aya::Pod for super::PoolStats {}

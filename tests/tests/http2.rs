@@ -1929,3 +1929,97 @@ fn streams_against_the_servers_limit() -> anyhow::Result<()> {
     }
     ensure_none("streams against the server's limit", &failures)
 }
+
+/// gRPC routes and statuses (issue 69 item 2): with its target's routes read, every
+/// call counts under its method's path, `status_class="2xx"` (its `:status`) and the
+/// `grpc_status` of its trailers, decoded from each connection's HPACK tables (grpcio's
+/// encoder indexes repeated fields in its dynamic table, so every block after a
+/// connection's first depends on the ones before). Truth: the server's count of what
+/// each method ran, the clients' count of the statuses they read. A trailers-only
+/// answer (Abort's) carries `:status` and `grpc-status` in one block.
+#[test]
+fn grpc_calls_count_under_their_method_and_status() -> anyhow::Result<()> {
+    if !privileged("grpc_calls_count_under_their_method_and_status") {
+        return Ok(());
+    }
+    const SLEEPS: u64 = 300;
+    const ABORTS: u64 = 100;
+    const SLEEP_MS: u64 = 2;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    for backend in http2_backends("grpc_calls_count_under_their_method_and_status") {
+        let server = GrpcServer::start(4)?;
+        let service = format!("grpc-routes-{backend}");
+        let poolscope = watch_with(backend, &service, &[server.pid()], "\nroutes = true\n")?;
+        let sleeping = GrpcClient::start(server.port, "Sleep", SLEEP_MS, 4, Amount::Calls(SLEEPS))?;
+        let aborted = GrpcClient::run(server.port, "Abort", 0, 4, Amount::Calls(ABORTS))?;
+        let slept = sleeping.finish()?;
+        anyhow::ensure!(
+            slept.ok == SLEEPS && aborted.completed == ABORTS && aborted.ok == 0,
+            "the clients' calls: {slept:?}, {aborted:?}"
+        );
+        let route = |metrics: &Metrics, method: &str, status: &str| {
+            metrics.value(
+                "poolscope_route_requests_total",
+                &[
+                    ("service", service.as_str()),
+                    ("route", &format!("/poolscope.Test/{method}")),
+                    ("method", "POST"),
+                    ("status_class", "2xx"),
+                    ("grpc_status", status),
+                ],
+            )
+        };
+        let metrics = scrape_until(&poolscope, |m| {
+            route(m, "Sleep", "OK") == Some(SLEEPS as f64)
+                && route(m, "Abort", "INVALID_ARGUMENT") == Some(ABORTS as f64)
+        })
+        .unwrap_or_else(|error| {
+            failures.push(format!("{backend}: {error:#}"));
+            Metrics::default()
+        });
+        let of_service: Vec<_> = metrics
+            .samples
+            .iter()
+            .filter(|sample| {
+                sample.name.starts_with("poolscope_route_")
+                    && sample.name.ends_with("_total")
+                    && sample
+                        .labels
+                        .iter()
+                        .any(|(k, v)| k == "service" && *v == service)
+            })
+            .map(|sample| format!("{:?} {}", sample.labels, sample.value))
+            .collect();
+        let served = server.finish()?;
+        if (served.sleep, served.abort) != (SLEEPS, ABORTS) {
+            failures.push(format!("{backend}: the server ran {served:?}"));
+        }
+        eprintln!(
+            "{backend}: server ran Sleep {} and Abort {}; clients read OK {} and \
+             INVALID_ARGUMENT {}; poolscope: {of_service:#?}",
+            served.sleep, served.abort, slept.ok, aborted.completed
+        );
+        // Nothing else: no unknown route, no other status, no header table lost.
+        if of_service.len() != 2 {
+            failures.push(format!(
+                "{backend}: route series other than the two: {of_service:#?}"
+            ));
+        }
+        let labels = [
+            ("service", service.as_str()),
+            ("route", "/poolscope.Test/Sleep"),
+            ("method", "POST"),
+        ];
+        let mean = metrics
+            .value("poolscope_route_request_duration_seconds_sum", &labels)
+            .zip(metrics.value("poolscope_route_request_duration_seconds_count", &labels))
+            .map(|(sum, count)| sum / count);
+        eprintln!("{backend}: Sleep's mean duration {mean:?} s (the handler sleeps {SLEEP_MS} ms)");
+        if !mean.is_some_and(|mean| (SLEEP_MS as f64 / 1000.0..0.02).contains(&mean)) {
+            failures.push(format!("{backend}: Sleep's mean duration {mean:?}"));
+        }
+    }
+    anyhow::ensure!(failures.is_empty(), "{failures:#?}");
+    Ok(())
+}

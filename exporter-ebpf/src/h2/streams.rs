@@ -9,6 +9,7 @@ use poolscope_shared::{
 use crate::{
     maps::{atomic_add, compare_and_swap, count_loss, update_service},
     requests,
+    routes::Named,
     source::read_user,
 };
 
@@ -18,6 +19,7 @@ pub(super) const HEADERS: u8 = 1;
 pub(super) const PRIORITY: u8 = 2;
 pub(super) const RST_STREAM: u8 = 3;
 pub(super) const SETTINGS: u8 = 4;
+pub(super) const PUSH_PROMISE: u8 = 5;
 pub(super) const PING: u8 = 6;
 pub(super) const GOAWAY: u8 = 7;
 pub(super) const WINDOW_UPDATE: u8 = 8;
@@ -31,7 +33,10 @@ pub(super) const MAX_SETTINGS: u32 = 8;
 /// How a stream ended.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum End {
-    Finished,
+    /// Answered: by the END_STREAM of a HEADERS frame (`trailers`) or of a DATA frame.
+    Finished {
+        trailers: bool,
+    },
     Reset,
 }
 
@@ -109,7 +114,8 @@ pub(super) fn received(h2: &mut H2Conn, frame: &Frame, moment: &Moment) {
 pub(super) fn sent(h2: &mut H2Conn, frame: &Frame, moment: &Moment) -> bool {
     match frame.kind {
         DATA | HEADERS if frame.flags & END_STREAM != 0 => {
-            end(h2, frame.stream, End::Finished, moment)
+            let trailers = frame.kind == HEADERS;
+            end(h2, frame.stream, End::Finished { trailers }, moment)
         }
         RST_STREAM => {
             end(h2, frame.stream, End::Reset, moment);
@@ -163,12 +169,18 @@ pub(super) fn end(h2: &mut H2Conn, id: u32, how: End, moment: &Moment) -> bool {
         limit.count(c);
         match how {
             End::Reset => c.streams_reset.add(1),
-            End::Finished => c.streams_answered.add(1),
+            End::Finished { .. } => c.streams_answered.add(1),
         }
     });
-    if how == End::Finished {
-        // `:status` is HPACK-coded: not read (0).
-        requests::record(moment.service, arrive, start, moment.now, 0, None);
+    if let End::Finished { trailers } = how {
+        // `:status` is HPACK-coded: not read here (0); user space decodes it from the
+        // header blocks where the service's routes are read.
+        let named = Named::Stream {
+            conn: h2.key,
+            id,
+            trailers,
+        };
+        requests::record(moment.service, arrive, start, moment.now, 0, named);
     }
     true
 }

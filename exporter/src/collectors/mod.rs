@@ -239,16 +239,20 @@ mod tests {
             per_service: 50,
             total: 50,
         });
-        let (line, line_len) = poolscope_shared::route_line_of(b"GET /users/42 HTTP/1.1");
-        routes.add(&poolscope_shared::RouteEvent {
-            service: 2,
-            status: 503,
-            line_len,
-            queue_ns: 0,
-            duration_ns: 1_000_000,
-            line,
-        });
-        readout.routes.insert(2, routes.service(2));
+        routes.add(&poolscope_shared::RouteEvent::request(
+            2,
+            503,
+            b"GET /users/42 HTTP/1.1",
+            0,
+            1_000_000,
+        ));
+        readout.routes.insert(
+            2,
+            crate::kernel::RoutesRead {
+                routes: routes.service(2),
+                h2_lost: BTreeMap::new(),
+            },
+        );
         let windows = BTreeMap::new();
         let mut reading = Reading {
             backend: Backend::Syscall,

@@ -1,5 +1,6 @@
 //! The per-route families: each service's finished requests by route, method and
-//! status class, and each route's queue time and duration histograms.
+//! status class (and gRPC status), each route's queue time and duration histograms,
+//! and the HTTP/2 connections whose headers could not be read.
 use std::collections::BTreeMap;
 
 use poolscope_shared::StatusClass;
@@ -7,7 +8,7 @@ use poolscope_shared::StatusClass;
 use super::{Collected, Reading};
 use crate::{
     encode::{Family, Kind},
-    kernel::{RouteLabel, RouteTotals},
+    kernel::{RoutesRead, grpc_status_label},
     metrics::window::ClassicBuckets,
 };
 
@@ -28,16 +29,25 @@ pub fn collect(reading: &Reading<'_>) -> Collected {
 
 /// The families of each service's routes (by name).
 pub fn route_families<'a>(
-    services: impl Iterator<Item = (&'a str, &'a BTreeMap<RouteLabel, RouteTotals>)>,
+    services: impl Iterator<Item = (&'a str, &'a RoutesRead)>,
     buckets: ClassicBuckets,
 ) -> Vec<Family> {
     let mut requests = Family::new(
         "route_requests",
         Kind::Counter,
-        "Finished requests by route (HTTP/1: the path with its ids as :id, no query; \
-         other: past the route caps; unknown: no request line read, HTTP/2 streams), \
-         method and the class of their final answer's status; a class shows from its \
-         first request.",
+        "Finished requests by route (the path with its ids as :id, no query, or a \
+         gRPC method; other: past the route caps; unknown: no request line or \
+         HTTP/2 headers read), method and the class of their final answer's status, \
+         and for a gRPC call its grpc_status; a class shows from its first request.",
+    );
+    let mut lost = Family::new(
+        "route_http2_headers_lost",
+        Kind::Counter,
+        "HTTP/2 connection directions (client's, server's) whose header blocks could \
+         no longer be decoded, by reason (gap: a block missed or the connection seen \
+         after its first; undecodable; untracked: past [limits] \
+         http2_decoded_connections): their streams count under route unknown or \
+         status_class unknown.",
     );
     let mut queue = Family::new(
         "route_request_queue_seconds",
@@ -50,7 +60,13 @@ pub fn route_families<'a>(
         "Service time of a route's finished requests: last write minus first read.",
     );
     for (service, routes) in services {
-        for ((method, route), totals) in routes {
+        for (reason, &count) in &routes.h2_lost {
+            lost.push(
+                &[("service", service), ("reason", reason.label())],
+                count as f64,
+            );
+        }
+        for ((method, route), totals) in &routes.routes {
             let mut labels = vec![("service", service), ("route", route.as_str())];
             if !method.is_empty() {
                 labels.push(("method", method.as_str()));
@@ -62,9 +78,16 @@ pub fn route_families<'a>(
                     requests.push(&with_class, count as f64);
                 }
             }
+            for (&(class, code), &count) in &totals.grpc {
+                let class = StatusClass::ALL.get(class).map_or("unknown", |c| c.label());
+                let mut with_status = labels.clone();
+                with_status.push(("status_class", class));
+                with_status.push(("grpc_status", grpc_status_label(code)));
+                requests.push(&with_status, count as f64);
+            }
             queue.push_value(&labels, buckets.value(&totals.queue));
             duration.push_value(&labels, buckets.value(&totals.duration));
         }
     }
-    vec![requests, queue, duration]
+    vec![requests, queue, duration, lost]
 }

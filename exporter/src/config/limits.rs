@@ -39,11 +39,14 @@ pub struct Limits {
     pub routes_per_service: u32,
     /// `ROUTE_EVENTS`: finished requests the ring holds between two drains.
     pub route_events: u32,
+    /// HTTP/2 connections whose header tables user space keeps at once (no kernel
+    /// map).
+    pub http2_decoded_connections: u32,
 }
 
 impl Limits {
     /// Each limit under its configuration key.
-    pub fn keyed(&self) -> [(&'static str, u32); 17] {
+    pub fn keyed(&self) -> [(&'static str, u32); 18] {
         [
             ("limits.watched_processes", self.watched_processes),
             ("limits.connections", self.connections),
@@ -62,6 +65,10 @@ impl Limits {
             ("limits.routes", self.routes),
             ("limits.routes_per_service", self.routes_per_service),
             ("limits.route_events", self.route_events),
+            (
+                "limits.http2_decoded_connections",
+                self.http2_decoded_connections,
+            ),
         ]
     }
 

@@ -93,6 +93,7 @@ impl Default for RawConfig {
                 routes: 1024,
                 routes_per_service: 50,
                 route_events: 32768,
+                http2_decoded_connections: 4096,
                 degraded_for: Duration::from_secs(300),
             },
             metrics: RawMetrics {
@@ -316,6 +317,9 @@ pub struct RawLimits {
     pub routes_per_service: u32,
     /// Finished requests the route ring holds between two drains (100 ms apart).
     pub route_events: u32,
+    /// HTTP/2 connections whose header tables are kept at once (routes read); the
+    /// streams of connections beyond count under `route="unknown"`.
+    pub http2_decoded_connections: u32,
     /// How long a loss keeps poolscope degraded after its counter last rose.
     #[serde(with = "humantime_serde")]
     pub degraded_for: Duration,

@@ -71,6 +71,7 @@ pub(super) fn validate(raw: &RawConfig, figment: &Figment) -> Result<Settings, C
         routes: raw.limits.routes,
         routes_per_service: raw.limits.routes_per_service,
         route_events: raw.limits.route_events,
+        http2_decoded_connections: raw.limits.http2_decoded_connections,
     };
     for (key, size) in limits.keyed() {
         positive(key, size.into())?;

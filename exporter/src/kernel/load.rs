@@ -335,6 +335,7 @@ mod tests {
             routes: 115,
             routes_per_service: 116,
             route_events: 117,
+            http2_decoded_connections: 118,
         }
     }
 

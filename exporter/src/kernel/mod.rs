@@ -6,6 +6,7 @@ mod attach;
 mod batch;
 pub mod btf;
 pub mod caps;
+mod h2_headers;
 mod health;
 mod load;
 mod locks;
@@ -50,7 +51,8 @@ pub use self::{
     load::Reads,
     map_errors::MapErrors,
     read::{LockWaits, MapFill, ProgramStats, Readout},
-    route_table::{RouteCaps, RouteLabel, RouteTable, RouteTotals},
+    route_table::{RouteCaps, RouteLabel, RouteTable, RouteTotals, grpc_status_label},
+    routes::RoutesRead,
     services::Adopted,
     tables::{ServedConnection, ThreadTable, WatchTable},
     threads::PoolWaits,

@@ -8,8 +8,8 @@ use poolscope_shared::{
     maps::{self, CountedMap},
 };
 
+use super::RoutesRead;
 use super::{Backend, Kernel, KernelError, PoolWaits, WatchTable};
-use super::{RouteLabel, RouteTotals};
 
 /// A pool's lock waits per [`LockPrimitive`], `None` for a primitive it never waited
 /// on.
@@ -26,7 +26,7 @@ pub struct Readout {
     pub request_times: BTreeMap<u32, Arc<RequestTimes>>,
     pub syscalls: BTreeMap<(u32, &'static str), u64>,
     /// Each service's routes, by label.
-    pub routes: BTreeMap<u32, BTreeMap<RouteLabel, RouteTotals>>,
+    pub routes: BTreeMap<u32, RoutesRead>,
     /// Closed intervals of each pool's threads, read before `threads`.
     pub pools: BTreeMap<u32, PoolStats>,
     /// Run-queue waits of each pool (shared with the kernel reader's copy, as the

@@ -96,11 +96,64 @@ pub fn route_label(line: &[u8], patterns: &RoutePatterns) -> Option<RouteLabel> 
     Some((method, route))
 }
 
+/// gRPC status codes' names (their index is the code), as the `grpc_status` label
+/// says them.
+pub const GRPC_STATUSES: [&str; 17] = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+];
+/// The `grpc_status` of a gRPC call whose status was not read (its trailers' block
+/// not decoded, a code past the known ones, or none sent).
+pub const GRPC_STATUS_UNREAD: u8 = GRPC_STATUSES.len() as u8;
+
+/// The `grpc_status` label of code index `code`.
+pub fn grpc_status_label(code: u8) -> &'static str {
+    GRPC_STATUSES
+        .get(usize::from(code))
+        .copied()
+        .unwrap_or("unread")
+}
+
+/// How a finished request was answered: its final status (0: not read) and, for a
+/// gRPC call, its code ([`GRPC_STATUS_UNREAD`] if not read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Answer {
+    pub status: u16,
+    pub grpc: Option<u8>,
+}
+
+/// A finished request, named.
+#[derive(Clone, Copy, Debug)]
+pub struct Finished {
+    pub answer: Answer,
+    /// start − arrive, end − start
+    pub queue_ns: u64,
+    pub duration_ns: u64,
+}
+
 /// The requests of one route of a service.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RouteTotals {
-    /// Finished requests by status class (`StatusClass::ALL`'s order).
+    /// Finished requests (gRPC calls aside) by status class (`StatusClass::ALL`'s
+    /// order).
     pub responses: [u64; STATUS_CLASSES],
+    /// Finished gRPC calls by status class index and gRPC code.
+    pub grpc: BTreeMap<(usize, u8), u64>,
     /// start − arrive
     pub queue: Histogram,
     /// end − start
@@ -108,12 +161,18 @@ pub struct RouteTotals {
 }
 
 impl RouteTotals {
-    fn add(&mut self, event: &RouteEvent) {
-        if let Some(count) = self.responses.get_mut(StatusClass::index_of(event.status)) {
-            *count += 1;
+    fn add(&mut self, finished: &Finished) {
+        let class = StatusClass::index_of(finished.answer.status);
+        match finished.answer.grpc {
+            Some(code) => *self.grpc.entry((class, code)).or_default() += 1,
+            None => {
+                if let Some(count) = self.responses.get_mut(class) {
+                    *count += 1;
+                }
+            }
         }
-        add_to_histogram(&mut self.queue, event.queue_ns);
-        add_to_histogram(&mut self.duration, event.duration_ns);
+        add_to_histogram(&mut self.queue, finished.queue_ns);
+        add_to_histogram(&mut self.duration, finished.duration_ns);
     }
 }
 
@@ -152,15 +211,32 @@ impl RouteTable {
         }
     }
 
-    /// Counts one finished request.
+    /// Counts one finished HTTP/1 request, named by its first bytes.
     pub fn add(&mut self, event: &RouteEvent) {
         let len = usize::from(event.line_len).min(ROUTE_BYTES);
-        let patterns = self.patterns.get(&event.service).unwrap_or(&NO_PATTERNS);
-        let label = route_line_bytes(&event.line)
-            .get(..len)
+        let finished = Finished {
+            answer: Answer {
+                status: event.status,
+                grpc: None,
+            },
+            queue_ns: event.queue_ns,
+            duration_ns: event.duration_ns,
+        };
+        self.add_line(
+            event.service,
+            route_line_bytes(&event.line).get(..len),
+            &finished,
+        );
+    }
+
+    /// Counts one finished request of `service` whose request line (or, for an HTTP/2
+    /// stream, its `:method`, `:path` and a space) is `line` (`None`: not read).
+    pub fn add_line(&mut self, service: u32, line: Option<&[u8]>, finished: &Finished) {
+        let patterns = self.patterns.get(&service).unwrap_or(&NO_PATTERNS);
+        let label = line
             .and_then(|line| route_label(line, patterns))
             .unwrap_or_else(|| (String::new(), UNKNOWN_ROUTE.to_owned()));
-        let routes = self.services.entry(event.service).or_default();
+        let routes = self.services.entry(service).or_default();
         let label = if label.0.is_empty() || routes.contains_key(&label) {
             label
         } else if kept_of(routes) < self.caps.per_service && self.kept < self.caps.total {
@@ -169,7 +245,7 @@ impl RouteTable {
         } else {
             (String::new(), OTHER_ROUTE.to_owned())
         };
-        routes.entry(label).or_default().add(event);
+        routes.entry(label).or_default().add(finished);
     }
 
     /// The routes of `service` (none if it finished no request since it was
@@ -320,15 +396,7 @@ mod tests {
     }
 
     fn event(service: u32, line: &str, status: u16, duration_ns: u64) -> RouteEvent {
-        let (line, line_len) = poolscope_shared::route_line_of(line.as_bytes());
-        RouteEvent {
-            service,
-            status,
-            line_len,
-            queue_ns: 1_000,
-            duration_ns,
-            line,
-        }
+        RouteEvent::request(service, status, line.as_bytes(), 1_000, duration_ns)
     }
 
     #[test]

@@ -11,8 +11,9 @@ use aya::{
     Ebpf,
     maps::{Array, MapData, MapError, RingBuf},
 };
-use poolscope_shared::{RouteEvent, maps};
+use poolscope_shared::{H2Block, RouteEvent, RouteRecord, maps};
 
+use super::h2_headers::{H2Headers, Lost};
 use super::route_table::{RouteCaps, RouteLabel, RouteTable, RouteTotals};
 use super::{KernelError, MapSizes, Reads, decode_record, take};
 use crate::config::{Limits, RoutePatterns, ServiceRoutes};
@@ -30,15 +31,30 @@ const RECORD_BYTES: u32 = (8 + size_of::<RouteEvent>() as u32).next_multiple_of(
 struct Drained {
     ring: RingBuf<MapData>,
     table: RouteTable,
+    /// HTTP/2 connections' header tables, which name their streams.
+    h2: H2Headers,
 }
 
 impl Drained {
     fn drain(&mut self) {
         while let Some(record) = self.ring.next() {
-            if let Some(event) = decode_record::<RouteEvent>(&record) {
-                self.table.add(&event);
+            let Some(kind) = decode_record::<u32>(&record) else {
+                continue;
+            };
+            if kind == RouteRecord::Finished as u32 {
+                let Some(event) = decode_record::<RouteEvent>(&record) else {
+                    continue;
+                };
+                if event.h2_stream == 0 {
+                    self.table.add(&event);
+                } else {
+                    self.h2.finished(&event, &mut self.table);
+                }
+            } else if let Some(block) = decode_record::<H2Block>(&record) {
+                self.h2.block(&block, &mut self.table);
             }
         }
+        self.h2.drained(&mut self.table);
     }
 }
 
@@ -78,6 +94,7 @@ impl Routes {
                 per_service: limits.routes_per_service as usize,
                 total: limits.routes as usize,
             }),
+            h2: H2Headers::new(limits.http2_decoded_connections as usize),
         }));
         Ok(Self {
             drained,
@@ -107,15 +124,19 @@ impl Routes {
         self.drained.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The routes of each of `services`, with every record so far.
-    pub fn read(
-        &self,
-        services: impl Iterator<Item = u32>,
-    ) -> BTreeMap<u32, BTreeMap<RouteLabel, RouteTotals>> {
+    /// The routes of each of `services`, with every record so far, and the HTTP/2
+    /// connection directions whose headers were lost.
+    pub fn read(&self, services: impl Iterator<Item = u32>) -> BTreeMap<u32, RoutesRead> {
         let mut drained = self.lock();
         drained.drain();
         services
-            .map(|service| (service, drained.table.service(service)))
+            .map(|service| {
+                let routes = RoutesRead {
+                    routes: drained.table.service(service),
+                    h2_lost: drained.h2.lost(service),
+                };
+                (service, routes)
+            })
             .collect()
     }
 
@@ -156,8 +177,18 @@ impl Routes {
         let mut drained = self.lock();
         drained.drain();
         drained.table.reset_service(service);
+        drained.h2.reset_service(service);
         Ok(())
     }
+}
+
+/// A service's routes, as a read gives them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoutesRead {
+    pub routes: BTreeMap<RouteLabel, RouteTotals>,
+    /// HTTP/2 connection directions whose header blocks could no longer be decoded,
+    /// by reason: their streams' routes (or statuses) are `unknown`.
+    pub h2_lost: BTreeMap<Lost, u64>,
 }
 
 /// Drains the ring every [`DRAIN_INTERVAL`], until the kernel part is dropped.
