@@ -2023,3 +2023,61 @@ fn grpc_calls_count_under_their_method_and_status() -> anyhow::Result<()> {
     anyhow::ensure!(failures.is_empty(), "{failures:#?}");
     Ok(())
 }
+
+/// Routes of a plain HTTP/2 server (no Python: the guests run it too, on the tcp
+/// backend's fexit programs in 6.1): with the target's routes read, each stream counts
+/// under its `:method` and `:path` and its `:status`'s class, from blocks in HPACK's
+/// static table and a literal; exactly the streams both sides answered.
+#[test]
+fn plain_server_streams_count_under_their_route() -> anyhow::Result<()> {
+    if !privileged("plain_server_streams_count_under_their_route") {
+        return Ok(());
+    }
+    const CONNECTIONS: u32 = 2;
+    const OPEN: u32 = 4;
+    const PER_CONNECTION: u32 = 40;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    for backend in http2_backends("plain_server_streams_count_under_their_route") {
+        let server = PlainH2Server::start(Duration::from_millis(5))?;
+        let service = format!("h2server-routes-{backend}");
+        let poolscope = watch_with(backend, &service, &[server.pid()], "\nroutes = true\n")?;
+        let (answered, ()) =
+            plain_streams(server.port(), CONNECTIONS, OPEN, PER_CONNECTION, || ())?;
+        let labels = [
+            ("service", service.as_str()),
+            ("route", "/"),
+            ("method", "GET"),
+            ("status_class", "2xx"),
+        ];
+        let counted = scrape_until(&poolscope, |m| {
+            m.value("poolscope_route_requests_total", &labels) == Some(answered as f64)
+        })
+        .map(|m| {
+            m.samples
+                .iter()
+                .filter(|s| {
+                    s.name.starts_with("poolscope_route_")
+                        && s.name.ends_with("_total")
+                        && s.labels
+                            .iter()
+                            .any(|(k, v)| k == "service" && *v == service)
+                })
+                .count()
+        });
+        let served = server.finish()?;
+        eprintln!(
+            "{backend}: client answered {answered}, server answered {}: route series {counted:?}",
+            served.answered
+        );
+        match counted {
+            Ok(1) if served.answered == answered => {}
+            other => failures.push(format!(
+                "{backend}: {answered} answered (server {}), route series: {other:?}",
+                served.answered
+            )),
+        }
+    }
+    anyhow::ensure!(failures.is_empty(), "{failures:#?}");
+    Ok(())
+}
