@@ -432,3 +432,313 @@ fn lose(lost: &mut BTreeMap<(u32, Lost), u64>, connection: &mut Connection, sent
         *lost.entry((connection.service, why)).or_default() += 1;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use loona_hpack::Encoder;
+    use poolscope_shared::{H2_BLOCK_BYTES, StatusClass};
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::kernel::route_table::{GRPC_STATUSES, RouteCaps, RouteLabel, RouteTotals};
+
+    const CONN: u64 = 77;
+    const SERVICE: u32 = 3;
+
+    /// One direction of a test connection: its encoder and record sequence.
+    struct Peer {
+        encoder: Encoder<'static>,
+        sent: bool,
+        sequence: u32,
+    }
+
+    impl Peer {
+        fn new(sent: bool) -> Self {
+            Self {
+                encoder: Encoder::new(),
+                sent,
+                sequence: 0,
+            }
+        }
+
+        fn encode(&mut self, fields: &[(&str, &str)]) -> Vec<u8> {
+            self.encoder
+                .encode(fields.iter().map(|(n, v)| (n.as_bytes(), v.as_bytes())))
+        }
+
+        /// The records of a frame whose payload is `payload`, as the kernel cuts it.
+        fn frame(&mut self, stream: u32, kind: u8, flags: u8, payload: &[u8]) -> Vec<H2Block> {
+            payload
+                .chunks(H2_BLOCK_BYTES)
+                .enumerate()
+                .map(|(index, chunk)| {
+                    self.sequence += 1;
+                    let mut bytes = [0; H2_BLOCK_BYTES];
+                    bytes[..chunk.len()].copy_from_slice(chunk);
+                    H2Block {
+                        record: RouteRecord::H2Block as u32,
+                        service: SERVICE,
+                        conn: CONN,
+                        stream,
+                        kind,
+                        flags,
+                        sent: u8::from(self.sent),
+                        padding: 0,
+                        sequence: self.sequence,
+                        frame_len: payload.len() as u32,
+                        at: (index * H2_BLOCK_BYTES) as u32,
+                        len: chunk.len() as u32,
+                        bytes,
+                    }
+                })
+                .collect()
+        }
+
+        /// The records of one HEADERS frame holding `fields` whole.
+        fn headers(&mut self, stream: u32, fields: &[(&str, &str)]) -> Vec<H2Block> {
+            let block = self.encode(fields);
+            self.frame(stream, HEADERS, END_HEADERS, &block)
+        }
+    }
+
+    fn finished(stream: u32, trailers: bool) -> RouteEvent {
+        RouteEvent {
+            h2_stream: stream,
+            h2_conn: CONN,
+            h2_trailers: u32::from(trailers),
+            ..RouteEvent::request(SERVICE, 0, b"", 1_000, 2_000)
+        }
+    }
+
+    fn table() -> RouteTable {
+        RouteTable::new(RouteCaps {
+            per_service: 10,
+            total: 10,
+        })
+    }
+
+    fn feed(h2: &mut H2Headers, table: &mut RouteTable, blocks: Vec<H2Block>) {
+        for block in blocks {
+            h2.block(&block, table);
+        }
+    }
+
+    fn route(table: &RouteTable, method: &str, route: &str) -> RouteTotals {
+        let label: RouteLabel = (method.to_owned(), route.to_owned());
+        table.service(SERVICE).remove(&label).unwrap_or_default()
+    }
+
+    fn class(status: u16) -> usize {
+        StatusClass::index_of(status)
+    }
+
+    fn code(name: &str) -> u8 {
+        GRPC_STATUSES
+            .iter()
+            .position(|&known| known == name)
+            .unwrap_or(99) as u8
+    }
+
+    #[test]
+    fn grpc_calls_are_named_by_path_status_and_trailers_across_indexed_blocks() {
+        let (mut client, mut server) = (Peer::new(false), Peer::new(true));
+        let (mut h2, mut table) = (H2Headers::new(16), table());
+        let request = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/pkg.Svc/Get"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ];
+        for (stream, status) in [(1, "14"), (3, "0"), (5, "0")] {
+            feed(&mut h2, &mut table, client.headers(stream, &request));
+            feed(
+                &mut h2,
+                &mut table,
+                server.headers(stream, &[(":status", "200")]),
+            );
+            // The kernel's record of the END_STREAM comes before its trailers' block.
+            h2.finished(&finished(stream, true), &mut table);
+            assert_eq!(
+                route(&table, "POST", "/pkg.Svc/Get")
+                    .grpc
+                    .values()
+                    .sum::<u64>(),
+                u64::from(stream / 2)
+            );
+            feed(
+                &mut h2,
+                &mut table,
+                server.headers(stream, &[("grpc-status", status)]),
+            );
+        }
+        h2.drained(&mut table);
+        let totals = route(&table, "POST", "/pkg.Svc/Get");
+        assert_eq!(
+            totals.grpc.get(&(class(200), code("UNAVAILABLE"))),
+            Some(&1)
+        );
+        assert_eq!(totals.grpc.get(&(class(200), code("OK"))), Some(&2));
+        assert_eq!(totals.responses, [0; poolscope_shared::STATUS_CLASSES]);
+        assert!(h2.lost(SERVICE).is_empty());
+        // The encoder indexed the fields: the second request's block is smaller.
+        let mut fresh = Peer::new(false);
+        assert!(fresh.encode(&request).len() > client.encode(&request).len());
+    }
+
+    #[test]
+    fn a_block_over_frames_and_records_with_padding_and_priority_decodes() {
+        let (mut client, mut server) = (Peer::new(false), Peer::new(true));
+        let (mut h2, mut table) = (H2Headers::new(16), table());
+        let long = "x".repeat(600);
+        let block = client.encode(&[
+            (":method", "GET"),
+            (":path", "/users/42?q=1"),
+            ("cookie", &long),
+        ]);
+        let (first, rest) = block.split_at(block.len() / 2);
+        // PADDED | PRIORITY: pad length, 5 priority bytes, the fragment, 3 pad bytes.
+        let mut payload = vec![3, 0, 0, 0, 0, 16];
+        payload.extend_from_slice(first);
+        payload.extend_from_slice(&[0, 0, 0]);
+        feed(
+            &mut h2,
+            &mut table,
+            client.frame(1, HEADERS, PADDED | PRIORITY, &payload),
+        );
+        feed(
+            &mut h2,
+            &mut table,
+            client.frame(1, CONTINUATION, END_HEADERS, rest),
+        );
+        let answer = server.encode(&[(":status", "503")]);
+        feed(
+            &mut h2,
+            &mut table,
+            server.frame(1, HEADERS, END_HEADERS, &answer),
+        );
+        h2.finished(&finished(1, false), &mut table);
+        let totals = route(&table, "GET", "/users/:id");
+        assert_eq!(
+            totals.responses[class(503)],
+            1,
+            "{:?}",
+            table.service(SERVICE)
+        );
+        assert!(totals.grpc.is_empty());
+    }
+
+    #[test]
+    fn a_lost_record_loses_the_direction_counted_and_its_streams_go_unknown() {
+        let (mut client, mut server) = (Peer::new(false), Peer::new(true));
+        let (mut h2, mut table) = (H2Headers::new(16), table());
+        let request = [(":method", "GET"), (":path", "/a")];
+        feed(&mut h2, &mut table, client.headers(1, &request));
+        // Stream 3's request block lost in the ring: a gap in the sequence.
+        let _lost = client.headers(3, &request);
+        feed(&mut h2, &mut table, client.headers(5, &request));
+        for stream in [1, 3, 5] {
+            feed(
+                &mut h2,
+                &mut table,
+                server.headers(stream, &[(":status", "200")]),
+            );
+            h2.finished(&finished(stream, false), &mut table);
+        }
+        assert_eq!(route(&table, "GET", "/a").responses[class(200)], 1);
+        assert_eq!(route(&table, "", "unknown").responses[class(200)], 2);
+        assert_eq!(h2.lost(SERVICE), BTreeMap::from([(Lost::Gap, 1)]));
+    }
+
+    #[test]
+    fn a_connection_first_seen_after_its_first_block_is_not_decoded() {
+        let mut client = Peer::new(false);
+        let (mut h2, mut table) = (H2Headers::new(16), table());
+        let _before = client.headers(1, &[(":method", "GET"), (":path", "/a")]);
+        feed(
+            &mut h2,
+            &mut table,
+            client.headers(3, &[(":method", "GET"), (":path", "/a")]),
+        );
+        h2.finished(&finished(3, false), &mut table);
+        assert_eq!(route(&table, "", "unknown").responses[class(0)], 1);
+        assert_eq!(h2.lost(SERVICE), BTreeMap::from([(Lost::Gap, 1)]));
+    }
+
+    #[test]
+    fn trailers_that_never_come_are_named_after_a_drain_and_gone_connections_go() {
+        let (mut client, mut server) = (Peer::new(false), Peer::new(true));
+        let (mut h2, mut table) = (H2Headers::new(1), table());
+        let request = [
+            (":method", "POST"),
+            (":path", "/s/M"),
+            ("content-type", "application/grpc"),
+        ];
+        feed(&mut h2, &mut table, client.headers(1, &request));
+        feed(
+            &mut h2,
+            &mut table,
+            server.headers(1, &[(":status", "200")]),
+        );
+        h2.finished(&finished(1, true), &mut table);
+        h2.drained(&mut table);
+        assert!(
+            table.service(SERVICE).is_empty(),
+            "named before a whole drain passed"
+        );
+        h2.drained(&mut table);
+        let totals = route(&table, "POST", "/s/M");
+        assert_eq!(totals.grpc.get(&(class(200), GRPC_STATUS_UNREAD)), Some(&1));
+        // Gone: its tables go, and a connection past the cap is counted.
+        let gone = H2Block {
+            record: RouteRecord::H2Gone as u32,
+            len: 0,
+            ..client.headers(3, &request)[0]
+        };
+        h2.block(&gone, &mut table);
+        assert!(h2.connections.is_empty());
+        let mut other = Peer::new(false);
+        let first = other.headers(1, &request);
+        h2.block(
+            &H2Block {
+                conn: 1,
+                ..first[0]
+            },
+            &mut table,
+        );
+        h2.block(
+            &H2Block {
+                conn: 2,
+                ..first[0]
+            },
+            &mut table,
+        );
+        assert_eq!(h2.lost(SERVICE), BTreeMap::from([(Lost::Untracked, 1)]));
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_are_decoded_or_lost_never_a_panic(
+            frames in proptest::collection::vec(
+                (any::<u8>(), any::<u8>(), proptest::collection::vec(any::<u8>(), 0..300)),
+                1..8,
+            )
+        ) {
+            let mut client = Peer::new(false);
+            let (mut h2, mut table) = (H2Headers::new(4), table());
+            for (kind, flags, payload) in &frames {
+                let kind = [HEADERS, CONTINUATION, PUSH_PROMISE][usize::from(*kind % 3)];
+                for block in client.frame(1, kind, *flags, payload) {
+                    h2.block(&block, &mut table);
+                }
+            }
+            h2.finished(&finished(1, false), &mut table);
+            let counted: u64 = table
+                .service(SERVICE)
+                .values()
+                .map(|totals| totals.responses.iter().sum::<u64>())
+                .sum();
+            prop_assert_eq!(counted, 1);
+        }
+    }
+}
