@@ -62,7 +62,8 @@ def main():
             totals["messages"] += messages
             # A status the server sent (OK, or Abort's): the stream ended normally.
             if code == grpc.StatusCode.OK or (
-                method == "Abort" and code == grpc.StatusCode.INVALID_ARGUMENT
+                method == "Abort"
+                and code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE)
             ):
                 totals["completed"] += 1
                 totals["latency_sum"] += end - start

@@ -54,8 +54,10 @@ pub struct H2Load {
     pub failed: u64,
     pub errored: u64,
     pub timeout: u64,
-    /// Responses with a 2xx status.
+    /// Responses with a 2xx, 4xx and 5xx status.
     pub status_2xx: u64,
+    pub status_4xx: u64,
+    pub status_5xx: u64,
     /// `time for request` mean: from the request's HEADERS sent to its last byte.
     pub mean_request: Duration,
     /// `finished in`.
@@ -72,12 +74,28 @@ pub fn h2load(
     clients: u32,
     streams: u32,
 ) -> anyhow::Result<H2Load> {
-    run_h2load(&[
+    h2load_paths(port, &[path], requests, clients, streams)
+}
+
+/// [`h2load`] of several paths: each client asks for them in turn.
+pub fn h2load_paths(
+    port: u16,
+    paths: &[&str],
+    requests: u64,
+    clients: u32,
+    streams: u32,
+) -> anyhow::Result<H2Load> {
+    let mut args = vec![
         format!("-n{requests}"),
         format!("-c{clients}"),
         format!("-m{streams}"),
-        format!("http://127.0.0.1:{port}{path}"),
-    ])
+    ];
+    args.extend(
+        paths
+            .iter()
+            .map(|path| format!("http://127.0.0.1:{port}{path}")),
+    );
+    run_h2load(&args)
 }
 
 /// [`h2load`] of gRPC unary calls to `method` (`/package.Service/Method`), each
@@ -171,7 +189,7 @@ fn count_before(text: &str, word: &str) -> anyhow::Result<u64> {
 pub fn parse_h2load(output: &str) -> anyhow::Result<H2Load> {
     let mut protocol = None;
     let mut requests = None;
-    let mut status_2xx = None;
+    let mut statuses = None;
     let mut mean_request = None;
     let mut seconds = None;
     for line in output.lines() {
@@ -188,7 +206,11 @@ pub fn parse_h2load(output: &str) -> anyhow::Result<H2Load> {
                 count_before(rest, "timeout")?,
             ));
         } else if let Some(rest) = line.strip_prefix("status codes:") {
-            status_2xx = Some(count_before(rest, "2xx")?);
+            statuses = Some((
+                count_before(rest, "2xx")?,
+                count_before(rest, "4xx")?,
+                count_before(rest, "5xx")?,
+            ));
         } else if let Some(rest) = line.strip_prefix("time for request:") {
             // min max mean sd +/-sd
             let mean = rest
@@ -206,6 +228,7 @@ pub fn parse_h2load(output: &str) -> anyhow::Result<H2Load> {
     }
     let (total, done, succeeded, failed, errored, timeout) =
         requests.context("no \"requests:\" line")?;
+    let (status_2xx, status_4xx, status_5xx) = statuses.context("no \"status codes:\" line")?;
     Ok(H2Load {
         protocol: protocol.context("no \"Application protocol:\" line")?,
         total,
@@ -214,7 +237,9 @@ pub fn parse_h2load(output: &str) -> anyhow::Result<H2Load> {
         failed,
         errored,
         timeout,
-        status_2xx: status_2xx.context("no \"status codes:\" line")?,
+        status_2xx,
+        status_4xx,
+        status_5xx,
         mean_request: mean_request.context("no \"time for request:\" line")?,
         seconds: seconds.context("no \"finished in\" line")?,
     })
@@ -256,7 +281,8 @@ impl GrpcServer {
     }
 
     /// The Go server of tests/http2/grpc_server.go (grpc-go, a goroutine per call; its
-    /// `Sleep` only), built from Debian's golang-google-grpc-dev.
+    /// `Sleep`, and `Abort` failing with UNAVAILABLE), built from Debian's
+    /// golang-google-grpc-dev.
     pub fn start_go() -> anyhow::Result<Self> {
         Self::start_go_with(&[])
     }
@@ -940,6 +966,8 @@ req/s           :       0.00        0.00        0.00        0.00   100.00%
                 errored: 0,
                 timeout: 0,
                 status_2xx: 4000,
+                status_4xx: 0,
+                status_5xx: 0,
                 mean_request: Duration::from_micros(861),
                 seconds: 0.09692,
             }

@@ -386,6 +386,9 @@ fn nginx(dir: &Path, port: u16, http1_port: Option<u16>) -> anyhow::Result<Comma
         location = /reset {
             return 444;
         }
+        location = /fail {
+            return 500;
+        }
     ",
         ),
     };

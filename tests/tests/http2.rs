@@ -38,8 +38,8 @@ use poolscope_tests::{
     Metrics, Poolscope, backend_config, backends, free_port,
     http2::{
         Amount, GrpcClient, GrpcServer, NodeH2Server, OldConnection, PlainConnection,
-        PlainH2Server, UpgradeServer, curl_upgrade, h2load, h2load_grpc, h2load_h1, h2raw,
-        plain_streams,
+        PlainH2Server, UpgradeServer, curl_upgrade, h2load, h2load_grpc, h2load_h1, h2load_paths,
+        h2raw, plain_streams,
     },
     one_at_a_time, privileged, scorecard, scrape_until,
     servers::{Kind, RealServer, pin_to_first_cpu},
@@ -1947,77 +1947,88 @@ fn grpc_calls_count_under_their_method_and_status() -> anyhow::Result<()> {
     const SLEEP_MS: u64 = 2;
     let _serial = one_at_a_time();
     let mut failures = Vec::new();
+    let servers: [(&str, fn() -> anyhow::Result<GrpcServer>, &str); 2] = [
+        ("grpcio", || GrpcServer::start(4), "INVALID_ARGUMENT"),
+        ("grpc-go", GrpcServer::start_go, "UNAVAILABLE"),
+    ];
     for backend in http2_backends("grpc_calls_count_under_their_method_and_status") {
-        let server = GrpcServer::start(4)?;
-        let service = format!("grpc-routes-{backend}");
-        let poolscope = watch_with(backend, &service, &[server.pid()], "\nroutes = true\n")?;
-        let sleeping = GrpcClient::start(server.port, "Sleep", SLEEP_MS, 4, Amount::Calls(SLEEPS))?;
-        let aborted = GrpcClient::run(server.port, "Abort", 0, 4, Amount::Calls(ABORTS))?;
-        let slept = sleeping.finish()?;
-        anyhow::ensure!(
-            slept.ok == SLEEPS && aborted.completed == ABORTS && aborted.ok == 0,
-            "the clients' calls: {slept:?}, {aborted:?}"
-        );
-        let route = |metrics: &Metrics, method: &str, status: &str| {
-            metrics.value(
-                "poolscope_route_requests_total",
-                &[
-                    ("service", service.as_str()),
-                    ("route", &format!("/poolscope.Test/{method}")),
-                    ("method", "POST"),
-                    ("status_class", "2xx"),
-                    ("grpc_status", status),
-                ],
-            )
-        };
-        let metrics = scrape_until(&poolscope, |m| {
-            route(m, "Sleep", "OK") == Some(SLEEPS as f64)
-                && route(m, "Abort", "INVALID_ARGUMENT") == Some(ABORTS as f64)
-        })
-        .unwrap_or_else(|error| {
-            failures.push(format!("{backend}: {error:#}"));
-            Metrics::default()
-        });
-        let of_service: Vec<_> = metrics
-            .samples
-            .iter()
-            .filter(|sample| {
-                sample.name.starts_with("poolscope_route_")
-                    && sample.name.ends_with("_total")
-                    && sample
-                        .labels
-                        .iter()
-                        .any(|(k, v)| k == "service" && *v == service)
+        for (kind, start, failed) in servers {
+            let server = start()?;
+            let service = format!("{kind}-routes-{backend}");
+            let poolscope = watch_with(backend, &service, &[server.pid()], "\nroutes = true\n")?;
+            let sleeping =
+                GrpcClient::start(server.port, "Sleep", SLEEP_MS, 4, Amount::Calls(SLEEPS))?;
+            let aborted = GrpcClient::run(server.port, "Abort", 0, 4, Amount::Calls(ABORTS))?;
+            let slept = sleeping.finish()?;
+            anyhow::ensure!(
+                slept.ok == SLEEPS && aborted.completed == ABORTS && aborted.ok == 0,
+                "the clients' calls: {slept:?}, {aborted:?}"
+            );
+            let route = |metrics: &Metrics, method: &str, status: &str| {
+                metrics.value(
+                    "poolscope_route_requests_total",
+                    &[
+                        ("service", service.as_str()),
+                        ("route", &format!("/poolscope.Test/{method}")),
+                        ("method", "POST"),
+                        ("status_class", "2xx"),
+                        ("grpc_status", status),
+                    ],
+                )
+            };
+            let metrics = scrape_until(&poolscope, |m| {
+                route(m, "Sleep", "OK") == Some(SLEEPS as f64)
+                    && route(m, "Abort", failed) == Some(ABORTS as f64)
             })
-            .map(|sample| format!("{:?} {}", sample.labels, sample.value))
-            .collect();
-        let served = server.finish()?;
-        if (served.sleep, served.abort) != (SLEEPS, ABORTS) {
-            failures.push(format!("{backend}: the server ran {served:?}"));
-        }
-        eprintln!(
-            "{backend}: server ran Sleep {} and Abort {}; clients read OK {} and \
-             INVALID_ARGUMENT {}; poolscope: {of_service:#?}",
-            served.sleep, served.abort, slept.ok, aborted.completed
-        );
-        // Nothing else: no unknown route, no other status, no header table lost.
-        if of_service.len() != 2 {
-            failures.push(format!(
-                "{backend}: route series other than the two: {of_service:#?}"
-            ));
-        }
-        let labels = [
-            ("service", service.as_str()),
-            ("route", "/poolscope.Test/Sleep"),
-            ("method", "POST"),
-        ];
-        let mean = metrics
-            .value("poolscope_route_request_duration_seconds_sum", &labels)
-            .zip(metrics.value("poolscope_route_request_duration_seconds_count", &labels))
-            .map(|(sum, count)| sum / count);
-        eprintln!("{backend}: Sleep's mean duration {mean:?} s (the handler sleeps {SLEEP_MS} ms)");
-        if !mean.is_some_and(|mean| (SLEEP_MS as f64 / 1000.0..0.02).contains(&mean)) {
-            failures.push(format!("{backend}: Sleep's mean duration {mean:?}"));
+            .unwrap_or_else(|error| {
+                failures.push(format!("{kind} on {backend}: {error:#}"));
+                Metrics::default()
+            });
+            let of_service: Vec<_> = metrics
+                .samples
+                .iter()
+                .filter(|sample| {
+                    sample.name.starts_with("poolscope_route_")
+                        && sample.name.ends_with("_total")
+                        && sample
+                            .labels
+                            .iter()
+                            .any(|(k, v)| k == "service" && *v == service)
+                })
+                .map(|sample| format!("{:?} {}", sample.labels, sample.value))
+                .collect();
+            let served = server.finish()?;
+            if (served.sleep, served.abort) != (SLEEPS, ABORTS) {
+                failures.push(format!("{kind} on {backend}: the server ran {served:?}"));
+            }
+            eprintln!(
+                "{kind} on {backend}: server ran Sleep {} and Abort {}; clients read OK {} and \
+             {failed} {}; poolscope: {of_service:#?}",
+                served.sleep, served.abort, slept.ok, aborted.completed
+            );
+            // Nothing else: no unknown route, no other status, no header table lost.
+            if of_service.len() != 2 {
+                failures.push(format!(
+                    "{backend}: route series other than the two: {of_service:#?}"
+                ));
+            }
+            let labels = [
+                ("service", service.as_str()),
+                ("route", "/poolscope.Test/Sleep"),
+                ("method", "POST"),
+            ];
+            let mean = metrics
+                .value("poolscope_route_request_duration_seconds_sum", &labels)
+                .zip(metrics.value("poolscope_route_request_duration_seconds_count", &labels))
+                .map(|(sum, count)| sum / count);
+            eprintln!(
+                "{kind} on {backend}: Sleep's mean duration {mean:?} s (the handler sleeps {SLEEP_MS} ms)"
+            );
+            if !mean.is_some_and(|mean| (SLEEP_MS as f64 / 1000.0..0.02).contains(&mean)) {
+                failures.push(format!(
+                    "{kind} on {backend}: Sleep's mean duration {mean:?}"
+                ));
+            }
         }
     }
     anyhow::ensure!(failures.is_empty(), "{failures:#?}");
@@ -2076,6 +2087,73 @@ fn plain_server_streams_count_under_their_route() -> anyhow::Result<()> {
                 "{backend}: {answered} answered (server {}), route series: {other:?}",
                 served.answered
             )),
+        }
+    }
+    anyhow::ensure!(failures.is_empty(), "{failures:#?}");
+    Ok(())
+}
+
+/// HTTP/2 routes and statuses from nginx under h2load (nghttp2's encoder: Huffman
+/// strings, fields indexed in each connection's dynamic table): each client asks in
+/// turn for `/` (200), `/fail` (500) and `/missing/7` (404), 10 streams open at once;
+/// each route counts exactly h2load's responses of its class.
+#[test]
+fn nginx_h2c_streams_count_under_their_route_and_status() -> anyhow::Result<()> {
+    if !privileged("nginx_h2c_streams_count_under_their_route_and_status") {
+        return Ok(());
+    }
+    const REQUESTS: u64 = 600;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    for backend in http2_backends("nginx_h2c_streams_count_under_their_route_and_status") {
+        let server = RealServer::start(Kind::NginxH2c, free_port()?)?;
+        let service = format!("nginx-h2c-routes-{backend}");
+        let poolscope = watch_with(backend, &service, &server.pids(), "\nroutes = true\n")?;
+        let load = h2load_paths(
+            server.port(),
+            &["/", "/fail", "/missing/7"],
+            REQUESTS,
+            2,
+            10,
+        )?;
+        let truth = [
+            ("/", "2xx", load.status_2xx),
+            ("/fail", "5xx", load.status_5xx),
+            ("/missing/:id", "4xx", load.status_4xx),
+        ];
+        let counted = |m: &Metrics, route: &str, class: &str| {
+            m.value(
+                "poolscope_route_requests_total",
+                &[
+                    ("service", service.as_str()),
+                    ("route", route),
+                    ("method", "GET"),
+                    ("status_class", class),
+                ],
+            )
+            .unwrap_or(0.0)
+        };
+        let metrics = scrape_until(&poolscope, |m| {
+            truth
+                .iter()
+                .all(|&(route, class, count)| counted(m, route, class) == count as f64)
+        });
+        let metrics = match metrics {
+            Ok(metrics) => metrics,
+            Err(error) => {
+                failures.push(format!("{backend}: {error:#}"));
+                poolscope.scrape()?
+            }
+        };
+        for (route, class, count) in truth {
+            eprintln!(
+                "{backend}: {route} {class}: h2load {count}, poolscope {}",
+                counted(&metrics, route, class)
+            );
+        }
+        let succeeded = load.status_2xx + load.status_4xx + load.status_5xx;
+        if succeeded != REQUESTS || truth.iter().any(|&(_, _, count)| count != REQUESTS / 3) {
+            failures.push(format!("{backend}: h2load {load:?}"));
         }
     }
     anyhow::ensure!(failures.is_empty(), "{failures:#?}");
