@@ -92,7 +92,7 @@ impl Default for RawConfig {
                 downstreams: poolscope_shared::MAX_DOWNSTREAMS,
                 routes: 1024,
                 routes_per_service: 50,
-                route_events: 32768,
+                route_events: 29000,
                 http2_decoded_connections: 4096,
                 degraded_for: Duration::from_secs(300),
             },
