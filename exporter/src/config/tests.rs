@@ -210,7 +210,7 @@ fn routes_are_read_within_their_caps_once_turned_on() -> Result<(), ConfigError>
             settings.limits.routes_per_service,
             settings.limits.route_events
         ),
-        (1024, 50, 32768)
+        (1024, 50, 29000)
     );
     let settings = load_toml("[probes]\nroutes = true\n[limits]\nroutes_per_service = 5\n")?;
     assert!(settings.routes);

@@ -383,6 +383,6 @@ mod tests {
         }
         // A ring's size is bytes: a power of two with room for its records.
         let ring = sizes.iter().find(|&&(name, _)| name == maps::ROUTE_EVENTS);
-        assert_eq!(ring, Some(&(maps::ROUTE_EVENTS, 16384)));
+        assert_eq!(ring, Some(&(maps::ROUTE_EVENTS, 32768)));
     }
 }
