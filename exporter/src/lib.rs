@@ -9,6 +9,7 @@ pub mod config;
 pub mod discovery;
 pub mod encode;
 pub mod exporter;
+pub mod hpack;
 pub mod idmap;
 pub mod kernel;
 pub mod logging;

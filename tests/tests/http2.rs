@@ -1930,7 +1930,10 @@ fn streams_against_the_servers_limit() -> anyhow::Result<()> {
     ensure_none("streams against the server's limit", &failures)
 }
 
-/// gRPC routes and statuses (issue 69 item 2): with its target's routes read, every
+/// Starts a gRPC server.
+type StartGrpc = fn() -> anyhow::Result<GrpcServer>;
+
+/// gRPC routes and statuses: with its target's routes read, every
 /// call counts under its method's path, `status_class="2xx"` (its `:status`) and the
 /// `grpc_status` of its trailers, decoded from each connection's HPACK tables (grpcio's
 /// encoder indexes repeated fields in its dynamic table, so every block after a
@@ -1947,7 +1950,7 @@ fn grpc_calls_count_under_their_method_and_status() -> anyhow::Result<()> {
     const SLEEP_MS: u64 = 2;
     let _serial = one_at_a_time();
     let mut failures = Vec::new();
-    let servers: [(&str, fn() -> anyhow::Result<GrpcServer>, &str); 2] = [
+    let servers: [(&str, StartGrpc, &str); 2] = [
         ("grpcio", || GrpcServer::start(4), "INVALID_ARGUMENT"),
         ("grpc-go", GrpcServer::start_go, "UNAVAILABLE"),
     ];

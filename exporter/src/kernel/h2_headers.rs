@@ -11,12 +11,15 @@
 //! streams count under the route `unknown` (and the status class `unknown`), and the
 //! loss is counted per service ([`H2Headers::lost`]): a partial count, never a wrong
 //! name.
-use std::collections::{BTreeMap, HashMap};
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::{Duration, Instant},
+};
 
-use loona_hpack::Decoder;
 use poolscope_shared::{H2Block, RouteEvent, RouteRecord};
 
 use super::route_table::{Answer, Finished, GRPC_STATUS_UNREAD, RouteTable};
+use crate::hpack::Decoder;
 
 /// Frame types and flags (RFC 9113 §6).
 const HEADERS: u8 = 1;
@@ -32,6 +35,10 @@ const MAX_BLOCK_BYTES: usize = 256 * 1024;
 /// Largest dynamic table a peer may ask for: RFC 9113's default is 4 KiB, and a table
 /// beyond this is a lost direction.
 const MAX_TABLE_BYTES: usize = 64 * 1024;
+/// How long a stream recorded finished by a HEADERS frame waits for that frame's
+/// block (its trailers): the kernel hands it over right after the record, in the same
+/// program run unless the frame's payload comes in the server's next write.
+const TRAILERS_WAIT: Duration = Duration::from_millis(200);
 /// Streams of one connection whose request headers are kept until their end: a
 /// stream reset by the client is never recorded finished, and the oldest go first.
 const MAX_STREAMS_PER_CONNECTION: usize = 1024;
@@ -74,7 +81,7 @@ struct StreamHeaders {
 /// One direction of a connection: its HPACK table and the block being gathered.
 struct Side {
     /// `None` once the direction cannot be decoded.
-    decoder: Option<Decoder<'static>>,
+    decoder: Option<Decoder>,
     /// The last record's sequence number.
     sequence: u32,
     /// The current frame's payload so far.
@@ -89,10 +96,8 @@ struct Side {
 
 impl Side {
     fn new() -> Self {
-        let mut decoder = Decoder::new();
-        decoder.set_max_allowed_table_size(MAX_TABLE_BYTES);
         Self {
-            decoder: Some(decoder),
+            decoder: Some(Decoder::new(MAX_TABLE_BYTES)),
             sequence: 0,
             frame: Vec::new(),
             block: Vec::new(),
@@ -186,17 +191,23 @@ struct Fields {
 impl Fields {
     /// Decodes `block` with `decoder` (which it changes, as HPACK does); `None` if it
     /// does not decode.
-    fn decode(decoder: &mut Decoder<'static>, block: &[u8]) -> Option<Self> {
+    fn decode(decoder: &mut Decoder, block: &[u8]) -> Option<Self> {
         let mut fields = Self::default();
         let number = |value: &[u8]| std::str::from_utf8(value).ok()?.parse::<u32>().ok();
+        let wanted = |name: &[u8]| {
+            matches!(
+                name,
+                b":method" | b":path" | b":status" | b"content-type" | b"grpc-status"
+            )
+        };
         decoder
-            .decode_with_cb(block, |name, value| match &*name {
-                b":method" => fields.method = Some(value.into_owned()),
-                b":path" => fields.path = Some(value.into_owned()),
-                b":status" => fields.status = number(&value).and_then(|s| u16::try_from(s).ok()),
+            .decode(block, wanted, |name, value| match name {
+                b":method" => fields.method = Some(value.to_vec()),
+                b":path" => fields.path = Some(value.to_vec()),
+                b":status" => fields.status = number(value).and_then(|s| u16::try_from(s).ok()),
                 b"content-type" => fields.grpc = value.starts_with(b"application/grpc"),
                 b"grpc-status" => {
-                    fields.grpc_status = Some(number(&value).map_or(GRPC_STATUS_UNREAD, |code| {
+                    fields.grpc_status = Some(number(value).map_or(GRPC_STATUS_UNREAD, |code| {
                         u8::try_from(code)
                             .unwrap_or(GRPC_STATUS_UNREAD)
                             .min(GRPC_STATUS_UNREAD)
@@ -218,11 +229,11 @@ struct Connection {
 }
 
 /// A stream recorded finished by a HEADERS frame whose block (its trailers) comes
-/// after the record: named once the block is decoded, or after one more drain.
+/// after the record: named once the block is decoded, or after [`TRAILERS_WAIT`].
 struct Awaiting {
     conn: u64,
     event: RouteEvent,
-    drains: u32,
+    since: Instant,
 }
 
 /// The header tables of every followed HTTP/2 connection whose service's routes are
@@ -363,23 +374,20 @@ impl H2Headers {
             self.awaiting.push(Awaiting {
                 conn: event.h2_conn,
                 event: *event,
-                drains: 0,
+                since: Instant::now(),
             });
         } else {
             self.name(event, table);
         }
     }
 
-    /// The end of a drain: streams that waited a whole drain for their trailers are
-    /// named with what is known.
-    pub fn drained(&mut self, table: &mut RouteTable) {
+    /// The end of a drain at `now`: streams that waited [`TRAILERS_WAIT`] for their
+    /// trailers are named with what is known.
+    pub fn drained(&mut self, now: Instant, table: &mut RouteTable) {
         let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.awaiting)
             .into_iter()
-            .partition(|awaiting| awaiting.drains >= 1);
+            .partition(|awaiting| now.duration_since(awaiting.since) >= TRAILERS_WAIT);
         self.awaiting = waiting;
-        for awaiting in &mut self.awaiting {
-            awaiting.drains += 1;
-        }
         for awaiting in due {
             self.name(&awaiting.event, table);
         }
@@ -572,7 +580,7 @@ mod tests {
                 server.headers(stream, &[("grpc-status", status)]),
             );
         }
-        h2.drained(&mut table);
+        h2.drained(Instant::now(), &mut table);
         let totals = route(&table, "POST", "/pkg.Svc/Get");
         assert_eq!(
             totals.grpc.get(&(class(200), code("UNAVAILABLE"))),
@@ -681,12 +689,12 @@ mod tests {
             server.headers(1, &[(":status", "200")]),
         );
         h2.finished(&finished(1, true), &mut table);
-        h2.drained(&mut table);
+        h2.drained(Instant::now(), &mut table);
         assert!(
             table.service(SERVICE).is_empty(),
-            "named before a whole drain passed"
+            "named before its wait passed"
         );
-        h2.drained(&mut table);
+        h2.drained(Instant::now() + TRAILERS_WAIT, &mut table);
         let totals = route(&table, "POST", "/s/M");
         assert_eq!(totals.grpc.get(&(class(200), GRPC_STATUS_UNREAD)), Some(&1));
         // Gone: its tables go, and a connection past the cap is counted.

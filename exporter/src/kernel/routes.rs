@@ -54,7 +54,7 @@ impl Drained {
                 self.h2.block(&block, &mut self.table);
             }
         }
-        self.h2.drained(&mut self.table);
+        self.h2.drained(std::time::Instant::now(), &mut self.table);
     }
 }
 
