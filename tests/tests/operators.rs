@@ -21,6 +21,7 @@ use poolscope_tests::{
     PoolServer, Poolscope, Program,
     downstream::{self, Backend, Kind},
     http1::{StatusLoad, StatusServer},
+    http2::{Amount, GrpcClient, GrpcServer},
     load::{ClosedLoop, Connections},
     one_at_a_time, parse_tids,
     pods::{Cgroups, cgroup_mounts, container_id, log_link, move_into, systemd_driver_path},
@@ -1178,8 +1179,9 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     // waits), `locked`, 3 workers contending one mutex (lock waits, CPU), and
     // `calling`, 2 Python workers that call a 10 ms backend (downstream waits), and
     // `answering`, an HTTP/1.1 server answering one request in ten with a 503 (status
-    // classes, the 5xx share), and `shop.checkout.checkout`, a pod container the
-    // kubelet's log links name (the namespace and workload pickers).
+    // classes, the 5xx share), `grpc`, a gRPC server whose calls fail now and then
+    // (grpc_status, the gRPC share not OK), and `shop.checkout.checkout`, a pod
+    // container the kubelet's log links name (the namespace and workload pickers).
     let mounts = cgroup_mounts()?;
     // Dropped after the servers (declared before them): the cgroup is empty then.
     let mut cgroups = Cgroups::default();
@@ -1203,6 +1205,7 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     let mut calling = downstream::start(Kind::Python, 2, backend.port, None)?;
     let calling_port: u16 = calling.line("port")?.parse()?;
     let answering = StatusServer::start()?;
+    let grpc = GrpcServer::start(2)?;
     let config = format!(
         "[discovery]\nrescan_interval = \"500ms\"\npod_logs_dir = \"{}\"\n\
          [probes]\nbpf_stats = true\nroutes = true\n\
@@ -1210,17 +1213,19 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
          [[targets]]\nservice = \"pooled\"\npids = [{}]\n\
          [[targets]]\nservice = \"locked\"\npids = [{}]\n\
          [[targets]]\nservice = \"calling\"\npids = [{}]\n\
-         [[targets]]\nservice = \"answering\"\npids = [{}]\n",
+         [[targets]]\nservice = \"answering\"\npids = [{}]\n\
+         [[targets]]\nservice = \"grpc\"\npids = [{}]\n",
         pod_logs.path().display(),
         checkout.pid(),
         pooled.pid(),
         locked.pid(),
         calling.pid(),
-        answering.pid()
+        answering.pid(),
+        grpc.pid()
     );
     let poolscope = Poolscope::start(&config)?;
     scrape_until(&poolscope, |m| {
-        ["pooled", "locked", "calling", "answering", CHECKOUT]
+        ["pooled", "locked", "calling", "answering", "grpc", CHECKOUT]
             .iter()
             .all(|service| m.value("poolscope_targets", &[("service", service)]) == Some(1.0))
     })?;
@@ -1229,6 +1234,9 @@ fn dashboards_and_rules_run_against_a_real_prometheus() -> anyhow::Result<()> {
     let lock_clients = ClosedLoop::start(locked_port, 6, Connections::PerRequest);
     let calling_clients = ClosedLoop::start(calling_port, 2, Connections::PerRequest);
     let answering_client = StatusLoad::start(answering.port, ONE_IN_TEN_FAILS);
+    // Longer than the test: killed when dropped.
+    let _grpc_calls = GrpcClient::start(grpc.port, "Sleep", 5, 2, Amount::Seconds(600))?;
+    let _grpc_failures = GrpcClient::start(grpc.port, "Abort", 0, 1, Amount::Seconds(600))?;
 
     let instance = format!("127.0.0.1:{}", poolscope.port);
     let rule_files = files("alerts", "yml")?;
