@@ -1930,6 +1930,24 @@ fn streams_against_the_servers_limit() -> anyhow::Result<()> {
     ensure_none("streams against the server's limit", &failures)
 }
 
+/// `service`'s route counters (`route_requests_total`, `route_http2_headers_lost_total`)
+/// in `metrics`, each as its labels and value.
+fn route_counters(metrics: &Metrics, service: &str) -> Vec<String> {
+    metrics
+        .samples
+        .iter()
+        .filter(|sample| {
+            sample.name.starts_with("poolscope_route_")
+                && sample.name.ends_with("_total")
+                && sample
+                    .labels
+                    .iter()
+                    .any(|(k, v)| k == "service" && v == service)
+        })
+        .map(|sample| format!("{:?} {}", sample.labels, sample.value))
+        .collect()
+}
+
 /// Starts a gRPC server.
 type StartGrpc = fn() -> anyhow::Result<GrpcServer>;
 
@@ -1987,19 +2005,7 @@ fn grpc_calls_count_under_their_method_and_status() -> anyhow::Result<()> {
                 failures.push(format!("{kind} on {backend}: {error:#}"));
                 Metrics::default()
             });
-            let of_service: Vec<_> = metrics
-                .samples
-                .iter()
-                .filter(|sample| {
-                    sample.name.starts_with("poolscope_route_")
-                        && sample.name.ends_with("_total")
-                        && sample
-                            .labels
-                            .iter()
-                            .any(|(k, v)| k == "service" && *v == service)
-                })
-                .map(|sample| format!("{:?} {}", sample.labels, sample.value))
-                .collect();
+            let of_service = route_counters(&metrics, &service);
             let served = server.finish()?;
             if (served.sleep, served.abort) != (SLEEPS, ABORTS) {
                 failures.push(format!("{kind} on {backend}: the server ran {served:?}"));
@@ -2067,18 +2073,7 @@ fn plain_server_streams_count_under_their_route() -> anyhow::Result<()> {
         let counted = scrape_until(&poolscope, |m| {
             m.value("poolscope_route_requests_total", &labels) == Some(answered as f64)
         })
-        .map(|m| {
-            m.samples
-                .iter()
-                .filter(|s| {
-                    s.name.starts_with("poolscope_route_")
-                        && s.name.ends_with("_total")
-                        && s.labels
-                            .iter()
-                            .any(|(k, v)| k == "service" && *v == service)
-                })
-                .count()
-        });
+        .map(|m| route_counters(&m, &service).len());
         let served = server.finish()?;
         eprintln!(
             "{backend}: client answered {answered}, server answered {}: route series {counted:?}",
