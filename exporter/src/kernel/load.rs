@@ -90,13 +90,14 @@ impl KernelLayout {
     }
 }
 
-/// The size of every map a part sizes, as `limits` gives them.
-fn map_sizes(limits: &Limits) -> impl Iterator<Item = (&'static str, u32)> {
+/// The size of every map a part sizes, as `limits` gives them (the route ring's as
+/// `reads` needs it).
+fn map_sizes(limits: &Limits, reads: Reads) -> impl Iterator<Item = (&'static str, u32)> {
     (Requests::sizes(limits).into_iter())
         .chain(Pools::sizes(limits))
         .chain(Locks::sizes(limits))
         .chain(Stacks::sizes(limits))
-        .chain(Routes::sizes(limits))
+        .chain(Routes::sizes(limits, reads.routes))
 }
 
 /// What the request programs read of each request's bytes (`[probes]`).
@@ -126,7 +127,7 @@ pub(super) fn open(
         u64::try_from(min.as_nanos()).unwrap_or(u64::MAX - 1)
     });
     let mut loader = EbpfLoader::new();
-    for (name, entries) in map_sizes(limits) {
+    for (name, entries) in map_sizes(limits, reads) {
         loader.map_max_entries(name, entries);
     }
     let part_globals: Vec<_> = Pools::globals(limits)
@@ -344,7 +345,12 @@ mod tests {
     #[test]
     fn each_map_a_limit_names_is_loaded_at_that_limits_size() {
         let limits = distinct_limits();
-        let sizes: Vec<_> = map_sizes(&limits).collect();
+        let reads = Reads {
+            response_status: true,
+            routes: true,
+            routes_by_default: false,
+        };
+        let sizes: Vec<_> = map_sizes(&limits, reads).collect();
         for &(name, entries) in &sizes {
             // The three stack generations are reported as one map.
             let reported = if maps::STACKS.contains(&name) {
@@ -384,5 +390,12 @@ mod tests {
         // A ring's size is bytes: a power of two with room for its records.
         let ring = sizes.iter().find(|&&(name, _)| name == maps::ROUTE_EVENTS);
         assert_eq!(ring, Some(&(maps::ROUTE_EVENTS, 32768)));
+        // A page while no program reads a route (reading the first takes a restart).
+        let unread = Reads {
+            routes: false,
+            ..reads
+        };
+        let ring = map_sizes(&limits, unread).find(|&(name, _)| name == maps::ROUTE_EVENTS);
+        assert_eq!(ring, Some((maps::ROUTE_EVENTS, 4096)));
     }
 }

@@ -23,6 +23,8 @@ use crate::config::{Limits, RoutePatterns, ServiceRoutes};
 /// interval (`[limits] route_events` records).
 const DRAIN_INTERVAL: Duration = Duration::from_millis(100);
 
+/// The smallest ring the kernel makes.
+const PAGE_BYTES: u32 = 4096;
 /// Bytes a record takes in the ring: its 8-byte header and the event, 8-aligned.
 const RECORD_BYTES: u32 = (8 + size_of::<RouteEvent>() as u32).next_multiple_of(8);
 
@@ -75,14 +77,19 @@ pub(super) struct Routes {
 
 impl Routes {
     /// The size `limits` gives the ring: room for `[limits] route_events` records, a
-    /// power of two of at least a page, as the kernel wants.
-    pub fn sizes(limits: &Limits) -> MapSizes {
-        let bytes = limits
-            .route_events
-            .saturating_mul(RECORD_BYTES)
-            .checked_next_power_of_two()
-            .unwrap_or(1 << 31)
-            .max(4096);
+    /// power of two of at least a page, as the kernel wants; a page where the programs
+    /// read no route (`read` false: they never write it).
+    pub fn sizes(limits: &Limits, read: bool) -> MapSizes {
+        let bytes = if read {
+            limits
+                .route_events
+                .saturating_mul(RECORD_BYTES)
+                .checked_next_power_of_two()
+                .unwrap_or(1 << 31)
+                .max(PAGE_BYTES)
+        } else {
+            PAGE_BYTES
+        };
         vec![(maps::ROUTE_EVENTS, bytes)]
     }
 
