@@ -440,7 +440,8 @@ pub enum Amount {
 /// What grpc_client.py reported.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GrpcResult {
-    /// Calls the server ended with a status (OK, or Abort's INVALID_ARGUMENT): each
+    /// Calls the server ended with a status (OK, or Abort's: INVALID_ARGUMENT from
+    /// grpcio, UNAVAILABLE from grpc-go): each
     /// one stream the server ended with END_STREAM.
     pub completed: u64,
     /// Of those, the ones with OK.
