@@ -649,6 +649,14 @@ impl Metrics {
             .find_map(|(k, v)| (k == key).then_some(v.as_str()))
     }
 
+    /// The mean of histogram `name` (its `_sum` over its `_count`) for the series whose
+    /// labels include `labels`; `None` without observations.
+    pub fn histogram_mean(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let sum = self.value(&format!("{name}_sum"), labels)?;
+        let count = self.value(&format!("{name}_count"), labels)?;
+        (count > 0.0).then(|| sum / count)
+    }
+
     /// True if any sample carries label `key` = `value`.
     pub fn has_label(&self, key: &str, value: &str) -> bool {
         self.samples

@@ -2026,10 +2026,7 @@ fn grpc_calls_count_under_their_method_and_status() -> anyhow::Result<()> {
                 ("route", "/poolscope.Test/Sleep"),
                 ("method", "POST"),
             ];
-            let mean = metrics
-                .value("poolscope_route_request_duration_seconds_sum", &labels)
-                .zip(metrics.value("poolscope_route_request_duration_seconds_count", &labels))
-                .map(|(sum, count)| sum / count);
+            let mean = metrics.histogram_mean("poolscope_route_request_duration_seconds", &labels);
             eprintln!(
                 "{kind} on {backend}: Sleep's mean duration {mean:?} s (the handler sleeps {SLEEP_MS} ms)"
             );

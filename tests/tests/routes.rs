@@ -112,9 +112,7 @@ fn route_counts(metrics: &Metrics, service: &str) -> BTreeMap<(String, String, S
 /// A route's mean duration as poolscope has it (seconds), from its histogram.
 fn mean_duration(metrics: &Metrics, service: &str, method: &str, route: &str) -> Option<f64> {
     let labels = [("service", service), ("route", route), ("method", method)];
-    let sum = metrics.value("poolscope_route_request_duration_seconds_sum", &labels)?;
-    let count = metrics.value("poolscope_route_request_duration_seconds_count", &labels)?;
-    (count > 0.0).then(|| sum / count)
+    metrics.histogram_mean("poolscope_route_request_duration_seconds", &labels)
 }
 
 /// A poolscope watching a route server on `backend` whose routes its target's
