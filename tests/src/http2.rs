@@ -8,6 +8,7 @@
 //! - [`h2raw`] and [`OldConnection`]: tests/http2/h2raw.py, the `h2` library's bytes
 //!   on a raw socket (resets, closes under open streams, hostile input, a connection
 //!   older than poolscope), which reports the streams the server answered;
+//!   [`Hostile`] writes its hostile input also with the standard library alone;
 //! - [`PlainH2Server`] and [`plain_streams`]: tests/src/bin/h2server.rs and a client
 //!   here, both the standard library alone (they run in the test guests, which have
 //!   no Python, nginx or nghttp2), each counting its streams; the server with a
@@ -608,6 +609,199 @@ pub fn h2raw(mode: &str, port: u16, args: &[String]) -> anyhow::Result<RawResult
     RawResult::parse(json)
 }
 
+/// One hostile connection (h2raw.py's modes), written both by h2raw.py (the `h2`
+/// library's bytes, for nginx) and by [`Hostile::run_plain`] (the standard library
+/// alone, for [`PlainH2Server`] in the guests, which have no Python).
+#[derive(Clone, Copy, Debug)]
+pub enum Hostile {
+    /// The preface, then 256 bytes of garbage.
+    Garbage,
+    /// The preface, SETTINGS, a HEADERS frame header announcing 16 MB, 4 KiB.
+    Huge,
+    /// A valid request, one byte per send().
+    Bytewise,
+    /// A valid request in two send()s, cut this far into its HEADERS frame header.
+    Split(u8),
+}
+
+/// How long a hostile client waits for a server that neither answers nor closes.
+const HOSTILE_SILENCE: Duration = Duration::from_millis(500);
+
+impl Hostile {
+    pub fn all() -> Vec<Self> {
+        let mut all = vec![Self::Garbage, Self::Huge, Self::Bytewise];
+        all.extend((0..=9).map(Self::Split));
+        all
+    }
+
+    /// Through h2raw.py.
+    pub fn run(self, port: u16) -> anyhow::Result<RawResult> {
+        match self {
+            Self::Garbage => h2raw("garbage", port, &[]),
+            Self::Huge => h2raw("huge", port, &[]),
+            Self::Bytewise => h2raw("bytewise", port, &[]),
+            Self::Split(offset) => h2raw("split", port, &[offset.to_string()]),
+        }
+    }
+
+    /// The same bytes' shapes written here: the request is [`PlainConnection`]'s, the
+    /// garbage a fixed pseudo-random sequence. A server that neither answers nor
+    /// closes is left after [`HOSTILE_SILENCE`].
+    pub fn run_plain(self, port: u16) -> anyhow::Result<RawResult> {
+        let mut socket = PlainConnection::connect(port)?;
+        socket.set_nodelay(true)?;
+        let mut start = H2_PREFACE.to_vec();
+        start.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
+        let request = h2_frame(
+            H2_HEADERS,
+            H2_END_STREAM | H2_END_HEADERS,
+            1,
+            &H2_REQUEST_BLOCK,
+        );
+        let mut reader = RawReader::default();
+        match self {
+            Self::Garbage => {
+                let mut state = 7u64;
+                let garbage: Vec<u8> = (0..256)
+                    .map(|_| {
+                        // xorshift64: any fixed sequence will do.
+                        state ^= state << 13;
+                        state ^= state >> 7;
+                        state ^= state << 17;
+                        state as u8
+                    })
+                    .collect();
+                socket.write_all(&[H2_PREFACE.as_slice(), &garbage].concat())?;
+                reader.read(&mut socket, |_| false)?;
+            }
+            Self::Huge => {
+                socket.write_all(&start)?;
+                let flags = H2_END_STREAM | H2_END_HEADERS;
+                let mut header = h2_frame(H2_HEADERS, flags, 1, &[]);
+                header[..3].copy_from_slice(&[0xff, 0xff, 0xff]);
+                socket.write_all(&[header, vec![0; 4096]].concat())?;
+                reader.read(&mut socket, |_| false)?;
+            }
+            Self::Bytewise => {
+                for byte in [start, request].concat() {
+                    socket.write_all(&[byte])?;
+                    // Paced so that the server may read each byte on its own.
+                    thread::sleep(Duration::from_millis(1));
+                }
+                reader.read(&mut socket, RawReader::stream_one_ended)?;
+            }
+            Self::Split(offset) => {
+                let offset = usize::from(offset).min(request.len());
+                socket.write_all(&[start.as_slice(), &request[..offset]].concat())?;
+                // The server acknowledges our SETTINGS once it read them: it has read
+                // the whole first send, so the cut falls between two reads.
+                reader.hold = true;
+                reader.read(&mut socket, |reader| reader.settings_acked)?;
+                socket.write_all(&request[offset..])?;
+                reader.release(&mut socket)?;
+                reader.read(&mut socket, RawReader::stream_one_ended)?;
+            }
+        }
+        Ok(reader.result)
+    }
+
+    /// A valid request the server answers: poolscope must count it, unless it gave
+    /// the connection up (a loss).
+    pub fn valid(self) -> bool {
+        matches!(self, Self::Bytewise | Self::Split(_))
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            Self::Garbage => "garbage after the preface".to_owned(),
+            Self::Huge => "a 16 MB frame header".to_owned(),
+            Self::Bytewise => "a request byte by byte".to_owned(),
+            Self::Split(offset) => format!("HEADERS cut at {offset}"),
+        }
+    }
+}
+
+/// What a hostile client read of the server's frames.
+#[derive(Default)]
+struct RawReader {
+    result: RawResult,
+    settings_acked: bool,
+    stream_one_ended: bool,
+    /// Whether acknowledgements wait: written between a frame's two halves, they
+    /// would cut it.
+    hold: bool,
+    ack_owed: bool,
+}
+
+impl RawReader {
+    fn stream_one_ended(&self) -> bool {
+        self.stream_one_ended
+    }
+
+    /// Stops holding acknowledgements back, writing the one owed.
+    fn release(&mut self, socket: &mut TcpStream) -> anyhow::Result<()> {
+        self.hold = false;
+        if std::mem::take(&mut self.ack_owed) {
+            socket.write_all(&h2_frame(H2_SETTINGS, H2_ACK, 0, &[]))?;
+        }
+        Ok(())
+    }
+
+    /// Reads frames until `done`, the server's close, or [`HOSTILE_SILENCE`],
+    /// acknowledging the server's SETTINGS (unless held back).
+    fn read(&mut self, socket: &mut TcpStream, done: impl Fn(&Self) -> bool) -> anyhow::Result<()> {
+        socket.set_read_timeout(Some(HOSTILE_SILENCE))?;
+        while !done(self) && !self.result.server_closed {
+            let mut header = [0u8; 9];
+            match socket.read_exact(&mut header) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    self.result.server_closed = true;
+                    break;
+                }
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    break;
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset => {
+                    self.result.server_closed = true;
+                    break;
+                }
+                Err(error) => return Err(error.into()),
+            }
+            let length = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+            let mut payload = vec![0u8; length];
+            socket.read_exact(&mut payload)?;
+            let (kind, flags) = (header[3], header[4]);
+            let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]);
+            match kind {
+                H2_SETTINGS if flags & H2_ACK != 0 => self.settings_acked = true,
+                H2_SETTINGS if self.hold => self.ack_owed = true,
+                H2_SETTINGS => socket.write_all(&h2_frame(H2_SETTINGS, H2_ACK, 0, &[]))?,
+                H2_HEADERS | H2_DATA if flags & H2_END_STREAM != 0 => {
+                    self.result.answered += 1;
+                    self.stream_one_ended |= stream == 1;
+                }
+                H2_RST_STREAM => {
+                    self.result.reset_by_server += 1;
+                    self.stream_one_ended |= stream == 1;
+                }
+                H2_GOAWAY => {
+                    self.result.goaway = payload.get(4..8).map(|code| {
+                        u64::from(u32::from_be_bytes([code[0], code[1], code[2], code[3]]))
+                    });
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
 /// An h2c connection to 127.0.0.1:`port` that made one request when opened
 /// (h2raw.py's `old` mode) and makes more on demand; closed when dropped.
 pub struct OldConnection {
@@ -759,7 +953,9 @@ impl PlainH2Server {
 }
 
 /// HTTP/2 frame types and flags that the plain server and client send and read.
+pub const H2_DATA: u8 = 0;
 pub const H2_HEADERS: u8 = 1;
+pub const H2_RST_STREAM: u8 = 3;
 pub const H2_SETTINGS: u8 = 4;
 pub const H2_PING: u8 = 6;
 pub const H2_GOAWAY: u8 = 7;

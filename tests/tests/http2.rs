@@ -16,15 +16,16 @@
 //! - resets: aborted gRPC calls (trailers-only responses: requests, not resets), calls
 //!   the client cancels with RST_STREAM, calls open when the client closes, and
 //!   nginx resetting streams itself (`return 444`);
-//! - hostile input to nginx: garbage after the preface, a frame announcing 16 MB, a
-//!   request one byte per send, a request cut inside its HEADERS frame header at
-//!   each offset: never more requests than nginx answered, and each valid request
-//!   counted exactly unless an `http2_*` loss says its connection was given up;
+//! - hostile input to nginx and to the plain server below: garbage after the
+//!   preface, a frame announcing 16 MB, a request one byte per send, a request cut
+//!   inside its HEADERS frame header at each offset: never more requests than the
+//!   server answered, and each valid request counted exactly unless an `http2_*` loss
+//!   says its connection was given up;
 //! - HTTP/1.1 and h2c in one service; an h2c connection older than poolscope;
 //! - a plain server of the standard library (a thread per stream), which also runs in
 //!   the test guests: streams, in flight and durations against its own count; its
 //!   stream limit, a client's close under open streams, a connection older than
-//!   poolscope, the `Upgrade: h2c` path.
+//!   poolscope, the `Upgrade: h2c` path, the hostile input.
 //!
 //! The socket backend follows HTTP/2, and the tcp backend where fexit attaches
 //! ([`http2_capable`]). The tables go to stderr (`--nocapture`).
@@ -37,9 +38,9 @@ use anyhow::Context as _;
 use poolscope_tests::{
     Metrics, Poolscope, backend_config, backends, free_port,
     http2::{
-        Amount, GrpcClient, GrpcServer, NodeH2Server, OldConnection, PlainConnection,
-        PlainH2Server, UpgradeServer, curl_upgrade, h2load, h2load_grpc, h2load_h1, h2load_paths,
-        h2raw, plain_streams,
+        Amount, GrpcClient, GrpcServer, Hostile, NodeH2Server, OldConnection, PlainConnection,
+        PlainH2Server, RawResult, UpgradeServer, curl_upgrade, h2load, h2load_grpc, h2load_h1,
+        h2load_paths, h2raw, plain_streams,
     },
     one_at_a_time, privileged, scorecard, scrape_until,
     servers::{Kind, RealServer, pin_to_first_cpu},
@@ -987,51 +988,6 @@ fn nginx_server_resets() -> anyhow::Result<()> {
     ensure_none("nginx's resets", &failures)
 }
 
-/// One hostile connection to nginx (h2raw.py's modes).
-#[derive(Clone, Copy, Debug)]
-enum Hostile {
-    /// The preface, then 256 bytes of garbage.
-    Garbage,
-    /// The preface, SETTINGS, a HEADERS frame header announcing 16 MB, 4 KiB.
-    Huge,
-    /// A valid request, one byte per send().
-    Bytewise,
-    /// A valid request in two send()s, cut this far into its HEADERS frame header.
-    Split(u8),
-}
-
-impl Hostile {
-    fn all() -> Vec<Self> {
-        let mut all = vec![Self::Garbage, Self::Huge, Self::Bytewise];
-        all.extend((0..=9).map(Self::Split));
-        all
-    }
-
-    fn run(self, port: u16) -> anyhow::Result<poolscope_tests::http2::RawResult> {
-        match self {
-            Self::Garbage => h2raw("garbage", port, &[]),
-            Self::Huge => h2raw("huge", port, &[]),
-            Self::Bytewise => h2raw("bytewise", port, &[]),
-            Self::Split(offset) => h2raw("split", port, &[offset.to_string()]),
-        }
-    }
-
-    /// A valid request nginx answers: poolscope must count it, unless it gave the
-    /// connection up (a loss).
-    fn valid(self) -> bool {
-        matches!(self, Self::Bytewise | Self::Split(_))
-    }
-
-    fn name(self) -> String {
-        match self {
-            Self::Garbage => "garbage after the preface".to_owned(),
-            Self::Huge => "a 16 MB frame header".to_owned(),
-            Self::Bytewise => "a request byte by byte".to_owned(),
-            Self::Split(offset) => format!("HEADERS cut at {offset}"),
-        }
-    }
-}
-
 /// Hostile input to nginx's h2c port, one connection each: poolscope keeps serving,
 /// never counts more requests than nginx answered (the client reads every answer),
 /// and counts each valid request, however cut up, exactly: 1, unless an `http2_*`
@@ -1044,27 +1000,117 @@ fn nginx_hostile_input() -> anyhow::Result<()> {
     }
     let _serial = one_at_a_time();
     let mut failures = Vec::new();
-    let mut table = vec![
-        "| backend | input | answered | server | requests_total | resets | connections | \
-         lost | verdict |"
-            .to_owned(),
-    ];
+    let mut table = HostileTable::default();
     for backend in http2_backends("nginx_hostile_input") {
         let server = RealServer::start(Kind::NginxH2c, free_port()?)?;
         let service = format!("nginx-hostile-{backend}");
         let poolscope = watch(backend, &service, &server.pids())?;
+        table.run(&poolscope, backend, &service, &mut failures, |case| {
+            case.run(server.port())
+        })?;
+        // Nothing left behind: the next connections count exactly.
+        let before = Counts::scrape(&poolscope, &service)?;
+        let load = h2load(server.port(), "/", 1000, 2, 10)?;
+        anyhow::ensure!(load.succeeded == 1000, "h2load: {load:?}");
+        let delta = settle_on(&poolscope, &service, &before, load.succeeded, 0)?;
+        Expect {
+            what: &format!("{backend}, h2load after the hostile input"),
+            requests: load.succeeded,
+            resets: 0,
+            connections: Some(2),
+        }
+        .check(&delta, &mut failures);
+    }
+    eprintln!("{}", table.rows.join("\n"));
+    ensure_none("hostile input", &failures)
+}
+
+/// The hostile cases against the standard-library server, written by the standard
+/// library too ([`Hostile::run_plain`]), so that they run in the 6.1 guest on the tcp
+/// backend: the same verdicts as nginx's, then 3 connections × 8 streams count exactly.
+#[test]
+fn plain_server_hostile_input() -> anyhow::Result<()> {
+    if !privileged("plain_server_hostile_input") {
+        return Ok(());
+    }
+    const CONNECTIONS: u32 = 3;
+    const PER_CONNECTION: u32 = 8;
+    let _serial = one_at_a_time();
+    let mut failures = Vec::new();
+    let mut table = HostileTable::default();
+    for backend in http2_backends("plain_server_hostile_input") {
+        let server = PlainH2Server::start(Duration::from_millis(5))?;
+        let service = format!("h2server-hostile-{backend}");
+        let poolscope = watch(backend, &service, &[server.pid()])?;
+        let hostile_answered = table.run(&poolscope, backend, &service, &mut failures, |case| {
+            case.run_plain(server.port())
+        })?;
+        let before = Counts::scrape(&poolscope, &service)?;
+        let (answered, ()) = plain_streams(server.port(), CONNECTIONS, 4, PER_CONNECTION, || ())?;
+        let delta = settle_on(&poolscope, &service, &before, answered, 0)?;
+        let served = server.finish()?;
+        let streams = u64::from(CONNECTIONS * PER_CONNECTION);
+        // The server counts the valid hostile cases' streams too.
+        let answers = Answers {
+            made: streams,
+            client: answered,
+            server: served.answered.saturating_sub(hostile_answered),
+            server_open: served.open,
+        };
+        answers.check(
+            &format!("{backend}, h2server after the hostile input"),
+            &delta,
+            CONNECTIONS,
+            &mut failures,
+        );
+    }
+    eprintln!("{}", table.rows.join("\n"));
+    ensure_none("plain server's hostile input", &failures)
+}
+
+/// The rows of the hostile-input tests: one per backend and case.
+struct HostileTable {
+    rows: Vec<String>,
+}
+
+impl Default for HostileTable {
+    fn default() -> Self {
+        Self {
+            rows: vec![
+                "| backend | input | answered | server | requests_total | resets | connections \
+                 | lost | verdict |"
+                    .to_owned(),
+            ],
+        }
+    }
+}
+
+impl HostileTable {
+    /// Runs every [`Hostile`] case through `run`, one connection each: poolscope keeps
+    /// serving (a crash fails the scrapes), never counts more requests than the server
+    /// answered, and counts a valid request unless it gave the connection up (a loss).
+    /// The streams the server answered, summed.
+    fn run(
+        &mut self,
+        poolscope: &Poolscope,
+        backend: &str,
+        service: &str,
+        failures: &mut Vec<String>,
+        run: impl Fn(Hostile) -> anyhow::Result<RawResult>,
+    ) -> anyhow::Result<u64> {
+        let mut answered = 0;
         for case in Hostile::all() {
             let what = format!("{backend}, {}", case.name());
-            let before = Counts::scrape(&poolscope, &service)?;
-            let result = case.run(server.port())?;
+            let before = Counts::scrape(poolscope, service)?;
+            let result = run(case).with_context(|| what.clone())?;
+            answered += result.answered;
             if case.valid() {
                 anyhow::ensure!(
                     result.answered == 1,
-                    "{what}: nginx did not answer the request: {result:?}"
+                    "{what}: the server did not answer the request: {result:?}"
                 );
             }
-            // A crash fails the scrapes here.
-            let delta = settle_on(&poolscope, &service, &before, result.answered, 0)
+            let delta = settle_on(poolscope, service, &before, result.answered, 0)
                 .with_context(|| format!("{what}: poolscope did not settle"))?;
             let lost = delta.lost() > 0.0;
             let verdict = if delta.requests > result.answered as f64 {
@@ -1087,7 +1133,7 @@ fn nginx_hostile_input() -> anyhow::Result<()> {
                 (false, Some(code)) => format!("GOAWAY {code}"),
                 (false, None) => "-".to_owned(),
             };
-            table.push(format!(
+            self.rows.push(format!(
                 "| {backend} | {} | {} | {server_said} | {} | {} | {} | {} | {verdict} |",
                 case.name(),
                 result.answered,
@@ -1100,21 +1146,8 @@ fn nginx_hostile_input() -> anyhow::Result<()> {
                 failures.push(format!("{what}: {verdict}"));
             }
         }
-        // Nothing left behind: the next connections count exactly.
-        let before = Counts::scrape(&poolscope, &service)?;
-        let load = h2load(server.port(), "/", 1000, 2, 10)?;
-        anyhow::ensure!(load.succeeded == 1000, "h2load: {load:?}");
-        let delta = settle_on(&poolscope, &service, &before, load.succeeded, 0)?;
-        Expect {
-            what: &format!("{backend}, h2load after the hostile input"),
-            requests: load.succeeded,
-            resets: 0,
-            connections: Some(2),
-        }
-        .check(&delta, &mut failures);
+        Ok(answered)
     }
-    eprintln!("{}", table.join("\n"));
-    ensure_none("hostile input", &failures)
 }
 
 /// A server that serves every open stream at once (tests/src/bin/h2server.rs: a thread

@@ -114,6 +114,7 @@ const GUEST_TESTS: &[(&str, &[&str])] = &[
             "plain_server_limits_closes_and_old_connections",
             "plain_server_h2c_upgrade_counts_the_upgrade_and_every_stream",
             "plain_server_streams_count_under_their_route",
+            "plain_server_hostile_input",
         ],
     ),
     ("pods", &["same_port_in_two_namespaces_both_watched"]),
