@@ -578,6 +578,16 @@ pub struct Sample {
     pub value: f64,
 }
 
+impl Sample {
+    /// Whether it is named `name` and its labels include `labels`.
+    fn is(&self, name: &str, labels: &[(&str, &str)]) -> bool {
+        self.name == name
+            && labels
+                .iter()
+                .all(|(k, v)| self.labels.iter().any(|(sk, sv)| sk == k && sv == v))
+    }
+}
+
 /// A parsed scrape (text format; label values without escapes are enough here).
 #[derive(Clone, Debug, Default)]
 pub struct Metrics {
@@ -628,12 +638,24 @@ impl Metrics {
 
     /// The first sample named `name` whose labels include `labels`.
     fn sample(&self, name: &str, labels: &[(&str, &str)]) -> Option<&Sample> {
-        self.samples.iter().find(|s| {
-            s.name == name
-                && labels
-                    .iter()
-                    .all(|(k, v)| s.labels.iter().any(|(sk, sv)| sk == k && sv == v))
-        })
+        self.samples.iter().find(|s| s.is(name, labels))
+    }
+
+    /// Every sample named `name` whose labels include `labels`: its labels and value.
+    pub fn matching<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a [(&'a str, &'a str)],
+    ) -> impl Iterator<Item = (&'a [(String, String)], f64)> + 'a {
+        self.samples
+            .iter()
+            .filter(move |s| s.is(name, labels))
+            .map(|s| (s.labels.as_slice(), s.value))
+    }
+
+    /// The sum of every sample named `name` whose labels include `labels`; 0 if none.
+    pub fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.matching(name, labels).map(|(_, value)| value).sum()
     }
 
     /// The value of the one sample named `name` whose labels include `labels`.

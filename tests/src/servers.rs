@@ -11,7 +11,7 @@
 //! requests (`nginx-h2c`: never), Tomcat after 100, the gunicorn sync worker after
 //! every request (it does not do keep-alive), gthread, Node.js and Go keep it open.
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     fs,
     io::{Read as _, Write as _},
     net::{TcpListener, TcpStream},
@@ -90,9 +90,10 @@ impl Kind {
     }
 
     /// Processes the server runs once it is up (master + workers).
-    fn processes(self) -> usize {
+    fn processes(self, options: &Options) -> usize {
         match self {
-            Kind::Nginx | Kind::NginxH2c | Kind::GunicornGthread => 2,
+            Kind::Nginx | Kind::NginxH2c => 1 + options.workers.unwrap_or(1) as usize,
+            Kind::GunicornGthread => 2,
             Kind::GunicornSync => 3,
             Kind::Tomcat | Kind::Node | Kind::Go => 1,
         }
@@ -122,6 +123,11 @@ pub struct Options {
     /// active milliseconds (`performance.eventLoopUtilization()`: "IDLE ACTIVE\n")
     /// and `/title?name=X` by setting `process.title` (which renames its main thread).
     pub work: bool,
+    /// nginx: its `worker_processes` (default 1).
+    pub workers: Option<u32>,
+    /// nginx: log each request's status, one line each, for [`RealServer::statuses`]
+    /// (off by default: the log costs the other tests' throughput).
+    pub access_log: bool,
     /// Tomcat: listen on all interfaces instead of 127.0.0.1. Tomcat names its threads
     /// after the connector, `http-nio-[ADDRESS-]PORT-exec-N`, and the kernel keeps 15
     /// characters: only without an address and with a 4-digit port do the exec
@@ -159,8 +165,8 @@ impl RealServer {
             _ => None,
         };
         let mut command = match kind {
-            Kind::Nginx => nginx(dir.path(), port, None)?,
-            Kind::NginxH2c => nginx(dir.path(), port, http1_port)?,
+            Kind::Nginx => nginx(dir.path(), port, None, options)?,
+            Kind::NginxH2c => nginx(dir.path(), port, http1_port, options)?,
             Kind::Tomcat => tomcat(dir.path(), port, options)?,
             Kind::GunicornSync => gunicorn(dir.path(), port, &["--workers", "2"], options.work)?,
             Kind::GunicornGthread => gunicorn(
@@ -197,7 +203,7 @@ impl RealServer {
         let ready = wait_until(kind.startup_timeout(), || {
             !matches!(server.child.try_wait(), Ok(None))
                 || (server.answer().is_ok_and(|body| body == BODY)
-                    && server.pids().len() >= kind.processes())
+                    && server.pids().len() >= kind.processes(options))
         });
         if let Some(status) = server.child.try_wait()? {
             bail!(
@@ -258,6 +264,23 @@ impl RealServer {
     }
 
     /// What the server wrote to stdout and stderr so far.
+    /// nginx with [`Options::access_log`]: how many requests it answered with each
+    /// status, from its access log (written as each request ends).
+    pub fn statuses(&self) -> anyhow::Result<BTreeMap<u16, u64>> {
+        let path = self.dir.path().join(ACCESS_LOG);
+        let log = fs::read_to_string(&path)
+            .with_context(|| format!("reading {} (is access_log on?)", path.display()))?;
+        let mut statuses = BTreeMap::new();
+        for line in log.lines() {
+            let status = line
+                .trim()
+                .parse()
+                .with_context(|| format!("a status line of nginx's access log: {line:?}"))?;
+            *statuses.entry(status).or_default() += 1;
+        }
+        Ok(statuses)
+    }
+
     pub fn log(&self) -> String {
         fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
     }
@@ -372,11 +395,25 @@ fn write(dir: &Path, name: &str, contents: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// Where nginx logs each request's status with [`Options::access_log`].
+const ACCESS_LOG: &str = "access.log";
+
 /// nginx's config: HTTP/1.1 on `port`; or with `http1_port`, cleartext HTTP/2 on
 /// `port` and HTTP/1.1 on `http1_port` (see [`Kind::NginxH2c`]).
-fn nginx(dir: &Path, port: u16, http1_port: Option<u16>) -> anyhow::Result<Command> {
+fn nginx(
+    dir: &Path,
+    port: u16,
+    http1_port: Option<u16>,
+    options: &Options,
+) -> anyhow::Result<Command> {
     write(dir, "www/index.txt", BODY)?;
     let d = dir.display();
+    let workers = options.workers.unwrap_or(1);
+    let access_log = if options.access_log {
+        format!("log_format statuses '$status';\n    access_log {d}/{ACCESS_LOG} statuses;")
+    } else {
+        "access_log off;".to_owned()
+    };
     let (listen, h2c) = match http1_port {
         None => (format!("listen 127.0.0.1:{port};"), ""),
         Some(http1_port) => (
@@ -398,14 +435,14 @@ fn nginx(dir: &Path, port: u16, http1_port: Option<u16>) -> anyhow::Result<Comma
         &format!(
             "daemon off;
 master_process on;
-worker_processes 1;
+worker_processes {workers};
 pid {d}/nginx.pid;
 error_log stderr warn;
 events {{
     worker_connections 1024;
 }}
 http {{
-    access_log off;
+    {access_log}
     sendfile on;
     tcp_nopush on;
     default_type text/plain;
@@ -887,6 +924,34 @@ pub fn wrk_path(
     connections: u32,
     duration: Duration,
 ) -> anyhow::Result<WrkResult> {
+    run_wrk(port, path, threads, connections, duration, &[])
+}
+
+/// [`wrk`] asking for `Connection: close`: a connection per request.
+pub fn wrk_closing(
+    port: u16,
+    threads: u32,
+    connections: u32,
+    duration: Duration,
+) -> anyhow::Result<WrkResult> {
+    run_wrk(
+        port,
+        "/",
+        threads,
+        connections,
+        duration,
+        &["-H", "Connection: close"],
+    )
+}
+
+fn run_wrk(
+    port: u16,
+    path: &str,
+    threads: u32,
+    connections: u32,
+    duration: Duration,
+    extra: &[&str],
+) -> anyhow::Result<WrkResult> {
     // wrk on the last CPU, away from the server (see `pin_to_first_cpu`): its own
     // scheduling delays would otherwise count as latency on its side only.
     let last_cpu = std::thread::available_parallelism().map_or(0, |n| n.get() - 1);
@@ -898,6 +963,7 @@ pub fn wrk_path(
         .arg(format!("-t{threads}"))
         .arg(format!("-c{connections}"))
         .arg(format!("-d{}s", duration.as_secs().max(1)))
+        .args(extra)
         .arg(format!("http://127.0.0.1:{port}{path}"))
         .stdin(Stdio::null())
         .output()

@@ -253,6 +253,7 @@ fn tomcat_monitor_waits_are_lock_waits_and_sleeps_are_timed_ones() -> anyhow::Re
         threads: Some(CONNECTIONS),
         work: true,
         any_address: true,
+        ..Options::default()
     };
     let server = RealServer::start_with(Kind::Tomcat, port, &options)?;
     // The first request to each JSP compiles it.

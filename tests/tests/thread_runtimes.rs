@@ -266,6 +266,7 @@ fn tomcat_exec_pool_is_saturated_at_max_threads() -> anyhow::Result<()> {
         threads: Some(MAX_THREADS),
         work: true,
         any_address: true,
+        ..Options::default()
     };
     let server = RealServer::start_with(Kind::Tomcat, port, &options)?;
     // The first request compiles the JSP.

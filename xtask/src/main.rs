@@ -1,4 +1,4 @@
-//! `cargo xtask <run|test|bench|scorecard|picture|setup|…>`: the project's only entry points. Each first
+//! `cargo xtask <run|test|stress|bench|scorecard|picture|setup|…>`: the project's only entry points. Each first
 //! installs what is missing (rust-src, bpf-linker linked to rustc's own libLLVM, the
 //! Debian packages the task needs) and says nothing when nothing is missing.
 mod bench;
@@ -22,6 +22,7 @@ const USAGE: &str = "usage: cargo xtask <command>
   run [-- poolscope flags]  install what is missing, build, run poolscope (auto-discovery)
   test                      install what is missing, run lint, unit and privileged tests, then vm-test
   vm-test                   install what is missing, run poolscope and ground-truth tests on Debian 12's 6.1 kernel in qemu
+  stress [--seconds N]      (root) install what is missing, load nginx and Go at full rate on every backend for N s each (default 20): every count against the truth, every gauge back to 0
   bench                     install what is missing, measure poolscope's cost on nginx, per context switch, per lock and of stack snapshots (BENCH_ONLY=nginx|sched|locks|stacks)
   manifests [--job-selector S] [--runbook-base URL]  write deploy/kubernetes/'s PrometheusRule and dashboard ConfigMaps from alerts/ and dashboards/
   image                     build the .deb, then the container image localhost/poolscope:<version> from Debian packages and target/image/poolscope_<version>.oci.tar
@@ -119,6 +120,22 @@ fn xtask() -> anyhow::Result<()> {
         Some("vm-test") => {
             setup::ensure(vm::PACKAGES)?;
             vm::run(&root)
+        }
+        Some("stress") => {
+            let seconds = match args.get(1..).unwrap_or_default() {
+                [] => None,
+                [flag, seconds] if flag == "--seconds" => Some(
+                    seconds
+                        .parse::<u64>()
+                        .with_context(|| format!("stress: --seconds {seconds:?} is no number"))?,
+                ),
+                _ => bail!("stress: unknown arguments\n{USAGE}"),
+            };
+            if !is_root() {
+                bail!("cargo xtask stress loads eBPF programs: run it as root");
+            }
+            setup::ensure(TEST_PACKAGES)?;
+            stress(&root, seconds)
         }
         Some("bench") => {
             setup_and_build(&root, bench::PACKAGES)?;
@@ -247,6 +264,28 @@ fn run_scorecard_tests(root: &Path, log: &Path) -> anyhow::Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// `cargo xtask stress`: tests/tests/stress.rs, its load `seconds` long per backend.
+fn stress(root: &Path, seconds: Option<u64>) -> anyhow::Result<()> {
+    cargo(root, &["build", "--quiet", "--release", "--bins"])?;
+    if let Some(seconds) = seconds {
+        // SAFETY: xtask is single-threaded; the test it starts inherits the variable.
+        unsafe { std::env::set_var("POOLSCOPE_STRESS_SECONDS", seconds.to_string()) };
+    }
+    cargo(
+        root,
+        &[
+            "test",
+            "--release",
+            "--package",
+            "poolscope-tests",
+            "--test",
+            "stress",
+            "--",
+            "--nocapture",
+        ],
+    )
 }
 
 fn workspace_root() -> anyhow::Result<PathBuf> {
