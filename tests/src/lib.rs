@@ -976,6 +976,8 @@ pub struct ThreadRow {
     pub service: String,
     pub pool: String,
     pub activity: String,
+    /// The requests the kernel says the thread is serving now.
+    pub serving: u32,
     pub running: f64,
     pub runnable: f64,
     /// The peer of the socket the thread waits on now (`-`: none).
@@ -992,7 +994,7 @@ pub fn parse_debug_threads(text: &str) -> anyhow::Result<Vec<ThreadRow>> {
                 service,
                 pool,
                 activity,
-                _serving,
+                serving,
                 running,
                 runnable,
                 waiting_on,
@@ -1005,6 +1007,7 @@ pub fn parse_debug_threads(text: &str) -> anyhow::Result<Vec<ThreadRow>> {
                 service: service.to_owned(),
                 pool: pool.to_owned(),
                 activity: activity.to_owned(),
+                serving: serving.parse()?,
                 running: running.parse()?,
                 runnable: runnable.parse()?,
                 waiting_on: waiting_on.to_owned(),

@@ -125,8 +125,9 @@ pub struct Options {
     pub work: bool,
     /// nginx: its `worker_processes` (default 1).
     pub workers: Option<u32>,
-    /// nginx: log each request's status, one line each, for [`RealServer::statuses`]
-    /// (off by default: the log costs the other tests' throughput).
+    /// nginx: log each request's status, one line each; the Go server: keep its count
+    /// of answers in a file; for [`RealServer::statuses`] (off by default: nginx's log
+    /// costs the other tests' throughput).
     pub access_log: bool,
     /// Tomcat: listen on all interfaces instead of 127.0.0.1. Tomcat names its threads
     /// after the connector, `http-nio-[ADDRESS-]PORT-exec-N`, and the kernel keeps 15
@@ -183,7 +184,7 @@ impl RealServer {
                 options.work,
             )?,
             Kind::Node => node(dir.path(), port, options.work)?,
-            Kind::Go => go(dir.path(), port, options.work)?,
+            Kind::Go => go(dir.path(), port, options)?,
         };
         let log = fs::File::create(dir.path().join("server.log"))?;
         let child = command
@@ -264,19 +265,34 @@ impl RealServer {
     }
 
     /// What the server wrote to stdout and stderr so far.
-    /// nginx with [`Options::access_log`]: how many requests it answered with each
-    /// status, from its access log (written as each request ends).
+    /// With [`Options::access_log`], how many requests it answered with each status:
+    /// nginx's access log (written as each request ends), the Go server's count (all
+    /// `200`, kept every 20 ms: read it once its connections closed, and 20 ms on).
     pub fn statuses(&self) -> anyhow::Result<BTreeMap<u16, u64>> {
-        let path = self.dir.path().join(ACCESS_LOG);
-        let log = fs::read_to_string(&path)
-            .with_context(|| format!("reading {} (is access_log on?)", path.display()))?;
+        let read = |name: &str| {
+            let path = self.dir.path().join(name);
+            fs::read_to_string(&path)
+                .with_context(|| format!("reading {} (is access_log on?)", path.display()))
+        };
         let mut statuses = BTreeMap::new();
-        for line in log.lines() {
-            let status = line
-                .trim()
-                .parse()
-                .with_context(|| format!("a status line of nginx's access log: {line:?}"))?;
-            *statuses.entry(status).or_default() += 1;
+        match self.kind {
+            Kind::Nginx | Kind::NginxH2c => {
+                for line in read(ACCESS_LOG)?.lines() {
+                    let status = line.trim().parse().with_context(|| {
+                        format!("a status line of nginx's access log: {line:?}")
+                    })?;
+                    *statuses.entry(status).or_default() += 1;
+                }
+            }
+            Kind::Go => {
+                let count = read(GO_ANSWERED)?;
+                let count = count
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("the Go server's count: {count:?}"))?;
+                statuses.insert(200, count);
+            }
+            _ => bail!("{} keeps no count of its answers", self.kind.name()),
         }
         Ok(statuses)
     }
@@ -731,11 +747,18 @@ server.listen({port}, '127.0.0.1');
     )
 }
 
-fn go(_dir: &Path, port: u16, work: bool) -> anyhow::Result<Command> {
-    let mut command = Command::new(go_binary(work)?);
+fn go(dir: &Path, port: u16, options: &Options) -> anyhow::Result<Command> {
+    let mut command = Command::new(go_binary(options.work)?);
     command.arg(port.to_string());
+    if options.access_log {
+        command.env("ANSWERED_FILE", dir.join(GO_ANSWERED));
+    }
     Ok(command)
 }
+
+/// Where the Go server (without [`Options::work`]) keeps, with
+/// [`Options::access_log`], how many requests it answered: rewritten every 20 ms.
+const GO_ANSWERED: &str = "answered";
 
 fn go_source(work: bool) -> String {
     if work {
@@ -748,16 +771,35 @@ import (
 \t\"net/http\"
 \t\"os\"
 \t\"strconv\"
+\t\"sync/atomic\"
+\t\"time\"
 )
 
 const body = {BODY:?}
+
+var answered atomic.Uint64
+
+// Keeps the count of answered requests in the file ANSWERED_FILE names.
+func keepCount(path string) {{
+\tfor {{
+\t\tcount := []byte(strconv.FormatUint(answered.Load(), 10))
+\t\tif os.WriteFile(path+\".new\", count, 0o644) == nil {{
+\t\t\tos.Rename(path+\".new\", path)
+\t\t}}
+\t\ttime.Sleep(20 * time.Millisecond)
+\t}}
+}}
 
 func main() {{
 \thttp.HandleFunc(\"/\", func(w http.ResponseWriter, r *http.Request) {{
 \t\tw.Header().Set(\"Content-Type\", \"text/plain\")
 \t\tw.Header().Set(\"Content-Length\", strconv.Itoa(len(body)))
 \t\tw.Write([]byte(body))
+\t\tanswered.Add(1)
 \t}})
+\tif path := os.Getenv(\"ANSWERED_FILE\"); path != \"\" {{
+\t\tgo keepCount(path)
+\t}}
 \tif err := http.ListenAndServe(\"127.0.0.1:\"+os.Args[1], nil); err != nil {{
 \t\tos.Stderr.WriteString(err.Error() + \"\\n\")
 \t\tos.Exit(1)
