@@ -8,7 +8,7 @@ use poolscope_shared::Activity;
 
 use crate::{
     locks,
-    threads::{MAX_SERVING, change, thread},
+    threads::{change, thread},
 };
 
 /// The current thread read the first bytes of a request: it serves it until the
@@ -23,13 +23,11 @@ pub fn request_started(now: u64) -> u32 {
     // Cut the interval so that only its part from now on is the request's.
     change(tid, thread, activity, now);
     locks::request_boundary(tid, thread);
-    if thread.serving > 0 {
+    if thread.serving.open() > 0 {
         thread.multiplexes = 1;
     }
     thread.served = 1;
-    if thread.serving < MAX_SERVING {
-        thread.serving += 1;
-    }
+    thread.serving.start();
     tid
 }
 
@@ -62,7 +60,7 @@ pub fn request_ended(server_tid: u32, now: u64, end: End) {
         activity
     };
     change(server_tid, thread, next, now);
-    thread.serving = thread.serving.saturating_sub(1);
+    thread.serving.end();
     if handed_off {
         thread.hands_off = 1;
         locks::handed_off(server_tid, thread, now);

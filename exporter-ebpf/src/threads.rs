@@ -22,10 +22,6 @@ use crate::{
     },
 };
 
-/// A thread holding more requests than this is miscounted (a lost end); the cap
-/// keeps one such thread from multiplying its time without bound.
-pub const MAX_SERVING: u32 = 4096;
-
 /// `limits.thread_slots` − 1 (a power of two less one), set at load time.
 #[unsafe(no_mangle)]
 static THREAD_SLOT_MASK: u32 = THREAD_SLOTS - 1;
@@ -234,8 +230,9 @@ pub fn change(tid: u32, thread: &mut Thread, next: Activity, now: u64) {
     // range and drops any bound on it, which Linux 6.1's verifier then cannot find.
     let index = raw_activity as usize & (Activity::COUNT - 1);
     stats.time_ns[index] += elapsed;
-    if thread.serving > 0 {
-        stats.request_ns[index] += elapsed * u64::from(thread.serving);
+    let held = thread.serving.open();
+    if held > 0 {
+        stats.request_ns[index] += elapsed * u64::from(held);
     }
     if activity == Activity::Runnable
         && next == Activity::Running
@@ -280,7 +277,7 @@ pub fn exits(tid: u32, thread: &mut Thread) {
 /// one that it did not hand to another thread.
 #[inline(always)]
 pub fn serving(thread: &Thread) -> Serving {
-    if thread.serving == 0 || thread.hands_off != 0 {
+    if thread.serving.open() == 0 || thread.hands_off != 0 {
         // A worker that HTTP/2 streams are handed to serves streams another thread
         // read.
         let workers = STREAM_WORKERS.get(thread.service).copied().unwrap_or(0);

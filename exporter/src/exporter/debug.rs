@@ -39,7 +39,7 @@ impl Exporter {
                 "{tid}\t{service}\t{}\t{:?}\t{}\t{:.9}\t{:.9}\t{}\n",
                 pool.map_or("-", |p| p.name.as_str()),
                 Activity::from_u32(thread.activity),
-                thread.serving,
+                thread.serving.open(),
                 running_ns as f64 / 1e9,
                 runnable_ns as f64 / 1e9,
                 if thread.downstream == Peer::NONE {

@@ -168,10 +168,11 @@ mod tests {
     use crate::kernel::Readout;
 
     fn thread(activity: Activity, since_ns: u64, serving: u32) -> Thread {
-        Thread {
-            serving,
-            ..Thread::new(0, activity, since_ns)
+        let mut thread = Thread::new(0, activity, since_ns);
+        for _ in 0..serving {
+            thread.serving.start();
         }
+        thread
     }
 
     #[test]

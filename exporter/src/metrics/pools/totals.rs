@@ -79,7 +79,7 @@ pub fn totals(readout: &Readout) -> BTreeMap<u32, PoolTotals> {
         let activity = Activity::from_u32(thread.activity);
         let open = readout.threads_read_ns.saturating_sub(thread.since_ns);
         pool_totals.time_ns[activity as usize] += open;
-        pool_totals.request_ns[activity as usize] += open * u64::from(thread.serving);
+        pool_totals.request_ns[activity as usize] += open * u64::from(thread.serving.open());
         pool_totals.threads += 1;
         pool_totals.threads_served += u64::from(thread.served != 0);
         let stream_worker = thread.is_stream_worker();
