@@ -161,6 +161,10 @@ pub fn unfollowed(regs: *const u8, slot: SyscallSlot, conn: &mut Conn, len: i64)
         && refused(conn, LossSource::Http2SyscallBackend)
 }
 
+/// A read's length where it is not known: the whole preface is compared, as much of
+/// it as the call's first buffer holds.
+pub const UNKNOWN_LENGTH: u32 = H2_PREFACE.len() as u32;
+
 /// Tcp backend, the tracepoint's read (`tcp_read`, from inside the call that copies
 /// the bytes, whose length it does not know), in `phase`: whether the read is HTTP/2's,
 /// not the HTTP/1 machine's. A connection's first read (`Unserved`) that begins the
@@ -169,20 +173,21 @@ pub fn unfollowed(regs: *const u8, slot: SyscallSlot, conn: &mut Conn, len: i64)
 /// attached (no fexit: `TCP_HTTP2` is 0), the connection is refused and counts nothing
 /// (`Http2TcpBackend`). With them, the first read of a second request (after an
 /// `Upgrade: h2c`) that begins the preface is left to them too; checked once per
-/// connection. The preface is compared with as much of it as the call's first buffer
-/// holds: a client writes the whole preface at once, and fewer bytes read than the
-/// preface's first 18 could not have matched an HTTP/1 request anyway.
+/// connection. A first read is compared with the preface over the `first_read` bytes
+/// it moved (as the socket backend compares it: a preface a client sends a byte at a
+/// time begins with a read of 1); where those are not known ([`UNKNOWN_LENGTH`]),
+/// and for a second request, over as much of the preface as the call's first buffer
+/// holds: a client writes it whole after an HTTP/1.1 request.
 #[inline(never)]
-pub fn left_by_tcp_read(conn: &mut Conn, phase: Phase) -> bool {
+pub fn left_by_tcp_read(conn: &mut Conn, phase: Phase, first_read: u32) -> bool {
     let followed = TCP_HTTP2.get(0).copied().unwrap_or(0) != 0;
-    let preface = || {
-        Source::of_current_call()
-            .is_some_and(|source| source.begins_with_preface(H2_PREFACE.len() as i64))
+    let preface = |len: u32| {
+        Source::of_current_call().is_some_and(|source| source.begins_with_preface(len.into()))
     };
     if phase == Phase::Unserved {
-        return preface() && (followed || refused(conn, LossSource::Http2TcpBackend));
+        return preface(first_read) && (followed || refused(conn, LossSource::Http2TcpBackend));
     }
-    if followed && preface() {
+    if followed && preface(UNKNOWN_LENGTH) {
         // `after_read` checks it again at the call's return, and marks it checked.
         return true;
     }

@@ -38,8 +38,8 @@ use crate::{
 
 /// Offsets from the kernel's BTF: `sk_buff.sk` and `sk_buff.cb`; in the control block
 /// TCP keeps there (`struct tcp_skb_cb`), `seq`, `end_seq` and `tcp_flags`; in
-/// `struct tcp_sock`, `snd_nxt` and `write_seq`. The loader refuses this backend
-/// without them.
+/// `struct tcp_sock`, `snd_nxt`, `write_seq`, `copied_seq`, `rcv_nxt` and
+/// `bytes_received`. The loader refuses this backend without them.
 #[unsafe(no_mangle)]
 static SKB_SOCK_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
@@ -54,6 +54,12 @@ static TCP_CB_FLAGS_OFFSET: u32 = 0;
 static TCP_SND_NXT_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static TCP_WRITE_SEQ_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TCP_COPIED_SEQ_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TCP_RCV_NXT_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TCP_BYTES_RECEIVED_OFFSET: u32 = 0;
 
 const TCP_TIME_WAIT: u8 = 6;
 const TCP_NEW_SYN_RECV: u8 = 12;
@@ -112,7 +118,14 @@ pub fn tcp_read(ctx: BtfTracePointContext) -> i32 {
         // A connection's first bytes tell HTTP/2 (the client preface), and so may its
         // second request's (after an `Upgrade: h2c`): not counted here.
         let phase = requests::phase(conn);
-        if h2::may_open(conn, phase) && h2::left_by_tcp_read(conn, phase) {
+        // A register, not an `Option`: the verifier refuses the unset half of a `None`
+        // passed to a function.
+        let first_read = if phase == Phase::Unserved {
+            bytes_read(sk).unwrap_or(h2::UNKNOWN_LENGTH)
+        } else {
+            h2::UNKNOWN_LENGTH
+        };
+        if h2::may_open(conn, phase) && h2::left_by_tcp_read(conn, phase, first_read) {
             return 0;
         }
         // Adopted mid-stream: its first read tells HTTP/2 frames (counting nothing)
@@ -199,6 +212,19 @@ fn send_sequence(sk: *const u8) -> Option<(u32, u32)> {
     let snd_nxt: u32 = read_kernel(sk, offset(&TCP_SND_NXT_OFFSET)).ok()?;
     let write_seq: u32 = read_kernel(sk, offset(&TCP_WRITE_SEQ_OFFSET)).ok()?;
     Some((snd_nxt, write_seq))
+}
+
+/// The bytes the reader of TCP socket `sk` has taken so far, over all its calls, from
+/// inside the call that copies them: `copied_seq` (the next byte to copy) less the
+/// sequence number of the first byte (`rcv_nxt` less `bytes_received`, the bytes TCP
+/// took in order). On a connection's first read, that call's own length, which the
+/// tracepoint is not given.
+#[inline(always)]
+fn bytes_read(sk: *const u8) -> Option<u32> {
+    let copied_seq: u32 = read_kernel(sk, offset(&TCP_COPIED_SEQ_OFFSET)).ok()?;
+    let rcv_nxt: u32 = read_kernel(sk, offset(&TCP_RCV_NXT_OFFSET)).ok()?;
+    let received: u64 = read_kernel(sk, offset(&TCP_BYTES_RECEIVED_OFFSET)).ok()?;
+    Some(copied_seq.wrapping_sub(rcv_nxt.wrapping_sub(received as u32)))
 }
 
 /// Whether a sequence-number distance is ahead: not 0, and less than half the space

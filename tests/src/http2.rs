@@ -705,15 +705,6 @@ impl Hostile {
         Ok(reader.result)
     }
 
-    /// What `backend` is documented to count wrong of this case (docs/http2.md,
-    /// Limits), not held to the truth: the tcp backend's tracepoint compares a
-    /// connection's first read with the whole preface, not knowing its length, so a
-    /// preface read a byte at a time is HTTP/1 to it.
-    pub fn known_miscount(self, backend: &str) -> Option<&'static str> {
-        matches!((self, backend), (Self::Bytewise, "tcp"))
-            .then_some("tcp: a preface read a byte at a time is read as HTTP/1")
-    }
-
     /// A valid request the server answers: poolscope must count it, unless it gave
     /// the connection up (a loss).
     pub fn valid(self) -> bool {

@@ -45,7 +45,7 @@ pub(super) struct KernelLayout {
     pub socket_namespace: Option<(u32, u32)>,
     pub socket_inode: Option<(u32, u32, u32)>,
     socket: Option<[(&'static str, u32); 6]>,
-    tcp: Option<[(&'static str, u32); 7]>,
+    tcp: Option<[(&'static str, u32); 10]>,
     /// Where `tcp_h2.rs` finds `tcp_recvmsg`'s flags; `None`: not attached.
     tcp_http2: Option<[(&'static str, u32); 1]>,
     downstream: Option<[(&'static str, u32); 12]>,

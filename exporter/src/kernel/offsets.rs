@@ -82,8 +82,9 @@ pub(super) fn socket_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 6]>
 /// packet's socket and TCP's control block in it (`sk_buff.sk`, `sk_buff.cb`, and
 /// `seq`, `end_seq`, `tcp_flags` of `struct tcp_skb_cb`), and a TCP socket's next
 /// sequence number to send and the one after its last byte written (`tcp_sock`'s
-/// `snd_nxt`, `write_seq`).
-pub(super) fn tcp_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 7]> {
+/// `snd_nxt`, `write_seq`), and the next to copy to the reader, the next to receive,
+/// and the bytes received in order (`copied_seq`, `rcv_nxt`, `bytes_received`).
+pub(super) fn tcp_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 10]> {
     found(
         || {
             let member = |strukt, member| btf::member_offset(vmlinux, strukt, member);
@@ -95,6 +96,9 @@ pub(super) fn tcp_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 7]> {
                 ("TCP_CB_FLAGS_OFFSET", member("tcp_skb_cb", "tcp_flags")?),
                 ("TCP_SND_NXT_OFFSET", member("tcp_sock", "snd_nxt")?),
                 ("TCP_WRITE_SEQ_OFFSET", member("tcp_sock", "write_seq")?),
+                ("TCP_COPIED_SEQ_OFFSET", member("tcp_sock", "copied_seq")?),
+                ("TCP_RCV_NXT_OFFSET", member("tcp_sock", "rcv_nxt")?),
+                ("TCP_BYTES_RECEIVED_OFFSET", member("tcp_sock", "bytes_received")?),
             ])
         },
         "a packet's socket or TCP's sequence numbers",
