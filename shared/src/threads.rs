@@ -301,7 +301,7 @@ pub enum StreamWorkers {
 /// goroutines move between threads; a hand-off), and a close ends it in softirq on
 /// any CPU. One count changed by both, a read-modify-write on each side, lost ends
 /// that two CPUs made at once and left the thread serving for good (tests/tests/
-/// stress.rs, Go's net/http: a thread left serving in 7 of 12 runs).
+/// stress.rs, Go's net/http: a thread left serving in 6 of 12 runs).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HeldRequests {

@@ -248,22 +248,24 @@ fn run_scorecard_tests(root: &Path, log: &Path) -> anyhow::Result<()> {
     // SAFETY: xtask is single-threaded; the tests it starts inherit the variable.
     unsafe { std::env::set_var(scorecard::ENV, log) };
     for binary in scorecard::recording_binaries(root)? {
-        cargo(
-            root,
-            &[
-                "test",
-                "--release",
-                "--package",
-                "poolscope-tests",
-                "--test",
-                &binary,
-                "--",
-                "--test-threads",
-                "1",
-            ],
-        )?;
+        test_binary(root, &binary, &["--test-threads", "1"])?;
     }
     Ok(())
+}
+
+/// Runs the privileged test binary tests/tests/`binary`.rs with the test harness's
+/// `args`.
+fn test_binary(root: &Path, binary: &str, args: &[&str]) -> anyhow::Result<()> {
+    let command = [
+        "test",
+        "--release",
+        "--package",
+        "poolscope-tests",
+        "--test",
+        binary,
+        "--",
+    ];
+    cargo(root, &[&command[..], args].concat())
 }
 
 /// `cargo xtask stress`: tests/tests/stress.rs, its load `seconds` long per backend.
@@ -273,19 +275,7 @@ fn stress(root: &Path, seconds: Option<u64>) -> anyhow::Result<()> {
         // SAFETY: xtask is single-threaded; the test it starts inherits the variable.
         unsafe { std::env::set_var("POOLSCOPE_STRESS_SECONDS", seconds.to_string()) };
     }
-    cargo(
-        root,
-        &[
-            "test",
-            "--release",
-            "--package",
-            "poolscope-tests",
-            "--test",
-            "stress",
-            "--",
-            "--nocapture",
-        ],
-    )
+    test_binary(root, "stress", &["--nocapture"])
 }
 
 fn workspace_root() -> anyhow::Result<PathBuf> {

@@ -98,7 +98,10 @@ pub(super) fn tcp_offsets(vmlinux: &[u8]) -> Option<[(&'static str, u32); 10]> {
                 ("TCP_WRITE_SEQ_OFFSET", member("tcp_sock", "write_seq")?),
                 ("TCP_COPIED_SEQ_OFFSET", member("tcp_sock", "copied_seq")?),
                 ("TCP_RCV_NXT_OFFSET", member("tcp_sock", "rcv_nxt")?),
-                ("TCP_BYTES_RECEIVED_OFFSET", member("tcp_sock", "bytes_received")?),
+                (
+                    "TCP_BYTES_RECEIVED_OFFSET",
+                    member("tcp_sock", "bytes_received")?,
+                ),
             ])
         },
         "a packet's socket or TCP's sequence numbers",
