@@ -119,9 +119,12 @@ pub fn tcp_read(ctx: BtfTracePointContext) -> i32 {
         // second request's (after an `Upgrade: h2c`): not counted here.
         let phase = requests::phase(conn);
         // A register, not an `Option`: the verifier refuses the unset half of a `None`
-        // passed to a function.
+        // passed to a function. 0 read is a `MSG_PEEK` (which moves no `copied_seq`):
+        // compared as before, over the buffer it filled.
         let first_read = if phase == Phase::Unserved {
-            bytes_read(sk).unwrap_or(h2::UNKNOWN_LENGTH)
+            bytes_read(sk)
+                .filter(|&read| read != 0)
+                .unwrap_or(h2::UNKNOWN_LENGTH)
         } else {
             h2::UNKNOWN_LENGTH
         };

@@ -44,14 +44,15 @@ fn load_time() -> anyhow::Result<Duration> {
     Ok(Duration::from_secs(seconds))
 }
 
-/// One server under load: its service name, and what it answered.
+/// One server under load: what it is, the service poolscope names it, the server.
 struct Loaded {
     name: &'static str,
     service: String,
     server: RealServer,
 }
 
-/// The servers' two loads, run at once.
+/// A server's two loads at once, for `time`: wrk over keep-alive connections, and wrk
+/// over connections of one request each.
 fn load(
     port: u16,
     time: Duration,
