@@ -650,14 +650,8 @@ impl Hostile {
     pub fn run_plain(self, port: u16) -> anyhow::Result<RawResult> {
         let mut socket = PlainConnection::connect(port)?;
         socket.set_nodelay(true)?;
-        let mut start = H2_PREFACE.to_vec();
-        start.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
-        let request = h2_frame(
-            H2_HEADERS,
-            H2_END_STREAM | H2_END_HEADERS,
-            1,
-            &H2_REQUEST_BLOCK,
-        );
+        let start = PlainConnection::greeting();
+        let request = PlainConnection::request_frame(1);
         let mut reader = RawReader::default();
         match self {
             Self::Garbage => {
@@ -752,10 +746,19 @@ impl RawReader {
     fn read(&mut self, socket: &mut TcpStream, done: impl Fn(&Self) -> bool) -> anyhow::Result<()> {
         socket.set_read_timeout(Some(HOSTILE_SILENCE))?;
         while !done(self) && !self.result.server_closed {
-            let mut header = [0u8; 9];
-            match socket.read_exact(&mut header) {
-                Ok(()) => {}
-                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
+            let Frame {
+                kind,
+                flags,
+                stream,
+                payload,
+            } = match read_frame(socket) {
+                Ok(frame) => frame,
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                    ) =>
+                {
                     self.result.server_closed = true;
                     break;
                 }
@@ -767,17 +770,8 @@ impl RawReader {
                 {
                     break;
                 }
-                Err(error) if error.kind() == std::io::ErrorKind::ConnectionReset => {
-                    self.result.server_closed = true;
-                    break;
-                }
                 Err(error) => return Err(error.into()),
-            }
-            let length = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
-            let mut payload = vec![0u8; length];
-            socket.read_exact(&mut payload)?;
-            let (kind, flags) = (header[3], header[4]);
-            let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]);
+            };
             match kind {
                 H2_SETTINGS if flags & H2_ACK != 0 => self.settings_acked = true,
                 H2_SETTINGS if self.hold => self.ack_owed = true,
@@ -980,6 +974,29 @@ pub fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     bytes
 }
 
+/// A frame a client read: its type, flags, stream and payload.
+struct Frame {
+    kind: u8,
+    flags: u8,
+    stream: u32,
+    payload: Vec<u8>,
+}
+
+/// Reads one frame from `socket`: its 9-byte header, then its payload.
+fn read_frame(socket: &mut TcpStream) -> std::io::Result<Frame> {
+    let mut header = [0u8; 9];
+    socket.read_exact(&mut header)?;
+    let length = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+    let mut payload = vec![0u8; length];
+    socket.read_exact(&mut payload)?;
+    Ok(Frame {
+        kind: header[3],
+        flags: header[4],
+        stream: u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & 0x7fff_ffff,
+        payload,
+    })
+}
+
 /// One h2c connection's client side: streams opened in turn (1, 3, 5, ...); closed
 /// when dropped.
 pub struct PlainConnection {
@@ -1004,11 +1021,19 @@ impl PlainConnection {
     }
 
     /// The client preface and an empty SETTINGS frame.
+    fn greeting() -> Vec<u8> {
+        [H2_PREFACE.as_slice(), &h2_frame(H2_SETTINGS, 0, 0, &[])].concat()
+    }
+
     fn greet(socket: &mut TcpStream) -> anyhow::Result<()> {
-        let mut hello = H2_PREFACE.to_vec();
-        hello.extend(h2_frame(H2_SETTINGS, 0, 0, &[]));
-        socket.write_all(&hello)?;
+        socket.write_all(&Self::greeting())?;
         Ok(())
+    }
+
+    /// A HEADERS frame that opens `stream` with a request and ends it.
+    fn request_frame(stream: u32) -> Vec<u8> {
+        let flags = H2_END_STREAM | H2_END_HEADERS;
+        h2_frame(H2_HEADERS, flags, stream, &H2_REQUEST_BLOCK)
     }
 
     /// Connects with an HTTP/1.1 request for `Upgrade: h2c`, and once it is answered
@@ -1039,8 +1064,7 @@ impl PlainConnection {
 
     /// Opens a stream with a request that ends it.
     pub fn request(&mut self) -> anyhow::Result<()> {
-        let flags = H2_END_STREAM | H2_END_HEADERS;
-        let frame = h2_frame(H2_HEADERS, flags, self.next_stream, &H2_REQUEST_BLOCK);
+        let frame = Self::request_frame(self.next_stream);
         self.next_stream += 2;
         self.socket.write_all(&frame)?;
         Ok(())
@@ -1049,16 +1073,11 @@ impl PlainConnection {
     /// Reads frames until a stream ends (acknowledging the server's settings).
     pub fn answer(&mut self) -> anyhow::Result<()> {
         loop {
-            let mut header = [0u8; 9];
-            self.socket.read_exact(&mut header)?;
-            let length = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
-            let mut payload = vec![0u8; length];
-            self.socket.read_exact(&mut payload)?;
-            let (kind, flags) = (header[3], header[4]);
-            if kind == H2_SETTINGS && flags & H2_ACK == 0 {
+            let frame = read_frame(&mut self.socket)?;
+            if frame.kind == H2_SETTINGS && frame.flags & H2_ACK == 0 {
                 self.socket
                     .write_all(&h2_frame(H2_SETTINGS, H2_ACK, 0, &[]))?;
-            } else if kind == H2_HEADERS && flags & H2_END_STREAM != 0 {
+            } else if frame.kind == H2_HEADERS && frame.flags & H2_END_STREAM != 0 {
                 return Ok(());
             }
         }
