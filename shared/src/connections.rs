@@ -70,7 +70,7 @@ impl Phase {
 
 /// Value of [`maps::CONNS`] and [`maps::SOCK_CONNS`].
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Conn {
     pub service: u32,
     /// [`Phase`] as u32.

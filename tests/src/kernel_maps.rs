@@ -8,6 +8,7 @@ use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
 use anyhow::{Context as _, bail};
 
 const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_MAP_GET_FD_BY_ID: libc::c_long = 14;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
@@ -81,7 +82,8 @@ fn open_map(pid: u32, name: &str) -> anyhow::Result<(OwnedFd, usize)> {
         let mut info = MapInfo::default();
         map_info(&fd, &mut info)?;
         let length = info.name.iter().position(|&b| b == 0).unwrap_or(16);
-        if &info.name[..length] == name.as_bytes() {
+        // The kernel keeps 15 bytes of a name.
+        if info.name[..length] == name.as_bytes()[..name.len().min(15)] {
             return Ok((fd, info.key_size as usize));
         }
     }
@@ -159,4 +161,57 @@ pub fn array_u64(pid: u32, name: &str) -> anyhow::Result<Vec<u64>> {
             Ok(value)
         })
         .collect()
+}
+
+/// Adds `delta` to the u64 at byte `offset` of entry `index` of poolscope's (process
+/// `pid`'s) per-CPU array `name`, in the first CPU's copy: an update poolscope's
+/// programs did not make, as a lost one leaves the counts. Racy with the programs
+/// by design; call it while nothing else changes that entry.
+pub fn add_to_per_cpu(
+    pid: u32,
+    name: &str,
+    index: u32,
+    offset: usize,
+    delta: i64,
+) -> anyhow::Result<()> {
+    let (fd, _) = open_map(pid, name)?;
+    let mut info = MapInfo::default();
+    map_info(&fd, &mut info)?;
+    let stride = (info.value_size as usize).next_multiple_of(8);
+    let cpus =
+        std::fs::read_to_string("/sys/devices/system/cpu/possible").context("possible CPUs")?;
+    let possible = cpus
+        .trim()
+        .rsplit(['-', ','])
+        .next()
+        .and_then(|last| last.parse::<usize>().ok())
+        .context("parsing /sys/devices/system/cpu/possible")?
+        + 1;
+    anyhow::ensure!(
+        offset + 8 <= stride,
+        "offset {offset} past a value of {stride} bytes"
+    );
+    let mut values = vec![0u8; stride * possible];
+    #[repr(C)]
+    struct ElemAttr {
+        fd: u32,
+        _pad: u32,
+        key: u64,
+        value: u64,
+        flags: u64,
+    }
+    let mut attr = ElemAttr {
+        fd: fd.as_raw_fd() as u32,
+        _pad: 0,
+        key: std::ptr::from_ref(&index) as u64,
+        value: values.as_mut_ptr() as u64,
+        flags: 0,
+    };
+    bpf(BPF_MAP_LOOKUP_ELEM, &mut attr).with_context(|| format!("lookup of {name}[{index}]"))?;
+    let field = &mut values[offset..offset + 8];
+    let old = u64::from_ne_bytes(field.try_into()?);
+    field.copy_from_slice(&old.wrapping_add_signed(delta).to_ne_bytes());
+    attr.value = values.as_mut_ptr() as u64;
+    bpf(BPF_MAP_UPDATE_ELEM, &mut attr).with_context(|| format!("update of {name}[{index}]"))?;
+    Ok(())
 }

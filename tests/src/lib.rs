@@ -369,11 +369,14 @@ impl Drop for Netns {
     }
 }
 
-/// A running `poolscope` process; killed when dropped.
+/// A running `poolscope` process; killed when dropped, after a last scrape that fails
+/// the test if a recount corrected a gauge (a lost update in the kernel's counts),
+/// unless the test [`expects`](Poolscope::expect_corrections) it.
 pub struct Poolscope {
     child: Child,
     pub port: u16,
     pub config_path: PathBuf,
+    corrections_expected: bool,
     _dir: tempfile::TempDir,
 }
 
@@ -428,6 +431,7 @@ impl Poolscope {
             child,
             port,
             config_path,
+            corrections_expected: false,
             _dir: dir,
         };
         let serving = wait_until(Duration::from_secs(30), || {
@@ -442,6 +446,28 @@ impl Poolscope {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// For a test that makes the gauges drift on purpose: its recounts' corrections
+    /// do not fail it.
+    pub fn expect_corrections(&mut self) {
+        self.corrections_expected = true;
+    }
+
+    /// Each gauge a recount corrected, with how far (none if poolscope no longer
+    /// serves).
+    fn corrections(&self) -> Vec<(String, f64)> {
+        let Ok(metrics) = self.scrape() else {
+            return Vec::new();
+        };
+        metrics
+            .samples
+            .iter()
+            .filter(|sample| {
+                sample.name == "poolscope_gauge_corrections_total" && sample.value != 0.0
+            })
+            .map(|sample| (format!("{:?}", sample.labels), sample.value))
+            .collect()
     }
 
     /// GET `path`; the body of a 200 response.
@@ -491,8 +517,17 @@ impl Poolscope {
 
 impl Drop for Poolscope {
     fn drop(&mut self) {
+        let corrections = if self.corrections_expected || std::thread::panicking() {
+            Vec::new()
+        } else {
+            self.corrections()
+        };
         let _ = self.child.kill();
         let _ = self.child.wait();
+        assert!(
+            corrections.is_empty(),
+            "poolscope's recount corrected a gauge (an update the kernel lost): {corrections:?}"
+        );
     }
 }
 

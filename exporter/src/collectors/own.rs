@@ -5,6 +5,7 @@ use crate::{
     encode::{Family, Kind},
     kernel::{Probe, ProbeState, Readout},
     metrics::health::{Loss, LossKind},
+    metrics::recount::RecountStats,
 };
 
 /// What the exporter knows about its own health at scrape time.
@@ -28,6 +29,8 @@ pub struct SelfStats {
     pub pod_log_listings: u64,
     pub pod_log_failures: u64,
     pub reload: ReloadStatus,
+    /// What the gauges' recounts did.
+    pub recount: RecountStats,
 }
 
 /// The last configuration load, exported as Prometheus exports its own, so that a
@@ -285,6 +288,31 @@ fn families(
         )
         .with(&[("result", "read")], stats.pod_log_listings as f64)
         .with(&[("result", "failed")], stats.pod_log_failures as f64),
+    );
+    let mut corrections = Family::new(
+        "gauge_corrections",
+        Kind::Counter,
+        "How far the recounts moved each gauge, summed over services: when a service's \
+         counters stand still, poolscope counts its live connections (and HTTP/2 streams) \
+         in the kernel's connection state and corrects a gauge that its counters put \
+         elsewhere. Above 0 means an update was lost (docs/DESIGN.md, the recount).",
+    );
+    for (gauge, moved) in stats.recount.corrected.named() {
+        corrections.push(&[("gauge", gauge)], moved as f64);
+    }
+    families.push(corrections);
+    families.push(
+        Family::new(
+            "gauge_recounts",
+            Kind::Counter,
+            "Recounts of the gauges against the connection state: result=\"done\", or \
+             \"failed\" when it could not be read (the log says why).",
+        )
+        .with(
+            &[("result", "done")],
+            (stats.recount.recounts - stats.recount.failures) as f64,
+        )
+        .with(&[("result", "failed")], stats.recount.failures as f64),
     );
     let mut duration = Family::new(
         "scrape_duration_seconds",

@@ -15,6 +15,7 @@ use crate::{
     encode::{Family, Kind, Value},
     kernel::Backend,
     metrics::pools::{COMPONENTS, sum_of},
+    metrics::recount,
     metrics::stream_model::{
         ModelSource, StreamModel, StreamThreads, stream_model, waiting_streams,
     },
@@ -66,26 +67,13 @@ pub fn gauges(
     gauges
 }
 
-/// The gauges as the kernel's connection phases count them.
+/// The gauges as the kernel's connection phases count them, recounted.
 fn socket_gauges(counters: &ServiceCounters, corrections: &Corrections) -> Gauges {
-    let open =
-        |entered: u64, left: u64, purged: u64| entered.saturating_sub(left).saturating_sub(purged);
+    let gauges = recount::gauges(counters, corrections);
     Gauges {
-        unserved: open(
-            counters.unserved_entered.get() + corrections.adopted_unserved,
-            counters.unserved_left.get(),
-            corrections.unserved,
-        ),
-        waiting: open(
-            counters.waiting_entered.get(),
-            counters.waiting_left.get(),
-            corrections.waiting,
-        ),
-        in_flight: open(
-            counters.serving_entered.get(),
-            counters.serving_left.get(),
-            corrections.serving,
-        ),
+        unserved: gauges.unserved,
+        waiting: gauges.waiting,
+        in_flight: gauges.in_flight,
     }
 }
 
@@ -358,7 +346,8 @@ pub fn service_families(
             );
         }
         request_families.push(&labels, input.times, input.window);
-        http2.push(&service.name, counters, (model, source));
+        let at_limit = recount::gauges(counters, &service.corrections).at_stream_limit;
+        http2.push(&service.name, counters, at_limit, (model, source));
         for ((id, syscall), calls) in syscalls.range((service.id, "")..) {
             if *id != service.id {
                 break;
@@ -486,16 +475,13 @@ impl Http2Families {
         &mut self,
         service: &str,
         counters: &ServiceCounters,
+        at_limit: u64,
         (model, source): (StreamModel, ModelSource),
     ) {
         if counters.multiplexed.get() == 0 {
             return;
         }
         let labels = &[("service", service)];
-        let at_limit = counters
-            .at_limit_entered
-            .get()
-            .saturating_sub(counters.at_limit_left.get());
         let [
             connections,
             reset,

@@ -8,6 +8,7 @@
 pub mod cpus;
 pub mod held;
 pub mod ids;
+pub mod live;
 pub mod lock_probes;
 pub mod pod_logs;
 pub mod pools;

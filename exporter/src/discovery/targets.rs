@@ -16,6 +16,7 @@ use crate::{
     config::ServiceOptions,
     discovery::held::HeldListener,
     discovery::ids::DenseIds,
+    discovery::live::PerGauge,
     discovery::procfs::{self, NetTables, ProcSnapshot},
     discovery::rules::{Assignment, Workload},
     kernel::{MapErrors, WatchTable},
@@ -50,13 +51,16 @@ pub struct ServiceView {
 /// The gauges' moves that user space made, not the kernel: connections it removed
 /// from the kernel's maps (their process exited without closing them, syscall
 /// backend; or they closed before the socket backend adopted them), by the gauge
-/// they left, and connections it adopted with a request unread.
+/// they left, connections it adopted with a request unread, and the offsets of the
+/// last recount (`metrics/recount.rs`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Corrections {
     pub unserved: u64,
     pub waiting: u64,
     pub serving: u64,
     pub adopted_unserved: u64,
+    /// How far the counters were from the live entries when last recounted.
+    pub recounted: PerGauge<i64>,
 }
 
 /// A process just watched, whose connections are yet to adopt.
@@ -96,6 +100,8 @@ pub struct Targets {
     known_listen_sockets: HashSet<u64>,
     /// The network namespaces of watched listeners (from the last scan).
     listener_namespaces: BTreeMap<u32, NamespaceListeners>,
+    /// Each service's listeners' network namespaces (`None`: one unknown).
+    service_namespaces: BTreeMap<u32, BTreeSet<Option<u32>>>,
     procfs_root: PathBuf,
     /// Processes the last scan left unwatched because `limits.max_services` was reached.
     pub services_refused: u64,
@@ -127,6 +133,7 @@ impl Targets {
             listeners: HashMap::new(),
             known_listen_sockets: HashSet::new(),
             listener_namespaces: BTreeMap::new(),
+            service_namespaces: BTreeMap::new(),
             procfs_root,
             services_refused: 0,
             processes_unreadable: BTreeSet::new(),
@@ -518,7 +525,7 @@ impl Targets {
                     processes,
                     http2_worker_threads: self.stream_workers.get(&id).copied(),
                     workload: self.workloads.get(&id).cloned(),
-                    corrections: self.corrections.get(&id).copied().unwrap_or_default(),
+                    corrections: self.corrections_of(id),
                 })
             })
             .collect();
@@ -534,6 +541,34 @@ impl Targets {
     /// The network namespaces of watched listeners, by inode number.
     pub fn listener_namespaces(&self) -> &BTreeMap<u32, NamespaceListeners> {
         &self.listener_namespaces
+    }
+
+    /// Whether the connection state that a recount reads holds every connection of
+    /// `service`: none of its connections awaits adoption (they are in no socket's
+    /// storage yet), and with the state in the sockets (`in_sockets`), which sock_diag
+    /// reads in poolscope's network namespace (`own`), every listener is there.
+    pub fn recountable(&self, service: u32, in_sockets: bool, own: Option<u32>) -> bool {
+        let adopting = self.adoptions.values().any(|&(_, s)| s == service);
+        let elsewhere = || {
+            self.service_namespaces
+                .get(&service)
+                .is_none_or(|namespaces| {
+                    namespaces
+                        .iter()
+                        .any(|&netns| netns.is_none() || netns != own)
+                })
+        };
+        !(adopting || in_sockets && elsewhere())
+    }
+
+    /// What user space moved in or out of `service`'s gauges.
+    pub fn corrections_of(&self, service: u32) -> Corrections {
+        self.corrections.get(&service).copied().unwrap_or_default()
+    }
+
+    /// Keeps the offsets of `service`'s last recount.
+    pub fn set_recounted(&mut self, service: u32, offsets: PerGauge<i64>) {
+        self.corrections.entry(service).or_default().recounted = offsets;
     }
 
     /// True if the last scan saw this listening socket (watched or not).

@@ -1,6 +1,7 @@
 //! The state a rescan, a process event and a scrape all touch, behind the exporter's
 //! one core lock: the kernel, the watched set, the thread pools and their window, the services'
-//! finished requests over the pools' window, the quantile windows and the lock probes. They change together (a watch change follows into the pools
+//! finished requests over the pools' window, the quantile windows, the lock probes and the gauges'
+//! recount. They change together (a watch change follows into the pools
 //! and lock probes at once), so they share the lock.
 use std::{collections::HashMap, path::Path};
 
@@ -14,6 +15,7 @@ use crate::{
     metrics::capacity::Throughput,
     metrics::health::{self, Loss, LossInputs},
     metrics::pools::PoolWindows,
+    metrics::recount::Recount,
     metrics::window::Windows,
     stacks::snapshots::Drained,
     stacks::symbolize::Unnamed,
@@ -29,6 +31,7 @@ pub(super) struct Core {
     pub throughput: Throughput,
     pub windows: Windows,
     pub lock_probes: LockProbes,
+    pub recount: Recount,
 }
 
 impl Core {

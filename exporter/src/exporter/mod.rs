@@ -51,6 +51,7 @@ use crate::{
     metrics::capacity::Throughput,
     metrics::health::{self as health_model, HealthTracker},
     metrics::pools::{self, PoolWindows},
+    metrics::recount::Recount,
     metrics::window::Windows,
     scrape_counts::ScrapeCounts,
     stacks::profile::View,
@@ -147,6 +148,7 @@ impl Exporter {
             throughput: Throughput::new(settings.utilization_window),
             windows: Windows::new(QUANTILE_WINDOW),
             lock_probes: LockProbes::new(&settings.lock_uprobes),
+            recount: Recount::default(),
             kernel,
         };
         Self {

@@ -53,7 +53,7 @@ pub use self::{
     read::{LockWaits, MapFill, ProgramStats, Readout},
     route_table::{RouteCaps, RouteLabel, RouteTable, RouteTotals, grpc_status_label},
     routes::RoutesRead,
-    services::Adopted,
+    services::{Adopted, ConnectionState, StorageMap},
     tables::{ServedConnection, ThreadTable, WatchTable},
     threads::PoolWaits,
 };

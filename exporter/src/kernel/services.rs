@@ -1,7 +1,11 @@
 //! The requests part of [`Kernel`]: `WATCHED`, the listen ports, the connection maps
 //! and the per-service counters ([`Requests`]), the kernel's side of the watched set
 //! ([`WatchTable`]), and their read for a scrape.
-use std::{collections::BTreeMap, sync::Arc};
+use std::{
+    collections::BTreeMap,
+    os::fd::{AsFd as _, BorrowedFd},
+    sync::Arc,
+};
 
 use aya::{
     Ebpf,
@@ -45,6 +49,35 @@ pub(super) struct Requests {
     /// `WATCHED` and `SERVICE_COUNTERS`, which a scrape reads whole, for batch reads.
     watched_batch: BatchMap,
     service_counters_batch: BatchMap,
+    /// `SOCK_CONNS` and `H2_CONNS`, which only sock_diag reads from user space.
+    sock_conns: StorageMap,
+    h2_conns: StorageMap,
+}
+
+/// A socket-storage map, kept for sock_diag to hand over its values, which it names
+/// by the map's id.
+pub struct StorageMap {
+    map: MapData,
+    pub id: u32,
+}
+
+impl StorageMap {
+    fn take(ebpf: &mut Ebpf, name: &'static str) -> Result<Self, KernelError> {
+        let map = ebpf.take_map(name).ok_or(KernelError::MissingMap(name))?;
+        let aya::maps::Map::SkStorage(map) = map else {
+            return Err(KernelError::MissingMap(name));
+        };
+        let id = map
+            .info()
+            .map_err(|source| KernelError::Map { map: name, source })?
+            .id();
+        Ok(Self { map, id })
+    }
+
+    /// The map's descriptor.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.map.fd().as_fd()
+    }
 }
 
 impl Requests {
@@ -94,6 +127,8 @@ impl Requests {
             service_counters: take(ebpf, maps::SERVICE_COUNTERS)?,
             watched_batch,
             service_counters_batch,
+            sock_conns: StorageMap::take(ebpf, maps::SOCK_CONNS)?,
+            h2_conns: StorageMap::take(ebpf, maps::H2_CONNS)?,
         })
     }
 
@@ -182,6 +217,43 @@ pub struct Adopted {
     /// The inserts that failed (a full map): those connections are not followed.
     pub failed: Vec<MapError>,
 }
+/// The connection state a recount of the gauges reads, as the backend keeps it.
+pub enum ConnectionState<'a> {
+    /// In the sockets' storage (socket and tcp backends): `SOCK_CONNS` and
+    /// `H2_CONNS`, which sock_diag hands over.
+    Sockets {
+        conns: &'a StorageMap,
+        h2: &'a StorageMap,
+    },
+    /// In `CONNS` (syscall backend): every entry, stale ones included.
+    Entries(Vec<(u64, Conn)>),
+}
+
+impl Kernel {
+    /// Where the connections' state is, for a recount; the syscall backend's entries
+    /// read one by one (two syscalls each).
+    pub fn connection_state(&self) -> ConnectionState<'_> {
+        match self.backend {
+            Backend::Socket | Backend::Tcp => ConnectionState::Sockets {
+                conns: &self.requests.sock_conns,
+                h2: &self.requests.h2_conns,
+            },
+            Backend::Syscall => ConnectionState::Entries(
+                self.requests.conns.iter().filter_map(Result::ok).collect(),
+            ),
+        }
+    }
+
+    /// Each of `services`' epoch (`SERVICE_EPOCHS`): a socket's connection claimed in
+    /// another is stale. A service whose read fails is left out.
+    pub fn service_epochs(&self, services: &[u32]) -> BTreeMap<u32, u32> {
+        services
+            .iter()
+            .filter_map(|&id| Some((id, self.requests.service_epochs.get(&id, 0).ok()?)))
+            .collect()
+    }
+}
+
 impl WatchTable for Kernel {
     fn backend(&self) -> Backend {
         self.backend

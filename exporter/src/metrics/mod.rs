@@ -9,5 +9,6 @@ pub mod history;
 pub mod locks;
 pub mod native;
 pub mod pools;
+pub mod recount;
 pub mod stream_model;
 pub mod window;

@@ -11,6 +11,7 @@ use poolscope_shared::{Count, ServiceCounters};
 use super::*;
 use crate::{
     config::OctavesPerBucket,
+    discovery::live::PerGauge,
     encode::{Format, render},
     metrics::window::Windows,
 };
@@ -47,6 +48,7 @@ fn gauges_are_entered_minus_left_minus_purged() {
         waiting: 0,
         serving: 2,
         adopted_unserved: 0,
+        recounted: PerGauge::default(),
     };
     let open = gauges(
         &counters(),
@@ -77,6 +79,22 @@ fn gauges_are_entered_minus_left_minus_purged() {
         .unserved,
         5
     );
+    // A recount found one fewer in flight than counted, and one more waiting.
+    let recounted = Corrections {
+        recounted: PerGauge {
+            waiting: -1,
+            in_flight: 1,
+            ..PerGauge::default()
+        },
+        ..purged
+    };
+    let moved = gauges(
+        &counters(),
+        &recounted,
+        StreamModel::EveryStream,
+        StreamThreads::default(),
+    );
+    assert_eq!((moved.waiting, moved.in_flight), (4, 2));
     // Syscall backend: the backlog is not in the kernel's count.
     assert_eq!(queue_depth(Backend::Syscall, &open, 4), (3, 10));
     // Socket backend: it is (the count starts at the handshake).

@@ -20,7 +20,14 @@ impl Targets {
     ) {
         let by_namespace = kernel.claims_by_namespace();
         self.listener_namespaces = BTreeMap::new();
-        for inode in self.listeners.keys() {
+        self.service_namespaces = BTreeMap::new();
+        for (inode, service) in &self.listeners {
+            if let Some(id) = self.ids.get(service) {
+                self.service_namespaces
+                    .entry(id)
+                    .or_default()
+                    .insert(snapshot.listen_namespaces.get(inode).copied());
+            }
             let Some(&netns) = snapshot.listen_namespaces.get(inode) else {
                 continue;
             };
