@@ -273,8 +273,8 @@ async fn serve(
 }
 
 /// Samples pool totals and finished requests for the utilization and capacity window,
-/// the services' CPU limits when due, queue depths for the saturation snapshots, and
-/// the loss counters for the health.
+/// the services' CPU limits when due, queue depths for the saturation snapshots, the
+/// gauges' recount when due, and the loss counters for the health.
 async fn pool_sample_loop(exporter: Arc<Exporter>) {
     let mut ticks = tokio::time::interval(pools::SAMPLE_INTERVAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -286,6 +286,7 @@ async fn pool_sample_loop(exporter: Arc<Exporter>) {
             worker.refresh_cpu_limits();
             if let Some(counters) = counters {
                 worker.check_saturation(&counters);
+                worker.recount_gauges(&counters);
             }
             worker.check_health();
         });

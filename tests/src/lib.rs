@@ -464,7 +464,7 @@ impl Poolscope {
             .samples
             .iter()
             .filter(|sample| {
-                sample.name == "poolscope_gauge_corrections_total" && sample.value != 0.0
+                sample.name == "poolscope_recount_corrections_total" && sample.value != 0.0
             })
             .map(|sample| (format!("{:?}", sample.labels), sample.value))
             .collect()

@@ -2,7 +2,7 @@
 //! poolscope's per-service counters behind its back, as a lost update leaves them)
 //! shows in its gauge until the service's counters stand still, then the recount of
 //! the live connection state puts it back and counts it in
-//! `poolscope_gauge_corrections_total`, on every backend. Truth: nothing is connected
+//! `poolscope_recount_corrections_total`, on every backend. Truth: nothing is connected
 //! (every gauge 0), then one request held by the server (in flight 1, by the server's
 //! own pool of one worker and its service time).
 use std::{
@@ -47,7 +47,7 @@ fn gauge(metrics: &Metrics, name: &str, service: &str) -> f64 {
 
 fn corrected(metrics: &Metrics, gauge: &str) -> f64 {
     metrics
-        .value("poolscope_gauge_corrections_total", &[("gauge", gauge)])
+        .value("poolscope_recount_corrections_total", &[("gauge", gauge)])
         .unwrap_or(f64::NAN)
 }
 
@@ -107,7 +107,7 @@ fn lost_updates_are_recounted(backend: &str) -> anyhow::Result<()> {
     // `left` would have hidden, and which a recount while it is held counts live.
     let held = std::thread::spawn(move || request(port));
     let recounts = |m: &Metrics| {
-        m.value("poolscope_gauge_recounts_total", &[("result", "done")])
+        m.value("poolscope_recounts_total", &[("result", "done")])
             .unwrap_or(0.0)
     };
     let before_held = recounts(&recounted);
@@ -146,7 +146,7 @@ fn lost_updates_are_recounted(backend: &str) -> anyhow::Result<()> {
         "{service}: later recounts corrected again"
     );
     anyhow::ensure!(
-        after.value("poolscope_gauge_recounts_total", &[("result", "failed")]) == Some(0.0),
+        after.value("poolscope_recounts_total", &[("result", "failed")]) == Some(0.0),
         "{service}: a recount failed"
     );
     server.finish()?;

@@ -290,7 +290,7 @@ fn families(
         .with(&[("result", "failed")], stats.pod_log_failures as f64),
     );
     let mut corrections = Family::new(
-        "gauge_corrections",
+        "recount_corrections",
         Kind::Counter,
         "How far the recounts moved each gauge, summed over services: when a service's \
          counters stand still, poolscope counts its live connections (and HTTP/2 streams) \
@@ -303,7 +303,7 @@ fn families(
     families.push(corrections);
     families.push(
         Family::new(
-            "gauge_recounts",
+            "recounts",
             Kind::Counter,
             "Recounts of the gauges against the connection state: result=\"done\", or \
              \"failed\" when it could not be read (the log says why).",

@@ -3,7 +3,7 @@
 //! themselves (the socket backends' socket storage through sock_diag, the syscall
 //! backend's `CONNS`), not from the counters' differences. The truth the gauges'
 //! recount (`metrics/recount.rs`) holds them to.
-use std::{collections::BTreeMap, mem::offset_of};
+use std::{collections::BTreeMap, mem::offset_of, os::fd::AsFd as _};
 
 use poolscope_shared::{Conn, H2Conn, Phase, conn_key_tgid};
 
@@ -55,14 +55,14 @@ pub type LiveCounts = BTreeMap<u32, Live>;
 /// claimed in another is stale); `watched`: each watched pid's `since_ns` (a `CONNS`
 /// entry of another owner is stale).
 pub fn live_counts(
-    state: &ConnectionState<'_>,
+    state: &ConnectionState,
     epochs: &BTreeMap<u32, u32>,
     watched: &BTreeMap<u32, u64>,
 ) -> Result<LiveCounts, SockDiagError> {
     let mut counts = LiveCounts::new();
     match state {
         ConnectionState::Sockets { conns, h2 } => {
-            sockdiag::socket_storages(&[conns.fd(), h2.fd()], |values| {
+            sockdiag::socket_storages(&[conns.fd.as_fd(), h2.fd.as_fd()], |values| {
                 count_socket(&mut counts, values, (conns.id, h2.id), epochs);
             })?;
         }

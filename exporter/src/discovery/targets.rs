@@ -544,10 +544,22 @@ impl Targets {
     }
 
     /// Whether the connection state that a recount reads holds every connection of
-    /// `service`: none of its connections awaits adoption (they are in no socket's
-    /// storage yet), and with the state in the sockets (`in_sockets`), which sock_diag
-    /// reads in poolscope's network namespace (`own`), every listener is there.
-    pub fn recountable(&self, service: u32, in_sockets: bool, own: Option<u32>) -> bool {
+    /// `service`, as `watched` (the kernel's `WATCHED`: pid → since) stands: every
+    /// process of it that user space follows is still watched there (one that exited
+    /// has connections user space has yet to purge, syscall backend), none of its
+    /// connections awaits adoption (they are in no socket's storage yet), and with the
+    /// state in the sockets (`in_sockets`), which sock_diag reads in poolscope's
+    /// network namespace (`own`), every listener is there.
+    pub fn recountable(
+        &self,
+        service: u32,
+        watched: &BTreeMap<u32, u64>,
+        in_sockets: bool,
+        own: Option<u32>,
+    ) -> bool {
+        let exited = self.processes.iter().any(|(pid, tracked)| {
+            tracked.service == service && watched.get(pid) != Some(&tracked.since_ns)
+        });
         let adopting = self.adoptions.values().any(|&(_, s)| s == service);
         let elsewhere = || {
             self.service_namespaces
@@ -558,7 +570,7 @@ impl Targets {
                         .any(|&netns| netns.is_none() || netns != own)
                 })
         };
-        !(adopting || in_sockets && elsewhere())
+        !(exited || adopting || in_sockets && elsewhere())
     }
 
     /// What user space moved in or out of `service`'s gauges.

@@ -15,7 +15,7 @@ use std::{
 
 use poolscope_shared::ServiceCounters;
 
-use super::{Exporter, core::Core, lock_or_recover};
+use super::{Exporter, lock_or_recover};
 use crate::{
     collectors::{
         self, OwnReading, PoolRow, Reading, Timings,
@@ -24,7 +24,6 @@ use crate::{
     },
     config::MetricsSettings,
     discovery::held,
-    discovery::live,
     discovery::pools::PoolView,
     discovery::procfs,
     discovery::sockdiag,
@@ -35,7 +34,7 @@ use crate::{
     metrics::capacity,
     metrics::health::{Loss, LossKind},
     metrics::pools,
-    metrics::recount::{self, RecountStats},
+    metrics::recount::RecountStats,
     metrics::window::WindowDelta,
     scrape_counts::ScrapeCounts,
     stacks::snapshots::Trigger,
@@ -81,9 +80,6 @@ impl Exporter {
             tracing::warn!(%error, "reading kernel maps failed");
         }
         let mut kernel = kernel.ok();
-        if let Some(readout) = &kernel {
-            self.recount_gauges(core, readout);
-        }
         let no_watch_table = BTreeMap::new();
         let watched = kernel.as_ref().map_or(&no_watch_table, |k| &k.watched);
         let services = core.targets.services(watched);
@@ -170,72 +166,6 @@ impl Exporter {
         }
     }
 
-    /// The gauges' recount (metrics/recount.rs), when due: the live entries of each
-    /// service the connection state fully holds, taken as its gauges' truth where its
-    /// counters did not move across the read.
-    fn recount_gauges(&self, core: &mut Core, readout: &Readout) {
-        let now = Instant::now();
-        let targets = &core.targets;
-        let off_zero = |id, counters: &ServiceCounters| {
-            let corrections = targets.corrections_of(id);
-            recount::counted(counters, &corrections) != corrections.recounted
-        };
-        if !core.recount.due(&readout.services, off_zero, now) {
-            return;
-        }
-        let in_sockets = core.kernel.backend() != Backend::Syscall;
-        let own = self.own_network_namespace();
-        let ids: Vec<u32> = readout
-            .services
-            .keys()
-            .copied()
-            .filter(|&id| core.targets.recountable(id, in_sockets, own))
-            .collect();
-        let epochs = core.kernel.service_epochs(&ids);
-        let live = live::live_counts(&core.kernel.connection_state(), &epochs, &readout.watched);
-        core.recount.ran(now, live.is_ok());
-        let live = match live {
-            Ok(live) => live,
-            Err(error) => {
-                tracing::warn!(%error, "recounting the gauges failed: reading the connection state");
-                return;
-            }
-        };
-        let after = match core.kernel.read_services(&ids) {
-            Ok(after) => after,
-            Err(error) => {
-                tracing::warn!(%error, "recounting the gauges failed: reading the counters again");
-                return;
-            }
-        };
-        for id in ids {
-            let (Some(before), Some(after)) = (readout.services.get(&id), after.get(&id)) else {
-                continue;
-            };
-            // A service whose counters moved had events during the read: its entries
-            // are not one instant's.
-            if before != after {
-                continue;
-            }
-            let corrections = core.targets.corrections_of(id);
-            let counted = recount::counted(before, &corrections);
-            let entries = live.get(&id).copied().unwrap_or_default();
-            let offsets = core
-                .recount
-                .correct(counted, &entries, &corrections.recounted);
-            if offsets != corrections.recounted {
-                let service = core.targets.service_name(id).unwrap_or("?");
-                tracing::warn!(
-                    service,
-                    counted = ?counted,
-                    live = ?entries,
-                    "a gauge was off its live entries (a lost update); corrected"
-                );
-                core.targets.set_recounted(id, offsets);
-            }
-        }
-    }
-
     /// The listen queues of poolscope's own network namespace (sock_diag) and of
     /// every other namespace with watched listeners: each listener through a copy of
     /// the fd its process holds it at (`held`), or where that fails, the namespace's
@@ -297,7 +227,7 @@ impl Exporter {
 
     /// poolscope's network namespace, read once (unreadable so far: tried again at
     /// the next scrape).
-    fn own_network_namespace(&self) -> Option<u32> {
+    pub(super) fn own_network_namespace(&self) -> Option<u32> {
         read_once(&self.own_network_namespace, || {
             procfs::network_namespace(Path::new("/proc"), "self")
         })

@@ -16,6 +16,7 @@ mod gather;
 mod health;
 mod lock_report;
 mod profiles;
+mod recount;
 mod stacks;
 
 use std::{

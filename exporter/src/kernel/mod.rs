@@ -82,6 +82,8 @@ pub enum KernelError {
     Map { map: &'static str, source: MapError },
     #[error("starting the thread that drains the route records: {0}")]
     Thread(std::io::Error),
+    #[error("duplicating a map's descriptor: {0}")]
+    Descriptor(std::io::Error),
     #[error("listing the online CPUs: {0}")]
     Cpus(std::io::Error),
     #[error("no profiling session slot {0}")]

@@ -3,7 +3,7 @@
 //! ([`WatchTable`]), and their read for a scrape.
 use std::{
     collections::BTreeMap,
-    os::fd::{AsFd as _, BorrowedFd},
+    os::fd::{AsFd as _, OwnedFd},
     sync::Arc,
 };
 
@@ -49,34 +49,46 @@ pub(super) struct Requests {
     /// `WATCHED` and `SERVICE_COUNTERS`, which a scrape reads whole, for batch reads.
     watched_batch: BatchMap,
     service_counters_batch: BatchMap,
+    /// `CONNS`, which a recount reads whole.
+    conns_batch: BatchMap,
     /// `SOCK_CONNS` and `H2_CONNS`, which only sock_diag reads from user space.
     sock_conns: StorageMap,
     h2_conns: StorageMap,
 }
 
-/// A socket-storage map, kept for sock_diag to hand over its values, which it names
-/// by the map's id.
+/// A socket-storage map as sock_diag hands over its values: a descriptor of it (a
+/// duplicate of aya's) and its id, which names it in the reply.
+#[derive(Debug)]
 pub struct StorageMap {
-    map: MapData,
+    pub fd: OwnedFd,
     pub id: u32,
 }
 
 impl StorageMap {
-    fn take(ebpf: &mut Ebpf, name: &'static str) -> Result<Self, KernelError> {
-        let map = ebpf.take_map(name).ok_or(KernelError::MissingMap(name))?;
-        let aya::maps::Map::SkStorage(map) = map else {
+    fn named(ebpf: &Ebpf, name: &'static str) -> Result<Self, KernelError> {
+        let Some(aya::maps::Map::SkStorage(map)) = ebpf.map(name) else {
             return Err(KernelError::MissingMap(name));
         };
         let id = map
             .info()
             .map_err(|source| KernelError::Map { map: name, source })?
             .id();
-        Ok(Self { map, id })
+        Ok(Self {
+            fd: map
+                .fd()
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(KernelError::Descriptor)?,
+            id,
+        })
     }
 
-    /// The map's descriptor.
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.map.fd().as_fd()
+    /// Another descriptor of the same map, for a read outside the core lock.
+    fn duplicate(&self) -> std::io::Result<Self> {
+        Ok(Self {
+            fd: self.fd.try_clone()?,
+            id: self.id,
+        })
     }
 }
 
@@ -107,6 +119,7 @@ impl Requests {
         // Descriptors and mappings first: they find their maps by name in `ebpf`.
         let watched_batch = BatchMap::named(ebpf, maps::WATCHED)?;
         let service_counters_batch = BatchMap::named(ebpf, maps::SERVICE_COUNTERS)?;
+        let conns_batch = BatchMap::named(ebpf, maps::CONNS)?;
         let request_times = SharedValues::of(ebpf, maps::REQUEST_TIMES, services)?;
         Ok(Self {
             watched: take(ebpf, maps::WATCHED)?,
@@ -127,8 +140,9 @@ impl Requests {
             service_counters: take(ebpf, maps::SERVICE_COUNTERS)?,
             watched_batch,
             service_counters_batch,
-            sock_conns: StorageMap::take(ebpf, maps::SOCK_CONNS)?,
-            h2_conns: StorageMap::take(ebpf, maps::H2_CONNS)?,
+            conns_batch,
+            sock_conns: StorageMap::named(ebpf, maps::SOCK_CONNS)?,
+            h2_conns: StorageMap::named(ebpf, maps::H2_CONNS)?,
         })
     }
 
@@ -218,30 +232,27 @@ pub struct Adopted {
     pub failed: Vec<MapError>,
 }
 /// The connection state a recount of the gauges reads, as the backend keeps it.
-pub enum ConnectionState<'a> {
+#[derive(Debug)]
+pub enum ConnectionState {
     /// In the sockets' storage (socket and tcp backends): `SOCK_CONNS` and
     /// `H2_CONNS`, which sock_diag hands over.
-    Sockets {
-        conns: &'a StorageMap,
-        h2: &'a StorageMap,
-    },
+    Sockets { conns: StorageMap, h2: StorageMap },
     /// In `CONNS` (syscall backend): every entry, stale ones included.
     Entries(Vec<(u64, Conn)>),
 }
 
 impl Kernel {
-    /// Where the connections' state is, for a recount; the syscall backend's entries
-    /// read one by one (two syscalls each).
-    pub fn connection_state(&self) -> ConnectionState<'_> {
-        match self.backend {
+    /// Where the connections' state is, for a recount: the socket-storage maps (new
+    /// descriptors, for a read that needs no lock), or the syscall backend's entries,
+    /// read in a few batches.
+    pub fn connection_state(&self) -> std::io::Result<ConnectionState> {
+        Ok(match self.backend {
             Backend::Socket | Backend::Tcp => ConnectionState::Sockets {
-                conns: &self.requests.sock_conns,
-                h2: &self.requests.h2_conns,
+                conns: self.requests.sock_conns.duplicate()?,
+                h2: self.requests.h2_conns.duplicate()?,
             },
-            Backend::Syscall => ConnectionState::Entries(
-                self.requests.conns.iter().filter_map(Result::ok).collect(),
-            ),
-        }
+            Backend::Syscall => ConnectionState::Entries(self.requests.conns_batch.hash_entries()?),
+        })
     }
 
     /// Each of `services`' epoch (`SERVICE_EPOCHS`): a socket's connection claimed in

@@ -1,13 +1,14 @@
 //! The gauges' recount. Each gauge is a difference of counters the kernel programs
 //! keep (entered less left); an update lost between two CPUs would leave it off until
-//! poolscope restarts. So, at a scrape where a service's counters stood still since the
-//! last one and one of its gauges reads other than 0 (or a minute after the last
-//! recount), poolscope counts the live entries of the connection state
-//! (`discovery/live.rs`), reads the counters again, and for each service whose
-//! counters did not move meanwhile takes the entries as the truth: the difference from
-//! the counters becomes the service's offset, and every change of an offset counts in
-//! `poolscope_gauge_corrections_total{gauge}`. A recount reads every socket of the
-//! network namespace (sock_diag), so it runs at most every [`MIN_INTERVAL`].
+//! poolscope restarts. So, when a service's counters stand still for a sample (the
+//! sampling loop's, every second) after they moved (or a minute after the last
+//! recount), poolscope counts the live entries of the
+//! connection state (`discovery/live.rs`), reads the counters again, and for each
+//! service whose counters did not move meanwhile takes the entries as the truth: the
+//! difference from the counters becomes the service's offset, and every change of an
+//! offset counts in `poolscope_recount_corrections_total{gauge}`. A recount reads every
+//! socket of the network namespace (sock_diag), so it runs at most every
+//! [`MIN_INTERVAL`].
 use std::{
     collections::BTreeMap,
     time::{Duration, Instant},
@@ -72,26 +73,27 @@ pub struct RecountStats {
     pub failures: u64,
 }
 
-/// When the last recount ran, each service's counters at the last scrape, and the
+/// When the last recount ran, each service's counters at the last sample, and the
 /// recounts' totals.
 #[derive(Debug, Default)]
 pub struct Recount {
     previous: BTreeMap<u32, ServiceCounters>,
+    /// Each service's counters when a recount last held them to its entries (or
+    /// passed it): a service still there reads what that recount made it read (a
+    /// request held for minutes, connections that send nothing) and is no reason for
+    /// another.
+    checked: BTreeMap<u32, ServiceCounters>,
     last: Option<Instant>,
     pub stats: RecountStats,
 }
 
 impl Recount {
-    /// Whether a recount is due at this scrape: some service's counters stood still
-    /// since the last scrape and either one of its gauges reads off 0 (`off_zero`) or
-    /// [`MAX_INTERVAL`] passed since the last recount; never within [`MIN_INTERVAL`]
-    /// of the last. Keeps `counters` for the next scrape.
-    pub fn due(
-        &mut self,
-        counters: &BTreeMap<u32, ServiceCounters>,
-        off_zero: impl Fn(u32, &ServiceCounters) -> bool,
-        now: Instant,
-    ) -> bool {
+    /// Whether a recount is due at this sample: some service's counters stood still
+    /// since the last sample after they moved since a recount last checked them (a
+    /// burst of activity ended: once per quiet spell), or [`MAX_INTERVAL`] passed
+    /// since the last recount while one stands still; never within [`MIN_INTERVAL`]
+    /// of the last. Keeps `counters` for the next sample.
+    pub fn due(&mut self, counters: &BTreeMap<u32, ServiceCounters>, now: Instant) -> bool {
         let since_last = self.last.map(|last| now.saturating_duration_since(last));
         let still: Vec<(u32, &ServiceCounters)> = counters
             .iter()
@@ -99,11 +101,20 @@ impl Recount {
             .map(|(&id, counters)| (id, counters))
             .collect();
         self.previous.clone_from(counters);
+        self.checked.retain(|id, _| counters.contains_key(id));
         if since_last.is_some_and(|since| since < MIN_INTERVAL) || still.is_empty() {
             return false;
         }
         since_last.is_none_or(|since| since >= MAX_INTERVAL)
-            || still.iter().any(|&(id, counters)| off_zero(id, counters))
+            || still
+                .iter()
+                .any(|&(id, counters)| self.checked.get(&id) != Some(counters))
+    }
+
+    /// Marks service `id` checked at `counters` without a recount of it (the
+    /// connection state does not hold all of it): it is no reason for another.
+    pub fn pass(&mut self, id: u32, counters: &ServiceCounters) {
+        self.checked.insert(id, *counters);
     }
 
     /// Marks a recount that ran at `now` (`read`: whether it read the state).
@@ -113,14 +124,16 @@ impl Recount {
         self.stats.failures += u64::from(!read);
     }
 
-    /// The new offsets of a service whose counters did not move across the recount
-    /// (`counted` from them, `live` its entries), counting each change.
+    /// The new offsets of service `id`, whose `counters` did not move across the
+    /// recount (`counted` from them, `live` its entries), counting each change.
     pub fn correct(
         &mut self,
+        (id, counters): (u32, &ServiceCounters),
         counted: PerGauge<i64>,
         live: &Live,
         old: &PerGauge<i64>,
     ) -> PerGauge<i64> {
+        self.checked.insert(id, *counters);
         let new = counted.zip(live, |counted, live| counted - live as i64);
         let changes = new.zip(old, |new, old| new.abs_diff(old));
         self.stats.corrected = self
@@ -160,7 +173,8 @@ mod tests {
         let mut corrections = Corrections::default();
         assert_eq!(gauges(&drifted, &corrections).unserved, 1);
         let drifted_counts = counted(&drifted, &corrections);
-        corrections.recounted = recount.correct(drifted_counts, &live, &corrections.recounted);
+        corrections.recounted =
+            recount.correct((1, &drifted), drifted_counts, &live, &corrections.recounted);
         assert_eq!(
             corrections.recounted,
             PerGauge {
@@ -183,6 +197,7 @@ mod tests {
         );
         // A second recount that agrees changes nothing.
         let same = recount.correct(
+            (1, &ended),
             counted(&ended, &corrections),
             &Live::default(),
             &corrections.recounted,
@@ -193,27 +208,35 @@ mod tests {
     }
 
     #[test]
-    fn due_when_a_still_service_reads_off_zero_and_not_too_often() {
+    fn due_once_a_service_stands_still_and_not_too_often() {
         let mut recount = Recount::default();
         let start = Instant::now();
-        let busy = |n| BTreeMap::from([(1, counters((n, n), (0, 0)))]);
-        let off = |_: u32, c: &ServiceCounters| c.unserved_entered != c.unserved_left;
-        // The first scrape has no previous one; moving counters are not still.
-        assert!(!recount.due(&busy(1), off, start));
-        assert!(!recount.due(&busy(2), off, start + Duration::from_secs(1)));
-        // Still, reading 0, and no recount yet: due (the minute's recount).
-        assert!(recount.due(&busy(2), off, start + Duration::from_secs(2)));
-        recount.ran(start + Duration::from_secs(2), true);
-        let drifted = BTreeMap::from([(1, counters((3, 2), (0, 0)))]);
-        assert!(!recount.due(&drifted, off, start + Duration::from_secs(3)));
-        // Still and off 0, but within MIN_INTERVAL of the last.
-        assert!(!recount.due(&drifted, off, start + Duration::from_secs(4)));
-        assert!(recount.due(&drifted, off, start + Duration::from_secs(8)));
-        recount.ran(start + Duration::from_secs(8), false);
-        assert_eq!((recount.stats.recounts, recount.stats.failures), (2, 1));
-        // Still and at 0: only after MAX_INTERVAL.
-        assert!(!recount.due(&busy(2), off, start + Duration::from_secs(20)));
-        assert!(!recount.due(&busy(2), off, start + Duration::from_secs(30)));
-        assert!(recount.due(&busy(2), off, start + Duration::from_secs(68)));
+        let at = |seconds| start + Duration::from_secs(seconds);
+        let service = |n| BTreeMap::from([(1, counters((n, n), (0, 0)))]);
+        // The first sample has no previous one; moving counters are not still.
+        assert!(!recount.due(&service(1), at(0)));
+        assert!(!recount.due(&service(2), at(1)));
+        // Still after moving, never checked: due.
+        assert!(recount.due(&service(2), at(2)));
+        recount.ran(at(2), true);
+        recount.correct(
+            (1, &service(2)[&1]),
+            PerGauge::default(),
+            &Live::default(),
+            &PerGauge::default(),
+        );
+        // Still at the counters checked: not due again.
+        assert!(!recount.due(&service(2), at(8)));
+        // Moved, then still: due, but not within MIN_INTERVAL of the last.
+        assert!(!recount.due(&service(3), at(9)));
+        recount.ran(at(9), false);
+        assert!(!recount.due(&service(3), at(10)));
+        assert!(recount.due(&service(3), at(14)));
+        recount.ran(at(14), true);
+        recount.pass(1, &service(3)[&1]);
+        assert_eq!((recount.stats.recounts, recount.stats.failures), (3, 1));
+        // Still at the counters passed: only after MAX_INTERVAL.
+        assert!(!recount.due(&service(3), at(40)));
+        assert!(recount.due(&service(3), at(74)));
     }
 }

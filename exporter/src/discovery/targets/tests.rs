@@ -317,10 +317,14 @@ fn a_fork_is_followed_and_its_exit_takes_its_connections_out() -> io::Result<()>
     );
     assert_eq!(names(&targets.services(&watched(&tables))), [("api", 2)]);
 
+    assert!(targets.recountable(api, &watched(&tables), false, None));
+
     // It exits holding a connection mid-request: the kernel drops its watch,
-    // user space its connection, and the serving gauge is corrected.
+    // user space its connection, and the serving gauge is corrected. Until user
+    // space has seen the exit, a recount would miss that connection: none runs.
     tables.connections.insert((101, 7), (api, Phase::Serving));
     tables.watched.remove(&101);
+    assert!(!targets.recountable(api, &watched(&tables), false, None));
     assert_eq!(
         targets.on_event(&mut tables, &event(ProcessEventKind::Exit)),
         None
@@ -333,6 +337,10 @@ fn a_fork_is_followed_and_its_exit_takes_its_connections_out() -> io::Result<()>
     let views = targets.services(&watched(&tables));
     assert_eq!(names(&views), [("api", 1)]);
     assert_eq!(views[0].corrections.serving, 1);
+    assert!(targets.recountable(api, &watched(&tables), false, None));
+    // The socket backend's state is read in poolscope's network namespace only,
+    // and this service's listeners are in none known.
+    assert!(!targets.recountable(api, &watched(&tables), true, Some(1)));
     Ok(())
 }
 
