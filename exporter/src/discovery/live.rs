@@ -8,7 +8,7 @@ use std::{collections::BTreeMap, mem::offset_of, os::fd::AsFd as _};
 use poolscope_shared::{Conn, H2Conn, Phase, conn_key_tgid};
 
 use crate::{
-    discovery::sockdiag::{self, SockDiagError, StoredValues},
+    discovery::sockdiag::{self, SockDiagError, StoredValues, u32_at, u64_at},
     kernel::ConnectionState,
 };
 
@@ -118,18 +118,6 @@ fn count_phase(counts: &mut LiveCounts, service: u32, phase: u32) {
         Phase::Serving => live.in_flight += 1,
         Phase::Responded | Phase::Closing | Phase::Gone | Phase::Multiplexed => {}
     }
-}
-
-fn u32_at(bytes: &[u8], offset: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(
-        bytes.get(offset..offset + 4)?.try_into().ok()?,
-    ))
-}
-
-fn u64_at(bytes: &[u8], offset: usize) -> Option<u64> {
-    Some(u64::from_ne_bytes(
-        bytes.get(offset..offset + 8)?.try_into().ok()?,
-    ))
 }
 
 #[cfg(test)]

@@ -191,9 +191,17 @@ fn dump(
     }
 }
 
-fn u32_at(bytes: &[u8], offset: usize) -> Option<u32> {
+/// The native-endian u32 at `offset` of `bytes`, if there.
+pub(super) fn u32_at(bytes: &[u8], offset: usize) -> Option<u32> {
     Some(u32::from_ne_bytes(
         bytes.get(offset..offset + 4)?.try_into().ok()?,
+    ))
+}
+
+/// The native-endian u64 at `offset` of `bytes`, if there.
+pub(super) fn u64_at(bytes: &[u8], offset: usize) -> Option<u64> {
+    Some(u64::from_ne_bytes(
+        bytes.get(offset..offset + 8)?.try_into().ok()?,
     ))
 }
 

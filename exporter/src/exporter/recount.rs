@@ -1,7 +1,8 @@
 //! The gauges' recount (`metrics/recount.rs`), run by the sampling loop every second
-//! when due: the connection state is read outside the core lock (a dump of the
+//! when due: the sockets' storage is read outside the core lock (a dump of the
 //! network namespace's sockets takes milliseconds on a busy host, which scrapes must
-//! not wait for), the counters before and after it under the lock.
+//! not wait for); the syscall backend's `CONNS` (a few batch reads) and the counters
+//! before and after are read under it.
 use std::{collections::BTreeMap, time::Instant};
 
 use poolscope_shared::ServiceCounters;
